@@ -1,0 +1,49 @@
+"""The ``decodespec`` command line.
+
+Each subcommand lives in its own module under :mod:`decodespec.checks.commands` and exposes
+``register(subparsers) -> argparse.ArgumentParser`` and ``run(args) -> int``.  Modules are
+listed in :data:`COMMANDS`; heavy imports (torch, transformers) happen inside ``run`` so that
+``decodespec --help`` and ``decodespec <cmd> --help`` stay fast.
+
+Exit codes: 0 success, 1 a check failed / verdict not reproduced, 2 invalid input (a typed
+``Rejection``), 3 a required optional component is missing (model file, peer runtime).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+#: Subcommand name -> module (relative to decodespec.checks.commands), in ``--help`` order.
+COMMANDS: dict[str, str] = {}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="decodespec",
+        description="Executable spec of single-request LLM inference (M3.10) and decoding policy (M3.8): "
+        "reference runtime, model checker and conformance gate.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, module in COMMANDS.items():
+        mod = importlib.import_module(f"decodespec.checks.commands.{module}")
+        sp = mod.register(sub)
+        sp.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``decodespec`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

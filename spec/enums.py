@@ -1,0 +1,116 @@
+"""Shared names of the contract: phases, pending tags, call kinds, selections, finish reasons.
+
+These enums are the only spec objects that ``impl/`` imports (types and enums, never
+transitions), so that spec, runtime, traces and docs use one name per concept.  Enum values
+are the lowercase strings written in JSON traces and envelopes.
+
+Source: M3.10 "Authoritative phase and commit spine" (O, U, P, K and the U tags), M3.10 0x08
+"One model call prepares a complete logical state candidate" (ALL_NEW / ALL_OLD), M3.10 0x06
+"Finish reason and RNG precedence".
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "CallKind",
+    "FINISH_PRECEDENCE",
+    "FinishReason",
+    "PendingTag",
+    "Selection",
+    "canonical_finish_reason",
+]
+
+
+class PendingTag(str, enum.Enum):
+    """Tag of U, the committed output suffix not yet processed by the model (M3.10 spine).
+
+    * ``EMPTY``: every committed token is processed (P = L + O).
+    * ``PENDING_NEXT_CALL``: the last committed token waits for the next model call.
+    * ``CLOSED_UNPROCESSED``: the request finished; the last token stays unprocessed unless an
+      explicit append / repair call processes it (M3.10 "The first-output off-by-one").
+    """
+
+    EMPTY = "EMPTY"
+    PENDING_NEXT_CALL = "PENDING_NEXT_CALL"
+    CLOSED_UNPROCESSED = "CLOSED_UNPROCESSED"
+
+
+class CallKind(str, enum.Enum):
+    """Kind of one model call (M3.10 0x08).
+
+    * ``PREFILL``: processes a slice of the prompt (the whole prompt, or one chunk of it); only
+      the call that reaches the prompt end exposes a decision row.
+    * ``DECODE``: processes the one pending output token and exposes the next decision row.
+    * ``REPAIR``: processes a CLOSED_UNPROCESSED final token after finish; its logits are
+      discarded (M3.10 "optional append/repair").
+    """
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    REPAIR = "repair"
+
+
+class Selection(str, enum.Enum):
+    """Logical result of a completed call (M3.10 0x08 SELECT LOGICAL STATE).
+
+    ``ALL_NEW`` only when the closed compute-stage roster and the advancing-state-lane roster
+    both agree on request, generation, frontier and output row; otherwise ``ALL_OLD`` (no
+    consumable score, no logical change).
+    """
+
+    ALL_NEW = "ALL_NEW"
+    ALL_OLD = "ALL_OLD"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request is terminal.  The declared precedence is :data:`FINISH_PRECEDENCE`."""
+
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+    DEVICE_ERROR = "device_error"
+    STREAM_ERROR = "stream_error"
+    STRUCTURED_ERROR = "structured_error"
+    STOP_STRING = "stop_string"
+    STRUCTURED = "structured"
+    EOS = "eos"
+    CONTEXT_LENGTH = "context_length"
+    LENGTH = "length"
+
+
+#: Finish precedence, highest first (M3.10 0x06 "Finish reason and RNG precedence": "Freeze a
+#: precedence rule ... Record every trigger for diagnostics and publish one canonical finish
+#: reason").  This project's declared choice:
+#: cancelled > timeout > device_error > stream_error > structured_error > stop_string >
+#: structured > eos > context_length > length.
+#: Environment failures outrank content triggers; an explicit user stop string outranks a
+#: structured completion and EOS; the total-context cap outranks ``max_new_tokens``.
+FINISH_PRECEDENCE: tuple[FinishReason, ...] = (
+    FinishReason.CANCELLED,
+    FinishReason.TIMEOUT,
+    FinishReason.DEVICE_ERROR,
+    FinishReason.STREAM_ERROR,
+    FinishReason.STRUCTURED_ERROR,
+    FinishReason.STOP_STRING,
+    FinishReason.STRUCTURED,
+    FinishReason.EOS,
+    FinishReason.CONTEXT_LENGTH,
+    FinishReason.LENGTH,
+)
+
+
+def canonical_finish_reason(triggers: "frozenset[FinishReason] | set[FinishReason] | tuple[FinishReason, ...]") -> FinishReason | None:
+    """The one finish reason published for a set of simultaneous triggers, or ``None`` if empty.
+
+    Args:
+        triggers: Every finish condition that fired at one selection.
+
+    Returns:
+        The highest-precedence trigger under :data:`FINISH_PRECEDENCE`.
+    """
+    fired = set(triggers)
+    for reason in FINISH_PRECEDENCE:
+        if reason in fired:
+            return reason
+    return None

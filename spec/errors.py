@@ -1,0 +1,109 @@
+"""Error taxonomy shared by spec, impl and checks (WebAssembly-interpreter style).
+
+Three kinds, never mixed:
+
+* ``Rejection``: a defined refusal; the caller's input or request is at fault (an invalid
+  envelope, a disabled action, an out-of-range policy parameter).  Nothing changes.
+* ``ResourceLimit``: a declared finite bound was reached (static-cache capacity, stream
+  buffer, envelope byte size when it is a resource bound).  Nothing changes.
+* ``AssertionError``: "cannot happen"; a bug in this project.  Never raised on purpose for
+  caller input.
+
+Every raised error carries a stable ``code`` (registered once in :data:`ERROR_CODES`, with the
+seed section that motivates it), a JSON-path-like ``path`` naming the offending field (``"$"``
+when the error is not about one field), and a human ``message``.  The codes are the API:
+messages may be reworded, codes may not.
+
+Source: M3.10 "Immutable request envelope and canonical identity" (typed rejection before
+execution), M3.10 0x02 branch table ("typed rejection; no model, policy, RNG, cache, or stream
+mutation").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "ERROR_CODES",
+    "ErrorCode",
+    "DecodeSpecError",
+    "Rejection",
+    "ResourceLimit",
+    "register_code",
+]
+
+
+@attrs.frozen
+class ErrorCode:
+    """One registered error code.
+
+    Attributes:
+        code: Stable dotted identifier, e.g. ``"envelope.duplicate_key"``.
+        kind: ``"rejection"`` or ``"resource_limit"``.
+        section: Seed section that motivates the rule, e.g. ``"M3.10 envelope"``.
+        description: One sentence, rendered in the docs.
+    """
+
+    code: str
+    kind: str = attrs.field(validator=attrs.validators.in_(("rejection", "resource_limit")))
+    section: str
+    description: str
+
+
+#: Every error code that any module may raise, by code.  Filled by :func:`register_code` at
+#: import time of the module that owns the code; the docs render this table and a test checks
+#: that each code is documented exactly once.
+ERROR_CODES: dict[str, ErrorCode] = {}
+
+
+def register_code(code: str, kind: str, section: str, description: str) -> str:
+    """Register an error code once and return it (so modules can write ``X = register_code(...)``).
+
+    Raises:
+        AssertionError: if ``code`` is registered twice with a different definition
+            (a project bug, not caller input).
+    """
+    entry = ErrorCode(code=code, kind=kind, section=section, description=description)
+    existing = ERROR_CODES.get(code)
+    assert existing is None or existing == entry, f"error code {code!r} registered twice"
+    ERROR_CODES[code] = entry
+    return code
+
+
+class DecodeSpecError(Exception):
+    """Base of every typed error raised by decodespec.
+
+    Args:
+        code: A code registered in :data:`ERROR_CODES`.
+        message: Human-readable explanation.
+        path: JSON-path-like location of the offending field (``"$"`` for the whole input).
+        details: Optional machine-readable context (must be JSON-serialisable).
+    """
+
+    kind = "rejection"
+
+    def __init__(self, code: str, message: str, path: str = "$", details: dict[str, Any] | None = None):
+        assert code in ERROR_CODES, f"unregistered error code {code!r}"
+        super().__init__(f"[{code}] {path}: {message}")
+        self.code = code
+        self.message = message
+        self.path = path
+        self.details = dict(details or {})
+
+    def to_json(self) -> dict[str, Any]:
+        """The error as the CLI prints it: ``{"code", "path", "message"}``."""
+        return {"code": self.code, "path": self.path, "message": self.message}
+
+
+class Rejection(DecodeSpecError):
+    """The caller's input or request is invalid or the action is not enabled; nothing changed."""
+
+    kind = "rejection"
+
+
+class ResourceLimit(DecodeSpecError):
+    """A declared finite bound would be exceeded; nothing changed."""
+
+    kind = "resource_limit"
