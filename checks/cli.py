@@ -19,7 +19,9 @@ from typing import Sequence
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 #: Subcommand name -> module (relative to decodespec.checks.commands), in ``--help`` order.
-COMMANDS: dict[str, str] = {}
+COMMANDS: dict[str, str] = {
+    "docs": "docs",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

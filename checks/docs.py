@@ -1,0 +1,1592 @@
+"""Reviewer docs generated from the spec registries: pages, diagrams, coverage check (issue 10).
+
+Reviewers of a runtime change read the contract, the state machine and which rule each check
+enforces without reading Python.  Every page that describes a rule is generated from the
+registries, so it cannot drift from the code:
+
+* :data:`decodespec.spec.rules.RULES` (transitions, invariants, policy transforms and
+  selectors, ladder layers, mutants, profiles) and
+  :data:`decodespec.spec.errors.ERROR_CODES` (rejection and resource-limit codes);
+* the published envelope schema ``spec/schemas/request.v1.json`` and ``docs/examples/*.json``;
+* the policy's declared order presets (:mod:`decodespec.spec.policy`, when present);
+* the explorer's graph of reachable states (:mod:`decodespec.checks.explore`, when present)
+  for the phase machine, and the M3.10 0x08 boundary table for the commit spine;
+* conformance and failure-lab report files under ``docs/results/``;
+* the tests themselves: a test "checks" a rule when its source names the rule id.
+
+How it works.  :func:`build_site` imports every module of ``decodespec.spec``,
+``decodespec.impl`` and ``decodespec.checks`` (:func:`import_all`, so that every registration
+has run), stages the hand-written pages of ``docs/`` plus generated pages
+(:func:`write_generated_pages`, one directive per registered rule or code) into a build
+folder, and runs Sphinx with MyST and warnings as errors.  This module is also the Sphinx
+extension that renders those directives (:func:`setup`).
+
+Page syntax (MyST), for hand-written pages:
+
+* ``{rule}`transition.commit``` links to a rule, ``{error}`envelope.duplicate_key``` to an
+  error code.  An id that is not registered is a build error, and :func:`scan_references`
+  lets tests check pages without building.  A plain backticked id is *not* a reference and is
+  not checked (error areas such as ``transition.*`` share prefixes with rule kinds).
+* ``{rule-def}`` / ``{error-table}`` directives *define* a rule or codes; only generated pages
+  use them.  The build records every definition and reference and fails when a registered
+  rule or code is defined zero or two times, or a reference names an unknown id
+  (the SpecTec ``-w`` check, research/formal-anchors-survey.md section 6); the record is
+  written to ``<out>/_decodespec/coverage.json``.
+
+Diagrams are drawn offline by Graphviz ``dot`` into SVG that is inlined into the HTML (no
+JavaScript, no CDN); the build fails with :class:`DocsError` when ``dot`` is absent.
+
+Source: research/formal-anchors-survey.md section 6 (rendered spec docs); aesthetics-survey.md
+8.4 (splice rules by id, fail on unknown ids); M3.10 0x08 (boundary table); Bowtie and test262
+reports (research/formal-anchors-survey.md 4.3, 4.4) for the results table.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import importlib.util
+import io
+import json
+import os
+import pkgutil
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import attrs
+import networkx as nx
+
+from decodespec.spec.errors import ERROR_CODES, ErrorCode
+from decodespec.spec.rules import RULE_KINDS, RULES, Rule
+
+__all__ = [
+    "BuildResult",
+    "Coverage",
+    "DocsError",
+    "FRONTIER_BOUNDARIES",
+    "FrontierBoundary",
+    "ImportReport",
+    "KIND_PAGES",
+    "PACKAGES",
+    "REPO_ROOT",
+    "build_site",
+    "check_coverage",
+    "commit_spine_graph",
+    "dot_available",
+    "import_all",
+    "load_results",
+    "phase_graph",
+    "preset_orders",
+    "render_svg",
+    "scan_references",
+    "schema_rows",
+    "setup",
+    "mentions_in_tests",
+    "to_dot",
+    "write_generated_pages",
+]
+
+#: The packages whose modules register rules and codes at import time.
+PACKAGES: tuple[str, ...] = ("decodespec.spec", "decodespec.impl", "decodespec.checks")
+
+#: The source checkout (``checks/..``): ``docs/``, ``tests/`` and ``spec/schemas`` live here.
+REPO_ROOT: Path = Path(__file__).resolve().parent.parent
+
+#: The hand-written pages of ``docs/`` that make up the site (plus ``conf.py``).
+HAND_WRITTEN: tuple[str, ...] = ("index.md", "quickstart.md", "adapters.md", "glossary.md", "design.md")
+
+#: Rule kind -> generated page (under ``generated/``) that defines its rules.
+KIND_PAGES: dict[str, str] = {
+    "transition": "transitions",
+    "invariant": "invariants",
+    "transform": "policy",
+    "selector": "policy",
+    "ladder": "ladder",
+    "mutant": "failure-lab",
+    "profile": "profiles",
+}
+
+#: Page for rules of a kind added to RULE_KINDS after this module was written.
+OTHER_RULES_PAGE = "other-rules"
+
+#: A reference in a hand-written page: ``{rule}`id``` or ``{error}`code```.
+REFERENCE_RE = re.compile(r"\{(rule|error)\}`([^`]+)`")
+
+#: A definition directive in a page: ```` ```{rule-def} id ```` or ```` ```{error-table} area ````.
+DEFINITION_RE = re.compile(r"^(`{3,}|:{3,})\{(rule-def|error-table)\}[ \t]+(\S+)", re.MULTILINE)
+
+
+class DocsError(Exception):
+    """The docs cannot be built: a component is missing or a module does not import.
+
+    Attributes:
+        missing_component: ``True`` when a tool or package is absent (CLI exit code 3),
+            ``False`` when the project itself is broken (exit code 1).
+    """
+
+    def __init__(self, message: str, *, missing_component: bool = False):
+        super().__init__(message)
+        self.missing_component = missing_component
+
+
+# --------------------------------------------------------------------------------------------
+# Registrations: import everything
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ImportReport:
+    """Which modules :func:`import_all` imported and which it skipped (and why)."""
+
+    imported: tuple[str, ...]
+    skipped: tuple[tuple[str, str], ...]
+
+
+def _is_skipped_module(name: str) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf.startswith("test_") or leaf in ("conftest", "__main__")
+
+
+def import_all(packages: Sequence[str] = PACKAGES) -> ImportReport:
+    """Import every module under ``packages`` so that all rule and code registrations have run.
+
+    Test modules (``test_*``), ``conftest`` and ``__main__`` are skipped.  A module that fails
+    because an optional third-party dependency is missing (``ModuleNotFoundError`` for a name
+    outside ``decodespec``) is skipped and reported; any other import error is a project bug.
+
+    Raises:
+        DocsError: when a project module fails to import (its rules would silently vanish).
+    """
+    imported: list[str] = []
+    skipped: list[tuple[str, str]] = []
+
+    def try_import(name: str) -> bool:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name and not exc.name.startswith("decodespec"):
+                skipped.append((name, f"optional dependency {exc.name!r} is not installed"))
+                return False
+            raise DocsError(f"module {name} does not import: {exc!r}") from exc
+        except Exception as exc:  # a project bug: report it with the module name
+            raise DocsError(f"module {name} does not import: {exc!r}") from exc
+        imported.append(name)
+        return True
+
+    for package in packages:
+        if not try_import(package):
+            continue
+        pkg = importlib.import_module(package)
+        for info in pkgutil.walk_packages(pkg.__path__, prefix=package + ".", onerror=lambda _n: None):
+            if _is_skipped_module(info.name) or any(info.name.startswith(s + ".") for s, _ in skipped):
+                continue
+            try_import(info.name)
+    return ImportReport(imported=tuple(imported), skipped=tuple(skipped))
+
+
+# --------------------------------------------------------------------------------------------
+# Which tests name which rule or code ("Checked by")
+# --------------------------------------------------------------------------------------------
+
+_DOTTED_RE = re.compile(r"[A-Za-z_]\w*(?:\.\w+)+")
+
+
+def _test_files(root: Path) -> list[Path]:
+    files = sorted((root / "tests").glob("**/test_*.py")) if (root / "tests").is_dir() else []
+    if (root / "checks").is_dir():
+        files += sorted((root / "checks").glob("**/test_*.py"))
+    return files
+
+
+def mentions_in_tests(root: Path, ids: Iterable[str]) -> dict[str, list[str]]:
+    """Map each id in ``ids`` to the tests whose source names it exactly.
+
+    A "test" is a function or method named ``test*`` (or a method of a class named ``Test*``
+    or of a Hypothesis state machine) in a ``test_*.py`` file under ``tests/`` or ``checks/``;
+    its docstring and body are searched for dotted tokens equal to an id.  Ids named only in
+    the module docstring map to the file itself.
+
+    Args:
+        root: Source checkout (the folder holding ``tests/`` and ``checks/``).
+        ids: Rule ids and error codes to look for.
+
+    Returns:
+        id -> sorted list of ``"path::Class::test_name"`` strings (only ids that are named).
+    """
+    wanted = set(ids)
+    found: dict[str, set[str]] = {}
+
+    def note(text: str, label: str) -> None:
+        for token in _DOTTED_RE.findall(text):
+            if token in wanted:
+                found.setdefault(token, set()).add(label)
+
+    for path in _test_files(root):
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            continue  # a file mid-edit; its tests are simply not credited
+        rel = path.relative_to(root).as_posix()
+        doc = ast.get_docstring(tree)
+        if doc:
+            note(doc, rel)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        segment = ast.get_source_segment(source, item) or ""
+                        note(segment, f"{rel}::{node.name}::{item.name}")
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+                segment = ast.get_source_segment(source, node) or ""
+                note(segment, f"{rel}::{node.name}")
+    return {k: sorted(v) for k, v in sorted(found.items())}
+
+
+# --------------------------------------------------------------------------------------------
+# Policy presets (declared data in decodespec.spec.policy)
+# --------------------------------------------------------------------------------------------
+
+
+def _step_name(step: Any) -> str | None:
+    if isinstance(step, str):
+        return step
+    for attr in ("name", "value", "id"):
+        value = getattr(step, attr, None)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def preset_orders() -> dict[str, tuple[str, ...]]:
+    """The named transform-order presets declared by :mod:`decodespec.spec.policy`.
+
+    Looks for module-level mappings whose name contains ``PRESET`` or ``ORDER`` in
+    ``decodespec.spec.policy`` and its submodules, from preset name to a sequence of steps
+    (strings, enums or objects with a ``name``).  Returns ``{}`` when the policy package is
+    absent or declares none.
+
+    Returns:
+        preset name -> ordered step names, in declaration order.
+    """
+    try:
+        pkg = importlib.import_module("decodespec.spec.policy")
+    except ImportError:
+        return {}
+    modules = [pkg]
+    for info in pkgutil.walk_packages(getattr(pkg, "__path__", []), prefix=pkg.__name__ + "."):
+        if not _is_skipped_module(info.name):
+            with contextlib.suppress(ImportError):
+                modules.append(importlib.import_module(info.name))
+    presets: dict[str, tuple[str, ...]] = {}
+    for module in modules:
+        for attr, value in vars(module).items():
+            if not attr.isupper() or not ("PRESET" in attr or "ORDER" in attr) or not isinstance(value, Mapping):
+                continue
+            for key, steps in value.items():
+                name = _step_name(key)
+                if name is None or isinstance(steps, (str, bytes)) or not isinstance(steps, Sequence):
+                    continue
+                names = [_step_name(s) for s in steps]
+                if names and all(n is not None for n in names):
+                    presets.setdefault(name, tuple(n for n in names if n is not None))
+    return presets
+
+
+# --------------------------------------------------------------------------------------------
+# Envelope schema
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class SchemaRow:
+    """One field of a JSON Schema, flattened: JSON path, type, required, constraints, text."""
+
+    path: str
+    type: str
+    required: bool
+    constraints: str
+    description: str
+
+
+_CONSTRAINT_KEYS = (
+    "const", "enum", "minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "minLength",
+    "maxLength", "minItems", "maxItems", "uniqueItems", "pattern", "format", "default",
+)
+
+
+def _resolve(schema: Mapping[str, Any], node: Mapping[str, Any]) -> Mapping[str, Any]:
+    seen: set[str] = set()
+    while "$ref" in node and isinstance(node["$ref"], str) and node["$ref"].startswith("#/"):
+        ref = node["$ref"]
+        if ref in seen:
+            break
+        seen.add(ref)
+        target: Any = schema
+        for part in ref[2:].split("/"):
+            target = target.get(part.replace("~1", "/").replace("~0", "~"), {}) if isinstance(target, Mapping) else {}
+        extra = {k: v for k, v in node.items() if k != "$ref"}
+        node = {**target, **extra}
+    return node
+
+
+def _type_of(node: Mapping[str, Any]) -> str:
+    t = node.get("type")
+    if isinstance(t, list):
+        return " | ".join(map(str, t))
+    if isinstance(t, str):
+        return t
+    if "const" in node:
+        return type(node["const"]).__name__.replace("str", "string")
+    for key in ("oneOf", "anyOf"):
+        if key in node:
+            return key
+    if "enum" in node:
+        return "enum"
+    return "any"
+
+
+def _constraints(node: Mapping[str, Any]) -> str:
+    parts = []
+    for key in _CONSTRAINT_KEYS:
+        if key in node:
+            parts.append(f"{key}={json.dumps(node[key], ensure_ascii=False)}")
+    if node.get("additionalProperties") is False:
+        parts.append("closed (no other fields)")
+    return "; ".join(parts)
+
+
+def _alternative_label(node: Mapping[str, Any], idx: int) -> str:
+    props = node.get("properties", {})
+    for key, sub in props.items() if isinstance(props, Mapping) else ():
+        if isinstance(sub, Mapping) and "const" in sub:
+            return f"{key}={sub['const']}"
+    return str(node.get("title") or idx)
+
+
+def schema_rows(schema: Mapping[str, Any], *, max_depth: int = 12) -> list[SchemaRow]:
+    """Flatten a JSON Schema (Draft 2020-12) into one row per field, depth first.
+
+    Local ``$ref`` s are resolved; array items get the path suffix ``[]``; ``oneOf`` /
+    ``anyOf`` alternatives get ``<label>`` (the value of their ``const`` discriminator field,
+    else their title or index).
+
+    Returns:
+        Rows in document order; the root is ``$``.
+    """
+    rows: list[SchemaRow] = []
+
+    def walk(node: Mapping[str, Any], path: str, required: bool, depth: int) -> None:
+        node = _resolve(schema, node)
+        rows.append(SchemaRow(path, _type_of(node), required, _constraints(node), str(node.get("description", ""))))
+        if depth >= max_depth:
+            return
+        req = set(node.get("required", []) or [])
+        props = node.get("properties")
+        if isinstance(props, Mapping):
+            for key, sub in props.items():
+                if isinstance(sub, Mapping):
+                    walk(sub, f"{path}.{key}", key in req, depth + 1)
+        items = node.get("items")
+        if isinstance(items, Mapping):
+            walk(items, f"{path}[]", True, depth + 1)
+        for key in ("oneOf", "anyOf"):
+            alts = node.get(key)
+            if isinstance(alts, list):
+                for idx, alt in enumerate(alts):
+                    if isinstance(alt, Mapping):
+                        alt = _resolve(schema, alt)
+                        walk(alt, f"{path}<{_alternative_label(alt, idx)}>", True, depth + 1)
+
+    walk(schema, "$", True, 0)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Frontier boundary table and the commit spine (M3.10 0x08)
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class FrontierBoundary:
+    """One row of the M3.10 0x08 boundary table, in the decoder-only cached profile.
+
+    Attributes:
+        boundary: The loop boundary, in the seed's words.
+        output_count: O, committed output tokens.
+        pending: U as the seed writes it (``"empty"``, ``"[y0]"``, ...).
+        pending_len: |U|.
+        pending_tag: The :class:`~decodespec.spec.enums.PendingTag` value of U.
+        processed_offset: P - L (P, and K = P, relative to the prompt length L).
+        event: The spine event that leads *to* this boundary from the previous one.
+    """
+
+    boundary: str
+    output_count: int
+    pending: str
+    pending_len: int
+    pending_tag: str
+    processed_offset: int
+    event: str
+
+    @property
+    def processed(self) -> str:
+        """P (= K in this profile) as an expression in L."""
+        return "L" if self.processed_offset == 0 else f"L+{self.processed_offset}"
+
+    @property
+    def balanced(self) -> bool:
+        """The frontier invariant ``P + |U| = L + O`` at this boundary."""
+        return self.processed_offset + self.pending_len == self.output_count
+
+
+#: The boundary table of M3.10 0x08 ("Output, input, and cache frontiers"), transcribed from
+#: the seed (the spec does not expose the table as one object), plus the spine event that
+#: leads to each row (M3.10 "Authoritative phase and commit spine": completion, decision,
+#: commit, later processing).  :attr:`FrontierBoundary.balanced` recomputes the invariant.
+FRONTIER_BOUNDARIES: tuple[FrontierBoundary, ...] = (
+    FrontierBoundary("after prompt prefill, before first selection", 0, "empty", 0, "EMPTY", 0,
+                     "prefill call completes ALL_NEW: prompt [0, L) processed, score row exposed"),
+    FrontierBoundary("after selecting y0", 1, "[y0]", 1, "PENDING_NEXT_CALL", 0,
+                     "decide (M3.8 receipt) + commit once: y0 appended to the output"),
+    FrontierBoundary("after processing y0, before selecting y1", 1, "empty", 0, "EMPTY", 1,
+                     "decode call completes ALL_NEW: y0 processed into every state lane"),
+    FrontierBoundary("after selecting y1", 2, "[y1]", 1, "PENDING_NEXT_CALL", 1,
+                     "decide + commit once: y1 appended to the output"),
+    FrontierBoundary("stop immediately", 2, "[y1] or closed-unprocessed output", 1, "CLOSED_UNPROCESSED", 1,
+                     "finish: y1 stays CLOSED_UNPROCESSED"),
+    FrontierBoundary("optional append/repair of y1", 2, "empty", 0, "EMPTY", 2,
+                     "repair call processes y1; its logits are discarded"),
+)
+
+
+def commit_spine_graph(boundaries: Sequence[FrontierBoundary] = FRONTIER_BOUNDARIES) -> nx.DiGraph:
+    """The commit spine as a graph: admission, then one node per boundary, events on edges.
+
+    A call that completes ALL_OLD changes nothing and exposes no score: drawn as a self loop
+    on the boundaries that launch a call (M3.10 0x08 "SELECT LOGICAL STATE").
+
+    Returns:
+        ``networkx.DiGraph`` whose nodes and edges carry a ``label`` attribute.
+    """
+    g = nx.DiGraph(name="commit_spine")
+    g.add_node("admitted", label="admitted request\nO=0  U=empty  P=0", shape="ellipse")
+    prev = "admitted"
+    for idx, b in enumerate(boundaries):
+        node = f"b{idx}"
+        g.add_node(node, label=f"{b.boundary}\nO={b.output_count}  U={b.pending} ({b.pending_tag})\nP=K={b.processed}")
+        g.add_edge(prev, node, label=b.event)
+        prev = node
+    for node, data in list(g.nodes(data=True)):
+        if "PENDING_NEXT_CALL" in data["label"] or node == "admitted":
+            g.add_edge(node, node, label="call completes ALL_OLD:\nno score, no change", style="dashed")
+    return g
+
+
+# --------------------------------------------------------------------------------------------
+# Phase machine (from the explorer's graph of reachable states)
+# --------------------------------------------------------------------------------------------
+
+
+def _phase_of(state: Any) -> str | None:
+    for attr in ("phase", "status"):
+        value = getattr(state, attr, None)
+        if value is not None:
+            return str(getattr(value, "value", value))
+    if isinstance(state, Mapping):
+        value = state.get("phase")
+        return None if value is None else str(getattr(value, "value", value))
+    return None
+
+
+def phase_graph() -> tuple[nx.DiGraph | None, str]:
+    """The phase machine: the explorer's reachable-state graph collapsed to phases.
+
+    Returns:
+        ``(graph, source)``: a ``networkx.DiGraph`` whose nodes are phases and whose edges
+        carry ``label`` (the actions seen on that phase edge), and a sentence naming where it
+        came from; ``(None, reason)`` when the explorer is not available yet.
+    """
+    try:
+        explore = importlib.import_module("decodespec.checks.explore")
+    except ImportError as exc:
+        return None, f"the explorer (decodespec.checks.explore) is not available: {exc}"
+    builder = getattr(explore, "explore", None)
+    if builder is None:
+        return None, "decodespec.checks.explore has no explore() function yet"
+    result = builder()
+    graph = result if isinstance(result, nx.DiGraph) else getattr(result, "graph", None)
+    if not isinstance(graph, nx.DiGraph):
+        return None, "decodespec.checks.explore.explore() returned no networkx graph"
+    phases = nx.DiGraph(name="phases")
+    edge_actions: dict[tuple[str, str], set[str]] = {}
+    for u, v, data in graph.edges(data=True):
+        pu = _phase_of(graph.nodes[u].get("state", u))
+        pv = _phase_of(graph.nodes[v].get("state", v))
+        if pu is None or pv is None:
+            continue
+        action = data.get("action")
+        name = getattr(action, "name", None) or type(action).__name__ if action is not None else ""
+        edge_actions.setdefault((pu, pv), set()).add(str(name))
+    for (pu, pv), names in sorted(edge_actions.items()):
+        phases.add_edge(pu, pv, label="\n".join(sorted(n for n in names if n)))
+    for node in phases.nodes:
+        phases.nodes[node]["label"] = node
+    if phases.number_of_nodes() == 0:
+        return None, "the explorer's states carry no phase"
+    return phases, f"collapsed from {graph.number_of_nodes()} reachable states of decodespec.checks.explore"
+
+
+# --------------------------------------------------------------------------------------------
+# Graphviz
+# --------------------------------------------------------------------------------------------
+
+
+def _dot_quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def to_dot(graph: nx.DiGraph, *, rankdir: str = "TB") -> str:
+    """DOT source for ``graph``: node and edge ``label`` / ``style`` / ``shape`` attributes kept."""
+    lines = [
+        f"digraph {_dot_quote(str(graph.graph.get('name', 'g')))} {{",
+        f"  rankdir={rankdir};",
+        '  node [shape=box, style="rounded", fontname="Helvetica", fontsize=11];',
+        '  edge [fontname="Helvetica", fontsize=10];',
+    ]
+    ids = {node: f"n{idx}" for idx, node in enumerate(graph.nodes)}
+    for node, data in graph.nodes(data=True):
+        attrs_ = {"label": str(data.get("label", node))}
+        attrs_.update({k: str(data[k]) for k in ("shape", "style") if k in data})
+        lines.append(f"  {ids[node]} [" + ", ".join(f"{k}={_dot_quote(v)}" for k, v in attrs_.items()) + "];")
+    for u, v, data in graph.edges(data=True):
+        attrs_ = {k: str(data[k]) for k in ("label", "style") if k in data}
+        body = ", ".join(f"{k}={_dot_quote(val)}" for k, val in attrs_.items())
+        lines.append(f"  {ids[u]} -> {ids[v]}" + (f" [{body}]" if body else "") + ";")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def dot_available() -> bool:
+    """Whether Graphviz ``dot`` is on ``PATH``."""
+    return shutil.which("dot") is not None
+
+
+def render_svg(dot_source: str) -> str:
+    """Render DOT source to an SVG element (XML prolog, doctype and comments stripped).
+
+    Raises:
+        DocsError: ``dot`` is not installed (``missing_component``) or rejects the source.
+    """
+    exe = shutil.which("dot")
+    if exe is None:
+        raise DocsError(
+            "Graphviz 'dot' is not on PATH; the diagrams cannot be drawn. "
+            "Install the Debian package 'graphviz' (.ci/setup does so when run as root).",
+            missing_component=True,
+        )
+    proc = subprocess.run([exe, "-Tsvg"], input=dot_source, capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        raise DocsError(f"dot failed: {proc.stderr.strip()}")
+    svg = proc.stdout
+    svg = re.sub(r"<\?xml[^>]*\?>\s*", "", svg)
+    svg = re.sub(r"<!DOCTYPE[^>]*>\s*", "", svg)
+    svg = re.sub(r"<!--.*?-->\s*", "", svg, flags=re.DOTALL)
+    return svg.strip()
+
+
+# --------------------------------------------------------------------------------------------
+# Conformance and failure-lab results
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class CaseResult:
+    """One line of a ``decodespec check --report`` file (or of a failure-lab results file)."""
+
+    runtime: str
+    case: str
+    result: str
+    layer: str
+    expected: str
+    actual: str
+    source: str
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, sort_keys=True)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def load_results(results_dir: Path) -> tuple[list[CaseResult], list[dict[str, Any]]]:
+    """Read every ``*.jsonl`` report under ``results_dir``.
+
+    A conformance line has ``case``, ``result`` (``pass`` / ``fail`` / ``deviation`` or any
+    other string), ``layer``, ``expected``, ``actual`` and optionally ``runtime`` (default: the
+    file's stem).  A failure-lab line has ``mutant`` (a ``mutant.*`` rule id), ``killed``
+    (bool) and optionally ``killed_by`` (the check or ladder layer that killed it).
+
+    Returns:
+        ``(conformance, mutant_lines)``.
+
+    Raises:
+        DocsError: a line is not a JSON object or lacks ``case`` / ``result`` or ``mutant``.
+    """
+    conformance: list[CaseResult] = []
+    mutants: list[dict[str, Any]] = []
+    if not results_dir.is_dir():
+        return conformance, mutants
+    for path in sorted(results_dir.glob("*.jsonl")):
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{path.name}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DocsError(f"{where}: not JSON: {exc}") from exc
+            if not isinstance(obj, dict):
+                raise DocsError(f"{where}: not a JSON object")
+            if "mutant" in obj:
+                mutants.append({**obj, "_source": where})
+                continue
+            if "case" not in obj or "result" not in obj:
+                raise DocsError(f"{where}: a report line needs 'case' and 'result' (or 'mutant')")
+            conformance.append(CaseResult(
+                runtime=str(obj.get("runtime", path.stem)),
+                case=str(obj["case"]),
+                result=str(obj["result"]),
+                layer=str(obj.get("layer") or ""),
+                expected=_short(obj.get("expected", "")),
+                actual=_short(obj.get("actual", "")),
+                source=where,
+            ))
+    return conformance, mutants
+
+
+# --------------------------------------------------------------------------------------------
+# Generated pages
+# --------------------------------------------------------------------------------------------
+
+_KIND_INTRO = {
+    "transition": (
+        "Transitions",
+        "Every action of the request state machine: its guard (when it is enabled) and effect, "
+        "from the transition registry. A disabled action is rejected and changes nothing.",
+    ),
+    "invariant": ("Invariants", "Named predicates over (parameters, state), checked after every step."),
+    "profile": ("Profiles", "Architecture profiles: which state lanes a request carries and which frontiers apply."),
+    "ladder": (
+        "The conformance ladder",
+        "Layers compared in this order, stopping at the first failed layer; a later pass never "
+        "cures an earlier failure.",
+    ),
+    "mutant": (
+        "The failure lab",
+        "Deliberately broken variants (mutants) of the runtime or spec, each with the seed "
+        "section it breaks and the check that must kill it.",
+    ),
+}
+
+
+def _page_header(title: str, intro: str) -> str:
+    return (
+        f"# {title}\n\n"
+        "<!-- Generated by decodespec.checks.docs from the spec registries; do not edit. -->\n\n"
+        f"{intro}\n\n"
+    )
+
+
+def _fence(name: str, arg: str = "", body: str = "") -> str:
+    head = f"```{{{name}}}" + (f" {arg}" if arg else "")
+    return f"{head}\n{body}```\n\n" if body else f"{head}\n```\n\n"
+
+
+def _rule_defs(rules: Iterable[Rule]) -> str:
+    return "".join(_fence("rule-def", r.id) for r in rules)
+
+
+def _kind_page(kind: str, rules: list[Rule]) -> str:
+    title, intro = _KIND_INTRO.get(kind, (kind.capitalize() + " rules", f"Rules of kind `{kind}`."))
+    text = _page_header(title, intro)
+    if not rules:
+        return text + f"No `{kind}` rule is registered yet.\n"
+    return text + _fence("rule-index", kind) + "## Definitions\n\n" + _rule_defs(rules)
+
+
+def _policy_page(transforms: list[Rule], selectors: list[Rule]) -> str:
+    text = _page_header(
+        "Decoding policy (M3.8)",
+        "Score transforms (processors and warpers) and selectors, and the named transform orders "
+        "(presets) side by side: which step each preset applies first.",
+    )
+    text += "## Order presets side by side\n\n" + _fence("policy-presets")
+    for heading, kind, rules in (("Transforms", "transform", transforms), ("Selectors", "selector", selectors)):
+        text += f"## {heading}\n\n"
+        if not rules:
+            text += f"No `{kind}` rule is registered yet.\n\n"
+            continue
+        text += _fence("rule-index", kind) + _rule_defs(rules)
+    return text
+
+
+def _failure_lab_page(rules: list[Rule]) -> str:
+    text = _kind_page("mutant", rules)
+    return text + "\n## Latest failure-lab results\n\n" + _fence("mutant-results")
+
+
+def _errors_page(codes: Mapping[str, ErrorCode]) -> str:
+    text = _page_header(
+        "Rejection and resource-limit codes",
+        "Every error a module may raise, grouped by area. A `rejection` is the caller's fault, a "
+        "`resource_limit` a declared bound; in both cases nothing changed. Codes are the API: "
+        "messages may be reworded, codes may not.",
+    )
+    areas = sorted({c.split(".", 1)[0] for c in codes})
+    if not areas:
+        return text + "No error code is registered yet.\n"
+    for area in areas:
+        text += f"## `{area}.*`\n\n" + _fence("error-table", area)
+    return text
+
+
+def _envelope_page(gen: Path, schema_path: Path, examples: list[Path]) -> str:
+    text = _page_header(
+        "Request envelope",
+        "The immutable request envelope (`numinens.request.v1`), from the published JSON Schema. "
+        "Rejections of an envelope are listed on the {doc}`errors` page (area `envelope`).",
+    )
+    if not schema_path.is_file():
+        return text + f"The schema file `spec/schemas/{schema_path.name}` is not present yet.\n"
+    data = gen / "_data"
+    data.mkdir(exist_ok=True)
+    shutil.copy2(schema_path, data / schema_path.name)
+    text += "## Fields\n\n" + _fence("schema-table", f"_data/{schema_path.name}")
+    if examples:
+        text += "## Examples\n\n"
+        for ex in examples:
+            shutil.copy2(ex, data / f"example-{ex.name}")
+            text += f"### `{ex.name}`\n\n" + _fence("literalinclude", f"_data/example-{ex.name}", ":language: json\n")
+    text += "## The schema file\n\n" + _fence("literalinclude", f"_data/{schema_path.name}", ":language: json\n")
+    return text
+
+
+def _state_machine_page() -> str:
+    text = _page_header(
+        "State machine and commit spine",
+        "The phase machine and the commit spine of one request (M3.10 \"Authoritative phase and "
+        "commit spine\"), with the frontier table of M3.10 0x08. Four events stay separate even "
+        "when code fuses them: model-call completion (ALL_NEW or ALL_OLD), decision (an M3.8 "
+        "receipt), logical commit (the receipt consumed once), and later processing of the pending "
+        "token by the next call.",
+    )
+    text += "## Phase machine\n\n" + _fence("decodespec-diagram", "phases")
+    text += "## Commit spine\n\n" + _fence("decodespec-diagram", "spine")
+    text += "## Frontier boundaries (M3.10 0x08)\n\n" + _fence("frontier-table")
+    return text
+
+
+def _results_page() -> str:
+    return _page_header(
+        "Conformance results",
+        "The latest `decodespec check --report FILE` results per runtime, read from "
+        "`docs/results/*.jsonl` (one JSON object per case: `case`, `result`, `layer`, `expected`, "
+        "`actual`, optional `runtime`, default the file name). `deviation` is an accepted, "
+        "declared deviation of a peer (an expectations file with reasons), not a skipped case.",
+    ) + _fence("conformance-results")
+
+
+def _cli_page() -> str:
+    return _page_header(
+        "Command line",
+        "The `decodespec` subcommands that exist now, with their `--help`, read from the CLI registry.",
+    ) + _fence("cli-reference")
+
+
+def _about_page() -> str:
+    return _page_header(
+        "About these pages",
+        "How this site is generated and what it covers: the modules imported for registration, "
+        "rules without a test that names them, and the reference syntax for hand-written pages.",
+    ) + _fence("generation-report")
+
+
+def write_generated_pages(src_dir: Path, *, rules: Mapping[str, Rule] = RULES,
+                          codes: Mapping[str, ErrorCode] = ERROR_CODES,
+                          root: Path = REPO_ROOT) -> list[Path]:
+    """Write the generated MyST pages under ``src_dir / "generated"``.
+
+    Each registered rule gets exactly one ``{rule-def}`` directive, on the page of its kind
+    (:data:`KIND_PAGES`); each error area one ``{error-table}``.
+
+    Returns:
+        The written page paths.
+    """
+    gen = src_dir / "generated"
+    gen.mkdir(parents=True, exist_ok=True)
+    by_kind: dict[str, list[Rule]] = {}
+    for r in rules.values():  # registration order: the order the spec modules read
+        by_kind.setdefault(r.kind, []).append(r)
+    pages: dict[str, str] = {
+        "state-machine": _state_machine_page(),
+        "transitions": _kind_page("transition", by_kind.get("transition", [])),
+        "invariants": _kind_page("invariant", by_kind.get("invariant", [])),
+        "profiles": _kind_page("profile", by_kind.get("profile", [])),
+        "policy": _policy_page(by_kind.get("transform", []), by_kind.get("selector", [])),
+        "envelope": _envelope_page(gen, root / "spec" / "schemas" / "request.v1.json",
+                                   sorted((root / "docs" / "examples").glob("*.json"))),
+        "errors": _errors_page(codes),
+        "ladder": _kind_page("ladder", by_kind.get("ladder", [])),
+        "failure-lab": _failure_lab_page(by_kind.get("mutant", [])),
+        "results": _results_page(),
+        "cli": _cli_page(),
+        "about": _about_page(),
+    }
+    others = [r for kind, rs in by_kind.items() if kind not in KIND_PAGES for r in rs]
+    if others:
+        pages[OTHER_RULES_PAGE] = _page_header("Other rules", "Rules of kinds without a page of their own.") + _rule_defs(others)
+    written = []
+    for name, text in pages.items():
+        path = gen / f"{name}.md"
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    return written
+
+
+# --------------------------------------------------------------------------------------------
+# Coverage: every rule and code defined exactly once, every reference known
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Coverage:
+    """What a built site documents, compared with the registries.
+
+    Attributes:
+        missing: Registered rule ids / error codes (``"rule:<id>"``, ``"error:<code>"``) that
+            no page defines.
+        duplicated: Keys defined on more than one place, with the pages.
+        unknown_definitions: Keys defined on a page but not registered.
+        unknown_references: ``(key, page)`` of ``{rule}`` / ``{error}`` references to ids that are
+            not registered.
+        undefined_references: ``(key, page)`` of references to registered ids that no page defines.
+    """
+
+    missing: tuple[str, ...]
+    duplicated: tuple[tuple[str, tuple[str, ...]], ...]
+    unknown_definitions: tuple[str, ...]
+    unknown_references: tuple[tuple[str, str], ...]
+    undefined_references: tuple[tuple[str, str], ...]
+
+    @property
+    def ok(self) -> bool:
+        """No problem of any kind."""
+        return not (self.missing or self.duplicated or self.unknown_definitions
+                    or self.unknown_references or self.undefined_references)
+
+    def problems(self) -> list[str]:
+        """One human sentence per problem."""
+        out = [f"{k} is registered but documented nowhere" for k in self.missing]
+        out += [f"{k} is documented {len(p)} times: {', '.join(p)}" for k, p in self.duplicated]
+        out += [f"{k} is documented but not registered" for k in self.unknown_definitions]
+        out += [f"{page} names {k}, which is not registered" for k, page in self.unknown_references]
+        out += [f"{page} names {k}, which is registered but documented nowhere" for k, page in self.undefined_references]
+        return out
+
+
+def registry_keys(rules: Mapping[str, Rule] = RULES, codes: Mapping[str, ErrorCode] = ERROR_CODES) -> set[str]:
+    """``rule:<id>`` for every rule and ``error:<code>`` for every code."""
+    return {f"rule:{r}" for r in rules} | {f"error:{c}" for c in codes}
+
+
+def check_coverage(definitions: Mapping[str, Sequence[str]], references: Iterable[tuple[str, str]],
+                   *, rules: Mapping[str, Rule] = RULES, codes: Mapping[str, ErrorCode] = ERROR_CODES) -> Coverage:
+    """Compare what the pages define and reference with the registries.
+
+    Args:
+        definitions: key (``rule:<id>`` / ``error:<code>``) -> pages that define it.
+        references: ``(key, page)`` for every ``{rule}`` / ``{error}`` reference.
+        rules, codes: The registries (default: the global ones).
+    """
+    keys = registry_keys(rules, codes)
+    defined = {k for k, pages in definitions.items() if pages}
+    return Coverage(
+        missing=tuple(sorted(keys - defined)),
+        duplicated=tuple(sorted((k, tuple(p)) for k, p in definitions.items() if len(p) > 1)),
+        unknown_definitions=tuple(sorted(defined - keys)),
+        unknown_references=tuple(sorted((k, page) for k, page in set(references) if k not in keys)),
+        undefined_references=tuple(sorted((k, page) for k, page in set(references) if k in keys and k not in defined)),
+    )
+
+
+def scan_references(text: str) -> list[tuple[str, str]]:
+    """The ``{rule}`` / ``{error}`` references in a page's source, as ``(kind, id)`` pairs."""
+    return [(role, ident.strip()) for role, ident in REFERENCE_RE.findall(text)]
+
+
+def scan_definitions(text: str) -> list[tuple[str, str]]:
+    """The ``{rule-def}`` / ``{error-table}`` directives in a page's source, as ``(name, arg)``."""
+    return [(name, arg) for _fence_, name, arg in DEFINITION_RE.findall(text)]
+
+
+# --------------------------------------------------------------------------------------------
+# Building the site
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class BuildResult:
+    """The outcome of :func:`build_site`.
+
+    Attributes:
+        ok: Sphinx finished without a warning (warnings are errors) and coverage is complete.
+        out_dir: The HTML site (``index.html`` at its root).
+        source_dir: The staged sources (hand-written + generated pages).
+        warnings: Sphinx's warnings and errors, one per line.
+        coverage: The definitions/references check read back from the build.
+        imports: What :func:`import_all` imported and skipped.
+    """
+
+    ok: bool
+    out_dir: Path
+    source_dir: Path
+    warnings: tuple[str, ...]
+    coverage: Coverage
+    imports: ImportReport
+
+
+def _require_sphinx() -> None:
+    missing = [m for m in ("sphinx", "myst_parser") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise DocsError(
+            f"{', '.join(missing)} not installed: pip install 'decodespec[docs]'", missing_component=True
+        )
+
+
+def stage_sources(src_dir: Path, docs_dir: Path) -> list[Path]:
+    """Copy ``conf.py`` and the hand-written pages of ``docs_dir`` into ``src_dir``.
+
+    Raises:
+        DocsError: ``docs_dir`` lacks ``conf.py`` or ``index.md`` (not a source checkout).
+    """
+    for required in ("conf.py", "index.md"):
+        if not (docs_dir / required).is_file():
+            raise DocsError(f"{docs_dir / required} not found: run from a source checkout", missing_component=True)
+    src_dir.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in ("conf.py",) + HAND_WRITTEN:
+        if (docs_dir / name).is_file():
+            shutil.copy2(docs_dir / name, src_dir / name)
+            copied.append(src_dir / name)
+    return copied
+
+
+def build_site(out_dir: Path, *, docs_dir: Path | None = None, results_dir: Path | None = None,
+               source_dir: Path | None = None, extra_pages: Mapping[str, str] | None = None) -> BuildResult:
+    """Generate the pages and build the HTML site with Sphinx (warnings are errors).
+
+    Args:
+        out_dir: Where the HTML goes (created; ``index.html`` at its root).
+        docs_dir: Hand-written pages and ``conf.py`` (default ``<repo>/docs``).
+        results_dir: Conformance / failure-lab reports (default ``<docs_dir>/results``).
+        source_dir: Where to stage the sources (default: a temporary folder, removed after).
+        extra_pages: Extra ``name.md -> text`` pages to stage (tests use this to plant errors).
+
+    Returns:
+        A :class:`BuildResult`; ``ok`` is ``False`` when Sphinx warned or coverage is incomplete.
+
+    Raises:
+        DocsError: Sphinx / MyST / Graphviz missing, hand-written pages missing, a project
+            module that does not import, or an unreadable results file.
+    """
+    _require_sphinx()
+    if not dot_available():
+        render_svg("")  # raises the clear "dot missing" DocsError
+    imports = import_all()
+    docs_dir = (docs_dir or REPO_ROOT / "docs").resolve()
+    results_dir = (results_dir or docs_dir / "results").resolve()
+    load_results(results_dir)  # fail early and clearly on a malformed report
+    out_dir = Path(out_dir).resolve()
+    tmp = None
+    if source_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="decodespec-docs-")
+        source_dir = Path(tmp.name) / "src"
+    source_dir = Path(source_dir).resolve()
+    try:
+        if source_dir.exists():
+            shutil.rmtree(source_dir)
+        stage_sources(source_dir, docs_dir)
+        write_generated_pages(source_dir)
+        for name, text in (extra_pages or {}).items():
+            (source_dir / name).write_text(text, encoding="utf-8")
+        warnings = _run_sphinx(source_dir, out_dir, results_dir)
+        coverage = read_coverage(out_dir)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return BuildResult(ok=not warnings and coverage.ok, out_dir=out_dir, source_dir=source_dir,
+                       warnings=tuple(warnings), coverage=coverage, imports=imports)
+
+
+def _run_sphinx(src: Path, out: Path, results_dir: Path) -> list[str]:
+    from sphinx.cmd.build import build_main
+
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="decodespec-doctrees-") as doctrees:
+        warn_file = Path(doctrees) / "warnings.txt"
+        argv = ["-b", "html", "-E", "-W", "-q", "-N", "-w", str(warn_file), "-d", str(Path(doctrees) / "d"),
+                "-D", f"decodespec_results_dir={results_dir}", str(src), str(out)]
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), _env("SOURCE_DATE_EPOCH", "0"):
+            code = build_main(argv)
+        warnings = [ln for ln in (warn_file.read_text(encoding="utf-8") if warn_file.exists() else "").splitlines() if ln.strip()]
+        if code != 0 and not warnings:
+            warnings = [ln for ln in stderr.getvalue().splitlines() if ln.strip()] or [f"sphinx exited with {code}"]
+    return warnings
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+COVERAGE_FILE = Path("_decodespec") / "coverage.json"
+
+
+def read_coverage(out_dir: Path) -> Coverage:
+    """Read ``<out_dir>/_decodespec/coverage.json`` written by the build and check it.
+
+    Raises:
+        DocsError: the file is absent (the build did not run the extension).
+    """
+    path = Path(out_dir) / COVERAGE_FILE
+    if not path.is_file():
+        raise DocsError(f"{path} not written: the decodespec Sphinx extension did not run")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return check_coverage(data["definitions"], [tuple(x) for x in data["references"]])
+
+
+# --------------------------------------------------------------------------------------------
+# The Sphinx extension
+# --------------------------------------------------------------------------------------------
+
+
+_CSS = """
+.decodespec-diagram { overflow-x: auto; margin: 1em 0; }
+.decodespec-diagram svg { max-width: 100%; height: auto; }
+table.decodespec { font-size: 0.9em; }
+table.decodespec td, table.decodespec th { vertical-align: top; }
+.decodespec-pass { color: #17631b; font-weight: bold; }
+.decodespec-fail { color: #a3150b; font-weight: bold; }
+.decodespec-deviation { color: #7a5a00; font-weight: bold; }
+"""
+
+_STATEMENT_SPLIT = re.compile(r"(?is)^\s*guard\s*:\s*(?P<guard>.*?)\s*\beffect\s*:\s*(?P<effect>.*)$")
+_CODE_SPAN = re.compile(r"(`+)(.+?)\1")
+
+
+def _split_statement(statement: str) -> list[tuple[str, str]]:
+    """``[("Guard", ...), ("Effect", ...)]`` when the statement says so, else ``[("Statement", ...)]``."""
+    m = _STATEMENT_SPLIT.match(statement)
+    if m:
+        return [("Guard", m["guard"].strip()), ("Effect", m["effect"].strip())]
+    return [("Statement", statement.strip())]
+
+
+def _implemented_by(obj: Any) -> str | None:
+    if obj is None:
+        return None
+    module = getattr(obj, "__module__", None) or type(obj).__module__
+    qualname = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    return f"{module}.{qualname}"
+
+
+def _result_class(result: str) -> str:
+    r = result.lower()
+    if r in ("pass", "passed", "ok"):
+        return "pass"
+    if r in ("fail", "failed", "error"):
+        return "fail"
+    if "deviation" in r or r in ("accepted", "xfail"):
+        return "deviation"
+    return "other"
+
+
+def setup(app: Any) -> dict[str, Any]:
+    """Sphinx entry point: the ``decodespec`` directives and roles, and the coverage check.
+
+    Directives: ``rule-def ID``, ``rule-index KIND``, ``error-table AREA``, ``policy-presets``,
+    ``schema-table FILE``, ``frontier-table``, ``decodespec-diagram phases|spine``,
+    ``conformance-results``, ``mutant-results``, ``cli-reference``, ``generation-report``.
+    Roles: ``rule`` and ``error`` (links; unknown ids are build warnings).
+    Config: ``decodespec_results_dir`` (default ``<repo>/docs/results``),
+    ``decodespec_strict_coverage`` (default ``True``: undocumented, twice-documented or
+    unknown ids are warnings, hence errors under ``-W``).
+    """
+    from docutils import nodes
+    from sphinx import addnodes
+    from sphinx.util import logging
+    from sphinx.util.docutils import SphinxDirective, SphinxRole
+    from sphinx.util.nodes import make_refnode
+
+    logger = logging.getLogger("decodespec.docs")
+
+    # ---- node helpers ---------------------------------------------------------------------
+
+    def inline(text: str) -> list[Any]:
+        out: list[Any] = []
+        pos = 0
+        for m in _CODE_SPAN.finditer(text):
+            if m.start() > pos:
+                out.append(nodes.Text(text[pos:m.start()]))
+            out.append(nodes.literal(m.group(2), m.group(2)))
+            pos = m.end()
+        if pos < len(text):
+            out.append(nodes.Text(text[pos:]))
+        return out
+
+    def paragraphs(text: str) -> list[Any]:
+        paras = [p for p in re.split(r"\n\s*\n", text.strip()) if p.strip()]
+        return [nodes.paragraph("", "", *inline(" ".join(p.split()))) for p in paras] or [nodes.paragraph("", "—")]
+
+    def cell_content(value: Any) -> list[Any]:
+        if isinstance(value, nodes.Node):
+            return [value if isinstance(value, (nodes.paragraph, nodes.bullet_list, nodes.literal_block)) else nodes.paragraph("", "", value)]
+        if isinstance(value, list):
+            return [v if isinstance(v, (nodes.paragraph, nodes.bullet_list)) else nodes.paragraph("", "", v) for v in value] or [nodes.paragraph("", "")]
+        return [nodes.paragraph("", "", *inline(str(value)))] if str(value) else [nodes.paragraph("", "")]
+
+    def table(headers: Sequence[str] | None, rows: Sequence[Sequence[Any]], *, row_ids: Sequence[str | None] | None = None,
+              widths: Sequence[int] | None = None, classes: Sequence[str] = ()) -> Any:
+        ncols = len(headers) if headers else (len(rows[0]) if rows else 1)
+        tbl = nodes.table(classes=["decodespec", *classes])
+        tgroup = nodes.tgroup(cols=ncols)
+        tbl += tgroup
+        for w in widths or [1] * ncols:
+            tgroup += nodes.colspec(colwidth=w)
+        if headers:
+            thead = nodes.thead()
+            tgroup += thead
+            hrow = nodes.row()
+            for h in headers:
+                hrow += nodes.entry("", nodes.paragraph("", h))
+            thead += hrow
+        tbody = nodes.tbody()
+        tgroup += tbody
+        for idx, row in enumerate(rows):
+            rnode = nodes.row()
+            if row_ids and row_ids[idx]:
+                rnode["ids"].append(row_ids[idx])
+            for value in row:
+                entry = nodes.entry()
+                entry.extend(cell_content(value))
+                rnode += entry
+            tbody += rnode
+        return tbl
+
+    def tests_list(ident: str, mentions: Mapping[str, list[str]]) -> Any:
+        tests = mentions.get(ident, [])
+        if not tests:
+            return nodes.emphasis("", "no test names this id yet")
+        bl = nodes.bullet_list()
+        for t in tests:
+            bl += nodes.list_item("", nodes.paragraph("", "", nodes.literal(t, t)))
+        return bl
+
+    def env_state(env: Any) -> dict[str, Any]:
+        return env.decodespec  # set up in builder-inited
+
+    def xref(key: str, text: str, docname: str) -> Any:
+        return addnodes.pending_xref("", nodes.literal(text, text), refdomain="", reftype="decodespec",
+                                     reftarget=key, refwarn=True, refdoc=docname)
+
+    def rule_link(ident: str, docname: str) -> Any:
+        return xref(f"rule:{ident}", ident, docname) if ident in RULES else nodes.literal(ident, ident)
+
+    # ---- directives -----------------------------------------------------------------------
+
+    class Base(SphinxDirective):
+        has_content = False
+        required_arguments = 0
+        optional_arguments = 1
+        final_argument_whitespace = False
+
+        @property
+        def state_(self) -> dict[str, Any]:
+            return env_state(self.env)
+
+        def define(self, key: str, anchor: str) -> None:
+            self.state_["defs"].setdefault(key, []).append((self.env.docname, anchor))
+
+        def warn(self, message: str) -> None:
+            logger.warning(message, location=self.get_location())
+
+    class RuleDef(Base):
+        """One rule: a section with its fields, and the anchor ``rule-<id>``."""
+
+        required_arguments = 1
+        optional_arguments = 0
+
+        def run(self) -> list[Any]:
+            ident = self.arguments[0]
+            anchor = f"rule-{ident}"
+            self.define(f"rule:{ident}", anchor)
+            r = RULES.get(ident)
+            section = nodes.section(ids=[anchor])
+            if r is None:
+                self.warn(f"rule-def names {ident!r}, which is not a registered rule")
+                section += nodes.title("", "", nodes.literal(ident, ident))
+                return [section]
+            section += nodes.title("", "", nodes.literal(ident, ident), nodes.Text(f": {r.title}"))
+            rows: list[list[Any]] = [["Kind", r.kind], ["Section", r.section]]
+            for label, text in _split_statement(r.statement):
+                rows.append([label, paragraphs(text)])
+            impl = _implemented_by(r.obj)
+            rows.append(["Implemented by", nodes.literal(impl, impl) if impl else "—"])
+            rows.append(["Checked by", tests_list(ident, self.state_["mentions"])])
+            section += table(None, rows, widths=[1, 5], classes=["decodespec-rule"])
+            return [section]
+
+    class RuleIndex(Base):
+        """A table of the rules of one kind, linking to their definitions."""
+
+        required_arguments = 1
+        optional_arguments = 0
+
+        def run(self) -> list[Any]:
+            kind = self.arguments[0]
+            rules = [r for r in RULES.values() if r.kind == kind]
+            mentions = self.state_["mentions"]
+            rows = [[rule_link(r.id, self.env.docname), r.title, r.section, str(len(mentions.get(r.id, [])))] for r in rules]
+            if not rows:
+                return [nodes.paragraph("", f"No {kind} rule is registered yet.")]
+            return [table(["Rule", "Title", "Section", "Tests"], rows, widths=[3, 4, 4, 1])]
+
+    class ErrorTable(Base):
+        """All error codes of one area, each row anchored ``error-<code>``."""
+
+        required_arguments = 1
+        optional_arguments = 0
+
+        def run(self) -> list[Any]:
+            area = self.arguments[0]
+            codes = [c for c in sorted(ERROR_CODES.values(), key=lambda c: c.code) if c.code.split(".", 1)[0] == area]
+            if not codes:
+                self.warn(f"error-table names area {area!r}, which has no registered code")
+                return []
+            ids = []
+            for c in codes:
+                self.define(f"error:{c.code}", f"error-{c.code}")
+                ids.append(f"error-{c.code}")
+            mentions = self.state_["mentions"]
+            rows = [[nodes.literal(c.code, c.code), c.kind, c.section, paragraphs(c.description), tests_list(c.code, mentions)] for c in codes]
+            return [table(["Code", "Kind", "Section", "Description", "Tests naming it"], rows, row_ids=ids, widths=[3, 2, 3, 5, 3])]
+
+    class PolicyPresets(Base):
+        """The declared transform-order presets side by side."""
+
+        def run(self) -> list[Any]:
+            presets = preset_orders()
+            if not presets:
+                return [nodes.paragraph("", "", nodes.emphasis("", "No order preset is declared yet in decodespec.spec.policy."))]
+            names = list(presets)
+            doc = self.env.docname
+
+            def step(name: str) -> Any:
+                for kind in ("transform", "selector"):
+                    if f"{kind}.{name}" in RULES:
+                        return rule_link(f"{kind}.{name}", doc)
+                return nodes.literal(name, name)
+
+            depth = max(len(v) for v in presets.values())
+            seq_rows = [[str(i + 1)] + [step(presets[p][i]) if i < len(presets[p]) else "" for p in names] for i in range(depth)]
+            steps: list[str] = []
+            for p in names:
+                for s in presets[p]:
+                    if s not in steps:
+                        steps.append(s)
+            pos_rows = [[step(s)] + [", ".join(str(i + 1) for i, x in enumerate(presets[p]) if x == s) or "—" for p in names] for s in steps]
+            return [
+                nodes.paragraph("", "Each column is one preset; row i is the step it applies i-th."),
+                table(["#"] + names, seq_rows),
+                nodes.paragraph("", "The same data by step: the position of each step in each preset (— when absent)."),
+                table(["Step"] + names, pos_rows),
+            ]
+
+    class SchemaTable(Base):
+        """The fields of a JSON Schema file, flattened."""
+
+        required_arguments = 1
+        optional_arguments = 0
+
+        def run(self) -> list[Any]:
+            rel, abspath = self.env.relfn2path(self.arguments[0], self.env.docname)
+            self.env.note_dependency(rel)
+            try:
+                schema = json.loads(Path(abspath).read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as exc:
+                self.warn(f"cannot read schema {abspath}: {exc}")
+                return []
+            rows = [[nodes.literal(r.path, r.path), r.type, "yes" if r.required else "no", r.constraints, r.description]
+                    for r in schema_rows(schema)]
+            head = [nodes.paragraph("", "", nodes.Text("Schema "), nodes.literal(str(schema.get("$id", "")), str(schema.get("$id", ""))),
+                                    nodes.Text(f" ({schema.get('$schema', 'JSON Schema')})."))]
+            return head + [table(["Field", "Type", "Required", "Constraints", "Description"], rows, widths=[4, 2, 1, 4, 5])]
+
+    class FrontierTable(Base):
+        """The M3.10 0x08 boundary table with the invariant recomputed per row."""
+
+        def run(self) -> list[Any]:
+            rows = [[b.boundary, str(b.output_count), b.pending, b.pending_tag, b.processed,
+                     "holds" if b.balanced else "VIOLATED", b.event] for b in FRONTIER_BOUNDARIES]
+            bad = [b.boundary for b in FRONTIER_BOUNDARIES if not b.balanced]
+            if bad:
+                self.warn(f"frontier table violates P + |U| = L + O at: {bad}")
+            return [
+                table(["Boundary", "O", "U", "U tag", "P = K", "P + |U| = L + O", "Event leading here"], rows,
+                      widths=[4, 1, 3, 3, 1, 2, 5]),
+                nodes.paragraph("", "", *inline(
+                    "Source: M3.10 0x08 \"Output, input, and cache frontiers\" (decoder-only prompt of length L, "
+                    "ordinary one-token decode, contiguous full-cache profile). The rows are transcribed from the "
+                    "seed in `decodespec.checks.docs.FRONTIER_BOUNDARIES` because the spec does not expose the table "
+                    "as one object; the invariant column is recomputed from O, |U| and P for every row.")),
+            ]
+
+    class Diagram(Base):
+        """An inline SVG diagram drawn by Graphviz from the spec's graph."""
+
+        required_arguments = 1
+        optional_arguments = 0
+
+        def run(self) -> list[Any]:
+            name = self.arguments[0]
+            if name == "spine":
+                graph, source = commit_spine_graph(), "drawn from the M3.10 0x08 boundary table (FRONTIER_BOUNDARIES)"
+                rankdir = "TB"
+            elif name == "phases":
+                graph, source = phase_graph()
+                rankdir = "LR"
+            else:
+                self.warn(f"unknown diagram {name!r} (phases, spine)")
+                return []
+            if graph is None:
+                return [nodes.note("", nodes.paragraph("", f"Phase diagram not drawn: {source}."))]
+            try:
+                svg = render_svg(to_dot(graph, rankdir=rankdir))
+            except DocsError as exc:
+                self.warn(str(exc))
+                return []
+            html = f'<div class="decodespec-diagram" id="diagram-{name}">\n{svg}\n</div>\n'
+            return [nodes.raw("", html, format="html"), nodes.paragraph("", f"Diagram {source}.")]
+
+    class ConformanceResults(Base):
+        """The latest conformance results per runtime (Bowtie / test262 style)."""
+
+        def run(self) -> list[Any]:
+            results, _ = load_results(Path(self.config.decodespec_results_dir))
+            if not results:
+                return [nodes.paragraph("", "", nodes.strong("", "No results yet."),
+                                        nodes.Text(" Run `decodespec check --report docs/results/<runtime>.jsonl`."))]
+            runtimes = sorted({r.runtime for r in results})
+            out: list[Any] = [nodes.rubric("", "Summary per runtime")]
+            summary = []
+            for rt in runtimes:
+                mine = [r for r in results if r.runtime == rt]
+                counts = {k: sum(1 for r in mine if _result_class(r.result) == k) for k in ("pass", "fail", "deviation", "other")}
+                summary.append([rt, str(counts["pass"]), str(counts["fail"]), str(counts["deviation"]), str(counts["other"]), str(len(mine))])
+            out.append(table(["Runtime", "pass", "fail", "accepted deviation", "other", "cases"], summary))
+            out.append(nodes.rubric("", "Case by runtime"))
+            cases = sorted({r.case for r in results})
+            latest = {(r.runtime, r.case): r for r in results}
+
+            def cell(rt: str, case: str) -> Any:
+                r = latest.get((rt, case))
+                if r is None:
+                    return "—"
+                text = r.result + (f" ({r.layer})" if r.layer and _result_class(r.result) != "pass" else "")
+                return nodes.inline(text, text, classes=[f"decodespec-{_result_class(r.result)}"])
+
+            out.append(table(["Case"] + runtimes, [[nodes.literal(c, c)] + [cell(rt, c) for rt in runtimes] for c in cases]))
+            failing = [r for r in results if _result_class(r.result) != "pass"]
+            if failing:
+                out.append(nodes.rubric("", "Failures and deviations"))
+                out.append(table(["Runtime", "Case", "Result", "Layer", "Expected", "Actual", "Report line"],
+                                 [[r.runtime, nodes.literal(r.case, r.case), r.result, r.layer, nodes.literal(r.expected, r.expected),
+                                   nodes.literal(r.actual, r.actual), r.source] for r in failing]))
+            return out
+
+    class MutantResults(Base):
+        """Failure-lab results: which check killed each mutant."""
+
+        def run(self) -> list[Any]:
+            _, lines = load_results(Path(self.config.decodespec_results_dir))
+            if not lines:
+                return [nodes.paragraph("", "", nodes.strong("", "No failure-lab results yet."))]
+            rows = []
+            for line in lines:
+                ident = str(line["mutant"])
+                key = f"rule:{ident}"
+                self.state_["refs"].append((key, self.env.docname))
+                if key not in self.state_["keys"]:
+                    self.warn(f"{line['_source']}: mutant {ident!r} is not a registered rule")
+                killed = line.get("killed")
+                rows.append([rule_link(ident, self.env.docname), "killed" if killed else ("SURVIVED" if killed is False else "?"),
+                             str(line.get("killed_by", "")), line["_source"]])
+            return [table(["Mutant", "Outcome", "Killed by", "Report line"], rows)]
+
+    class CliReference(Base):
+        """``--help`` of every registered ``decodespec`` subcommand."""
+
+        def run(self) -> list[Any]:
+            from decodespec.checks import cli
+
+            with _env("COLUMNS", "100"):
+                parser = cli.build_parser()
+                sub = next((a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"), None)
+                choices = dict(sub.choices) if sub is not None else {}
+                out: list[Any] = [nodes.literal_block(parser.format_usage(), parser.format_usage())]
+                if not choices:
+                    return out + [nodes.paragraph("", "No subcommand is registered yet.")]
+                for name, sp in choices.items():
+                    section = nodes.section(ids=[f"cli-{name}"])
+                    section += nodes.title("", "", nodes.literal(f"decodespec {name}", f"decodespec {name}"))
+                    text = sp.format_help()
+                    section += nodes.literal_block(text, text)
+                    out.append(section)
+            return out
+
+    class GenerationReport(Base):
+        """What was imported, what is covered by tests, and the page syntax."""
+
+        def run(self) -> list[Any]:
+            st = self.state_
+            report: ImportReport = st["imports"]
+            mentions = st["mentions"]
+            out: list[Any] = [nodes.rubric("", "Registries")]
+            rows = []
+            for kind in RULE_KINDS:
+                ids = [r.id for r in RULES.values() if r.kind == kind]
+                rows.append([kind, str(len(ids)), str(sum(1 for i in ids if i in mentions))])
+            rows.append(["error codes", str(len(ERROR_CODES)), str(sum(1 for c in ERROR_CODES if c in mentions))])
+            out.append(table(["Kind", "Registered", "Named by a test"], rows))
+            untested = [r.id for r in RULES.values() if r.id not in mentions] + [c for c in sorted(ERROR_CODES) if c not in mentions]
+            out.append(nodes.rubric("", "Registered ids that no test names"))
+            if untested:
+                bl = nodes.bullet_list()
+                for ident in untested:
+                    link = rule_link(ident, self.env.docname) if ident in RULES else xref(f"error:{ident}", ident, self.env.docname)
+                    bl += nodes.list_item("", nodes.paragraph("", "", link))
+                out.append(bl)
+            else:
+                out.append(nodes.paragraph("", "None."))
+            out.append(nodes.rubric("", "Modules imported for registration"))
+            out.append(nodes.paragraph("", "", nodes.literal(", ".join(report.imported), ", ".join(report.imported))))
+            if report.skipped:
+                out.append(nodes.rubric("", "Modules skipped"))
+                out.append(table(["Module", "Why"], [[nodes.literal(m, m), why] for m, why in report.skipped]))
+            return out
+
+    # ---- roles ----------------------------------------------------------------------------
+
+    class RefRole(SphinxRole):
+        def __init__(self, category: str):
+            super().__init__()
+            self.category = category
+
+        def run(self) -> tuple[list[Any], list[Any]]:
+            ident = self.text.strip()
+            key = f"{self.category}:{ident}"
+            st = env_state(self.env)
+            st["refs"].append((key, self.env.docname))
+            if key not in st["keys"]:
+                logger.warning(f"{{{self.category}}}`{ident}` names an id that is not registered", location=self.get_location())
+                return [nodes.literal(ident, ident)], []
+            return [xref(key, ident, self.env.docname)], []
+
+    # ---- events ---------------------------------------------------------------------------
+
+    def on_builder_inited(app_: Any) -> None:
+        imports = import_all()
+        keys = registry_keys()
+        ids = list(RULES) + list(ERROR_CODES)
+        app_.env.decodespec = {"defs": {}, "refs": [], "keys": keys, "imports": imports,
+                               "mentions": mentions_in_tests(REPO_ROOT, ids)}
+        if not app_.config.decodespec_results_dir:
+            app_.config.decodespec_results_dir = str(REPO_ROOT / "docs" / "results")
+
+    def on_purge(app_: Any, env: Any, docname: str) -> None:
+        st = getattr(env, "decodespec", None)
+        if st is None:
+            return
+        for key in list(st["defs"]):
+            st["defs"][key] = [d for d in st["defs"][key] if d[0] != docname]
+        st["refs"] = [r for r in st["refs"] if r[1] != docname]
+
+    def on_missing_reference(app_: Any, env: Any, node: Any, contnode: Any) -> Any:
+        if node.get("reftype") != "decodespec":
+            return None
+        entries = env.decodespec["defs"].get(node["reftarget"], [])
+        if not entries:
+            return None
+        docname, anchor = entries[0]
+        return make_refnode(app_.builder, node["refdoc"], docname, anchor, contnode, node["reftarget"])
+
+    def coverage_of(env: Any) -> Coverage:
+        st = env.decodespec
+        defs = {k: [d for d, _a in v] for k, v in st["defs"].items()}
+        return check_coverage(defs, st["refs"])
+
+    def on_check_consistency(app_: Any, env: Any) -> None:
+        if not app_.config.decodespec_strict_coverage:
+            return
+        for problem in coverage_of(env).problems():
+            logger.warning(f"docs coverage: {problem}")
+
+    def on_build_finished(app_: Any, exc: Any) -> None:
+        env = app_.env
+        if getattr(env, "decodespec", None) is None:
+            return
+        st = env.decodespec
+        data = {
+            "definitions": {k: [d for d, _a in v] for k, v in sorted(st["defs"].items()) if v},
+            "references": sorted(set(st["refs"])),
+        }
+        path = Path(app_.outdir) / COVERAGE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        static = Path(app_.outdir) / "_static"
+        static.mkdir(parents=True, exist_ok=True)
+        (static / "decodespec.css").write_text(_CSS, encoding="utf-8")
+
+    app.add_config_value("decodespec_results_dir", "", "env", types=frozenset({str}))
+    app.add_config_value("decodespec_strict_coverage", True, "env", types=frozenset({bool}))
+    for name, cls in {
+        "rule-def": RuleDef, "rule-index": RuleIndex, "error-table": ErrorTable, "policy-presets": PolicyPresets,
+        "schema-table": SchemaTable, "frontier-table": FrontierTable, "decodespec-diagram": Diagram,
+        "conformance-results": ConformanceResults, "mutant-results": MutantResults, "cli-reference": CliReference,
+        "generation-report": GenerationReport,
+    }.items():
+        app.add_directive(name, cls)
+    app.add_role("rule", RefRole("rule"))
+    app.add_role("error", RefRole("error"))
+    app.add_css_file("decodespec.css")
+    app.connect("builder-inited", on_builder_inited)
+    app.connect("env-purge-doc", on_purge)
+    app.connect("missing-reference", on_missing_reference)
+    app.connect("env-check-consistency", on_check_consistency)
+    app.connect("build-finished", on_build_finished)
+    return {"version": "1", "parallel_read_safe": False, "parallel_write_safe": True, "env_version": 1}
