@@ -21,6 +21,7 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 #: Subcommand name -> module (relative to decodespec.checks.commands), in ``--help`` order.
 COMMANDS: dict[str, str] = {
     "docs": "docs",
+    "generate": "generate",
 }
 
 
