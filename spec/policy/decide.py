@@ -86,6 +86,9 @@ class ProcessedRow:
         greedy_reason: ``"family"``, ``"temperature_zero"``, ``"fallback_eos"`` or ``None``.
         fallback_used: Whether the empty-support fallback forced the row.
         trace: One :class:`TraceStep` per step.
+        support_mask: ``[V]`` bool, the ids with a finite processed score before normalization
+            (positive probability for a probability row): the finite support, independent of
+            softmax underflow.
     """
 
     values: np.ndarray
@@ -97,16 +100,17 @@ class ProcessedRow:
     greedy_reason: str | None
     fallback_used: bool
     trace: tuple[TraceStep, ...]
+    support_mask: np.ndarray
 
     @property
     def support(self) -> np.ndarray:
-        """Ids with positive processed probability, ascending (int64)."""
-        return np.flatnonzero(self.probs > 0)
+        """Ids in the finite support, ascending (int64)."""
+        return np.flatnonzero(self.support_mask)
 
     @property
     def support_size(self) -> int:
-        """Number of ids with positive processed probability."""
-        return int((self.probs > 0).sum())
+        """Size of the finite support."""
+        return int(self.support_mask.sum())
 
     @property
     def margin(self) -> float:
@@ -154,7 +158,7 @@ def _fallback(row: ScoreRow, config: PolicyConfig, state: PolicyState, view: Req
     probs = np.zeros(row.vocab_size)
     probs[eos[0]] = 1.0
     trace.append(TraceStep("fallback_eos", ScoreKind.LOGITS, 1))
-    return ProcessedRow(values, ScoreKind.LOGITS, probs, applied, None, "greedy", "fallback_eos", True, tuple(trace))
+    return ProcessedRow(values, ScoreKind.LOGITS, probs, applied, None, "greedy", "fallback_eos", True, tuple(trace), probs > 0)
 
 
 def processed_row(row: ScoreRow, config: PolicyConfig, state: PolicyState, view: RequestView) -> ProcessedRow:
@@ -204,6 +208,7 @@ def processed_row(row: ScoreRow, config: PolicyConfig, state: PolicyState, view:
             break
     if _support_size(z, kind) == 0:
         return _fallback(row, config, state, view, trace, tuple(applied))
+    support_mask = z > 0 if kind is ScoreKind.PROBS else np.isfinite(z)
     normalization = None
     if selector == "multinomial" and kind is not ScoreKind.PROBS:
         z, kind, normalization = softmax(z), ScoreKind.PROBS, "softmax"
@@ -214,7 +219,7 @@ def processed_row(row: ScoreRow, config: PolicyConfig, state: PolicyState, view:
     if normalization:
         trace.append(TraceStep(normalization, kind, _support_size(z, kind)))
     probs = z if kind is ScoreKind.PROBS else (np.exp(z) if kind is ScoreKind.LOGPROBS else softmax(z))
-    return ProcessedRow(z, kind, probs, tuple(applied), normalization, selector, greedy_reason, False, tuple(trace))
+    return ProcessedRow(z, kind, probs, tuple(applied), normalization, selector, greedy_reason, False, tuple(trace), support_mask)
 
 
 def child_state(config: PolicyConfig, state: PolicyState, token_id: int, *, draws: int = 0, selected_prob: float | None = None) -> PolicyState:

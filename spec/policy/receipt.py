@@ -81,7 +81,8 @@ class DecisionReceipt:
         tie_rule: ``"lowest_id"``.
         empty_support: The configured empty-support policy.
         fallback_used: Whether the empty-support fallback produced the token.
-        support_size: Ids with finite processed score (positive processed probability).
+        support_size: Ids with a finite processed score before normalization (positive
+            probability for a probability row): the finite support.
         selected_id: The chosen vocabulary id.
         raw_logprob: ``log_softmax(raw row)[selected_id]`` (natural log).
         processed_logprob: ``log`` of the selected id's probability under the processed row
