@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import enum
 import importlib
 import importlib.util
 import io
@@ -115,7 +116,7 @@ KIND_PAGES: dict[str, str] = {
 OTHER_RULES_PAGE = "other-rules"
 
 #: A reference in a hand-written page: ``{rule}`id``` or ``{error}`code```.
-REFERENCE_RE = re.compile(r"\{(rule|error)\}`([^`]+)`")
+REFERENCE_RE = re.compile(r"\{(rule|error)\}`([^`\s]+)`")
 
 #: A definition directive in a page: ```` ```{rule-def} id ```` or ```` ```{error-table} area ````.
 DEFINITION_RE = re.compile(r"^(`{3,}|:{3,})\{(rule-def|error-table)\}[ \t]+(\S+)", re.MULTILINE)
@@ -255,6 +256,8 @@ def mentions_in_tests(root: Path, ids: Iterable[str]) -> dict[str, list[str]]:
 
 
 def _step_name(step: Any) -> str | None:
+    if isinstance(step, enum.Enum):
+        step = step.value
     if isinstance(step, str):
         return step
     for attr in ("name", "value", "id"):
@@ -267,10 +270,11 @@ def _step_name(step: Any) -> str | None:
 def preset_orders() -> dict[str, tuple[str, ...]]:
     """The named transform-order presets declared by :mod:`decodespec.spec.policy`.
 
-    Looks for module-level mappings whose name contains ``PRESET`` or ``ORDER`` in
-    ``decodespec.spec.policy`` and its submodules, from preset name to a sequence of steps
-    (strings, enums or objects with a ``name``).  Returns ``{}`` when the policy package is
-    absent or declares none.
+    Looks in ``decodespec.spec.policy`` and its submodules for module-level mappings whose
+    name contains ``PRESET`` or ``ORDER``, from preset name to a sequence of steps (strings,
+    enums or objects with a ``name``), and for module-level sequences of step names whose name
+    ends in ``_ORDER`` (a preset named after the attribute, e.g. ``LLAMA_CPP_MIROSTAT_ORDER``).
+    Returns ``{}`` when the policy package is absent or declares none.
 
     Returns:
         preset name -> ordered step names, in declaration order.
@@ -287,7 +291,12 @@ def preset_orders() -> dict[str, tuple[str, ...]]:
     presets: dict[str, tuple[str, ...]] = {}
     for module in modules:
         for attr, value in vars(module).items():
-            if not attr.isupper() or not ("PRESET" in attr or "ORDER" in attr) or not isinstance(value, Mapping):
+            if not attr.isupper():
+                continue
+            if attr.endswith("_ORDER") and isinstance(value, (tuple, list)) and value and all(isinstance(v, str) for v in value):
+                presets.setdefault(attr[: -len("_ORDER")].lower(), tuple(value))
+                continue
+            if not ("PRESET" in attr or "ORDER" in attr) or not isinstance(value, Mapping):
                 continue
             for key, steps in value.items():
                 name = _step_name(key)
@@ -926,8 +935,32 @@ def check_coverage(definitions: Mapping[str, Sequence[str]], references: Iterabl
 
 
 def scan_references(text: str) -> list[tuple[str, str]]:
-    """The ``{rule}`` / ``{error}`` references in a page's source, as ``(kind, id)`` pairs."""
-    return [(role, ident.strip()) for role, ident in REFERENCE_RE.findall(text)]
+    """The ``{rule}`` / ``{error}`` references in a page's MyST source, as ``(kind, id)`` pairs.
+
+    Parsed with MyST's own Markdown parser (markdown-it with the MyST role plugin), so code
+    spans and code blocks are not references; the bodies of directives (fences whose info
+    starts with ``{``) are parsed recursively, without their ``:option:`` lines.  Without the
+    docs extra, a regular expression over the raw text is used instead.
+    """
+    try:
+        from markdown_it import MarkdownIt
+        from mdit_py_plugins.myst_role import myst_role_plugin
+    except ImportError:  # pragma: no cover - the docs extra is absent
+        return [(role, ident) for role, ident in REFERENCE_RE.findall(text)]
+    md = MarkdownIt("commonmark").use(myst_role_plugin)
+    found: list[tuple[str, str]] = []
+
+    def walk(source: str) -> None:
+        for token in md.parse(source):
+            if token.type == "fence" and token.info.strip().startswith("{"):
+                body = "\n".join(ln for ln in token.content.splitlines() if not re.match(r"^:\w[\w-]*:", ln))
+                walk(body)
+            for child in token.children or []:
+                if child.type == "myst_role" and child.meta.get("name") in ("rule", "error"):
+                    found.append((child.meta["name"], child.content.strip()))
+
+    walk(text)
+    return found
 
 
 def scan_definitions(text: str) -> list[tuple[str, str]]:
@@ -1214,8 +1247,9 @@ def setup(app: Any) -> dict[str, Any]:
         return addnodes.pending_xref("", nodes.literal(text, text), refdomain="", reftype="decodespec",
                                      reftarget=key, refwarn=True, refdoc=docname)
 
-    def rule_link(ident: str, docname: str) -> Any:
-        return xref(f"rule:{ident}", ident, docname) if ident in RULES else nodes.literal(ident, ident)
+    def rule_link(ident: str, docname: str, text: str | None = None) -> Any:
+        text = text or ident
+        return xref(f"rule:{ident}", text, docname) if ident in RULES else nodes.literal(text, text)
 
     # ---- directives -----------------------------------------------------------------------
 
@@ -1309,7 +1343,7 @@ def setup(app: Any) -> dict[str, Any]:
             def step(name: str) -> Any:
                 for kind in ("transform", "selector"):
                     if f"{kind}.{name}" in RULES:
-                        return rule_link(f"{kind}.{name}", doc)
+                        return rule_link(f"{kind}.{name}", doc, name)
                 return nodes.literal(name, name)
 
             depth = max(len(v) for v in presets.values())
@@ -1321,7 +1355,9 @@ def setup(app: Any) -> dict[str, Any]:
                         steps.append(s)
             pos_rows = [[step(s)] + [", ".join(str(i + 1) for i, x in enumerate(presets[p]) if x == s) or "—" for p in names] for s in steps]
             return [
-                nodes.paragraph("", "Each column is one preset; row i is the step it applies i-th."),
+                nodes.paragraph("", "", *inline(
+                    "Each column is one preset (`order` in the policy object); row i is the step it applies i-th. "
+                    "Each step links to its transform rule. Source: the presets declared in `decodespec.spec.policy`.")),
                 table(["#"] + names, seq_rows),
                 nodes.paragraph("", "The same data by step: the position of each step in each preset (— when absent)."),
                 table(["Step"] + names, pos_rows),
@@ -1458,14 +1494,14 @@ def setup(app: Any) -> dict[str, Any]:
                 parser = cli.build_parser()
                 sub = next((a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"), None)
                 choices = dict(sub.choices) if sub is not None else {}
-                out: list[Any] = [nodes.literal_block(parser.format_usage(), parser.format_usage())]
+                out: list[Any] = [nodes.literal_block(parser.format_usage(), parser.format_usage(), language="text")]
                 if not choices:
                     return out + [nodes.paragraph("", "No subcommand is registered yet.")]
                 for name, sp in choices.items():
                     section = nodes.section(ids=[f"cli-{name}"])
                     section += nodes.title("", "", nodes.literal(f"decodespec {name}", f"decodespec {name}"))
                     text = sp.format_help()
-                    section += nodes.literal_block(text, text)
+                    section += nodes.literal_block(text, text, language="text")
                     out.append(section)
             return out
 
