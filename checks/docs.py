@@ -82,6 +82,7 @@ __all__ = [
     "import_all",
     "load_results",
     "phase_graph",
+    "spec_frontier_observations",
     "preset_orders",
     "render_svg",
     "scan_references",
@@ -434,6 +435,10 @@ class FrontierBoundary:
         pending_tag: The :class:`~decodespec.spec.enums.PendingTag` value of U.
         processed_offset: P - L (P, and K = P, relative to the prompt length L).
         event: The spine event that leads *to* this boundary from the previous one.
+        phase: The spec phase (:class:`decodespec.spec.state.Phase` value) of a state at this
+            boundary; with ``output_count``, ``pending_tag`` and ``after_repair`` it selects the
+            spec states that :func:`spec_frontier_observations` compares with the row.
+        after_repair: The row follows the optional repair call.
     """
 
     boundary: str
@@ -443,6 +448,8 @@ class FrontierBoundary:
     pending_tag: str
     processed_offset: int
     event: str
+    phase: str
+    after_repair: bool = False
 
     @property
     def processed(self) -> str:
@@ -461,17 +468,17 @@ class FrontierBoundary:
 #: commit, later processing).  :attr:`FrontierBoundary.balanced` recomputes the invariant.
 FRONTIER_BOUNDARIES: tuple[FrontierBoundary, ...] = (
     FrontierBoundary("after prompt prefill, before first selection", 0, "empty", 0, "EMPTY", 0,
-                     "prefill call completes ALL_NEW: prompt [0, L) processed, score row exposed"),
+                     "prefill call completes ALL_NEW: prompt [0, L) processed, score row exposed", "scored"),
     FrontierBoundary("after selecting y0", 1, "[y0]", 1, "PENDING_NEXT_CALL", 0,
-                     "decide (M3.8 receipt) + commit once: y0 appended to the output"),
+                     "decide (M3.8 receipt) + commit once: y0 appended to the output", "ready"),
     FrontierBoundary("after processing y0, before selecting y1", 1, "empty", 0, "EMPTY", 1,
-                     "decode call completes ALL_NEW: y0 processed into every state lane"),
+                     "decode call completes ALL_NEW: y0 processed into every state lane", "scored"),
     FrontierBoundary("after selecting y1", 2, "[y1]", 1, "PENDING_NEXT_CALL", 1,
-                     "decide + commit once: y1 appended to the output"),
+                     "decide + commit once: y1 appended to the output", "ready"),
     FrontierBoundary("stop immediately", 2, "[y1] or closed-unprocessed output", 1, "CLOSED_UNPROCESSED", 1,
-                     "finish: y1 stays CLOSED_UNPROCESSED"),
+                     "finish: y1 stays CLOSED_UNPROCESSED", "finished"),
     FrontierBoundary("optional append/repair of y1", 2, "empty", 0, "EMPTY", 2,
-                     "repair call processes y1; its logits are discarded"),
+                     "repair call processes y1; its logits are discarded", "finished", after_repair=True),
 )
 
 
@@ -503,53 +510,108 @@ def commit_spine_graph(boundaries: Sequence[FrontierBoundary] = FRONTIER_BOUNDAR
 # --------------------------------------------------------------------------------------------
 
 
-def _phase_of(state: Any) -> str | None:
-    for attr in ("phase", "status"):
-        value = getattr(state, attr, None)
-        if value is not None:
-            return str(getattr(value, "value", value))
-    if isinstance(state, Mapping):
-        value = state.get("phase")
-        return None if value is None else str(getattr(value, "value", value))
-    return None
+#: Explorer configurations whose reachable graphs are unioned into the phase machine: the
+#: default bounds (chunked prefill, interrupts, faults, adversarial actions, repair), the three
+#: G=0 branches, a static cache and the non-default profiles.  Keyword arguments of
+#: ``decodespec.checks.explore.ExploreBounds``.
+PHASE_CONFIGS: tuple[dict[str, Any], ...] = (
+    {},
+    {"max_new_tokens": 0, "zero_new_tokens": "reject"},
+    {"max_new_tokens": 0, "zero_new_tokens": "no_call"},
+    {"max_new_tokens": 0, "zero_new_tokens": "prefill_only"},
+    {"cache": "static"},
+    {"profile": "prefix_lm"},
+    {"profile": "hybrid"},
+    {"profile": "encoder_decoder", "prompt_len": 1},
+)
 
 
-def phase_graph() -> tuple[nx.DiGraph | None, str]:
-    """The phase machine: the explorer's reachable-state graph collapsed to phases.
+def _value(x: Any) -> str:
+    return str(getattr(x, "value", x))
+
+
+def _explored_graphs(configs: Sequence[Mapping[str, Any]]) -> list[tuple[Any, nx.DiGraph]]:
+    from decodespec.checks import explore as ex
+
+    out = []
+    for cfg in configs:
+        bounds = ex.ExploreBounds(**cfg)
+        params = ex.params_for_bounds(bounds)
+        out.append((params, ex.explore(params, bounds).graph))
+    return out
+
+
+def phase_graph(configs: Sequence[Mapping[str, Any]] = PHASE_CONFIGS) -> tuple[nx.DiGraph | None, str]:
+    """The phase machine: the explorer's reachable-state graphs collapsed to phases.
+
+    Every reachable state of each configuration in ``configs`` is mapped to its ``phase``; a
+    phase edge is drawn when some transition goes from a state of one phase to a state of the
+    other, labelled with the transition rules seen on it (without the ``transition.`` prefix).
 
     Returns:
-        ``(graph, source)``: a ``networkx.DiGraph`` whose nodes are phases and whose edges
-        carry ``label`` (the actions seen on that phase edge), and a sentence naming where it
-        came from; ``(None, reason)`` when the explorer is not available yet.
+        ``(graph, source)``: a ``networkx.DiGraph`` over phase names (nodes and edges carry
+        ``label``), and a sentence naming where it came from; ``(None, reason)`` when the
+        explorer is not available.
     """
     try:
-        explore = importlib.import_module("decodespec.checks.explore")
+        importlib.import_module("decodespec.checks.explore")
     except ImportError as exc:
         return None, f"the explorer (decodespec.checks.explore) is not available: {exc}"
-    builder = getattr(explore, "explore", None)
-    if builder is None:
-        return None, "decodespec.checks.explore has no explore() function yet"
-    result = builder()
-    graph = result if isinstance(result, nx.DiGraph) else getattr(result, "graph", None)
-    if not isinstance(graph, nx.DiGraph):
-        return None, "decodespec.checks.explore.explore() returned no networkx graph"
+    edge_rules: dict[tuple[str, str], set[str]] = {}
+    num_states = 0
+    terminal: set[str] = set()
+    for _params, graph in _explored_graphs(configs):
+        num_states += graph.number_of_nodes()
+        for u, v, data in graph.edges(data=True):
+            pu, pv = _value(u.phase), _value(v.phase)
+            rule_id = str(data.get("rule", ""))
+            edge_rules.setdefault((pu, pv), set()).add(rule_id.split(".", 1)[-1])
+        terminal |= {_value(n.phase) for n in graph.nodes if graph.out_degree(n) == 0}
     phases = nx.DiGraph(name="phases")
-    edge_actions: dict[tuple[str, str], set[str]] = {}
-    for u, v, data in graph.edges(data=True):
-        pu = _phase_of(graph.nodes[u].get("state", u))
-        pv = _phase_of(graph.nodes[v].get("state", v))
-        if pu is None or pv is None:
-            continue
-        action = data.get("action")
-        name = getattr(action, "name", None) or type(action).__name__ if action is not None else ""
-        edge_actions.setdefault((pu, pv), set()).add(str(name))
-    for (pu, pv), names in sorted(edge_actions.items()):
+    for (pu, pv), names in sorted(edge_rules.items()):
         phases.add_edge(pu, pv, label="\n".join(sorted(n for n in names if n)))
     for node in phases.nodes:
         phases.nodes[node]["label"] = node
-    if phases.number_of_nodes() == 0:
-        return None, "the explorer's states carry no phase"
-    return phases, f"collapsed from {graph.number_of_nodes()} reachable states of decodespec.checks.explore"
+        if node in terminal and not any(u == node and v != node for u, v in phases.edges):
+            phases.nodes[node]["shape"] = "doubleoctagon"
+    return phases, (f"collapsed from {num_states} reachable states of {len(configs)} explorer configurations "
+                    "(decodespec.checks.explore, PHASE_CONFIGS); edges name the transition rules taken")
+
+
+def spec_frontier_observations(
+    boundaries: Sequence[FrontierBoundary] = FRONTIER_BOUNDARIES,
+) -> tuple[list[set[tuple[int, int, int, int | None]]] | None, str]:
+    """What the spec's reachable states say at each boundary of the M3.10 0x08 table.
+
+    Explores a decoder-only request (L=2, G=3, one-shot prefill, greedy, repair allowed, no
+    faults) and, for each boundary, collects ``(O, |U|, P - L, K - L)`` over every reachable
+    state in the boundary's phase with the boundary's O and U tag (the repair row also needs
+    the last completed call to be a repair).
+
+    Returns:
+        ``(observations, source)`` with one set per boundary, or ``(None, reason)`` when the
+        explorer is not available.
+    """
+    try:
+        importlib.import_module("decodespec.checks.explore")
+    except ImportError as exc:
+        return None, f"the explorer is not available: {exc}"
+    cfg = {"vocab": 3, "prompt_len": 2, "max_new_tokens": 3, "prefill_chunk": None, "faults": False,
+           "adversarial": False, "final_cache": "all_outputs"}
+    (params, graph), = _explored_graphs([cfg])
+    L = params.prompt_len
+    observed: list[set[tuple[int, int, int, int | None]]] = []
+    for b in boundaries:
+        seen = set()
+        for st in graph.nodes:
+            if (_value(st.phase), st.output_count, _value(st.pending_tag)) != (b.phase, b.output_count, b.pending_tag):
+                continue
+            if b.after_repair != (st.last_completion is not None and _value(st.last_completion.kind) == "repair"):
+                continue
+            k = st.k_frontier
+            seen.add((st.output_count, len(st.pending_ids), st.processed - L, None if k is None else k - L))
+        observed.append(seen)
+    return observed, f"explored {graph.number_of_nodes()} states of a decoder-only request with L={L}, G=3"
 
 
 # --------------------------------------------------------------------------------------------
@@ -1384,22 +1446,37 @@ def setup(app: Any) -> dict[str, Any]:
             return head + [table(["Field", "Type", "Required", "Constraints", "Description"], rows, widths=[4, 2, 1, 4, 5])]
 
     class FrontierTable(Base):
-        """The M3.10 0x08 boundary table with the invariant recomputed per row."""
+        """The M3.10 0x08 boundary table, the invariant recomputed and each row checked against the spec."""
 
         def run(self) -> list[Any]:
-            rows = [[b.boundary, str(b.output_count), b.pending, b.pending_tag, b.processed,
-                     "holds" if b.balanced else "VIOLATED", b.event] for b in FRONTIER_BOUNDARIES]
-            bad = [b.boundary for b in FRONTIER_BOUNDARIES if not b.balanced]
-            if bad:
-                self.warn(f"frontier table violates P + |U| = L + O at: {bad}")
+            observed, source = spec_frontier_observations()
+            rows = []
+            for idx, b in enumerate(FRONTIER_BOUNDARIES):
+                if not b.balanced:
+                    self.warn(f"frontier table row {b.boundary!r} violates P + |U| = L + O")
+                expected = (b.output_count, b.pending_len, b.processed_offset, b.processed_offset)
+                if observed is None:
+                    verdict = "not checked"
+                elif observed[idx] == {expected}:
+                    verdict = "agrees"
+                else:
+                    got = sorted(observed[idx], key=str)
+                    verdict = f"DISAGREES: (O, |U|, P-L, K-L) = {got}"
+                    self.warn(f"the spec disagrees with the M3.10 0x08 boundary table at {b.boundary!r}: "
+                              f"expected {expected}, reachable states give {got}")
+                rows.append([b.boundary, str(b.output_count), b.pending, b.pending_tag, b.processed,
+                             "holds" if b.balanced else "VIOLATED", b.event, f"{b.phase}: {verdict}"])
+            check = (f"The last column is the spec's answer: {source}; every reachable state in the row's phase "
+                     "with the row's O and U tag must have exactly the row's O, |U|, P and K = P."
+                     if observed is not None else f"The rows are not checked against the spec: {source}.")
             return [
-                table(["Boundary", "O", "U", "U tag", "P = K", "P + |U| = L + O", "Event leading here"], rows,
-                      widths=[4, 1, 3, 3, 1, 2, 5]),
+                table(["Boundary", "O", "U", "U tag", "P = K", "P + |U| = L + O", "Event leading here", "Spec states"], rows,
+                      widths=[4, 1, 3, 3, 1, 2, 5, 3]),
                 nodes.paragraph("", "", *inline(
                     "Source: M3.10 0x08 \"Output, input, and cache frontiers\" (decoder-only prompt of length L, "
                     "ordinary one-token decode, contiguous full-cache profile). The rows are transcribed from the "
                     "seed in `decodespec.checks.docs.FRONTIER_BOUNDARIES` because the spec does not expose the table "
-                    "as one object; the invariant column is recomputed from O, |U| and P for every row.")),
+                    "as one object; the invariant column is recomputed from O, |U| and P for every row. " + check)),
             ]
 
     class Diagram(Base):
@@ -1411,11 +1488,11 @@ def setup(app: Any) -> dict[str, Any]:
         def run(self) -> list[Any]:
             name = self.arguments[0]
             if name == "spine":
-                graph, source = commit_spine_graph(), "drawn from the M3.10 0x08 boundary table (FRONTIER_BOUNDARIES)"
+                graph, source = commit_spine_graph(), "drawn from the M3.10 0x08 boundary table below (FRONTIER_BOUNDARIES, each row checked against the spec's reachable states)"
                 rankdir = "TB"
             elif name == "phases":
                 graph, source = phase_graph()
-                rankdir = "LR"
+                rankdir = "TB"
             else:
                 self.warn(f"unknown diagram {name!r} (phases, spine)")
                 return []
