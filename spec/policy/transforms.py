@@ -245,7 +245,8 @@ def logit_bias(z: np.ndarray, spec: TransformSpec, view: RequestView, state: Pol
 def temperature(z: np.ndarray, spec: TransformSpec, view: RequestView, state: PolicyState) -> Step:
     t = spec.get("temperature")
     assert t > 0, "temperature 0 is the greedy branch, never a division"
-    return Step(z / t)
+    with np.errstate(over="ignore"):  # an overflow to +inf is reported as policy.infinite_scores
+        return Step(z / t)
 
 
 @_transform(
