@@ -560,7 +560,8 @@ def phase_graph(configs: Sequence[Mapping[str, Any]] = PHASE_CONFIGS) -> tuple[n
     edge_rules: dict[tuple[str, str], set[str]] = {}
     num_states = 0
     terminal: set[str] = set()
-    for _params, graph in _explored_graphs(configs):
+    explored = _explored_graphs(configs)
+    for _params, graph in explored:
         num_states += graph.number_of_nodes()
         for u, v, data in graph.edges(data=True):
             pu, pv = _value(u.phase), _value(v.phase)
@@ -570,10 +571,13 @@ def phase_graph(configs: Sequence[Mapping[str, Any]] = PHASE_CONFIGS) -> tuple[n
     phases = nx.DiGraph(name="phases")
     for (pu, pv), names in sorted(edge_rules.items()):
         phases.add_edge(pu, pv, label="\n".join(sorted(n for n in names if n)))
+    initial = {_value(next(iter(graph.nodes)).phase) for _p, graph in explored if graph.number_of_nodes()}
     for node in phases.nodes:
         phases.nodes[node]["label"] = node
+        if node in initial:
+            phases.nodes[node]["rank"] = "source"
         if node in terminal and not any(u == node and v != node for u, v in phases.edges):
-            phases.nodes[node]["shape"] = "doubleoctagon"
+            phases.nodes[node].update(shape="doubleoctagon", rank="sink")
     return phases, (f"collapsed from {num_states} reachable states of {len(configs)} explorer configurations "
                     "(decodespec.checks.explore, PHASE_CONFIGS); edges name the transition rules taken")
 
@@ -624,7 +628,11 @@ def _dot_quote(text: str) -> str:
 
 
 def to_dot(graph: nx.DiGraph, *, rankdir: str = "TB") -> str:
-    """DOT source for ``graph``: node and edge ``label`` / ``style`` / ``shape`` attributes kept."""
+    """DOT source for ``graph``: node and edge ``label`` / ``style`` / ``shape`` attributes kept.
+
+    A node whose ``rank`` attribute is ``"source"`` or ``"sink"`` is placed on the first or last
+    rank.
+    """
     lines = [
         f"digraph {_dot_quote(str(graph.graph.get('name', 'g')))} {{",
         f"  rankdir={rankdir};",
@@ -636,6 +644,10 @@ def to_dot(graph: nx.DiGraph, *, rankdir: str = "TB") -> str:
         attrs_ = {"label": str(data.get("label", node))}
         attrs_.update({k: str(data[k]) for k in ("shape", "style") if k in data})
         lines.append(f"  {ids[node]} [" + ", ".join(f"{k}={_dot_quote(v)}" for k, v in attrs_.items()) + "];")
+    for rank in ("source", "sink"):
+        members = [ids[n] for n, d in graph.nodes(data=True) if d.get("rank") == rank]
+        if members:
+            lines.append(f"  {{rank={rank}; " + "; ".join(members) + ";}")
     for u, v, data in graph.edges(data=True):
         attrs_ = {k: str(data[k]) for k in ("label", "style") if k in data}
         body = ", ".join(f"{k}={_dot_quote(val)}" for k, val in attrs_.items())

@@ -349,8 +349,10 @@ def test_to_dot_quotes_and_render_svg() -> None:
     g = nx.DiGraph(name='a "b"')
     g.add_node(1, label='say "hi"\nnext')
     g.add_edge(1, 1, label="back\\slash", style="dashed")
+    g.add_node(2, rank="sink")
     dot = to_dot(g)
     assert '"say \\"hi\\"\\nnext"' in dot and '"back\\\\slash"' in dot
+    assert "{rank=sink; n1;}" in dot
     svg = render_svg(dot)
     assert svg.startswith("<svg") and "say &quot;hi&quot;" in svg and "<!--" not in svg
     with pytest.raises(DocsError):
