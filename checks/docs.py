@@ -99,7 +99,8 @@ PACKAGES: tuple[str, ...] = ("decodespec.spec", "decodespec.impl", "decodespec.c
 #: The source checkout (``checks/..``): ``docs/``, ``tests/`` and ``spec/schemas`` live here.
 REPO_ROOT: Path = Path(__file__).resolve().parent.parent
 
-#: The hand-written pages of ``docs/`` that make up the site (plus ``conf.py``).
+#: The hand-written pages that ``docs/index.md`` lists itself; every other ``docs/*.md`` page
+#: is staged too and listed on the generated "Other pages" page.
 HAND_WRITTEN: tuple[str, ...] = ("index.md", "quickstart.md", "adapters.md", "glossary.md", "design.md")
 
 #: Rule kind -> generated page (under ``generated/``) that defines its rules.
@@ -900,6 +901,13 @@ def _about_page() -> str:
     ) + _fence("generation-report")
 
 
+def _more_page(extra: list[str]) -> str:
+    text = _page_header("Other pages", "Hand-written pages of `docs/` that the index does not list itself.")
+    if not extra:
+        return text + "None yet.\n"
+    return text + _fence("toctree", body=":maxdepth: 1\n\n" + "".join(f"/{name}\n" for name in extra))
+
+
 def write_generated_pages(src_dir: Path, *, rules: Mapping[str, Rule] = RULES,
                           codes: Mapping[str, ErrorCode] = ERROR_CODES,
                           root: Path = REPO_ROOT) -> list[Path]:
@@ -930,6 +938,7 @@ def write_generated_pages(src_dir: Path, *, rules: Mapping[str, Rule] = RULES,
         "results": _results_page(),
         "cli": _cli_page(),
         "about": _about_page(),
+        "more": _more_page(sorted(p.stem for p in src_dir.glob("*.md") if p.name not in HAND_WRITTEN)),
     }
     others = [r for kind, rs in by_kind.items() if kind not in KIND_PAGES for r in rs]
     if others:
@@ -1077,7 +1086,9 @@ def _require_sphinx() -> None:
 
 
 def stage_sources(src_dir: Path, docs_dir: Path) -> list[Path]:
-    """Copy ``conf.py`` and the hand-written pages of ``docs_dir`` into ``src_dir``.
+    """Copy ``conf.py`` and every hand-written page (``docs_dir/*.md``) into ``src_dir``.
+
+    Pages other than :data:`HAND_WRITTEN` are listed by the generated ``generated/more`` page.
 
     Raises:
         DocsError: ``docs_dir`` lacks ``conf.py`` or ``index.md`` (not a source checkout).
@@ -1087,10 +1098,9 @@ def stage_sources(src_dir: Path, docs_dir: Path) -> list[Path]:
             raise DocsError(f"{docs_dir / required} not found: run from a source checkout", missing_component=True)
     src_dir.mkdir(parents=True, exist_ok=True)
     copied = []
-    for name in ("conf.py",) + HAND_WRITTEN:
-        if (docs_dir / name).is_file():
-            shutil.copy2(docs_dir / name, src_dir / name)
-            copied.append(src_dir / name)
+    for path in [docs_dir / "conf.py", *sorted(docs_dir.glob("*.md"))]:
+        shutil.copy2(path, src_dir / path.name)
+        copied.append(src_dir / path.name)
     return copied
 
 

@@ -274,7 +274,12 @@ def planted(tmp_path_factory: pytest.TempPathFactory) -> tuple[docs.BuildResult,
         f"```{{rule-def}} {victim}\n```\n\n"
         "See {rule}`transition.no_such_rule` and {error}`envelope.no_such_code`.\n"
     )
-    result = build_site(root / "html", results_dir=results, source_dir=root / "src", extra_pages={"planted.md": page})
+    # a copy of docs/ with one more hand-written page that names a registered rule
+    docs_dir = root / "docs"
+    shutil.copytree(docs.REPO_ROOT / "docs", docs_dir, ignore=shutil.ignore_patterns("results", "examples"))
+    (docs_dir / "extra-notes.md").write_text(f"# Extra notes\n\nThe rule {{rule}}`{victim}` matters.\n")
+    result = build_site(root / "html", docs_dir=docs_dir, results_dir=results, source_dir=root / "src",
+                        extra_pages={"planted.md": page})
     return result, victim
 
 
@@ -289,6 +294,16 @@ def test_planted_mistakes_fail_the_build(planted: tuple[docs.BuildResult, str]) 
     joined = "\n".join(result.warnings)
     assert "transition.no_such_rule" in joined
     assert "mutant.does_not_exist" in joined  # a results line naming an unregistered mutant
+
+
+def test_extra_hand_written_page_is_listed_and_links_resolve(planted: tuple[docs.BuildResult, str]) -> None:
+    result, victim = planted
+    more = (result.out_dir / "generated" / "more.html").read_text(encoding="utf-8")
+    assert 'href="../extra-notes.html"' in more
+    extra = (result.out_dir / "extra-notes.html").read_text(encoding="utf-8")
+    page = docs.KIND_PAGES.get(RULES[victim].kind, docs.OTHER_RULES_PAGE)
+    assert f'href="generated/{page}.html#rule-{victim}"' in extra
+    assert (f"rule:{victim}", "extra-notes") not in result.coverage.unknown_references
 
 
 def test_results_table(planted: tuple[docs.BuildResult, str]) -> None:
