@@ -1065,7 +1065,7 @@ def beam_step(params: BeamParams, state: BeamState, logprobs: np.ndarray) -> tup
     if params.completed_capacity is not None:
         completed = completed[: params.completed_capacity]
 
-    if at_cap:
+    if at_cap and sel.live:
         stop: BeamStop | None = BeamStop.LENGTH_CAP
     elif not children:
         stop = BeamStop.NO_LIVE
