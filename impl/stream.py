@@ -422,7 +422,8 @@ class Streamer:
         else:
             shown = detok.num_bytes if cut is None else cut
         ordered = tuple(r for r in FINISH_PRECEDENCE if r in fired)
-        logprobs = None if any(lp is None for lp in self._logprobs) else tuple(self._logprobs[:keep])
+        recorded = bool(self._logprobs) and all(lp is not None for lp in self._logprobs)
+        logprobs = tuple(self._logprobs[:keep]) if recorded else None
         return AlignedOutput(
             alignment=cfg.alignment,
             output_ids=tuple(self._ids[:keep]),

@@ -206,6 +206,12 @@ def _to_alignment(value: Any) -> "OutputAlignment":
                         "$.alignment") from None
 
 
+def _to_stop_tuple(value: Any) -> tuple[Any, ...]:
+    if isinstance(value, (str, bytes)):
+        raise Rejection(STOP_PATTERN_TYPE, "stop strings must be a list of str, not one string", "$.stop")
+    return tuple(value)
+
+
 def _check_count(value: Any, name: str, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise Rejection(STOP_INVALID_COUNT, f"{name} must be an int >= {minimum}, got {value!r}", f"$.{name}")
@@ -238,7 +244,7 @@ class StopConfig:
     min_new_tokens: int = 0
     prompt_len: int = 0
     max_context_len: int | None = None
-    stop_strings: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    stop_strings: tuple[str, ...] = attrs.field(default=(), converter=_to_stop_tuple)
     include_stop_str: bool = False
     alignment: OutputAlignment = attrs.field(default=OutputAlignment.TEXT, converter=_to_alignment)
     json_completion: bool = False
@@ -315,7 +321,7 @@ class AlignedOutput:
     Attributes:
         alignment: The contract applied.
         output_ids: Returned token ids (``int[k]``).
-        logprobs: Their logprobs (``float[k]``), or ``None`` when none were recorded.
+        logprobs: Their logprobs (``float[k]``), or ``None`` when none were recorded (or ``O = 0``).
         text: Returned text: UTF-8 decode of output bytes ``[0, visible_end)``.
         token_spans: Byte span ``(start, end)`` of each returned token in the output bytes.
         visible_end: End of the visible bytes (the text).
@@ -628,7 +634,7 @@ def align_output(config: StopConfig, token_ids: Sequence[int], token_bytes: Sequ
     return AlignedOutput(
         alignment=config.alignment,
         output_ids=tuple(token_ids[:k]),
-        logprobs=None if logprobs is None else tuple(logprobs[:k]),
+        logprobs=None if not logprobs else tuple(logprobs[:k]),
         text=data[:visible_end].decode("utf-8", errors="replace"),
         token_spans=tuple((ends[i - 1] if i else 0, ends[i]) for i in range(k)),
         visible_end=visible_end,
