@@ -1113,6 +1113,8 @@ def build_site(out_dir: Path, *, docs_dir: Path | None = None, results_dir: Path
         docs_dir: Hand-written pages and ``conf.py`` (default ``<repo>/docs``).
         results_dir: Conformance / failure-lab reports (default ``<docs_dir>/results``).
         source_dir: Where to stage the sources (default: a temporary folder, removed after).
+            An existing folder is replaced only when it is empty or was staged by an earlier
+            build (it holds ``STAGING_MARKER``).
         extra_pages: Extra ``name.md -> text`` pages to stage (tests use this to plant errors).
 
     Returns:
@@ -1137,8 +1139,11 @@ def build_site(out_dir: Path, *, docs_dir: Path | None = None, results_dir: Path
     source_dir = Path(source_dir).resolve()
     try:
         if source_dir.exists():
+            if any(source_dir.iterdir()) and not (source_dir / STAGING_MARKER).is_file():
+                raise DocsError(f"{source_dir} is not empty and was not staged by decodespec docs: refusing to replace it")
             shutil.rmtree(source_dir)
         stage_sources(source_dir, docs_dir)
+        (source_dir / STAGING_MARKER).write_text("staged by decodespec.checks.docs; replaced on every build\n")
         write_generated_pages(source_dir)
         for name, text in (extra_pages or {}).items():
             (source_dir / name).write_text(text, encoding="utf-8")
@@ -1182,6 +1187,9 @@ def _env(name: str, value: str):
 
 
 COVERAGE_FILE = Path("_decodespec") / "coverage.json"
+
+#: Marks a staging folder as ours, so that a later build may replace it.
+STAGING_MARKER = ".decodespec-docs-staging"
 
 
 def read_coverage(out_dir: Path) -> Coverage:

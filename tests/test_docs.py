@@ -383,6 +383,15 @@ def test_render_svg_without_dot_is_a_clear_missing_component(monkeypatch: pytest
         build_site(Path("/nonexistent-out"))
 
 
+def test_build_refuses_to_replace_a_foreign_source_folder(tmp_path: Path) -> None:
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(DocsError, match="refusing"):
+        build_site(tmp_path / "html", source_dir=foreign)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
 def test_schema_rows_flatten_refs_items_and_alternatives() -> None:
     schema = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
