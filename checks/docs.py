@@ -62,7 +62,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import attrs
 import networkx as nx
 
-from decodespec.spec.errors import ERROR_CODES, ErrorCode
+from decodespec.spec.errors import ERROR_CODES, DecodeSpecError, ErrorCode
 from decodespec.spec.rules import RULE_KINDS, RULES, Rule
 
 __all__ = [
@@ -521,7 +521,7 @@ PHASE_CONFIGS: tuple[dict[str, Any], ...] = (
     {"max_new_tokens": 0, "zero_new_tokens": "no_call"},
     {"max_new_tokens": 0, "zero_new_tokens": "prefill_only"},
     {"cache": "static"},
-    {"profile": "prefix_lm"},
+    {"profile": "prefix_lm", "prefill_chunk": None},
     {"profile": "hybrid"},
     {"profile": "encoder_decoder", "prompt_len": 1},
 )
@@ -531,15 +531,20 @@ def _value(x: Any) -> str:
     return str(getattr(x, "value", x))
 
 
-def _explored_graphs(configs: Sequence[Mapping[str, Any]]) -> list[tuple[Any, nx.DiGraph]]:
+def _explored_graphs(configs: Sequence[Mapping[str, Any]]) -> tuple[list[tuple[Any, nx.DiGraph]], list[str]]:
+    """Explore each configuration; return the ``(params, graph)`` pairs and the refused ones."""
     from decodespec.checks import explore as ex
 
-    out = []
+    out, refused = [], []
     for cfg in configs:
-        bounds = ex.ExploreBounds(**cfg)
-        params = ex.params_for_bounds(bounds)
+        try:
+            bounds = ex.ExploreBounds(**cfg)
+            params = ex.params_for_bounds(bounds)
+        except (TypeError, ValueError, DecodeSpecError) as exc:  # the explorer's bounds changed
+            refused.append(f"{cfg}: {exc}")
+            continue
         out.append((params, ex.explore(params, bounds).graph))
-    return out
+    return out, refused
 
 
 def phase_graph(configs: Sequence[Mapping[str, Any]] = PHASE_CONFIGS) -> tuple[nx.DiGraph | None, str]:
@@ -561,7 +566,9 @@ def phase_graph(configs: Sequence[Mapping[str, Any]] = PHASE_CONFIGS) -> tuple[n
     edge_rules: dict[tuple[str, str], set[str]] = {}
     num_states = 0
     terminal: set[str] = set()
-    explored = _explored_graphs(configs)
+    explored, refused = _explored_graphs(configs)
+    if not explored:
+        raise DocsError(f"the explorer refused every phase configuration: {refused}")
     for _params, graph in explored:
         num_states += graph.number_of_nodes()
         for u, v, data in graph.edges(data=True):
@@ -579,8 +586,11 @@ def phase_graph(configs: Sequence[Mapping[str, Any]] = PHASE_CONFIGS) -> tuple[n
             phases.nodes[node]["rank"] = "source"
         if node in terminal and not any(u == node and v != node for u, v in phases.edges):
             phases.nodes[node].update(shape="doubleoctagon", rank="sink")
-    return phases, (f"collapsed from {num_states} reachable states of {len(configs)} explorer configurations "
-                    "(decodespec.checks.explore, PHASE_CONFIGS); edges name the transition rules taken")
+    source = (f"collapsed from {num_states} reachable states of {len(explored)} explorer configurations "
+              "(decodespec.checks.explore, PHASE_CONFIGS); edges name the transition rules taken")
+    if refused:
+        source += f"; configurations the explorer refused: {'; '.join(refused)}"
+    return phases, source
 
 
 def spec_frontier_observations(
@@ -603,7 +613,10 @@ def spec_frontier_observations(
         return None, f"the explorer is not available: {exc}"
     cfg = {"vocab": 3, "prompt_len": 2, "max_new_tokens": 3, "prefill_chunk": None, "faults": False,
            "adversarial": False, "final_cache": "all_outputs"}
-    (params, graph), = _explored_graphs([cfg])
+    explored, refused = _explored_graphs([cfg])
+    if not explored:
+        raise DocsError(f"the explorer refused the frontier-table configuration: {refused}")
+    (params, graph), = explored
     L = params.prompt_len
     observed: list[set[tuple[int, int, int, int | None]]] = []
     for b in boundaries:
@@ -1361,13 +1374,27 @@ def setup(app: Any) -> dict[str, Any]:
         def warn(self, message: str) -> None:
             logger.warning(message, location=self.get_location())
 
+        def body(self) -> list[Any]:
+            raise NotImplementedError
+
+        def run(self) -> list[Any]:
+            # a failure inside the spec or the explorer is reported as a build error with the
+            # directive's location, not as a Sphinx crash that hides every other page
+            try:
+                return self.body()
+            except DocsError as exc:
+                self.warn(str(exc))
+            except Exception as exc:
+                self.warn(f"{self.name} failed: {exc!r}")
+            return []
+
     class RuleDef(Base):
         """One rule: a section with its fields, and the anchor ``rule-<id>``."""
 
         required_arguments = 1
         optional_arguments = 0
 
-        def run(self) -> list[Any]:
+        def body(self) -> list[Any]:
             ident = self.arguments[0]
             anchor = f"rule-{ident}"
             self.define(f"rule:{ident}", anchor)
@@ -1393,7 +1420,7 @@ def setup(app: Any) -> dict[str, Any]:
         required_arguments = 1
         optional_arguments = 0
 
-        def run(self) -> list[Any]:
+        def body(self) -> list[Any]:
             kind = self.arguments[0]
             rules = [r for r in RULES.values() if r.kind == kind]
             mentions = self.state_["mentions"]
@@ -1408,7 +1435,7 @@ def setup(app: Any) -> dict[str, Any]:
         required_arguments = 1
         optional_arguments = 0
 
-        def run(self) -> list[Any]:
+        def body(self) -> list[Any]:
             area = self.arguments[0]
             codes = [c for c in sorted(ERROR_CODES.values(), key=lambda c: c.code) if c.code.split(".", 1)[0] == area]
             if not codes:
@@ -1425,7 +1452,7 @@ def setup(app: Any) -> dict[str, Any]:
     class PolicyPresets(Base):
         """The declared transform-order presets side by side."""
 
-        def run(self) -> list[Any]:
+        def body(self) -> list[Any]:
             presets = preset_orders()
             if not presets:
                 return [nodes.paragraph("", "", nodes.emphasis("", "No order preset is declared yet in decodespec.spec.policy."))]
@@ -1461,7 +1488,7 @@ def setup(app: Any) -> dict[str, Any]:
         required_arguments = 1
         optional_arguments = 0
 
-        def run(self) -> list[Any]:
+        def body(self) -> list[Any]:
             rel, abspath = self.env.relfn2path(self.arguments[0], self.env.docname)
             self.env.note_dependency(rel)
             try:
@@ -1478,7 +1505,7 @@ def setup(app: Any) -> dict[str, Any]:
     class FrontierTable(Base):
         """The M3.10 0x08 boundary table, the invariant recomputed and each row checked against the spec."""
 
-        def run(self) -> list[Any]:
+        def body(self) -> list[Any]:
             observed, source = spec_frontier_observations()
             rows = []
             for idx, b in enumerate(FRONTIER_BOUNDARIES):
@@ -1515,7 +1542,7 @@ def setup(app: Any) -> dict[str, Any]:
         required_arguments = 1
         optional_arguments = 0
 
-        def run(self) -> list[Any]:
+        def body(self) -> list[Any]:
             name = self.arguments[0]
             if name == "spine":
                 graph, source = commit_spine_graph(), "drawn from the M3.10 0x08 boundary table below (FRONTIER_BOUNDARIES, each row checked against the spec's reachable states)"
@@ -1539,7 +1566,7 @@ def setup(app: Any) -> dict[str, Any]:
     class ConformanceResults(Base):
         """The latest conformance results per runtime (Bowtie / test262 style)."""
 
-        def run(self) -> list[Any]:
+        def body(self) -> list[Any]:
             results, _ = load_results(Path(self.config.decodespec_results_dir))
             if not results:
                 return [nodes.paragraph("", "", nodes.strong("", "No results yet."),
@@ -1575,7 +1602,7 @@ def setup(app: Any) -> dict[str, Any]:
     class MutantResults(Base):
         """Failure-lab results: which check killed each mutant."""
 
-        def run(self) -> list[Any]:
+        def body(self) -> list[Any]:
             _, lines = load_results(Path(self.config.decodespec_results_dir))
             if not lines:
                 return [nodes.paragraph("", "", nodes.strong("", "No failure-lab results yet."))]
@@ -1594,7 +1621,7 @@ def setup(app: Any) -> dict[str, Any]:
     class CliReference(Base):
         """``--help`` of every registered ``decodespec`` subcommand."""
 
-        def run(self) -> list[Any]:
+        def body(self) -> list[Any]:
             from decodespec.checks import cli
 
             with _env("COLUMNS", "100"):
@@ -1615,7 +1642,7 @@ def setup(app: Any) -> dict[str, Any]:
     class GenerationReport(Base):
         """What was imported, what is covered by tests, and the page syntax."""
 
-        def run(self) -> list[Any]:
+        def body(self) -> list[Any]:
             st = self.state_
             report: ImportReport = st["imports"]
             mentions = st["mentions"]

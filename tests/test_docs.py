@@ -155,6 +155,14 @@ def test_phase_diagram_is_drawn_from_the_explorer(site: docs.BuildResult) -> Non
             assert f"transition.{name}" in RULES
 
 
+def test_phase_graph_reports_refused_configurations() -> None:
+    pytest.importorskip("decodespec.checks.explore")
+    graph, source = docs.phase_graph([{"no_such_bound": 1}, {}])
+    assert graph is not None and "refused" in source and "no_such_bound" in source
+    with pytest.raises(DocsError, match="refused every"):
+        docs.phase_graph([{"no_such_bound": 1}])
+
+
 def test_spec_agrees_with_the_seed_frontier_table() -> None:
     """invariant.frontiers_balance / invariant.cache_frontier_equals_processed at the M3.10 0x08
     boundaries: every reachable spec state at a boundary has the seed row's O, |U|, P and K."""
