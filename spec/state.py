@@ -1,0 +1,403 @@
+"""M3.10 "Immutable identity versus mutable request state": request parameters and request state.
+
+TLA+ vocabulary: :class:`RequestParams` are the *constants* of one request (fixed by the
+admitted envelope: prompt length L, ``max_new_tokens`` G, vocabulary size V, EOS ids, profile
+and lane roster, cache family and capacity, the G=0 branch, the repair promise, chunking ...);
+:class:`RequestState` holds the *variables* ``S_t = (I_request, X, A, P, C, R, F, U)``:
+
+* ``output_ids`` / ``output_logprobs``: the committed output ledger (O = its length) and, per
+  output token, the id of the score row that owns its logprob (the logprob value itself is
+  uninterpreted in the spec);
+* ``pending_ids`` / ``pending_tag``: U, the committed suffix not yet processed by the model,
+  tagged EMPTY / PENDING_NEXT_CALL / CLOSED_UNPROCESSED;
+* ``processed``: P (``P_dyn`` for hybrids); ``lanes``: one frontier ``F_lane`` per roster lane
+  (``K_frontier`` is the ``self_kv`` lane in the decoder-only cached profile);
+* ``generation``: the state/cache generation, advanced by every ALL_NEW selection and every
+  recovery, to which scores and receipts are bound;
+* ``in_flight``: the launched call (kind, slice, positions, expected roster);
+* ``score``: the current consumable score (bound to frontier and generation) or ``None``;
+* ``receipt`` / ``issued`` / ``consumed``: the pending M3.8 decision receipt and the receipt
+  ledgers (exactly-once consumption);
+* ``rng_counter``: the request RNG counter (advanced only by consumed draws);
+* ``finish_reason`` / ``triggers``: the canonical finish reason and every trigger that fired;
+* ``quarantined``: a possibly mutated cache handle awaits a recovery receipt.
+
+Every value is a frozen attrs class; transitions build new states with ``attrs.evolve``.
+
+Source: M3.10 "Immutable identity versus mutable request state", "Authoritative phase and commit
+spine", "One request as a transition system", 0x08 "Output, input, and cache frontiers".
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+import attrs
+
+from .enums import CallKind, FinishReason, PendingTag, Selection
+from .profiles import Profile, profile_named
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .envelope import AdmittedRequest
+
+__all__ = [
+    "CACHE_FAMILIES",
+    "Completion",
+    "ENVIRONMENT_FAILURES",
+    "FINAL_CACHE_PROMISES",
+    "InFlightCall",
+    "InterruptPoint",
+    "Phase",
+    "Receipt",
+    "RequestParams",
+    "RequestState",
+    "Score",
+    "ZERO_NEW_TOKENS_BRANCHES",
+    "initial_state",
+    "interrupt_point",
+    "is_terminal",
+    "params_from_request",
+    "repair_outstanding",
+]
+
+#: Cache families of the envelope's ``runtime.cache_family`` (M3.10 0x09 family table).
+CACHE_FAMILIES = ("none", "dynamic", "static")
+#: The G=0 union (M3.10 "The first-output off-by-one"): reject before state construction,
+#: prohibit every call, or perform a prefill-only call and select no output.
+ZERO_NEW_TOKENS_BRANCHES = ("reject", "no_call", "prefill_only")
+#: The envelope's ``output.final_cache`` promise.
+FINAL_CACHE_PROMISES = ("none", "processed_inputs_only", "all_outputs")
+#: Finish reasons caused by the environment rather than the output content.  A request that
+#: finished for one of these never runs the repair call.
+ENVIRONMENT_FAILURES = frozenset(
+    {FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR, FinishReason.STREAM_ERROR}
+)
+
+
+class Phase(str, enum.Enum):
+    """Authoritative phase of one request (M3.10 "Authoritative phase and commit spine").
+
+    ``NEW`` before admission; ``REJECTED`` the G=0 ``reject`` branch (terminal, nothing built);
+    ``READY`` between calls; ``IN_FLIGHT`` one call launched; ``SCORED`` an ALL_NEW call exposed a
+    consumable score; ``DECIDED`` an M3.8 receipt was issued for it; ``FINISHED`` the output is
+    closed (only a declared repair call may still run).
+    """
+
+    NEW = "new"
+    REJECTED = "rejected"
+    READY = "ready"
+    IN_FLIGHT = "in_flight"
+    SCORED = "scored"
+    DECIDED = "decided"
+    FINISHED = "finished"
+
+
+class InterruptPoint(str, enum.Enum):
+    """Where a cancellation, timeout or streamer failure arrives (trace field ``at``)."""
+
+    BEFORE_LAUNCH = "before_launch"
+    IN_FLIGHT = "in_flight"
+    AFTER_COMPLETION = "after_completion"
+    AFTER_DECISION = "after_decision"
+
+
+@attrs.frozen
+class RequestParams:
+    """Immutable parameters of one request (the constants of the transition system).
+
+    Attributes:
+        identity: Request identity ``"sha256:<hex>"`` from the envelope.
+        prompt_len: L, valid decoder-side input count (``>= 1``; for encoder-decoder the
+            decoder start prefix, usually 1).
+        max_new_tokens: G (``>= 0``).
+        min_new_tokens: EOS is outside the decision support while ``O < min_new_tokens``.
+        vocab_size: V.
+        eos_ids: The termination EOS set.
+        profile: Architecture profile and its lane roster.
+        cache_family: ``"none"``, ``"dynamic"`` or ``"static"``.
+        context_cap: C, the greatest total sequence length ``L + O`` (min of ``max_context``,
+            ``max_total_tokens`` and the static capacity).  Reaching it fires
+            ``context_length``.
+        static_capacity: Reserved slots of a static cache, else ``None``.
+        zero_new_tokens: The declared G=0 branch (one of :data:`ZERO_NEW_TOKENS_BRANCHES`).
+        final_cache: The output's final-cache promise (:data:`FINAL_CACHE_PROMISES`).
+        prefill_chunk: Largest prefill chunk, or ``None`` for one-shot prefill.
+        prefix_length: Bidirectional prefix length of a prefix-LM request, else ``None``.
+        source_len: S, source length of an encoder-decoder request, else ``None``.
+        max_retries: How many failed (ALL_OLD) calls may be retried after recovery before the
+            request finishes with ``device_error``.
+        max_draws: Most RNG draws one decision may consume (0 for greedy, 1 for multinomial).
+        rng_counter_start: The envelope's initial RNG counter.
+        stream: Whether output is streamed (enables streamer failure).
+        stop_strings: Whether stop strings are declared (enables the ``stop_string`` trigger).
+        structured: Whether structured completion is declared (``structured`` /
+            ``structured_error`` triggers).
+
+    Units: tokens for every length and count.
+    """
+
+    identity: str
+    prompt_len: int
+    max_new_tokens: int
+    vocab_size: int
+    eos_ids: frozenset[int]
+    profile: Profile = attrs.field(factory=lambda: profile_named("decoder_only"))
+    min_new_tokens: int = 0
+    cache_family: str = "dynamic"
+    context_cap: int = 1 << 20
+    static_capacity: int | None = None
+    zero_new_tokens: str = "no_call"
+    final_cache: str = "processed_inputs_only"
+    prefill_chunk: int | None = None
+    prefix_length: int | None = None
+    source_len: int | None = None
+    max_retries: int = 0
+    max_draws: int = 0
+    rng_counter_start: int = 0
+    stream: bool = False
+    stop_strings: bool = False
+    structured: bool = False
+
+    @property
+    def cached(self) -> bool:
+        """Whether calls reuse retained state (``cache_family != "none"``)."""
+        return self.cache_family != "none"
+
+    @property
+    def roster(self) -> tuple[str, ...]:
+        """The advancing-state-lane roster a call must complete: the profile's lanes when cached, else empty."""
+        return self.profile.lane_names() if self.cached else ()
+
+    @property
+    def repair_required(self) -> bool:
+        """Whether the output promises a final cache holding every output (the append/repair call)."""
+        return self.final_cache == "all_outputs"
+
+
+@attrs.frozen
+class Score:
+    """A consumable score row exposed by an ALL_NEW completion.
+
+    Attributes:
+        score_id: Stable id (``"score-<generation>"``).
+        generation: The generation selected by the call that produced the row.
+        processed: P when the row was exposed: the row belongs to input position
+            ``processed - 1`` and predicts output index ``output_count``.
+        output_count: O when the row was exposed.
+    """
+
+    score_id: str
+    generation: int
+    processed: int
+    output_count: int
+
+
+@attrs.frozen
+class Receipt:
+    """An M3.8 decision receipt as M3.10 consumes it (token, draws, bound score, RNG address).
+
+    Attributes:
+        receipt_id: Stable id (``"receipt-<n>"``).
+        score_id: The score row it decides.
+        token_id: The selected token.
+        draws: RNG draws the decision consumed.
+        rng_counter_before: Request RNG counter the decision read.
+    """
+
+    receipt_id: str
+    score_id: str
+    token_id: int
+    draws: int
+    rng_counter_before: int
+
+
+@attrs.frozen
+class InFlightCall:
+    """The launched model call (M3.10 0x08 PREPARE).
+
+    Attributes:
+        call_id: 0-based call number within the request.
+        kind: prefill / decode / repair.
+        start: First input position processed (``cache_position`` of row 0).
+        length: Rows processed.
+        generation: Generation the call reads and must report.
+        roster: Lanes expected to complete (the closed advancing-state-lane roster).
+        decision_row: Input position whose output row owns the next decision, or ``None``
+            (non-final prefill chunk, repair, G=0 prefill).
+        interrupts: Cancel / timeout / stream failures that arrived while in flight.
+        fault: ``"device_fault"`` / ``"missing_lane"`` reported while in flight, else ``None``.
+    """
+
+    call_id: int
+    kind: CallKind
+    start: int
+    length: int
+    generation: int
+    roster: tuple[str, ...]
+    decision_row: int | None
+    interrupts: frozenset[FinishReason] = frozenset()
+    fault: str | None = None
+
+    @property
+    def end(self) -> int:
+        """The processed frontier the call reaches on ALL_NEW (half-open end of its slice)."""
+        return self.start + self.length
+
+    @property
+    def position_ids(self) -> tuple[int, ...]:
+        """Position ids (= cache positions) of the call's rows."""
+        return tuple(range(self.start, self.end))
+
+
+@attrs.frozen
+class Completion:
+    """What the last completed call selected (kept so invariants can check ALL_OLD)."""
+
+    call_id: int
+    kind: CallKind
+    selection: Selection
+    processed_before: int
+    processed_after: int
+    score_id: str | None
+
+
+@attrs.frozen(cache_hash=True)
+class RequestState:
+    """Mutable request state ``S_t`` (a frozen value; each transition returns a new one).
+
+    See the module docstring for the meaning of each field.  ``lanes`` is a tuple of
+    ``(lane name, frontier or None)`` pairs in roster order.
+    """
+
+    identity: str
+    phase: Phase
+    processed: int = 0
+    output_ids: tuple[int, ...] = ()
+    output_logprobs: tuple[str, ...] = ()
+    pending_ids: tuple[int, ...] = ()
+    pending_tag: PendingTag = PendingTag.EMPTY
+    lanes: tuple[tuple[str, int | None], ...] = ()
+    generation: int = 0
+    in_flight: InFlightCall | None = None
+    score: Score | None = None
+    receipt: Receipt | None = None
+    issued: tuple[str, ...] = ()
+    consumed: tuple[Receipt, ...] = ()
+    scores: tuple[Score, ...] = ()
+    rng_counter: int = 0
+    finish_reason: FinishReason | None = None
+    triggers: frozenset[FinishReason] = frozenset()
+    quarantined: bool = False
+    num_calls: int = 0
+    num_retries: int = 0
+    last_completion: Completion | None = None
+
+    @property
+    def output_count(self) -> int:
+        """O, the committed output count."""
+        return len(self.output_ids)
+
+    def lane_frontier(self, name: str) -> int | None:
+        """Frontier of lane ``name`` (``None`` before the lane holds state).
+
+        Raises:
+            KeyError: if the lane is not in the state's roster.
+        """
+        for lane, frontier in self.lanes:
+            if lane == name:
+                return frontier
+        raise KeyError(name)
+
+    @property
+    def k_frontier(self) -> int | None:
+        """``K_frontier``: the self K/V lane frontier, or ``None`` when the state has no such lane."""
+        return dict(self.lanes).get("self_kv")
+
+
+def initial_state(params: RequestParams) -> RequestState:
+    """The state before admission: identity bound, nothing processed, RNG at its start counter."""
+    return RequestState(
+        identity=params.identity,
+        phase=Phase.NEW,
+        lanes=tuple((name, None) for name in params.roster),
+        rng_counter=params.rng_counter_start,
+    )
+
+
+def repair_outstanding(params: RequestParams, state: RequestState) -> bool:
+    """Whether the declared append/repair call still has to process the closed final token.
+
+    True when the request finished for a content reason (EOS, length, stop string, structured,
+    context length), the output promises ``final_cache == "all_outputs"``, and the last output is
+    still CLOSED_UNPROCESSED.
+
+    Source: M3.10 "The first-output off-by-one" (``P = L + G`` only after an explicit append).
+    """
+    return (
+        state.phase is Phase.FINISHED
+        and params.repair_required
+        and state.pending_tag is PendingTag.CLOSED_UNPROCESSED
+        and state.finish_reason is not None
+        and state.finish_reason not in ENVIRONMENT_FAILURES
+    )
+
+
+def is_terminal(params: RequestParams, state: RequestState) -> bool:
+    """Whether no further action is required: REJECTED, or FINISHED with no call in flight and no repair owed."""
+    if state.phase is Phase.REJECTED:
+        return True
+    return state.phase is Phase.FINISHED and state.in_flight is None and not repair_outstanding(params, state)
+
+
+def interrupt_point(state: RequestState) -> InterruptPoint | None:
+    """Where an interrupt arriving now would land, or ``None`` when the phase admits none."""
+    return {
+        Phase.READY: InterruptPoint.BEFORE_LAUNCH,
+        Phase.IN_FLIGHT: InterruptPoint.IN_FLIGHT,
+        Phase.SCORED: InterruptPoint.AFTER_COMPLETION,
+        Phase.DECIDED: InterruptPoint.AFTER_DECISION,
+    }.get(state.phase)
+
+
+def params_from_request(request: "AdmittedRequest") -> RequestParams:
+    """The state-machine parameters of an admitted envelope.
+
+    Beams are a different state machine (coupled branch state, M3.10 0x05); this single-path
+    machine models the ``greedy`` and ``multinomial`` families and treats a beam request as
+    its single-path skeleton with zero draws.
+
+    Source: M3.10 "Immutable request envelope and canonical identity" (which planes bind which
+    constants).
+    """
+    runtime = request.runtime
+    termination = request.termination
+    caps = [request.position_visibility.max_context]
+    if termination.max_total_tokens is not None:
+        caps.append(termination.max_total_tokens)
+    if runtime.static_capacity is not None:
+        caps.append(runtime.static_capacity)
+    family = request.policy_json.get("family")
+    return RequestParams(
+        identity=request.identity,
+        prompt_len=request.decoder_prompt_len,
+        max_new_tokens=termination.max_new_tokens,
+        min_new_tokens=termination.min_new_tokens,
+        vocab_size=request.text_interface.vocab_size,
+        eos_ids=frozenset(termination.eos_ids),
+        profile=profile_named(request.artifact.architecture),
+        cache_family=runtime.cache_family,
+        context_cap=min(caps),
+        static_capacity=runtime.static_capacity,
+        zero_new_tokens=termination.zero_new_tokens,
+        final_cache=request.output.final_cache,
+        prefill_chunk=runtime.prefill_chunk,
+        prefix_length=request.position_visibility.prefix_length,
+        source_len=request.source_len,
+        max_retries=runtime.max_retries,
+        max_draws=1 if family == "multinomial" else 0,
+        rng_counter_start=request.rng.counter,
+        stream=request.output.stream,
+        stop_strings=bool(termination.stop_strings),
+        structured=termination.structured != "none",
+    )
