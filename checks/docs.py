@@ -1226,8 +1226,11 @@ def read_coverage(out_dir: Path) -> Coverage:
 _CSS = """
 .decodespec-diagram { overflow-x: auto; margin: 1em 0; }
 .decodespec-diagram svg { max-width: 100%; height: auto; }
-table.decodespec { font-size: 0.9em; }
+table.decodespec { font-size: 0.9em; width: 100%; }
+div.body { max-width: none; }
 table.decodespec td, table.decodespec th { vertical-align: top; }
+table.decodespec ul span.pre { white-space: pre-wrap; overflow-wrap: anywhere; }
+table.decodespec ul { margin: 0 0 0 1em; padding: 0; }
 .decodespec-pass { color: #17631b; font-weight: bold; }
 .decodespec-fail { color: #a3150b; font-weight: bold; }
 .decodespec-deviation { color: #7a5a00; font-weight: bold; }
@@ -1447,7 +1450,7 @@ def setup(app: Any) -> dict[str, Any]:
                 ids.append(f"error-{c.code}")
             mentions = self.state_["mentions"]
             rows = [[nodes.literal(c.code, c.code), c.kind, c.section, paragraphs(c.description), tests_list(c.code, mentions)] for c in codes]
-            return [table(["Code", "Kind", "Section", "Description", "Tests naming it"], rows, row_ids=ids, widths=[3, 2, 3, 5, 3])]
+            return [table(["Code", "Kind", "Section", "Description", "Tests naming it"], rows, row_ids=ids, widths=[3, 2, 3, 5, 5])]
 
     class PolicyPresets(Base):
         """The declared transform-order presets side by side."""

@@ -400,6 +400,20 @@ def test_build_refuses_to_replace_a_foreign_source_folder(tmp_path: Path) -> Non
     assert (foreign / "notes.txt").read_text() == "keep me"
 
 
+def test_cli_exit_codes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from decodespec.checks.cli import main
+
+    monkeypatch.setattr(docs.shutil, "which", lambda _name: None)
+    assert main(["docs", "--out", str(tmp_path / "html")]) == 3  # a missing component
+    assert "graphviz" in capsys.readouterr().err
+    monkeypatch.undo()
+    foreign = tmp_path / "src"
+    foreign.mkdir()
+    (foreign / "x.txt").write_text("x")
+    assert main(["docs", "--out", str(tmp_path / "html"), "--keep-source", str(foreign)]) == 1
+    assert "refusing" in capsys.readouterr().err
+
+
 def test_schema_rows_flatten_refs_items_and_alternatives() -> None:
     schema = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
