@@ -71,6 +71,9 @@ import rfc8785
 
 from decodespec.spec.enums import FinishReason, canonical_finish_reason
 from decodespec.spec.errors import Rejection, register_code
+from decodespec.spec.policy import codes as policy_codes
+from decodespec.spec.policy.config import EarlyStopping, Family, PolicyConfig
+from decodespec.spec.policy.scores import ScoreKind, ScoreRow
 from decodespec.spec.rules import rule
 
 __all__ = [
@@ -115,8 +118,9 @@ __all__ = [
 ]
 
 #: The declared score kind of every beam score row: natural log-probabilities (M3.10 0x05 table
-#: "log-probs: log_softmax(logits) ... log-prob beam sums").  Entries are ``-inf`` or ``<= 0``.
-SCORE_KIND = "logprobs"
+#: "log-probs: log_softmax(logits) ... log-prob beam sums").  Entries are ``-inf`` or ``<= 0``;
+#: rows need not sum to one (HF adds processed, un-renormalized log-probabilities).
+SCORE_KIND = ScoreKind.LOGPROBS
 
 #: Version tag that opens every branch encoding (changing the encoding changes the tag).
 BRANCH_ENCODING_TAG = "decodespec.beam.branch.v1"
@@ -422,6 +426,23 @@ class BeamParams:
             hf_envelope=True,
         )
 
+    @classmethod
+    def from_policy(cls, config: PolicyConfig, max_new_tokens: int, eos_ids: Iterable[int] = ()) -> "BeamParams":
+        """The beam parameters of a beam-family :class:`~decodespec.spec.policy.config.PolicyConfig`.
+
+        The policy's ``num_beams``, ``length_penalty`` and ``early_stopping`` carry HF's names and
+        meaning, so they map to :meth:`hf_compatible`.
+
+        Raises:
+            Rejection: ``policy.family_mismatch`` unless ``config.family`` is ``beam``.
+        """
+        if config.family is not Family.BEAM:
+            raise _reject(policy_codes.FAMILY_MISMATCH, f"beam parameters need the beam family, not "
+                          f"{config.family.value!r}", "$.policy.family")
+        early = {EarlyStopping.TRUE: True, EarlyStopping.FALSE: False, EarlyStopping.NEVER: "never"}
+        return cls.hf_compatible(config.num_beams, max_new_tokens, eos_ids, length_penalty=config.length_penalty,
+                                 early_stopping=early[config.early_stopping])
+
     def to_json(self) -> dict[str, Any]:
         """The parameters as a JSON object (the input of :meth:`revision`)."""
         return {
@@ -434,7 +455,7 @@ class BeamParams:
             "completed_capacity": self.completed_capacity,
             "length_cap_rule": self.length_cap_rule.value,
             "hf_envelope": self.hf_envelope,
-            "score_kind": SCORE_KIND,
+            "score_kind": SCORE_KIND.value,
         }
 
     def revision(self) -> str:
@@ -1291,14 +1312,24 @@ class BeamResult:
         return [r.to_event() for r in self.steps]
 
 
-def beam_search(score_fn: Callable[[tuple[int, ...]], Sequence[float] | np.ndarray], prompt: Sequence[int],
+def _row_values(row: Any) -> np.ndarray:
+    if isinstance(row, ScoreRow):
+        if row.kind is not SCORE_KIND:
+            raise _reject(policy_codes.SCORE_KIND_MISMATCH, f"beam search ranks {SCORE_KIND.value} rows, got a "
+                          f"{row.kind.value} row", "$.score_fn")
+        return np.asarray(row.values, dtype=np.float64)
+    return np.asarray(row, dtype=np.float64)
+
+
+def beam_search(score_fn: Callable[[tuple[int, ...]], Sequence[float] | np.ndarray | ScoreRow], prompt: Sequence[int],
                 params: BeamParams, *, request_id: str = "request", row: int = 0,
                 lanes: BranchLanes | None = None) -> BeamResult:
     """Run a whole beam search over an uninterpreted model.
 
     Args:
         score_fn: ``score_fn(prefix) -> logprobs[V]``: the log-probability row after ``prefix``
-            (prompt plus generated tokens), already processed by the declared policy.
+            (prompt plus generated tokens), already processed by the declared policy; an array
+            (taken as :data:`SCORE_KIND`) or a ``ScoreRow`` of kind ``logprobs``.
         prompt: Prompt token ids.
         params: :class:`BeamParams`.
         request_id: ``I_request``.
@@ -1310,7 +1341,8 @@ def beam_search(score_fn: Callable[[tuple[int, ...]], Sequence[float] | np.ndarr
 
     Raises:
         Rejection: any code of :func:`initial_state` and :func:`beam_step` (``beam.shape`` also
-            when ``score_fn`` returns rows of different lengths).
+            when ``score_fn`` returns rows of different lengths); ``policy.score_kind_mismatch``
+            for a ``ScoreRow`` that is not log-probabilities.
 
     Source: M3.10 0x05; M3.8 0x0F.
     """
@@ -1319,7 +1351,7 @@ def beam_search(score_fn: Callable[[tuple[int, ...]], Sequence[float] | np.ndarr
     while state.phase is not BeamPhase.DONE:
         state = beam_call(params, state)
         called.append(state)
-        rows = [np.asarray(score_fn(b.prefix), dtype=np.float64) for b in state.live]
+        rows = [_row_values(score_fn(b.prefix)) for b in state.live]
         if any(r.ndim != 1 for r in rows) or len({r.shape for r in rows}) != 1:
             raise _reject(BEAM_SHAPE, f"score_fn must return 1-D rows of one length V, got {[r.shape for r in rows]}",
                           "$.score_fn")

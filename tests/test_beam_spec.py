@@ -496,3 +496,29 @@ def test_rules_are_registered():
                 "invariant.beam_completed_never_expanded", "invariant.beam_first_step_single_parent",
                 "invariant.beam_live_frontier", "invariant.beam_completed_metadata"):
         assert RULES[rid].obj is not None, rid
+
+
+def test_score_rows_are_typed_log_probabilities():
+    """The declared score kind is the policy's LOGPROBS: a typed logits row is refused, a logprobs row used."""
+    from decodespec.spec.policy.scores import ScoreKind, ScoreRow
+
+    assert B.SCORE_KIND is ScoreKind.LOGPROBS
+    params = B.BeamParams(num_beams=2, max_new_tokens=2, early_stop="at_cap")
+    uniform = np.log(np.full(4, 0.25))
+    typed = B.beam_search(lambda p: ScoreRow.create(uniform, kind="logprobs"), PROMPT, params)
+    assert [h.output_ids for h in typed.hypotheses] == [h.output_ids for h in run(table_fn(4, {}), params).hypotheses]
+    with pytest.raises(Rejection) as e:
+        B.beam_search(lambda p: ScoreRow.create(np.zeros(4), kind="logits"), PROMPT, params)
+    assert e.value.code == "policy.score_kind_mismatch"
+
+
+def test_beam_params_from_a_beam_family_policy():
+    """BeamParams.from_policy maps the policy's HF-named beam fields onto BeamParams.hf_compatible."""
+    from decodespec.spec.policy.config import EarlyStopping, Family, PolicyConfig
+
+    config = PolicyConfig(family=Family.BEAM, num_beams=3, length_penalty=0.5, early_stopping=EarlyStopping.NEVER)
+    assert B.BeamParams.from_policy(config, 8, [EOS]) == B.BeamParams.hf_compatible(
+        3, 8, [EOS], length_penalty=0.5, early_stopping="never")
+    with pytest.raises(Rejection) as e:
+        B.BeamParams.from_policy(PolicyConfig.greedy(), 8, [EOS])
+    assert e.value.code == "policy.family_mismatch"
