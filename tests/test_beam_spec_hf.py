@@ -69,7 +69,9 @@ def strip_fill(row, fill):
     return out
 
 
-def assert_same_as_hf(out, result, num_beams, eos):
+def assert_same_as_hf(out, params, result, num_beams, eos):
+    for before, record, after in result.transitions():
+        assert B.check_step(params, before, record, after) == ()
     fill = PAD or eos[0]  # HF: `pad_token_id or eos_token_id[0]`, so pad id 0 fills with EOS
     hyps = result.returned(num_beams)
     assert len(hyps) == out.sequences.shape[0] == num_beams
@@ -96,7 +98,7 @@ def test_spec_with_hf_parameters_equals_hf_beam_search(peer, num_beams, alpha, e
     out = hf_generate(model, num_beams, EOS, length_penalty=alpha, early_stopping=early_stopping)
     params = B.BeamParams.hf_compatible(num_beams, MAX_NEW, [EOS], length_penalty=alpha,
                                         early_stopping=early_stopping)
-    assert_same_as_hf(out, B.beam_search(score_fn, PROMPT, params), num_beams, [EOS])
+    assert_same_as_hf(out, params, B.beam_search(score_fn, PROMPT, params), num_beams, [EOS])
 
 
 @pytest.mark.parametrize("early_stopping", [True, False, "never"])
@@ -107,7 +109,7 @@ def test_two_eos_ids_widen_hfs_window_but_not_the_answer(peer, early_stopping):
     out = hf_generate(model, 2, eos, length_penalty=1.0, early_stopping=early_stopping)
     params = B.BeamParams.hf_compatible(2, MAX_NEW, eos, length_penalty=1.0, early_stopping=early_stopping)
     assert params.hf_candidate_window == 6
-    assert_same_as_hf(out, B.beam_search(score_fn, PROMPT, params), 2, eos)
+    assert_same_as_hf(out, params, B.beam_search(score_fn, PROMPT, params), 2, eos)
 
 
 def test_width_one_hf_parameters_equal_hf_greedy(peer):

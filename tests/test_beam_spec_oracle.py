@@ -161,16 +161,30 @@ def expected_child(params, parent, cand, slot, triggers):
     )
 
 
+def checked_search(fn, prompt, params):
+    """``beam_search`` with LANES; every step passes ``check_step`` and every child's I_branch equals
+    the hash rebuilt from its parent's state plus its token (M3.10 0x05 I_branch)."""
+    result = B.beam_search(fn, prompt, params, lanes=LANES)
+    eos = set(params.eos_ids)
+    for before, record, after in result.transitions():
+        assert B.check_step(params, before, record, after) == ()
+        at_cap = record.step + 1 == params.max_new_tokens
+        for cand, child in zip(record.live_candidates + record.completed_candidates, record.children + record.completed):
+            triggers = [r for r, on in ((FinishReason.EOS, cand.token in eos), (FinishReason.LENGTH, at_cap)) if on]
+            want = expected_child(params, before.live[cand.parent], cand, child.slot, triggers)
+            assert B.branch_hash(child) == B.branch_hash(want)
+    return result
+
+
 @given(searches())
 def test_each_step_keeps_the_top_k_extensions_and_children_hash_from_their_parents(case):
     """transition.beam_step, invariant.beam_parent_coupling: live = top K non-terminal extensions of
     the previous live set, completions = terminal extensions ranked < K, and each child's I_branch
     equals the hash rebuilt from its parent's state plus its token, at every step."""
     params, fn, prompt, vocab = case
-    result = B.beam_search(fn, prompt, params, lanes=LANES)
+    result = checked_search(fn, prompt, params)
     eos = set(params.eos_ids)
     for before, record, after in result.transitions():
-        assert B.check_step(params, before, record, after) == ()
         live = [(b.prefix, b.score) for b in before.live]
         ranked = ranked_extensions(live, [fn(p) for p, _ in live], vocab)
         want_live = [(e[3], e[0]) for e in ranked if e[2] not in eos][: params.num_beams]
@@ -183,11 +197,6 @@ def test_each_step_keeps_the_top_k_extensions_and_children_hash_from_their_paren
         if at_cap:
             assert sorted((c.prefix, c.score) for c in record.completed if c.finish_reason is FinishReason.LENGTH) \
                 == sorted(want_live)
-        for cand, child in zip(record.live_candidates + record.completed_candidates, record.children + record.completed):
-            parent = before.live[cand.parent]
-            triggers = [r for r, on in ((FinishReason.EOS, cand.token in eos), (FinishReason.LENGTH, at_cap)) if on]
-            want = expected_child(params, parent, cand, child.slot, triggers)
-            assert B.branch_hash(child) == B.branch_hash(want)
 
 
 def all_complete_sequences(fn, prompt, params, vocab):
@@ -213,12 +222,12 @@ def test_full_width_beam_search_equals_exhaustive_search(case):
     params, fn, prompt, vocab = case
     params = attrs.evolve(params, num_beams=vocab ** params.max_new_tokens)
     every = all_complete_sequences(fn, prompt, params, vocab)
-    result = B.beam_search(fn, prompt, params)
+    result = checked_search(fn, prompt, params)
     assert {h.output_ids: h.score for h in result.hypotheses} == every
     if every:
         best = max(params.length_penalty.normalize(s, len(ys)) for ys, s in every.items())
         assert result.best.normalized == best
-        exact = B.beam_search(fn, prompt, attrs.evolve(params, early_stop="exact"))
+        exact = checked_search(fn, prompt, attrs.evolve(params, early_stop="exact"))
         assert (exact.best.output_ids, exact.best.score) == (result.best.output_ids, result.best.score)
     else:
         assert result.best is None
@@ -233,8 +242,8 @@ def test_exact_termination_equals_running_to_the_cap(case, n):
     """transition.beam_stop (exact): stopping with the admissible bound never changes the top-n
     completed hypotheses of the finite-beam trace (M3.10 0x05; M3.8 0x12 item 47)."""
     params, fn, prompt, _ = case
-    at_cap = B.beam_search(fn, prompt, params)
-    exact = B.beam_search(fn, prompt, attrs.evolve(params, early_stop="exact", num_completed=n))
+    at_cap = checked_search(fn, prompt, params)
+    exact = checked_search(fn, prompt, attrs.evolve(params, early_stop="exact", num_completed=n))
     assert _top(exact, n) == _top(at_cap, n)
     assert len(exact.steps) <= len(at_cap.steps)
 
@@ -243,11 +252,11 @@ def test_exact_termination_equals_running_to_the_cap(case, n):
 def test_hf_never_and_nonpositive_alpha_heuristic_are_admissible(case):
     """transition.beam_stop: HF 'never' (any alpha) and HF False (alpha <= 0) keep the top-K of the trace."""
     params, fn, prompt, _ = case
-    at_cap = B.beam_search(fn, prompt, params)
+    at_cap = checked_search(fn, prompt, params)
     k = params.num_beams
     kinds = ["never"] + (["heuristic"] if params.length_penalty.alpha <= 0 else [])
     for kind in kinds:
-        stopped = B.beam_search(fn, prompt, attrs.evolve(params, early_stop=kind))
+        stopped = checked_search(fn, prompt, attrs.evolve(params, early_stop=kind))
         assert _top(stopped, k) == _top(at_cap, k), kind
 
 
@@ -273,7 +282,7 @@ def test_width_one_equals_greedy(case, kind):
     """selector.beam_topk with K = 1 and alpha = 0 is greedy: same tokens, bit-identical cumulative logprob."""
     params, fn, prompt, _ = case
     params = attrs.evolve(params, length_penalty=B.LengthPenalty(), early_stop=kind)
-    result = B.beam_search(fn, prompt, params)
+    result = checked_search(fn, prompt, params)
     want = greedy(fn, prompt, params.max_new_tokens, set(params.eos_ids))
     if want is None:  # greedy reaches a row of -inf: with K = 1 nothing completed before it either
         assert result.best is None and result.stop is B.BeamStop.NO_LIVE
