@@ -22,6 +22,8 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 COMMANDS: dict[str, str] = {
     "docs": "docs",
     "generate": "generate",
+    "validate": "validate",
+    "explore": "explore",
 }
 
 

@@ -107,14 +107,14 @@ class ExploreBounds:
     """
 
     vocab: int = 3
-    prompt_len: int = 2
-    max_new_tokens: int = 2
+    prompt_len: int = 3
+    max_new_tokens: int = 3
     min_new_tokens: int = 0
     profile: str = "decoder_only"
     cache: str = "dynamic"
     capacity: int | None = None
     context_cap: int | None = None
-    prefill_chunk: int | None = 1
+    prefill_chunk: int | None = 2
     prefix_length: int | None = None
     source_len: int = 2
     zero_new_tokens: str = "no_call"
@@ -316,7 +316,10 @@ class ExploreResult:
 
     Attributes:
         graph: Reachable states (nodes) and transitions (edges with ``rule`` and ``action``).
-        num_states / num_transitions: Graph size.
+        num_states: Reachable states (graph nodes).
+        num_transitions: Transitions taken (one per enabled action per state; several actions
+            may join the same two states).
+        num_edges: Distinct ``(state, next state)`` pairs (graph edges).
         elapsed_s: Wall time of the search, in seconds.
         rule_counts: Transitions taken per rule id.
         phase_edges: Transitions taken per ``(phase before, phase after)``.
@@ -330,6 +333,7 @@ class ExploreResult:
     graph: nx.DiGraph = attrs.field(repr=False)
     num_states: int
     num_transitions: int
+    num_edges: int
     elapsed_s: float
     rule_counts: dict[str, int]
     phase_edges: dict[tuple[str, str], int]
@@ -355,6 +359,7 @@ class ExploreResult:
             "ok": self.ok,
             "states": self.num_states,
             "transitions": self.num_transitions,
+            "edges": self.num_edges,
             "terminal_states": self.num_terminal,
             "max_depth": self.max_depth,
             "elapsed_s": round(self.elapsed_s, 3),
@@ -476,7 +481,8 @@ def explore(
     return ExploreResult(
         graph=graph,
         num_states=graph.number_of_nodes(),
-        num_transitions=graph.number_of_edges(),
+        num_transitions=sum(rule_counts.values()),
+        num_edges=graph.number_of_edges(),
         elapsed_s=elapsed,
         rule_counts=dict(rule_counts),
         phase_edges=dict(phase_edges),

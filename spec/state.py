@@ -377,7 +377,9 @@ def params_from_request(request: "AdmittedRequest") -> RequestParams:
         caps.append(termination.max_total_tokens)
     if runtime.static_capacity is not None:
         caps.append(runtime.static_capacity)
-    family = request.policy_json.get("family")
+    # M3.8 selectors (decodespec.spec.policy.selectors.DRAWS): multinomial draws one uniform per
+    # decision; greedy and beam draw nothing.
+    family = request.policy.family.value
     return RequestParams(
         identity=request.identity,
         prompt_len=request.decoder_prompt_len,

@@ -505,7 +505,8 @@ def commit_triggers(params: RequestParams, output_count: int, token_id: int, tex
     title="Consume the decision receipt exactly once",
     section=S + "0x06 One selection is an output-state transaction",
     statement="Guard: phase DECIDED; the receipt is the pending one, never consumed, bound to the current score "
-    "and generation and to the current RNG counter; text triggers only when declared. Effect: append the token "
+    "and generation and to the current RNG counter; text triggers only when declared (a stop string only once the committed "
+    "token's index is >= min_new_tokens, as decodespec.spec.stop.step_triggers suppresses it). Effect: append the token "
     "and its logprob (owned by the score row); O + 1; RNG counter + draws; the receipt is consumed and the score "
     "is spent. Triggers (EOS, length at O = G, context_length at L + O = C, stop_string/structured): finish with "
     "the canonical reason and U = [token] CLOSED_UNPROCESSED; otherwise READY with U = [token] PENDING_NEXT_CALL.",
@@ -721,9 +722,9 @@ TRANSITIONS: tuple[Transition, ...] = (
             _CURRENT_SCORE,
             Clause("receipt read the current RNG counter", lambda p, s, a: s.receipt.rng_counter_before == s.rng_counter),
             Clause(
-                "text triggers are declared (stop strings / structured)",
+                "text triggers are declared (stop strings / structured); stop strings only from output index min_new_tokens",
                 lambda p, s, a: a.text_triggers <= TEXT_TRIGGERS
-                and (p.stop_strings or FinishReason.STOP_STRING not in a.text_triggers)
+                and (FinishReason.STOP_STRING not in a.text_triggers or (p.stop_strings and s.output_count >= p.min_new_tokens))
                 and (p.structured or not (a.text_triggers & {FinishReason.STRUCTURED, FinishReason.STRUCTURED_ERROR})),
             ),
         ),
