@@ -212,8 +212,7 @@ def _min_p(z, spec, views, states):
     alpha = spec.get("p")
     if alpha <= 0.0:
         return z
-    probs = torch.softmax(z, dim=-1)
-    return _ban(z, probs < alpha * probs.amax(dim=-1, keepdim=True))
+    return _ban(z, z < z.amax(dim=-1, keepdim=True) + math.log(alpha))  # p < alpha p_max, in logits
 
 
 @_register("typical")
@@ -226,23 +225,22 @@ def _typical(z, spec, views, states):
     return _ban(z, ~_prefix_keep(probs.gather(-1, order), order, spec.get("p")))
 
 
-def _floor(z: torch.Tensor, probs: torch.Tensor, floor: torch.Tensor | float) -> torch.Tensor:
-    keep = (probs >= floor) | (z == z.amax(dim=-1, keepdim=True))
+def _log_floor(z: torch.Tensor, logp: torch.Tensor, log_floor: torch.Tensor | float) -> torch.Tensor:
+    keep = (logp >= log_floor) | (z == z.amax(dim=-1, keepdim=True))
     return _ban(z, ~keep)
 
 
 @_register("epsilon")
 def _epsilon(z, spec, views, states):
-    return _floor(z, torch.softmax(z, dim=-1), spec.get("epsilon"))
+    return _log_floor(z, torch.log_softmax(z, dim=-1), math.log(spec.get("epsilon")))
 
 
 @_register("eta")
 def _eta(z, spec, views, states):
-    probs = torch.softmax(z, dim=-1)
-    entropy = -(torch.where(probs > 0, probs * probs.log(), torch.zeros_like(probs))).sum(dim=-1, keepdim=True)
-    eps = spec.get("epsilon")
-    floor = torch.clamp(math.sqrt(eps) * torch.exp(-entropy), max=eps)
-    return _floor(z, probs, floor)
+    logp = torch.log_softmax(z, dim=-1)
+    entropy = -(torch.where(torch.isfinite(logp), logp.exp() * logp, torch.zeros_like(logp))).sum(dim=-1, keepdim=True)
+    log_eps = math.log(spec.get("epsilon"))
+    return _log_floor(z, logp, torch.clamp(0.5 * log_eps - entropy, max=log_eps))
 
 
 @_register("top_n_sigma")
@@ -258,9 +256,8 @@ def _top_n_sigma(z, spec, views, states):
 
 @_register("mirostat_v2")
 def _mirostat_v2(z, spec, views, states):
-    probs = torch.softmax(z, dim=-1)
     mu = torch.tensor([[s.mirostat_mu] for s in states], dtype=z.dtype, device=z.device)
-    surprise = torch.where(probs > 0, -torch.log2(probs), torch.full_like(probs, math.inf))
+    surprise = -torch.log_softmax(z, dim=-1) / math.log(2.0)  # bits; +inf for forbidden ids
     keep = surprise <= mu
     top = greedy_select(z)
     keep[torch.arange(z.shape[0], device=z.device), top] |= ~keep.any(dim=-1)
@@ -523,14 +520,14 @@ def decide(
         raise Rejection(codes.INVALID_ROW, f"decide takes one row, got {tuple(scores.shape)}", "$.row.values")
     pr = process_scores(row, config, state, view, kind=kind)
     rng = rng or RequestRng(view.identity, view.seed)
-    if pr.selector == "multinomial":
+    fallback = pr.fallback_rows[0]
+    if pr.selector == "multinomial" and not fallback:
         u = rng.uniform(view.step, 0)
         token = int(multinomial_select(pr.probs, torch.tensor([u], dtype=torch.float64, device=pr.probs.device))[0])
         addresses, uniforms = ((view.step, 0),), (u,)
     else:
         token = int(greedy_select(pr.values)[0])
         addresses, uniforms = (), ()
-    fallback = pr.fallback_rows[0]
     selected_prob = float(pr.probs[0, token])
     observes = any(t.name == "mirostat_v2" for t in pr.applied) and not fallback
     after = next_state(config, state, token, draws=len(uniforms), selected_prob=selected_prob if observes else None)

@@ -144,6 +144,11 @@ def _legal_eos(row: ScoreRow, config: PolicyConfig, state: PolicyState, view: Re
     return sorted(e for e in set(view.eos_ids) if np.isfinite(z[e]))
 
 
+def _json_margin(trace: list[TraceStep]) -> float | None:
+    margin = min((s.margin for s in trace), default=math.inf)
+    return None if math.isinf(margin) else margin
+
+
 def _fallback(row: ScoreRow, config: PolicyConfig, state: PolicyState, view: RequestView, trace: list[TraceStep], applied: tuple[TransformSpec, ...]) -> ProcessedRow:
     eos = _legal_eos(row, config, state, view) if config.empty_support is EmptySupport.FALLBACK_EOS else []
     if not eos:
@@ -151,7 +156,7 @@ def _fallback(row: ScoreRow, config: PolicyConfig, state: PolicyState, view: Req
             codes.EMPTY_SUPPORT,
             "no token has a finite score after the transforms" + ("" if config.empty_support is EmptySupport.RAISE else " and no EOS id is legal for fallback_eos"),
             "$",
-            {"step": view.step, "constraint_state": state.constraint_state, "trace": [s.name for s in trace]},
+            {"step": view.step, "constraint_state": state.constraint_state, "trace": [s.name for s in trace], "margin": _json_margin(trace)},
         )
     values = np.full(row.vocab_size, -math.inf)
     values[eos[0]] = 0.0

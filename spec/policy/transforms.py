@@ -89,11 +89,22 @@ def _threshold_margin(stat: np.ndarray, threshold: float, where: np.ndarray) -> 
     return float(np.min(np.abs(stat[where] - threshold)))
 
 
+def _near_tie_margin(key: np.ndarray, cut: float) -> float:
+    """Distance from ``cut`` to the closest finite key that differs from it (inf if none).
+
+    An exact tie at a cut is resolved by the tie rule identically in any precision; a near tie
+    is where a lower-precision twin may order the ids differently.
+    """
+    other = key[np.isfinite(key) & (key != cut)]
+    return float(np.min(np.abs(other - cut))) if other.size and math.isfinite(cut) else math.inf
+
+
 def _prefix_keep(order: np.ndarray, probs: np.ndarray, mass: float, rank_key: np.ndarray) -> tuple[np.ndarray, float]:
     """Keep the ranked prefix whose mass *before* each token is < ``mass`` (the crossing token stays).
 
     Returns the keep mask and the margin: the smaller of ``min |mass_before - mass|`` over
-    positive-probability tokens and the rank-key gap between the last kept and first removed.
+    positive-probability tokens and the rank-key distance from the last kept id to the closest
+    differing key (a near tie at the cut).
     """
     sorted_p = probs[order]
     before = np.cumsum(sorted_p) - sorted_p
@@ -104,9 +115,7 @@ def _prefix_keep(order: np.ndarray, probs: np.ndarray, mass: float, rank_key: np
     margin = _threshold_margin(before, mass, sorted_p > 0)
     n_keep = int(keep_sorted.sum())
     if 0 < n_keep < len(order) and sorted_p[n_keep] > 0:
-        gap = abs(float(rank_key[order[n_keep]] - rank_key[order[n_keep - 1]]))
-        if gap > 0:
-            margin = min(margin, gap)
+        margin = min(margin, _near_tie_margin(rank_key, float(rank_key[order[n_keep - 1]])))
     return keep, margin
 
 
@@ -262,9 +271,7 @@ def top_k(z: np.ndarray, spec: TransformSpec, view: RequestView, state: PolicySt
     order = stable_order(-z)
     banned = np.zeros(z.shape[0], dtype=bool)
     banned[order[k:]] = True
-    last, first_out = z[order[k - 1]], z[order[k]]
-    gap = float(last - first_out) if np.isfinite(first_out) else math.inf
-    return Step(_mask(z, banned), gap if gap > 0 else math.inf)
+    return Step(_mask(z, banned), _near_tie_margin(z, float(z[order[k - 1]])))
 
 
 @_transform(
@@ -286,16 +293,14 @@ def top_p(z: np.ndarray, spec: TransformSpec, view: RequestView, state: PolicySt
     "min_p",
     title="Min-p",
     section="M3.8 0x0D Min-p and relative logit gaps",
-    statement="Keep v iff p_v >= alpha * p_max (equivalently z_v >= z_max + log alpha); alpha = 0 is the identity (HF MinPLogitsWarper, vLLM MinPLogitsProcessor).",
+    statement="Keep v iff p_v >= alpha * p_max, evaluated as z_v >= z_max + log alpha (no underflow; llama.cpp form); alpha = 0 is the identity (HF MinPLogitsWarper, vLLM MinPLogitsProcessor).",
 )
 def min_p(z: np.ndarray, spec: TransformSpec, view: RequestView, state: PolicyState) -> Step:
     alpha = spec.get("p")
     if alpha <= 0.0:
         return Step(z.copy())
-    probs = softmax(z)
-    threshold = alpha * probs.max()
-    keep = probs >= threshold
-    return Step(_mask(z, ~keep), _threshold_margin(probs, threshold, probs > 0))
+    threshold = float(z.max()) + math.log(alpha)
+    return Step(_mask(z, z < threshold), _threshold_margin(z, threshold, np.isfinite(z)))
 
 
 @_transform(
@@ -314,33 +319,34 @@ def typical(z: np.ndarray, spec: TransformSpec, view: RequestView, state: Policy
     return Step(_mask(z, ~keep), margin)
 
 
-def _floor_cut(z: np.ndarray, probs: np.ndarray, floor: float) -> Step:
-    keep = (probs >= floor) | (z == z.max())
-    return Step(_mask(z, ~keep), _threshold_margin(probs, floor, probs > 0))
+def _log_floor_cut(z: np.ndarray, logp: np.ndarray, log_floor: float) -> Step:
+    """Keep ``log p_v >= log_floor`` or the row maxima; margin in nats."""
+    keep = (logp >= log_floor) | (z == z.max())
+    return Step(_mask(z, ~keep), _threshold_margin(logp, log_floor, np.isfinite(logp)))
 
 
 @_transform(
     "epsilon",
     title="Epsilon cutoff",
     section="M3.8 0x0D Sampling-family contracts (truncation sampling)",
-    statement="Keep v iff p_v >= epsilon or z_v is the row maximum (HF EpsilonLogitsWarper with min_tokens_to_keep = 1).",
+    statement="Keep v iff p_v >= epsilon (evaluated as log p_v >= log epsilon) or z_v is the row maximum (HF EpsilonLogitsWarper with min_tokens_to_keep = 1).",
 )
 def epsilon(z: np.ndarray, spec: TransformSpec, view: RequestView, state: PolicyState) -> Step:
-    return _floor_cut(z, softmax(z), spec.get("epsilon"))
+    return _log_floor_cut(z, log_softmax(z), math.log(spec.get("epsilon")))
 
 
 @_transform(
     "eta",
     title="Eta cutoff",
     section="M3.8 0x0D Eta sampling",
-    statement="eta = min(epsilon, sqrt(epsilon) * exp(-H(p))) with H in nats; keep v iff p_v >= eta or z_v is the row maximum (HF EtaLogitsWarper, Hewitt et al.).",
+    statement="eta = min(epsilon, sqrt(epsilon) * exp(-H(p))) with H in nats; keep v iff p_v >= eta (evaluated as log p_v >= min(log epsilon, log(epsilon)/2 - H)) or z_v is the row maximum (HF EtaLogitsWarper, Hewitt et al.).",
 )
 def eta(z: np.ndarray, spec: TransformSpec, view: RequestView, state: PolicyState) -> Step:
-    probs = softmax(z)
-    pos = probs > 0
-    entropy = -float(np.sum(probs[pos] * np.log(probs[pos])))
-    eps = spec.get("epsilon")
-    return _floor_cut(z, probs, min(eps, math.sqrt(eps) * math.exp(-entropy)))
+    logp = log_softmax(z)
+    finite = np.isfinite(logp)
+    entropy = -float(np.sum(np.exp(logp[finite]) * logp[finite]))
+    log_eps = math.log(spec.get("epsilon"))
+    return _log_floor_cut(z, logp, min(log_eps, 0.5 * log_eps - entropy))
 
 
 @_transform(
@@ -363,13 +369,11 @@ def top_n_sigma(z: np.ndarray, spec: TransformSpec, view: RequestView, state: Po
     statement="Keep the probability-ranked ids with surprise -log2 p_v <= mu (at least the first); mu is policy state in bits, initialised to 2 tau; after selection mu <- mu - eta * (-log2 q_y - tau), q the final processed distribution (llama.cpp llama_sampler_mirostat_v2_apply).",
 )
 def mirostat_v2(z: np.ndarray, spec: TransformSpec, view: RequestView, state: PolicyState) -> Step:
-    probs = softmax(z)
-    pos = probs > 0
-    surprise = np.where(pos, -np.log2(np.where(pos, probs, 1.0)), math.inf)
+    surprise = -log_softmax(z) / math.log(2.0)  # bits; +inf for forbidden ids
     keep = surprise <= state.mirostat_mu
     if not keep.any():
-        keep[stable_order(-probs)[0]] = True
-    return Step(_mask(z, ~keep), _threshold_margin(surprise, state.mirostat_mu, pos))
+        keep[stable_order(-z)[0]] = True
+    return Step(_mask(z, ~keep), _threshold_margin(surprise, state.mirostat_mu, np.isfinite(surprise)))
 
 
 def mirostat_update(mu: float, spec: TransformSpec, selected_prob: float) -> float:
