@@ -1,10 +1,11 @@
-"""M3.10 0x03 Decoder-only serving loop: a first greedy generation loop over the dynamic cache.
+"""M3.10 0x03 Decoder-only serving loop: the generation loop over the dynamic cache.
 
 Prefill the prompt (one call, last row kept), then decode one token per call, each call
 processing the one pending output token at the next cache slot.  Each selection reads one
-score row (the raw logits of the last processed position, as float32), picks the greedy
-token (ties: lowest id, the project's declared rule; ``torch.argmax`` returns the first
-maximal index) and records its ``logprob`` = natural log-softmax of that same raw row at the
+score row (the raw logits of the last processed position, as float32) and hands it to the
+M3.8 policy's torch twin (:func:`decodespec.impl.policy.decide`: greedy with ties to the
+lowest id, or sampling with one draw from the request's counter-based stream), keeps its
+decision receipt and records its ``logprob`` = natural log-softmax of that same raw row at the
 selected id, computed before the next model call.  Finish triggers are evaluated at each
 commit and the canonical reason is chosen by the declared precedence
 (:data:`decodespec.spec.enums.FINISH_PRECEDENCE`).
@@ -38,9 +39,16 @@ import torch
 from decodespec.spec.enums import FINISH_PRECEDENCE, FinishReason, PendingTag, canonical_finish_reason
 from decodespec.spec.errors import Rejection, ResourceLimit, register_code
 
-from .model import CONTEXT_WINDOW_EXCEEDED, LlamaForCausalLM
+from decodespec.spec.policy.codes import FAMILY_MISMATCH
+from decodespec.spec.policy.config import Family, PolicyConfig
+from decodespec.spec.policy.receipt import DecisionReceipt
+from decodespec.spec.policy.state import RequestView, initial_policy_state
 
-__all__ = ["INVALID_REQUEST", "GenerationResult", "greedy_generate", "select_greedy"]
+from .model import CONTEXT_WINDOW_EXCEEDED, LlamaForCausalLM
+from .policy import decide as policy_decide
+from .rng import RequestRng
+
+__all__ = ["INVALID_REQUEST", "GenerationResult", "generate", "greedy_generate", "select_greedy"]
 
 INVALID_REQUEST = register_code(
     "runtime.invalid_request",
@@ -64,6 +72,8 @@ class GenerationResult:
         triggers: Every finish condition that fired at the final commit, in precedence order.
         frontier: ``{"prompt_len", "output_count", "pending", "processed", "pending_tag"}``
             (L, O, |U|, P, tag) at finish.
+        receipts: One M3.8 decision receipt per output token (``impl.policy.decide``).
+        rng_counter: Draws the request consumed (0 for greedy).
     """
 
     prompt_ids: tuple[int, ...]
@@ -73,6 +83,8 @@ class GenerationResult:
     finish_reason: FinishReason
     triggers: tuple[FinishReason, ...] = ()
     frontier: dict[str, Any] = attrs.field(factory=dict)
+    receipts: tuple[DecisionReceipt, ...] = ()
+    rng_counter: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict (``finish_reason`` and ``triggers`` as their string values)."""
@@ -84,6 +96,8 @@ class GenerationResult:
             "finish_reason": self.finish_reason.value,
             "triggers": [t.value for t in self.triggers],
             "frontier": dict(self.frontier),
+            "receipts": [r.to_json() for r in self.receipts],
+            "rng_counter": self.rng_counter,
         }
 
 
@@ -115,30 +129,65 @@ def greedy_generate(
     tokenizer: Any = None,
     use_cache: bool = True,
 ) -> GenerationResult:
-    """Greedy generation of up to ``max_new_tokens`` tokens after ``prompt_ids``.
+    """Greedy generation: :func:`generate` with the plain greedy policy (see there)."""
+    return generate(model, prompt_ids, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, tokenizer=tokenizer, use_cache=use_cache)
+
+
+def generate(
+    model: LlamaForCausalLM,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    policy: PolicyConfig | None = None,
+    eos_token_ids: Collection[int] | None = None,
+    min_new_tokens: int = 0,
+    tokenizer: Any = None,
+    use_cache: bool = True,
+    identity: str = "",
+    seed: int | None = None,
+    vocab_hash: str = "",
+) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` under a decoding policy.
+
+    Each selection hands the raw logits row of the last processed position to
+    :func:`decodespec.impl.policy.decide`, which applies the policy's transforms, selects
+    (greedy, or one inverse-CDF draw from the request's counter-based Philox stream at address
+    ``(step, 0)``) and returns the M3.8 receipt and the next policy state.
 
     Args:
         model: The decoder (its device and dtype are used as they are).
         prompt_ids: L >= 1 token ids in ``[0, V)``.
         max_new_tokens: G >= 0.
+        policy: The M3.8 policy (greedy or multinomial family); default plain greedy.
         eos_token_ids: Ids that finish with ``eos``; default ``{model.config.eos_token_id}``
             (empty when the config has none); pass ``()`` to disable.
+        min_new_tokens: Read by the policy's ``min_new_tokens`` transform (if configured).
         tokenizer: Anything with ``decode(ids) -> str`` for ``text``; ``None``: ``text == ""``.
         use_cache: ``True``: prefill + single-token decode over a :class:`DynamicCache`;
             ``False``: recompute the whole committed prefix at every step (reference loop).
+        identity: Canonical request identity (keys the RNG stream with ``seed``).
+        seed: Request seed, or ``None``.
+        vocab_hash: Ordered vocabulary hash recorded in the receipts.
 
     Returns:
-        A :class:`GenerationResult`.
+        A :class:`GenerationResult` with one receipt per output token.
 
     Raises:
         Rejection: ``runtime.invalid_request`` (empty prompt, id out of range, negative or
-            non-integer ``max_new_tokens``), before any model call.
+            non-integer ``max_new_tokens``), before any model call; ``policy.*`` for a beam
+            policy, a bad view (negative seed) or a decision the policy refuses.
         ResourceLimit: ``model.context_window_exceeded`` when ``L >= max_position_embeddings``.
     """
     prompt = _validate(model, prompt_ids, max_new_tokens)
     if eos_token_ids is None:
         eos_token_ids = () if model.config.eos_token_id is None else (model.config.eos_token_id,)
     eos = frozenset(int(i) for i in eos_token_ids)
+    policy = PolicyConfig.greedy() if policy is None else policy
+    if policy.family is Family.BEAM:
+        raise Rejection(FAMILY_MISMATCH, "generate runs one sequence; the beam family needs a beam loop", "$.policy.family")
+    state = initial_policy_state(policy)
+    view = RequestView(prompt_ids=prompt, eos_ids=sorted(eos), min_new_tokens=min_new_tokens, identity=identity, seed=seed)
+    rng = RequestRng(identity, seed)
     window = model.config.max_position_embeddings
     prompt_len = len(prompt)
     if max_new_tokens == 0:
@@ -147,15 +196,19 @@ def greedy_generate(
 
     output_ids: list[int] = []
     logprobs: list[float] = []
+    receipts: list[DecisionReceipt] = []
     with torch.inference_mode():
         device = model.device
         cache = model.new_cache() if use_cache else None
         input_ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, L]
         out = model(input_ids, past_key_values=cache, logits_to_keep=1)  # prefill: logits [1, 1, V]
         while True:
-            token_id, logprob = select_greedy(out.logits[0, -1])
+            step_view = RequestView(prompt_ids=prompt, output_ids=output_ids, eos_ids=view.eos_ids, min_new_tokens=min_new_tokens, identity=identity, seed=seed)
+            receipt, state = policy_decide(out.logits[0, -1], policy, state, step_view, score_id=f"score-{len(output_ids)}", vocab_hash=vocab_hash, rng=rng)
+            token_id = receipt.selected_id
             output_ids.append(token_id)
-            logprobs.append(logprob)
+            logprobs.append(receipt.raw_logprob)
+            receipts.append(receipt)
             fired = set()
             if token_id in eos:
                 fired.add(FinishReason.EOS)
@@ -176,7 +229,7 @@ def greedy_generate(
     text_ids = output_ids[:-1] if output_ids[-1] in eos else output_ids
     text = tokenizer.decode(text_ids) if tokenizer is not None else ""
     frontier = _frontier(prompt_len, len(output_ids), processed=prompt_len + len(output_ids) - 1)
-    return GenerationResult(prompt, tuple(output_ids), text, tuple(logprobs), finish, triggers, frontier)
+    return GenerationResult(prompt, tuple(output_ids), text, tuple(logprobs), finish, triggers, frontier, tuple(receipts), state.rng_counter)
 
 
 def _frontier(prompt_len: int, output_count: int, *, processed: int) -> dict[str, Any]:
