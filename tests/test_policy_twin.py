@@ -160,13 +160,17 @@ def _both(fn_spec, fn_twin, tol: float, spec_margin):
     return spec_out, twin_out
 
 
+def _unpack(case):
+    """``(z, config, state, view, tol, spec_row)``: the case, its float32 tolerance and the spec's processed row as a thunk."""
+    z, config, state, view = case
+    return z, config, state, view, 1e-5 * _scale(z, config), lambda: processed_row(ScoreRow.create(z.astype(np.float64)), config, state, view)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @given(case=cases())
 def test_spec_and_torch_twin_agree_on_the_processed_row(device, case):
     """Processed support and probabilities agree within float32 error outside decision margins."""
-    z, config, state, view = case
-    tol = 1e-5 * _scale(z, config)
-    spec_row = lambda: processed_row(ScoreRow.create(z.astype(np.float64)), config, state, view)  # noqa: E731
+    z, config, state, view, tol, spec_row = _unpack(case)
     spec_pr, twin_pr = _both(spec_row, lambda: twin.process_scores(torch.tensor(z, device=device), config, state, view), tol, lambda: spec_row().margin)
     if spec_pr is None:
         return
@@ -187,9 +191,7 @@ def test_spec_and_torch_twin_agree_on_the_processed_row(device, case):
 @given(case=cases())
 def test_spec_and_torch_twin_select_the_same_token_for_the_same_draw(device, case):
     """decide: same id, draws, RNG address and counters, and next state outside float32 margins."""
-    z, config, state, view = case
-    tol = 1e-5 * _scale(z, config)
-    spec_row = lambda: processed_row(ScoreRow.create(z.astype(np.float64)), config, state, view)  # noqa: E731
+    z, config, state, view, tol, spec_row = _unpack(case)
     spec_out, twin_out = _both(lambda: decide(ScoreRow.create(z.astype(np.float64)), config, state, view),
                                lambda: twin.decide(torch.tensor(z, device=device), config, state, view), tol, lambda: spec_row().margin)
     if spec_out is None:
