@@ -141,10 +141,10 @@ def encode(value: Any) -> Any:
     """
     if value is None:
         return {"tag": "None", "value": {"#tup": []}}
+    if isinstance(value, enum.Enum):  # before str/int: str- and int-valued enums are variants
+        return {"tag": value.name, "value": {"#tup": []}}
     if isinstance(value, bool) or isinstance(value, str):
         return value
-    if isinstance(value, enum.Enum):
-        return {"tag": value.name, "value": {"#tup": []}}
     if isinstance(value, int):
         return value if -MAX_SAFE_INT <= value <= MAX_SAFE_INT else {"#bigint": str(value)}
     if isinstance(value, Variant):

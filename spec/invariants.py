@@ -80,11 +80,13 @@ def frontiers_balance(params: RequestParams, state: RequestState) -> bool:
     "completes); in the decoder-only profile this is K_frontier = P.",
 )
 def cache_frontier_equals_processed(params: RequestParams, state: RequestState) -> bool:
-    advancing = set(params.profile.advancing_lanes())
-    for name, frontier in state.lanes:
-        if name in advancing and frontier != (state.processed if state.processed > 0 else None):
-            return False
-    return True
+    return _lanes_at(state, params.profile.advancing_lanes(), state.processed)
+
+
+def _lanes_at(state: RequestState, names: tuple[str, ...], frontier: int | None) -> bool:
+    """Every lane in ``names`` is at ``frontier`` once a call has completed (P > 0), absent before."""
+    expected = frontier if state.processed > 0 else None
+    return all(value == expected for name, value in state.lanes if name in names)
 
 
 @rule(
@@ -95,11 +97,7 @@ def cache_frontier_equals_processed(params: RequestParams, state: RequestState) 
     "length S afterwards; target decode never mutates them.",
 )
 def fixed_lanes_frozen(params: RequestParams, state: RequestState) -> bool:
-    fixed = set(params.profile.fixed_lanes())
-    for name, frontier in state.lanes:
-        if name in fixed and frontier != (params.source_len if state.processed > 0 else None):
-            return False
-    return True
+    return _lanes_at(state, params.profile.fixed_lanes(), params.source_len)
 
 
 @rule(
