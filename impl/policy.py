@@ -85,16 +85,31 @@ def _stable_desc(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.sort(x, dim=-1, descending=True, stable=True)
 
 
-def _scatter_keep(keep_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+def _scatter_keep(keep_sorted: torch.Tensor, order: torch.Tensor, vocab: int) -> torch.Tensor:
     """Map a keep mask over sorted positions back to vocabulary ids through the permutation."""
-    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return torch.zeros(order.shape[0], vocab, dtype=torch.bool, device=order.device).scatter(-1, order, keep_sorted)
 
 
-def _prefix_keep(sorted_p: torch.Tensor, order: torch.Tensor, mass: float) -> torch.Tensor:
+def _ranked_support(key: torch.Tensor, support: torch.Tensor, *, descending: bool) -> torch.Tensor:
+    """Ids ordered by ``key`` (ties: ascending id), ``[B, N]``.
+
+    For one row only the support is sorted (a nucleus after top-k is tiny, the vocabulary is
+    not); ids outside the support never enter the kept prefix, so leaving them out changes
+    nothing.  Several rows sort the whole vocabulary (off-support keys sort last).
+    """
+    if key.shape[0] == 1:
+        ids = support[0].nonzero().squeeze(-1)  # ascending ids, so the stable sort breaks ties by id
+        return ids[torch.sort(key[0, ids], descending=descending, stable=True).indices].unsqueeze(0)
+    return torch.sort(key, dim=-1, descending=descending, stable=True).indices
+
+
+def _prefix_keep(probs: torch.Tensor, order: torch.Tensor, mass: float) -> torch.Tensor:
+    """Keep the ranked prefix whose mass before each id is < ``mass`` (the crossing id stays)."""
+    sorted_p = probs.gather(-1, order)
     before = torch.cumsum(sorted_p, dim=-1) - sorted_p
     keep_sorted = (before < mass) & (sorted_p > 0)
     keep_sorted[..., 0] = sorted_p[..., 0] > 0
-    return _scatter_keep(keep_sorted, order)
+    return _scatter_keep(keep_sorted, order, probs.shape[-1])
 
 
 # ----------------------------------------------------------------------------------------
@@ -192,10 +207,12 @@ def _top_k(z, spec, views, states):
     k = spec.get("k")
     if k >= z.shape[-1]:
         return z
-    _, order = _stable_desc(z)
-    banned_sorted = torch.zeros_like(z, dtype=torch.bool)
-    banned_sorted[..., k:] = True
-    return _ban(z, _scatter_keep(banned_sorted, order))
+    kth = torch.topk(z, k, dim=-1).values[..., -1:]  # [B, 1] the k-th largest value
+    above = z > kth
+    at = z == kth
+    room = k - above.sum(dim=-1, keepdim=True)  # ids still to keep among the ties at the k-th value
+    keep = above | (at & (torch.cumsum(at.to(torch.int64), dim=-1) <= room))  # ties: lowest ids first
+    return _ban(z, ~keep)
 
 
 @_register("top_p")
@@ -203,8 +220,8 @@ def _top_p(z, spec, views, states):
     p = spec.get("p")
     if p >= 1.0:
         return z
-    sorted_p, order = _stable_desc(torch.softmax(z, dim=-1))
-    return _ban(z, ~_prefix_keep(sorted_p, order, p))
+    probs = torch.softmax(z, dim=-1)
+    return _ban(z, ~_prefix_keep(probs, _ranked_support(probs, torch.isfinite(z), descending=True), p))
 
 
 @_register("min_p")
@@ -221,8 +238,8 @@ def _typical(z, spec, views, states):
     probs = logp.exp()
     entropy = -(torch.where(probs > 0, probs * logp, torch.zeros_like(logp))).sum(dim=-1, keepdim=True)
     shifted = torch.where(torch.isfinite(logp), (-logp - entropy).abs(), torch.full_like(logp, math.inf))
-    _, order = torch.sort(shifted, dim=-1, stable=True)
-    return _ban(z, ~_prefix_keep(probs.gather(-1, order), order, spec.get("p")))
+    order = _ranked_support(shifted, torch.isfinite(logp), descending=False)
+    return _ban(z, ~_prefix_keep(probs, order, spec.get("p")))
 
 
 def _log_floor(z: torch.Tensor, logp: torch.Tensor, log_floor: torch.Tensor | float) -> torch.Tensor:

@@ -247,3 +247,19 @@ def test_spec_and_torch_twin_agree_on_beam_candidates(device, case, num_parents,
     event("compared")
     n = int(np.isfinite(spec_out.scores).sum())
     assert parents[:n].tolist() == spec_out.parents[:n].tolist() and tokens[:n].tolist() == spec_out.tokens[:n].tolist()
+
+
+@given(case=cases(), data=st.data())
+def test_twin_batch_rows_equal_the_rows_decided_alone(case, data):
+    """The twin on ``[B, V]`` (whole-vocabulary sorts) equals B single-row calls (support-only sorts): no batch coupling."""
+    z, config, state, view = case
+    extra = [data.draw(rows(len(z))) for _ in range(2)]
+    batch = np.stack([z, *extra])
+    try:
+        alone = [twin.process_scores(torch.tensor(r), config, state, view) for r in batch]
+    except Rejection:
+        return
+    together = twin.process_scores(torch.tensor(batch), config, [state] * 3, [view] * 3)
+    for b, single in enumerate(alone):
+        assert torch.equal(together.support_mask[b], single.support_mask[0])
+        torch.testing.assert_close(together.probs[b], single.probs[0], atol=1e-6, rtol=1e-5)
