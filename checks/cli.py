@@ -22,6 +22,7 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 COMMANDS: dict[str, str] = {
     "docs": "docs",
     "generate": "generate",
+    "bench": "bench",
     "validate": "validate",
     "explore": "explore",
 }

@@ -102,5 +102,7 @@ def load_tiny(
                 param.fill_(1.0)
             elif name.endswith("proj.weight"):
                 param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=gen)
+            elif name == "lm_head.weight":  # only listed when untied (drawn last)
+                param.normal_(0.0, EMBED_STD, generator=gen)
         model.model.norm.weight.fill_(FINAL_NORM_WEIGHT)
     return model.to(device=target, dtype=dtype).eval()

@@ -1,0 +1,63 @@
+"""``decodespec bench``: greedy decode tokens/s of our decoder vs HF transformers, and the bound.
+
+Prints each runtime's median tokens/s, their ratio (ours / HF), peak memory, the
+memory-bandwidth bound (weight bytes per decode token / measured read bandwidth) and our
+fraction of it; ``--json`` prints the same as one JSON object.  See
+:mod:`decodespec.impl.bench`.
+
+Exit codes: 0 success, 2 invalid input, 3 SmolLM2 or HF transformers not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="decode tokens/s of our decoder vs HF generate on SmolLM2, and the memory-bandwidth bound",
+        description="Greedy decode benchmark, batch 1: ours vs HF transformers generate() on SmolLM2 in one process.",
+    )
+    parser.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (default 32)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="generated tokens per run (default 128)")
+    parser.add_argument("--repetitions", type=int, default=5, help="timed runs per runtime after warm-up (default 5)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark and print the report; returns the exit code."""
+    from decodespec.checks.testing import HF_SKIP_REASON, hf_available
+    from decodespec.impl.device import resolve_dtype
+    from decodespec.impl.gguf import MODEL_FILE_MISSING
+    from decodespec.spec.errors import DecodeSpecError
+
+    if not hf_available():
+        print(json.dumps({"error": {"code": "missing_peer", "message": HF_SKIP_REASON}}), file=sys.stderr)
+        return 3
+    if min(args.prompt_len, args.new_tokens, args.repetitions) < 1:
+        print(json.dumps({"error": {"code": "bad_argument", "message": "--prompt-len, --new-tokens and --repetitions must be >= 1"}}), file=sys.stderr)
+        return 2
+    from decodespec.impl.bench import format_result, run_benchmark
+
+    try:
+        result = run_benchmark(
+            dtype=resolve_dtype(args.dtype),
+            device=args.device,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            repetitions=args.repetitions,
+        )
+    except DecodeSpecError as exc:
+        print(json.dumps({"error": exc.to_json()}), file=sys.stderr)
+        return 3 if exc.code == MODEL_FILE_MISSING else 2
+    print(json.dumps(result.to_json()) if args.json else format_result(result))
+    return 0

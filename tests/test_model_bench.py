@@ -1,0 +1,57 @@
+"""The benchmark's arithmetic (no timing is asserted: ``decodespec bench`` prints the figures).
+
+The memory-bandwidth bound counts what one batch-1 decode step reads: every layer weight
+once, one embedding row, the final norm and the full ``lm_head`` (M3.10 0x08 "Quantifying
+projection reuse and retained state").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodespec.checks.testing import requires_smollm2
+from decodespec.impl.bench import BenchResult, decode_weight_bytes, measure_read_bandwidth
+from decodespec.impl.tiny import load_tiny
+
+
+def test_decode_weight_bytes_of_the_tiny_model(tiny_model):
+    c = tiny_model.config
+    per_layer = (
+        c.hidden_size * c.num_attention_heads * c.head_dim * 2  # q_proj, o_proj
+        + c.hidden_size * c.num_key_value_heads * c.head_dim * 2  # k_proj, v_proj
+        + c.hidden_size * c.intermediate_size * 3  # gate, up, down
+        + c.hidden_size * 2  # two norms
+    )
+    expected = (c.num_hidden_layers * per_layer + c.hidden_size + c.vocab_size * c.hidden_size + c.hidden_size) * 4
+    assert decode_weight_bytes(tiny_model) == expected
+    assert decode_weight_bytes(load_tiny(dtype=torch.bfloat16, device="cpu")) == expected // 2
+
+
+@requires_smollm2
+def test_decode_weight_bytes_of_smollm2(smollm2_model):
+    # 134,515,008 parameters; the tied head is read once more as lm_head, the embedding only one row.
+    embed = 49152 * 576
+    assert decode_weight_bytes(smollm2_model) == (134_515_008 - embed + 576 + embed) * 4
+
+
+def test_bench_result_derived_figures():
+    result = BenchResult(
+        device="cpu", dtype="float32", prompt_len=32, new_tokens=128, repetitions=3,
+        ours_tokens_per_s=(10.0, 12.0, 11.0), hf_tokens_per_s=(8.0, 9.0, 10.0), same_tokens=True,
+        decode_weight_bytes=1_000_000, bandwidth_bytes_per_s={"sum": 2e7, "gemv": 3e7},
+        peak_memory={"ours_resident": 1, "hf_resident": 2, "process_peak_rss": 3},
+    )
+    assert result.ours_median == 11.0 and result.hf_median == 9.0
+    assert result.ratio == pytest.approx(11.0 / 9.0)
+    assert result.bound_tokens_per_s == pytest.approx(30.0)  # best bandwidth / bytes per token
+    assert result.fraction_of_bound == pytest.approx(11.0 / 30.0)
+    payload = result.to_json()
+    assert payload["ratio_ours_over_hf"] == pytest.approx(11.0 / 9.0)
+    assert payload["ours_tokens_per_s"] == [10.0, 12.0, 11.0]
+
+
+def test_measure_read_bandwidth_reports_both_methods():
+    figures = measure_read_bandwidth(1 << 20, torch.device("cpu"), torch.float32, hidden_size=64, repetitions=2)
+    assert set(figures) == {"sum", "gemv"}
+    assert all(value > 0 for value in figures.values())
