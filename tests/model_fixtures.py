@@ -26,20 +26,13 @@ from decodespec.impl.gguf import smollm2_available
 @contextlib.contextmanager
 def attention(model, attn_implementation: str) -> Iterator[None]:
     """Run a block with ``model`` switched to ``attn_implementation`` (ours or HF), then restore."""
-    if hasattr(model, "cache_abi"):  # ours
-        before = model.config.attn_implementation
-        model.set_attn_implementation(attn_implementation)
-        try:
-            yield
-        finally:
-            model.set_attn_implementation(before)
-    else:  # HF transformers
-        before = model.config._attn_implementation
-        model.set_attn_implementation(attn_implementation)
-        try:
-            yield
-        finally:
-            model.set_attn_implementation(before)
+    ours = hasattr(model, "cache_abi")
+    before = model.config.attn_implementation if ours else model.config._attn_implementation
+    model.set_attn_implementation(attn_implementation)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
 
 
 @pytest.fixture(scope="session")

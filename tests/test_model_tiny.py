@@ -228,3 +228,10 @@ def test_config_is_constructible_from_plain_values():
     )
     assert config.num_key_value_groups == 2
     assert config.attn_implementation == "sdpa"
+
+
+def test_untied_tiny_head_is_initialised():
+    untied = load_tiny(seed=0, device="cpu", config=attrs.evolve(tiny_config(), tie_word_embeddings=False))
+    weight = untied.lm_head.weight.detach()
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    assert torch.isfinite(weight).all() and 0.03 < float(weight.std()) < 0.07
