@@ -51,7 +51,6 @@ from decodespec.spec.actions import (
 from decodespec.spec.enums import CallKind, FinishReason
 from decodespec.spec.errors import ERROR_CODES, DecodeSpecError
 from decodespec.spec.profiles import PROFILES, profile_named
-from decodespec.spec.rules import rules_of_kind
 from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, is_terminal
 from decodespec.spec.transitions import MACHINE, Machine, expected_report, expected_start
 
@@ -322,9 +321,10 @@ class ExploreResult:
         num_edges: Distinct ``(state, next state)`` pairs (graph edges).
         elapsed_s: Wall time of the search, in seconds.
         rule_counts: Transitions taken per rule id.
+        action_counts: Transitions taken per action type (``Launch``, ``Commit`` ...).
         phase_edges: Transitions taken per ``(phase before, phase after)``.
         rejected: Rejected attempts per ``(action type, error code)``.
-        unexercised: Registered ``transition.*`` rules never taken.
+        unexercised: Rules of the explored machine's table never taken.
         violations: Every violation found (each with its shortest counterexample).
         num_terminal: Terminal states reached.
         max_depth: Length of the longest shortest path.
@@ -336,6 +336,7 @@ class ExploreResult:
     num_edges: int
     elapsed_s: float
     rule_counts: dict[str, int]
+    action_counts: dict[str, int]
     phase_edges: dict[tuple[str, str], int]
     rejected: dict[tuple[str, str], int]
     unexercised: tuple[str, ...]
@@ -365,6 +366,7 @@ class ExploreResult:
             "elapsed_s": round(self.elapsed_s, 3),
             "states_per_second": round(self.states_per_second, 1),
             "rules": dict(sorted(self.rule_counts.items())),
+            "actions": dict(sorted(self.action_counts.items())),
             "phase_edges": {f"{a}->{b}": n for (a, b), n in sorted(self.phase_edges.items())},
             "rejected": {f"{a}:{c}": n for (a, c), n in sorted(self.rejected.items())},
             "unexercised": list(self.unexercised),
@@ -408,6 +410,7 @@ def explore(
     parent: dict[RequestState, tuple[RequestState, Action, str] | None] = {init: None}
     queue = collections.deque([init])
     rule_counts: collections.Counter[str] = collections.Counter()
+    action_counts: collections.Counter[str] = collections.Counter()
     phase_edges: collections.Counter[tuple[str, str]] = collections.Counter()
     rejected: collections.Counter[tuple[str, str]] = collections.Counter()
     violations: list[Violation] = []
@@ -457,6 +460,7 @@ def explore(
             if not isinstance(action, _ENVIRONMENT_ONLY):
                 successors += 1
             rule_counts[rule_id] += 1
+            action_counts[type(action).__name__] += 1
             phase_edges[(state.phase.value, nxt.phase.value)] += 1
             if nxt not in parent:
                 parent[nxt] = (state, action, rule_id)
@@ -476,8 +480,7 @@ def explore(
                 if stop_on_violation:
                     break
     elapsed = time.perf_counter() - started
-    transition_ids = [r.id for r in rules_of_kind("transition")]
-    unexercised = tuple(rid for rid in transition_ids if rid not in rule_counts)
+    unexercised = tuple(rid for rid in machine.rule_ids() if rid not in rule_counts)
     return ExploreResult(
         graph=graph,
         num_states=graph.number_of_nodes(),
@@ -485,6 +488,7 @@ def explore(
         num_edges=graph.number_of_edges(),
         elapsed_s=elapsed,
         rule_counts=dict(rule_counts),
+        action_counts=dict(action_counts),
         phase_edges=dict(phase_edges),
         rejected=dict(rejected),
         unexercised=unexercised,

@@ -2,7 +2,7 @@
 
 Every reachable state of each configuration below satisfies every invariant of
 :mod:`decodespec.spec.invariants`, no controller deadlock exists, every refusal is typed, and
-together the configurations exercise every registered ``transition.*`` rule (including the
+together the configurations exercise every rule of the request machine's transition table (including the
 three G=0 branches, static capacity, the no-cache profile, chunked prefill, repair, retries,
 stop strings and structured completion, and all four architecture profiles).
 
@@ -16,7 +16,7 @@ import itertools
 import pytest
 
 from decodespec.checks.explore import ExploreBounds, explore, params_for_bounds
-from decodespec.spec.rules import rules_of_kind
+from decodespec.spec.transitions import MACHINE
 
 RICH = ExploreBounds(max_draws=1, stop_strings=True, structured=True)
 
@@ -65,5 +65,5 @@ def test_every_transition_is_exercised(coverage: dict[str, int]) -> None:
     """Runs after the configurations above (same module): the union covers every transition rule."""
     if not coverage:
         pytest.skip("run with the configuration tests (same module) to collect coverage")
-    missing = [r.id for r in rules_of_kind("transition") if r.id not in coverage]
+    missing = [rid for rid in MACHINE.rule_ids() if rid not in coverage]
     assert not missing, missing

@@ -21,7 +21,6 @@ from decodespec.spec import transitions as T
 from decodespec.spec.actions import Admit, Commit, Complete, Decide, Launch
 from decodespec.spec.enums import PendingTag
 from decodespec.spec.profiles import PROFILES
-from decodespec.spec.rules import rules_of_kind
 
 REPO = Path(__file__).resolve().parents[1]
 ONE_SHOT = ExploreBounds(prefill_chunk=None)
@@ -126,6 +125,8 @@ def test_coverage_reports_unexercised_transitions_and_rejections() -> None:
     assert result.rejected[("Decide", "transition.not_enabled")] > 0  # stale scores and early EOS tried
     assert result.rejected[("Launch", "transition.not_enabled")] > 0  # reset cache_position tried
     assert ("in_flight", "scored") in result.phase_edges and ("finished", "finished") in result.phase_edges
+    assert set(result.action_counts) == {"Admit", "Launch", "Complete", "Fault", "Decide", "Commit", "Cancel",
+                                         "StreamFailure", "Recover"}
     summary = result.summary()
     assert json.loads(json.dumps(summary))["states"] == result.num_states
 
@@ -246,4 +247,4 @@ def test_cli_explore_reports_throughput_and_bounds_errors(tmp_path: Path) -> Non
     bad = subprocess.run([sys.executable, "-m", "decodespec.checks", "explore", "--vocab", "1"],
                          capture_output=True, cwd=tmp_path, text=True)
     assert bad.returncode == 2 and json.loads(bad.stdout)["ok"] is False
-    assert {r.id for r in rules_of_kind("transition")} >= set(report["rules"])
+    assert set(T.MACHINE.rule_ids()) >= set(report["rules"])
