@@ -9,6 +9,7 @@ register rules as they land; coverage is asserted against whatever is registered
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
