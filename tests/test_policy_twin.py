@@ -263,3 +263,25 @@ def test_twin_batch_rows_equal_the_rows_decided_alone(case, data):
     for b, single in enumerate(alone):
         assert torch.equal(together.support_mask[b], single.support_mask[0])
         torch.testing.assert_close(together.probs[b], single.probs[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["logits", "logprobs", "probs"])
+def test_twin_and_spec_agree_on_every_declared_score_kind(kind):
+    """policy.score_kind_mismatch and normalization: the twin treats each kind exactly as the spec does."""
+    z = np.array([0.3, 2.0, -1.0, 1.9, -np.inf])
+    values = {"logits": z, "logprobs": z - np.log(np.exp(z[np.isfinite(z)]).sum()), "probs": np.exp(z - np.log(np.exp(z[np.isfinite(z)]).sum()))}[kind]
+    view = RequestView(prompt_ids=(1,), identity="kinds", seed=4)
+    for config in (policy_config_from_json({"family": "multinomial"}), policy_config_from_json({"family": "greedy"}),
+                   policy_config_from_json({"family": "multinomial", "transforms": [{"name": "temperature", "temperature": 0.5}]})):
+        spec_row = ScoreRow.create(values, kind=kind)
+        try:
+            spec_receipt, _ = decide(spec_row, config, PolicyState(), view)
+        except Rejection as e:
+            with pytest.raises(Rejection) as info:
+                twin.decide(torch.tensor(values, dtype=torch.float32), config, PolicyState(), view, kind=kind)
+            assert info.value.code == e.code == "policy.score_kind_mismatch" and kind == "probs"
+            continue
+        twin_receipt, _ = twin.decide(torch.tensor(values, dtype=torch.float32), config, PolicyState(), view, kind=kind)
+        assert (twin_receipt.selected_id, twin_receipt.normalization, twin_receipt.draws, twin_receipt.score_kind) == (
+            spec_receipt.selected_id, spec_receipt.normalization, spec_receipt.draws, kind)
+        assert twin_receipt.raw_logprob == pytest.approx(spec_receipt.raw_logprob, abs=1e-5)
