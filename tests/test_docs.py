@@ -195,7 +195,7 @@ def test_envelope_page_renders_the_schema_when_present(site: docs.BuildResult) -
         return
     schema = json.loads(schema_path.read_text())
     for row in schema_rows(schema):
-        assert row.path in page
+        assert html.escape(row.path, quote=False) in page, row.path
 
 
 def test_policy_presets_side_by_side(site: docs.BuildResult) -> None:
