@@ -38,7 +38,7 @@ def test_philox_known_answer():
     assert philox4x64_10((0, 0, 0, 0), (0, 0)) == (0x16554D9ECA36314C, 0xDB20FE9D672D0FDC, 0xD7E772CEE186176B, 0x7E68B68AEC7BA23B)
 
 
-@given(st.text(max_size=20), st.one_of(st.none(), st.integers(0, 2**63)), st.integers(0, 10**6), st.integers(0, 3))
+@given(st.text(max_size=20), st.one_of(st.none(), st.integers(0, 2**53 - 1)), st.integers(0, 10**6), st.integers(0, 3))
 def test_runtime_and_spec_streams_agree_at_every_address(identity, seed, step, draw_idx):
     """The runtime's RequestRng and the spec's rng_key/uniform give the same key id and uniform."""
     key = rng_key(identity, seed)

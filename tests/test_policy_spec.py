@@ -457,7 +457,7 @@ def test_out_of_range_ids_bad_views_states_and_families():
     with pytest.raises(Rejection) as info:
         decide(row([0.0, 1.0]), PolicyConfig.greedy(), PolicyState(), RequestView(prompt_ids=(7,)))
     assert info.value.code == "policy.token_out_of_range"
-    for kwargs in ({"prompt_ids": (-1,)}, {"prompt_ids": (1.5,)}, {"prompt_ids": (), "step": -1}, {"prompt_ids": (), "min_new_tokens": -2}, {"prompt_ids": (), "seed": -3}):
+    for kwargs in ({"prompt_ids": (-1,)}, {"prompt_ids": (1.5,)}, {"prompt_ids": (), "step": -1}, {"prompt_ids": (), "min_new_tokens": -2}, {"prompt_ids": (), "seed": -3}, {"prompt_ids": (), "seed": 2**53}):
         with pytest.raises(Rejection) as info:
             RequestView(**kwargs)
         assert info.value.code == "policy.invalid_view"

@@ -22,7 +22,11 @@ from decodespec.spec.errors import Rejection
 from decodespec.spec.policy import codes
 from decodespec.spec.policy.config import PolicyConfig
 
-__all__ = ["PolicyState", "RequestView", "initial_policy_state"]
+__all__ = ["MAX_SEED", "PolicyState", "RequestView", "initial_policy_state"]
+
+#: Largest seed: RFC 8785 (I-JSON) serializes integers exactly only up to 2**53 - 1, and the
+#: seed enters the RNG key through its canonical JSON.
+MAX_SEED = 2**53 - 1
 
 
 def _ids(values: Iterable[Any]) -> tuple[int, ...]:
@@ -45,7 +49,7 @@ class RequestView:
         eos_ids: Every EOS id of the request (``min_new_tokens`` suppresses all of them).
         min_new_tokens: EOS is illegal while ``len(output_ids) < min_new_tokens``.
         identity: Canonical request identity (keys the RNG stream).
-        seed: Request seed, or ``None``.
+        seed: Request seed in ``[0, MAX_SEED]``, or ``None``.
     """
 
     prompt_ids: tuple[int, ...] = attrs.field(converter=_ids)
@@ -63,8 +67,8 @@ class RequestView:
             raise Rejection(codes.INVALID_VIEW, "min_new_tokens must be a non-negative integer", "$.view.min_new_tokens")
         if any(t < 0 for t in self.prompt_ids + self.output_ids + self.eos_ids):
             raise Rejection(codes.INVALID_VIEW, "token ids must be non-negative", "$.view")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise Rejection(codes.INVALID_VIEW, "seed must be a non-negative integer or None", "$.view.seed")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):
+            raise Rejection(codes.INVALID_VIEW, f"seed must be an integer in [0, 2**53 - 1] (exact in canonical JSON) or None, got {self.seed!r}", "$.view.seed")
 
     def history(self, which: str) -> tuple[int, ...]:
         """The token history a rule reads: ``"prompt_and_output"`` or ``"output"``."""
