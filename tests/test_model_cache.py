@@ -98,7 +98,7 @@ def test_any_chunking_equals_one_shot_prefill_tiny(tiny_model, ids, cuts):
         one_shot = tiny_model(input_ids, logits_to_keep=1).logits
         for start, stop in zip(bounds, bounds[1:]):
             out = tiny_model(input_ids[:, start:stop], past_key_values=cache, logits_to_keep=1)
-    torch.testing.assert_close(out.logits, one_shot, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.logits, one_shot, rtol=0, atol=TOL["tiny"]["logits"])
     assert cache.get_seq_length() == len(ids)
 
 
@@ -143,7 +143,7 @@ def test_crop_keeps_a_prefix_and_recomputes_like_a_shorter_prompt(tiny_model):
         assert cache.key_cache[2].shape[2] == 4
         resumed = tiny_model(torch.tensor([[90]]), past_key_values=cache).logits[:, -1]
         fresh = tiny_model(torch.tensor([[1, 80, 81, 82, 90]])).logits[:, -1]
-    torch.testing.assert_close(resumed, fresh, rtol=0, atol=1e-5)
+    torch.testing.assert_close(resumed, fresh, rtol=0, atol=5e-5)
     assert cache.get_seq_length() == 5  # 4 kept + the decoded row
     cache.crop(10)  # longer than held: no-op (HF behaviour)
     assert cache.get_seq_length() == 5
@@ -164,7 +164,7 @@ def test_reorder_cache_selects_parent_rows(tiny_model):
         # Continuing row 1 (a copy of old row 2) equals continuing prompt 2 alone.
         step = tiny_model(torch.tensor([[5], [5], [5]]), past_key_values=cache).logits[1, -1]
         alone = tiny_model(torch.tensor([[1, 100, 101, 5]])).logits[0, -1]
-    torch.testing.assert_close(step, alone, rtol=0, atol=1e-5)
+    torch.testing.assert_close(step, alone, rtol=0, atol=5e-5)
     for bad in ([3], [[0, 1]], torch.tensor([0.5])):
         with pytest.raises(Rejection):
             cache.reorder_cache(bad)

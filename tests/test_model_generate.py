@@ -38,7 +38,7 @@ def test_cached_loop_equals_the_no_cache_reference_loop(tiny_model, byte_tokeniz
             cached = greedy_generate(tiny_model, prompt, max_new_tokens=24, eos_token_ids=())
             reference = greedy_generate(tiny_model, prompt, max_new_tokens=24, eos_token_ids=(), use_cache=False)
             assert cached.output_ids == reference.output_ids
-            np.testing.assert_allclose(cached.logprobs, reference.logprobs, rtol=0, atol=1e-5)
+            np.testing.assert_allclose(cached.logprobs, reference.logprobs, rtol=0, atol=5e-5)
 
 
 def test_logprobs_are_log_softmax_of_the_raw_selecting_row(tiny_model, byte_tokenizer):
@@ -50,7 +50,7 @@ def test_logprobs_are_log_softmax_of_the_raw_selecting_row(tiny_model, byte_toke
     expected_tokens = rows.argmax(-1).tolist()
     expected = torch.log_softmax(rows, -1)[torch.arange(8), torch.tensor(expected_tokens)].tolist()
     assert list(result.output_ids) == expected_tokens
-    np.testing.assert_allclose(result.logprobs, expected, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(result.logprobs, expected, rtol=0, atol=5e-5)
     assert all(lp <= 0 for lp in result.logprobs)
 
 

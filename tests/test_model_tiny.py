@@ -115,7 +115,7 @@ def test_eager_and_sdpa_compute_the_same_function(tiny_model, byte_tokenizer):
             eager = tiny_model(ids).logits
         finally:
             tiny_model.set_attn_implementation("sdpa")
-    torch.testing.assert_close(eager, sdpa, rtol=0, atol=1e-5)
+    torch.testing.assert_close(eager, sdpa, rtol=0, atol=5e-5)
 
 
 def test_bfloat16_tiny_model_tracks_float32(tiny_model, byte_tokenizer):
@@ -162,16 +162,16 @@ def test_left_padded_row_equals_the_unpadded_row(tiny_model, byte_tokenizer):
         batch = tiny_model(input_ids, attention_mask=validity, position_ids=position_ids, past_key_values=cache, logits_to_keep=1)
         alone_short = tiny_model(torch.tensor([short]), past_key_values=(c0 := tiny_model.new_cache()), logits_to_keep=1)
         alone_full = tiny_model(torch.tensor([full]), past_key_values=(c1 := tiny_model.new_cache()), logits_to_keep=1)
-        torch.testing.assert_close(batch.logits[0], alone_short.logits[0], rtol=0, atol=1e-5)
-        torch.testing.assert_close(batch.logits[1], alone_full.logits[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(batch.logits[0], alone_short.logits[0], rtol=0, atol=5e-5)
+        torch.testing.assert_close(batch.logits[1], alone_full.logits[0], rtol=0, atol=5e-5)
         # One decode step for both rows: slot 7, positions 4 and 7, the padding stays invisible.
         step = torch.tensor([[65], [66]])
         validity = torch.cat([validity, torch.ones(2, 1, dtype=torch.bool)], dim=1)
         batch = tiny_model(step, attention_mask=validity, position_ids=torch.tensor([[4], [7]]), past_key_values=cache)
         alone_short = tiny_model(step[:1], past_key_values=c0)
         alone_full = tiny_model(step[1:], past_key_values=c1)
-    torch.testing.assert_close(batch.logits[0], alone_short.logits[0], rtol=0, atol=1e-5)
-    torch.testing.assert_close(batch.logits[1], alone_full.logits[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(batch.logits[0], alone_short.logits[0], rtol=0, atol=5e-5)
+    torch.testing.assert_close(batch.logits[1], alone_full.logits[0], rtol=0, atol=5e-5)
 
 
 def test_right_padded_row_equals_the_unpadded_row(tiny_model, byte_tokenizer):
@@ -181,7 +181,7 @@ def test_right_padded_row_equals_the_unpadded_row(tiny_model, byte_tokenizer):
     with torch.inference_mode():
         padded = tiny_model(input_ids, attention_mask=validity).logits[0, 3]
         alone = tiny_model(torch.tensor([short])).logits[0, -1]
-    torch.testing.assert_close(padded, alone, rtol=0, atol=1e-5)
+    torch.testing.assert_close(padded, alone, rtol=0, atol=5e-5)
 
 
 # -- typed input errors ----------------------------------------------------------------------
