@@ -326,7 +326,7 @@ class LlamaDecoderLayer(nn.Module):
         return residual + hidden_states
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class CausalLMOutput:
     """Result of one model call.
 
@@ -530,8 +530,9 @@ def _check_index_tensor(tensor: torch.Tensor, shape: tuple[int, ...], name: str,
     """Shape and integer dtype always; value range ``[0, upper)`` only for CPU tensors (no device sync).
 
     Raises:
-        Rejection: ``model.invalid_input`` (ids) / ResourceLimit ``model.context_window_exceeded``
-            (positions).
+        Rejection: ``model.invalid_input`` for a wrong shape/dtype, a negative value or an id
+            ``>= upper``.
+        ResourceLimit: ``model.context_window_exceeded`` for a position ``>= upper``.
     """
     if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
         got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
@@ -539,9 +540,9 @@ def _check_index_tensor(tensor: torch.Tensor, shape: tuple[int, ...], name: str,
     if tensor.device.type != "cpu" or tensor.numel() == 0:
         return
     low, high = int(tensor.min()), int(tensor.max())
-    if low < 0 or (upper is not None and high >= upper):
-        if name == "input_ids":
-            raise Rejection(INVALID_MODEL_INPUT, f"token ids must lie in [0, {upper}), got [{low}, {high}]", "$.input_ids")
+    if low < 0 or (name == "input_ids" and high >= upper):
+        raise Rejection(INVALID_MODEL_INPUT, f"{name} must lie in [0, {upper}), got [{low}, {high}]", f"$.{name}")
+    if upper is not None and high >= upper:
         raise ResourceLimit(CONTEXT_WINDOW_EXCEEDED, f"{name} must lie in [0, {upper}), got [{low}, {high}]", f"$.{name}")
 
 

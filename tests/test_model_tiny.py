@@ -196,6 +196,7 @@ def test_right_padded_row_equals_the_unpadded_row(tiny_model, byte_tokenizer):
         ({"input_ids": torch.tensor([[1, 2]]), "cache_position": torch.tensor([0])}, "model.invalid_input"),
         ({"input_ids": torch.tensor([[1, 2]]), "logits_to_keep": -1}, "model.invalid_input"),
         ({"input_ids": torch.tensor([[1, 2]]), "position_ids": torch.tensor([[0, 1024]])}, "model.context_window_exceeded"),
+        ({"input_ids": torch.tensor([[1, 2]]), "position_ids": torch.tensor([[-1, 0]])}, "model.invalid_input"),
     ],
 )
 def test_bad_model_inputs_are_typed_and_change_nothing(tiny_model, kwargs, code):
