@@ -44,6 +44,7 @@ def test_bench_result_derived_figures():
     )
     assert result.ours_median == 11.0 and result.hf_median == 9.0
     assert result.ratio == pytest.approx(11.0 / 9.0)
+    assert result.ratio_best == pytest.approx(12.0 / 10.0)
     assert result.bound_tokens_per_s == pytest.approx(30.0)  # best bandwidth / bytes per token
     assert result.fraction_of_bound == pytest.approx(11.0 / 30.0)
     payload = result.to_json()
