@@ -44,24 +44,30 @@ from decodespec.spec.actions import (
     Fault,
     Launch,
     Recover,
+    Restore,
+    Snapshot,
     StreamFailure,
     action_json,
     action_label,
 )
-from decodespec.spec.enums import CallKind, FinishReason
+from decodespec.spec.enums import CallKind, FinishReason, PendingTag
 from decodespec.spec.errors import ERROR_CODES, DecodeSpecError
 from decodespec.spec.profiles import PROFILES, profile_named
+from decodespec.spec.snapshot import SNAPSHOT_FORMS, SnapshotRecord, take_snapshot
 from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, is_terminal
 from decodespec.spec.transitions import MACHINE, Machine, expected_report, expected_start
 
 from . import itf
 
 __all__ = [
+    "CORRUPT_RESTORED",
     "DEADLOCK",
     "ExploreBounds",
+    "RESTORE_MISMATCH",
     "ExploreResult",
     "Violation",
     "candidate_actions",
+    "corrupted_records",
     "explore",
     "params_for_bounds",
 ]
@@ -70,6 +76,12 @@ __all__ = [
 DEADLOCK = "explore.deadlock"
 #: Pseudo rule id reported when a rejected action raised something other than a registered typed error.
 UNTYPED_REJECTION = "explore.untyped_rejection"
+#: Pseudo rule id reported when restoring a snapshot does not give back the snapshotted state.
+RESTORE_MISMATCH = "explore.restore_mismatch"
+#: Pseudo rule id reported when a corrupted snapshot record is restored instead of refused.
+CORRUPT_RESTORED = "explore.corrupt_snapshot_restored"
+#: Actions that are observations: they never count as the controller's progress.
+_OBSERVATIONS = (Snapshot,)
 #: Actions that only the environment takes to end or break a request; a state whose only
 #: successors come from these is stuck (a deadlock of the controller).
 _ENVIRONMENT_ONLY = (Cancel, StreamFailure, Fault)
@@ -102,7 +114,9 @@ class ExploreBounds:
         interrupts: Generate cancel and timeout actions.
         faults: Generate faults and failing completion reports.
         adversarial: Generate actions that must be rejected (duplicate / stale receipts,
-            stale scores, reset cache positions).
+            stale scores, reset cache positions, corrupted snapshot records).
+        snapshots: Take both snapshot forms wherever a state admits them and restore each
+            record into a fresh request (it must give back the state).
     """
 
     vocab: int = 3
@@ -126,6 +140,7 @@ class ExploreBounds:
     interrupts: bool = True
     faults: bool = True
     adversarial: bool = True
+    snapshots: bool = True
 
 
 def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
@@ -227,6 +242,9 @@ def candidate_actions(params: RequestParams, state: RequestState, bounds: Explor
         assert state.receipt is not None
         for triggers in _text_trigger_sets(params):
             yield Commit(state.receipt.receipt_id, triggers)
+    if bounds.snapshots and phase in (Phase.READY, Phase.SCORED, Phase.FINISHED):
+        for form in SNAPSHOT_FORMS:
+            yield Snapshot(form)
     if bounds.adversarial and phase in (Phase.DECIDED, Phase.READY, Phase.FINISHED):
         pending = state.receipt.receipt_id if state.receipt is not None else None
         for receipt_id in state.issued:
@@ -262,6 +280,23 @@ def _completions(params: RequestParams, state: RequestState, bounds: ExploreBoun
     yield attrs.evolve(ok, stages_ok=False)
     if call.decision_row is not None and call.length > 1:
         yield attrs.evolve(ok, output_row=call.start)
+
+
+def corrupted_records(params: RequestParams, record: SnapshotRecord) -> Iterator[tuple[str, SnapshotRecord]]:
+    """Deliberately broken copies of ``record`` that restore must refuse: ``(what was broken, record)``.
+
+    Another identity; the pending token counted as processed (P + 1 with U kept); the pending
+    token dropped while P stays (U = []); a pending token labelled ``repaired``; a renamed lane
+    (another cache ABI); an RNG counter that skips a draw.
+    """
+    yield "identity", attrs.evolve(record, identity="sha256:" + "f" * 64)
+    yield "processed + 1", attrs.evolve(record, processed=record.processed + 1)
+    if record.pending_ids:
+        yield "pending dropped", attrs.evolve(record, pending_ids=(), pending_tag=PendingTag.EMPTY)
+        yield "repaired with a pending token", attrs.evolve(record, form="repaired")
+    if record.lanes:
+        yield "lane renamed", attrs.evolve(record, lanes=(("other_lane", record.lanes[0][1]),) + record.lanes[1:])
+    yield "rng counter", attrs.evolve(record, rng_counter=record.rng_counter + 1)
 
 
 @attrs.frozen
@@ -438,6 +473,39 @@ def explore(
             report(rid, state, f"{rid} is false after {len(path_to(state)[1])} steps")
         return not broken
 
+    def restore_round_trip(state: RequestState, form: str) -> bool:
+        """Restore ``state``'s snapshot into a fresh request; refuse every corrupted copy."""
+        record = take_snapshot(params, state, form)
+        restore = Restore(record)
+        try:
+            rule_id, restored = machine.step_with_rule(params, init, restore)
+        except DecodeSpecError as exc:
+            report(RESTORE_MISMATCH, state, f"restoring the {form} snapshot raised {exc.code}: {exc.message}")
+            return False
+        rule_counts[rule_id] += 1
+        action_counts["Restore"] += 1
+        phase_edges[(init.phase.value, restored.phase.value)] += 1
+        graph.add_edge(init, state, rule=rule_id, action=restore)
+        if restored != attrs.evolve(state, last_completion=None):
+            report(RESTORE_MISMATCH, state, f"the restored {form} snapshot differs from the state it was taken in")
+            return False
+        broken = [rid for rid, predicate in checks.items() if not predicate(params, restored)]
+        for rid in broken:
+            report(rid, state, f"{rid} is false in the restored {form} snapshot")
+        if broken:
+            return False
+        if not bounds.adversarial:
+            return True
+        for what, bad in corrupted_records(params, record):
+            try:
+                machine.step_with_rule(params, init, Restore(bad))
+            except DecodeSpecError as exc:
+                rejected[("Restore", exc.code)] += 1
+                continue
+            report(CORRUPT_RESTORED, state, f"a {form} snapshot with a corrupted field ({what}) was restored")
+            return False
+        return True
+
     if not check(init) and stop_on_violation:
         queue.clear()
     while queue:
@@ -457,11 +525,16 @@ def explore(
                     queue.clear()
                     break
                 continue
-            if not isinstance(action, _ENVIRONMENT_ONLY):
+            if not isinstance(action, _ENVIRONMENT_ONLY + _OBSERVATIONS):
                 successors += 1
             rule_counts[rule_id] += 1
             action_counts[type(action).__name__] += 1
             phase_edges[(state.phase.value, nxt.phase.value)] += 1
+            if isinstance(action, Snapshot):
+                if not restore_round_trip(state, action.form) and stop_on_violation:
+                    queue.clear()
+                    break
+                continue  # an observation: no edge, the state is unchanged
             if nxt not in parent:
                 parent[nxt] = (state, action, rule_id)
                 graph.add_node(nxt, depth=depth + 1)

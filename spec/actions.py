@@ -16,11 +16,14 @@ candidate" (SELECT LOGICAL STATE), 0x0A "Asynchronous completion and error bound
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import attrs
 
 from .enums import CallKind, FinishReason
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .snapshot import SnapshotRecord
 
 __all__ = [
     "Action",
@@ -33,6 +36,8 @@ __all__ = [
     "Fault",
     "Launch",
     "Recover",
+    "Restore",
+    "Snapshot",
     "StreamFailure",
     "TEXT_TRIGGERS",
     "action_json",
@@ -145,10 +150,33 @@ class Recover:
     """A recovery receipt proves the quarantined handle is safe; reuse starts a new generation."""
 
 
-Action = Union[Admit, Launch, Fault, Complete, Decide, Commit, Cancel, StreamFailure, Recover]
+@attrs.frozen
+class Snapshot:
+    """Take a resumable snapshot of form ``form`` (``pending_suffix`` or ``repaired``, :mod:`decodespec.spec.snapshot`).
+
+    An observation: the request state is unchanged.
+    """
+
+    form: str
+
+
+@attrs.frozen
+class Restore:
+    """Restore a snapshot into a fresh request (phase NEW) of the same identity.
+
+    Attributes:
+        record: The snapshot's logical record (:class:`decodespec.spec.snapshot.SnapshotRecord`).
+    """
+
+    record: "SnapshotRecord"
+
+
+Action = Union[Admit, Launch, Fault, Complete, Decide, Commit, Cancel, StreamFailure, Recover, Snapshot, Restore]
 
 
 def _jsonable(value: Any) -> Any:
+    if hasattr(value, "to_json") and not isinstance(value, (CallKind, FinishReason)):
+        return value.to_json()
     if hasattr(value, "value") and isinstance(value, (CallKind, FinishReason)):
         return value.value
     if isinstance(value, frozenset):
@@ -168,6 +196,9 @@ def action_json(action: Action) -> dict[str, Any]:
 
 def action_label(action: Action) -> str:
     """A short readable label, e.g. ``Launch(kind=prefill, start=0, length=2)``."""
+    if isinstance(action, Restore):
+        r = action.record
+        return f"Restore(form={r.form}, phase={r.phase.value}, P={r.processed}, O={r.output_count}, U={list(r.pending_ids)})"
     parts = []
     for field in attrs.fields(type(action)):
         parts.append(f"{field.name}={_jsonable(getattr(action, field.name))}")

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 from typing import Callable
 
+import attrs
+
 from .enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
 from .rules import RULES, rule
+from .snapshot import restore_failure, restore_state, snapshot_forms, take_snapshot
 from .state import Phase, RequestParams, RequestState, repair_outstanding
 
 __all__ = [
@@ -305,6 +308,28 @@ def static_capacity(params: RequestParams, state: RequestState) -> bool:
 )
 def quarantine_blocks_calls(params: RequestParams, state: RequestState) -> bool:
     return not state.quarantined or (state.in_flight is None and state.score is None)
+
+
+@rule(
+    "invariant.snapshot_round_trip",
+    title="Restoring a snapshot gives back the state it was taken in",
+    section=S + "0x0B A completed output is not automatically a resumable snapshot",
+    statement="For every snapshot form the state admits, a repaired record has U = [] and restoring the record "
+    "(when the restore checks accept it) gives back the state without its diagnostic last completion: the pending "
+    "token stays unprocessed, the ledger, RNG counter, generation and finish state are the same.",
+)
+def snapshot_round_trip(params: RequestParams, state: RequestState) -> bool:
+    for form in snapshot_forms(params, state):
+        record = take_snapshot(params, state, form)
+        if form == "repaired" and record.pending_ids:
+            return False
+        if restore_failure(params, record) is not None:
+            # A state the restore checks refuse breaks another invariant too; the explorer reports a
+            # reachable snapshot that does not restore as explore.restore_mismatch.
+            continue
+        if restore_state(params, record) != attrs.evolve(state, last_completion=None):
+            return False
+    return True
 
 
 #: Every invariant, by rule id, in the order they are checked.

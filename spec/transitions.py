@@ -18,7 +18,9 @@ The transitions, grouped by the four events of the commit spine:
 * decision: ``decide`` (bind an M3.8 receipt to the current score);
 * logical commit: ``commit`` (consume the receipt exactly once);
 * interrupts (cancel, timeout, streamer failure): ``interrupt_before_launch``,
-  ``interrupt_in_flight``, ``interrupt_after_completion``, ``interrupt_after_decision``.
+  ``interrupt_in_flight``, ``interrupt_after_completion``, ``interrupt_after_decision``;
+* snapshots (:mod:`decodespec.spec.snapshot`): ``snapshot`` (an observation in either form)
+  and ``restore`` (a fresh request of the same identity takes the snapshot's state).
 
 Declared choices (where the seeds leave one): the RNG counter advances at commit by the
 receipt's draws (a discarded receipt consumes nothing); an ALL_OLD completion of a cached call
@@ -54,12 +56,15 @@ from .actions import (
     Fault,
     Launch,
     Recover,
+    Restore,
+    Snapshot,
     StreamFailure,
 )
 from .enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
 from .errors import ERROR_CODES, Rejection, ResourceLimit, register_code
 from .positions import CACHE_CAPACITY_EXCEEDED
 from .rules import rule
+from .snapshot import RESTORE_CHECKS, SNAPSHOT_FORM_UNAVAILABLE, form_available, restore_state
 from .state import (
     Completion,
     InFlightCall,
@@ -595,6 +600,46 @@ def interrupt_after_decision(params: RequestParams, state: RequestState, action:
 
 
 # --------------------------------------------------------------------------------------------
+# Snapshots and restore.
+# --------------------------------------------------------------------------------------------
+
+
+@rule(
+    "transition.snapshot",
+    title="Take a resumable snapshot (pending-suffix or repaired form)",
+    section=S + "0x0B A completed output is not automatically a resumable snapshot",
+    statement="Guard: no call in flight, no pending decision, not quarantined; pending_suffix: phase READY or "
+    "FINISHED; repaired: U = [] and phase READY, SCORED or FINISHED (a pending token must first pass through a valid "
+    "append call). Effect: none (the snapshot records the state; the request may continue).",
+)
+def snapshot(params: RequestParams, state: RequestState, action: Action) -> RequestState:
+    return state
+
+
+@rule(
+    "transition.restore",
+    title="Restore a snapshot into a fresh request of the same identity",
+    section=S + "0x0B A completed output is not automatically a resumable snapshot; Immutable identity versus mutable "
+    "request state",
+    statement="Guard: phase NEW and every restore check of decodespec.spec.snapshot holds (identity, lane roster, form, "
+    "pending suffix, P + |U| = L + O, capacity, lane frontiers, receipt ledger, finish state). Effect: the snapshot's "
+    "state (same generation, no call in flight, not quarantined); the pending token stays unprocessed.",
+)
+def restore(params: RequestParams, state: RequestState, action: Action) -> RequestState:
+    assert isinstance(action, Restore)
+    return restore_state(params, action.record)
+
+
+_SNAPSHOT_GUARD = (
+    Clause("the state admits the snapshot form", lambda p, s, a: form_available(p, s, a.form) is None,
+           code=SNAPSHOT_FORM_UNAVAILABLE),
+)
+_RESTORE_GUARD = (_PHASE_NEW,) + tuple(
+    Clause(check.name, (lambda c: lambda p, s, a: c.holds(p, a.record))(check), code=check.code) for check in RESTORE_CHECKS
+)
+
+
+# --------------------------------------------------------------------------------------------
 # The transition table and the machine.
 # --------------------------------------------------------------------------------------------
 
@@ -730,6 +775,8 @@ TRANSITIONS: tuple[Transition, ...] = (
         ),
         commit,
     ),
+    Transition("transition.snapshot", Snapshot, lambda p, s, a: True, _SNAPSHOT_GUARD, snapshot),
+    Transition("transition.restore", Restore, lambda p, s, a: True, _RESTORE_GUARD, restore),
 )
 
 for _action_type in (Cancel, StreamFailure):

@@ -70,6 +70,8 @@ CASES: list[tuple[str, RequestState, Breaker]] = [
         s, triggers=s.triggers | {FinishReason.CANCELLED})),
     ("invariant.static_capacity", IN_FLIGHT, lambda s: attrs.evolve(s, in_flight=attrs.evolve(s.in_flight, length=3))),
     ("invariant.quarantine_blocks_calls", IN_FLIGHT, lambda s: attrs.evolve(s, quarantined=True)),
+    # A logprob owner that is not its receipt's score row does not survive a snapshot round trip.
+    ("invariant.snapshot_round_trip", PENDING, lambda s: attrs.evolve(s, output_logprobs=("score-9",) * len(s.output_ids))),
 ]
 
 
