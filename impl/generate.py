@@ -1,27 +1,25 @@
-"""M3.10 0x03 Decoder-only serving loop: the generation loop over the dynamic cache.
+"""M3.10 0x03 Decoder-only serving loop: ``generate`` as a thin driver over the request controller.
 
-Prefill the prompt (one call, last row kept), then decode one token per call, each call
-processing the one pending output token at the next cache slot.  Each selection reads one
-score row (the raw logits of the last processed position, as float32) and hands it to the
-M3.8 policy's torch twin (:func:`decodespec.impl.policy.decide`: greedy with ties to the
-lowest id, or sampling with one draw from the request's counter-based stream), keeps its
-decision receipt and records its ``logprob`` = natural log-softmax of that same raw row at the
-selected id, computed before the next model call.  Finish triggers are evaluated at each
-commit and the canonical reason is chosen by the declared precedence
+:func:`generate` builds a :class:`~decodespec.impl.runtime.RuntimeRequest` and drives a
+:class:`~decodespec.impl.runtime.RequestRunner` to the end (:meth:`RequestRunner.run`): prefill
+(one shot or in chunks), one decode call per committed token, each selection by the M3.8
+policy twin (:func:`decodespec.impl.policy.decide`: greedy with ties to the lowest id, or one
+inverse-CDF draw from the request's counter-based stream), its ``logprob`` = natural
+log-softmax of the same raw row at the selected id, recorded before the next model call;
+finish triggers at each commit with the canonical reason by the declared precedence
 (:data:`decodespec.spec.enums.FINISH_PRECEDENCE`).
 
-Declared choices implemented here (docs/design.md section 2):
+Declared choices implemented by the controller (docs/design.md section 2):
 
 * ``max_new_tokens = 0``: no model call; finish ``length``, O = 0, P = 0 (``"no_call"``).
 * EOS is included in ``output_ids`` (and its logprob) and never in ``text``.
-* Context window C = ``max_position_embeddings``: a prompt needs ``L < C``; generation stops
-  with ``context_length`` when ``L + O == C`` (total context never exceeds C, so a repair call
-  of the closed token is always possible).
+* Context window C = ``max_position_embeddings`` (and the static capacity): a prompt needs
+  ``L < C``; generation stops with ``context_length`` when ``L + O == C``.
 * The last committed token is never processed: it is ``CLOSED_UNPROCESSED`` at finish
   (P = L + O - 1, |U| = 1), M3.10 0x08 "The first-output off-by-one".
 
-``use_cache=False`` runs the slow no-cache loop (full recomputation of the committed prefix
-every step), the reference answer the cached loop must match (M3.10 0x09).
+``cache="none"`` (or ``use_cache=False``) runs the no-cache loop (full recomputation of the
+committed prefix every call), the reference answer the cached families must match (M3.10 0x09).
 
 Source: M3.10 0x03 "Decoder-only serving loop", 0x08 "Output, input, and cache frontiers",
 0x06 "Finish reason and RNG precedence"; M3.8 (greedy selector, raw-logit logprob); HF
@@ -30,32 +28,21 @@ Source: M3.10 0x03 "Decoder-only serving loop", 0x08 "Output, input, and cache f
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Collection, Sequence
 
 import attrs
 import torch
 
-from decodespec.spec.enums import FINISH_PRECEDENCE, FinishReason, PendingTag, canonical_finish_reason
-from decodespec.spec.errors import Rejection, ResourceLimit, register_code
-
-from decodespec.spec.policy.codes import FAMILY_MISMATCH
-from decodespec.spec.policy.config import Family, PolicyConfig
+from decodespec.spec.enums import FinishReason
+from decodespec.spec.policy.config import PolicyConfig
 from decodespec.spec.policy.receipt import DecisionReceipt
-from decodespec.spec.policy.state import RequestView, initial_policy_state
 
-from .model import CONTEXT_WINDOW_EXCEEDED, LlamaForCausalLM
-from .policy import decide as policy_decide
-from .rng import RequestRng
+from .events import EventSink
+from .faults import FaultPlan
+from .model import LlamaForCausalLM
+from .runtime import INVALID_REQUEST, CommitObserver, RequestRunner, RuntimeRequest
 
 __all__ = ["INVALID_REQUEST", "GenerationResult", "generate", "greedy_generate", "select_greedy"]
-
-INVALID_REQUEST = register_code(
-    "runtime.invalid_request",
-    "rejection",
-    "M3.10 Immutable request envelope",
-    "The generation request is malformed: empty prompt, a token id outside [0, V), or a negative max_new_tokens.",
-)
 
 
 @attrs.frozen
@@ -68,7 +55,7 @@ class GenerationResult:
         text: Decoded output without a final EOS ("" without a tokenizer).
         logprobs: Per output token, natural log-softmax of the raw float32 logits of its
             selecting row at that token (``<= 0``).
-        finish_reason: The canonical finish reason.
+        finish_reason: The canonical finish reason (``None`` for a suspended request).
         triggers: Every finish condition that fired at the final commit, in precedence order.
         frontier: ``{"prompt_len", "output_count", "pending", "processed", "pending_tag"}``
             (L, O, |U|, P, tag) at finish.
@@ -80,7 +67,7 @@ class GenerationResult:
     output_ids: tuple[int, ...]
     text: str
     logprobs: tuple[float, ...]
-    finish_reason: FinishReason
+    finish_reason: FinishReason | None
     triggers: tuple[FinishReason, ...] = ()
     frontier: dict[str, Any] = attrs.field(factory=dict)
     receipts: tuple[DecisionReceipt, ...] = ()
@@ -93,7 +80,7 @@ class GenerationResult:
             "output_ids": list(self.output_ids),
             "text": self.text,
             "logprobs": list(self.logprobs),
-            "finish_reason": self.finish_reason.value,
+            "finish_reason": None if self.finish_reason is None else self.finish_reason.value,
             "triggers": [t.value for t in self.triggers],
             "frontier": dict(self.frontier),
             "receipts": [r.to_json() for r in self.receipts],
@@ -128,9 +115,11 @@ def greedy_generate(
     eos_token_ids: Collection[int] | None = None,
     tokenizer: Any = None,
     use_cache: bool = True,
+    cache: str | None = None,
 ) -> GenerationResult:
     """Greedy generation: :func:`generate` with the plain greedy policy (see there)."""
-    return generate(model, prompt_ids, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, tokenizer=tokenizer, use_cache=use_cache)
+    return generate(model, prompt_ids, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, tokenizer=tokenizer,
+                    use_cache=use_cache, cache=cache)
 
 
 def generate(
@@ -146,13 +135,14 @@ def generate(
     identity: str = "",
     seed: int | None = None,
     vocab_hash: str = "",
+    cache: str | None = None,
+    prefill_chunk: int | None = None,
+    static_capacity: int | None = None,
+    sink: EventSink | None = None,
+    faults: FaultPlan | None = None,
+    observer: CommitObserver | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` under a decoding policy.
-
-    Each selection hands the raw logits row of the last processed position to
-    :func:`decodespec.impl.policy.decide`, which applies the policy's transforms, selects
-    (greedy, or one inverse-CDF draw from the request's counter-based Philox stream at address
-    ``(step, 0)``) and returns the M3.8 receipt and the next policy state.
 
     Args:
         model: The decoder (its device and dtype are used as they are).
@@ -161,13 +151,20 @@ def generate(
         policy: The M3.8 policy (greedy or multinomial family); default plain greedy.
         eos_token_ids: Ids that finish with ``eos``; default ``{model.config.eos_token_id}``
             (empty when the config has none); pass ``()`` to disable.
-        min_new_tokens: Read by the policy's ``min_new_tokens`` transform (if configured).
+        min_new_tokens: EOS is outside the support while O < this.
         tokenizer: Anything with ``decode(ids) -> str`` for ``text``; ``None``: ``text == ""``.
-        use_cache: ``True``: prefill + single-token decode over a :class:`DynamicCache`;
-            ``False``: recompute the whole committed prefix at every step (reference loop).
-        identity: Canonical request identity (keys the RNG stream with ``seed``).
+        use_cache: ``False`` is ``cache="none"``.
+        identity: Request identity (keys the RNG stream with ``seed``); an admitted envelope's
+            identity when the caller has one (``RequestRunner`` with
+            ``RuntimeRequest.from_admitted``).
         seed: Request seed, or ``None``.
         vocab_hash: Ordered vocabulary hash recorded in the receipts.
+        cache: ``"none"``, ``"dynamic"`` (default) or ``"static"``.
+        prefill_chunk: Prefill in chunks of at most this many tokens (cached families).
+        static_capacity: Slots of the static cache (default L + G + 1, at most the model window).
+        sink: Event sink for a ``decodespec.events.v1`` trace.
+        faults: A declared :class:`~decodespec.impl.faults.FaultPlan`.
+        observer: The stop/stream :class:`~decodespec.impl.runtime.CommitObserver`.
 
     Returns:
         A :class:`GenerationResult` with one receipt per output token.
@@ -178,77 +175,21 @@ def generate(
             policy, a bad view (negative seed) or a decision the policy refuses.
         ResourceLimit: ``model.context_window_exceeded`` when ``L >= max_position_embeddings``.
     """
-    prompt = _validate(model, prompt_ids, max_new_tokens)
     if eos_token_ids is None:
         eos_token_ids = () if model.config.eos_token_id is None else (model.config.eos_token_id,)
-    eos = frozenset(int(i) for i in eos_token_ids)
-    policy = PolicyConfig.greedy() if policy is None else policy
-    if policy.family is Family.BEAM:
-        raise Rejection(FAMILY_MISMATCH, "generate runs one sequence; the beam family needs a beam loop", "$.policy.family")
-    state = initial_policy_state(policy)
-    view = RequestView(prompt_ids=prompt, eos_ids=sorted(eos), min_new_tokens=min_new_tokens, identity=identity, seed=seed)
-    rng = RequestRng(identity, seed)
-    window = model.config.max_position_embeddings
-    prompt_len = len(prompt)
-    if max_new_tokens == 0:
-        frontier = _frontier(prompt_len, 0, processed=0)
-        return GenerationResult(prompt, (), "", (), FinishReason.LENGTH, (FinishReason.LENGTH,), frontier)
-
-    output_ids: list[int] = []
-    logprobs: list[float] = []
-    receipts: list[DecisionReceipt] = []
-    with torch.inference_mode():
-        device = model.device
-        cache = model.new_cache() if use_cache else None
-        input_ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, L]
-        out = model(input_ids, past_key_values=cache, logits_to_keep=1)  # prefill: logits [1, 1, V]
-        while True:
-            step_view = RequestView(prompt_ids=prompt, output_ids=output_ids, eos_ids=view.eos_ids, min_new_tokens=min_new_tokens, identity=identity, seed=seed)
-            receipt, state = policy_decide(out.logits[0, -1], policy, state, step_view, score_id=f"score-{len(output_ids)}", vocab_hash=vocab_hash, rng=rng)
-            token_id = receipt.selected_id
-            output_ids.append(token_id)
-            logprobs.append(receipt.raw_logprob)
-            receipts.append(receipt)
-            fired = set()
-            if token_id in eos:
-                fired.add(FinishReason.EOS)
-            if len(output_ids) == max_new_tokens:
-                fired.add(FinishReason.LENGTH)
-            if prompt_len + len(output_ids) == window:
-                fired.add(FinishReason.CONTEXT_LENGTH)
-            if fired:
-                break
-            if cache is not None:
-                step_ids = torch.tensor([[token_id]], dtype=torch.long, device=device)  # [1, 1]
-                out = model(step_ids, past_key_values=cache, logits_to_keep=1)  # decode: logits [1, 1, V]
-            else:
-                input_ids = torch.cat([input_ids, input_ids.new_tensor([[token_id]])], dim=1)  # [1, L + O]
-                out = model(input_ids, logits_to_keep=1)  # full recomputation
-    finish = canonical_finish_reason(fired)
-    triggers = tuple(r for r in FINISH_PRECEDENCE if r in fired)
-    text_ids = output_ids[:-1] if output_ids[-1] in eos else output_ids
-    text = tokenizer.decode(text_ids) if tokenizer is not None else ""
-    frontier = _frontier(prompt_len, len(output_ids), processed=prompt_len + len(output_ids) - 1)
-    return GenerationResult(prompt, tuple(output_ids), text, tuple(logprobs), finish, triggers, frontier, tuple(receipts), state.rng_counter)
-
-
-def _frontier(prompt_len: int, output_count: int, *, processed: int) -> dict[str, Any]:
-    pending = prompt_len + output_count - processed if output_count else 0
-    tag = PendingTag.CLOSED_UNPROCESSED if pending else PendingTag.EMPTY
-    return {"prompt_len": prompt_len, "output_count": output_count, "pending": pending, "processed": processed, "pending_tag": tag.value}
-
-
-def _validate(model: LlamaForCausalLM, prompt_ids: Sequence[int], max_new_tokens: int) -> tuple[int, ...]:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise Rejection(INVALID_REQUEST, f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}", "$.max_new_tokens")
-    prompt = tuple(int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt_ids)
-    if not prompt:
-        raise Rejection(INVALID_REQUEST, "the prompt is empty (L >= 1 is required)", "$.prompt_ids")
-    vocab = model.config.vocab_size
-    for idx, tok in enumerate(prompt):
-        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
-            raise Rejection(INVALID_REQUEST, f"prompt_ids[{idx}] = {tok!r} is not an id in [0, {vocab})", f"$.prompt_ids[{idx}]")
-    window = model.config.max_position_embeddings
-    if len(prompt) >= window:
-        raise ResourceLimit(CONTEXT_WINDOW_EXCEEDED, f"prompt length {len(prompt)} leaves no room in the context window {window}", "$.prompt_ids")
-    return prompt
+    family = cache if cache is not None else ("dynamic" if use_cache else "none")
+    request = RuntimeRequest(
+        identity=identity,
+        prompt_ids=tuple(prompt_ids),
+        max_new_tokens=max_new_tokens,
+        policy=PolicyConfig.greedy() if policy is None else policy,
+        eos_ids=frozenset(int(i) for i in eos_token_ids),
+        min_new_tokens=min_new_tokens,
+        seed=seed,
+        cache=family,
+        prefill_chunk=prefill_chunk,
+        static_capacity=static_capacity,
+        vocab_hash=vocab_hash,
+    )
+    runner = RequestRunner(model, request, sink=sink, faults=faults, observer=observer, tokenizer=tokenizer)
+    return runner.run().result()

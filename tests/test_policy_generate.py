@@ -21,6 +21,7 @@ import pytest
 from decodespec.checks.cli import main
 from decodespec.checks.testing import requires_smollm2
 from decodespec.impl import generate as gen
+from decodespec.impl import runtime as rt  # the controller calls the policy twin
 from decodespec.spec.policy import PolicyState, RequestView, ScoreRow, decide, policy_config_from_json, processed_row
 from decodespec.spec.policy.selectors import greedy, multinomial
 
@@ -32,15 +33,15 @@ SAMPLING = {"family": "multinomial", "order": "hf", "transforms": [
 def _captured_generate(monkeypatch, model, prompt, **kwargs):
     """Run ``generate`` and return (result, [(row float32 numpy, state_before, view), ...])."""
     calls = []
-    real = gen.policy_decide
+    real = rt.policy_decide
 
     def spy(row, config, state, view, **kw):
         calls.append((row.detach().float().cpu().numpy().copy(), state, view))
         return real(row, config, state, view, **kw)
 
-    monkeypatch.setattr(gen, "policy_decide", spy)
+    monkeypatch.setattr(rt, "policy_decide", spy)
     result = gen.generate(model, prompt, **kwargs)
-    monkeypatch.setattr(gen, "policy_decide", real)
+    monkeypatch.setattr(rt, "policy_decide", real)
     return result, calls
 
 

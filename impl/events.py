@@ -1,0 +1,129 @@
+"""The runtime's event trace, format ``decodespec.events.v1`` (docs/design.md section 6): NDJSON sinks.
+
+:class:`decodespec.impl.runtime.RequestRunner` writes one JSON object per line at each
+consistent boundary.  Every line has ``"v": 1``, ``"seq"`` (0-based, consecutive) and
+``"event"``; a *frontier* object is ``{"prompt_len", "output_count", "pending", "processed",
+"pending_tag"}`` (L, O, |U|, P, tag).  How each event maps to a spec action of
+:mod:`decodespec.spec.transitions` (what :mod:`decodespec.checks.trace_validation` replays):
+
+==================  =====================================================================
+event               spec action (or check)
+==================  =====================================================================
+``request``         the parameters (``params``: the :class:`~decodespec.spec.state.RequestParams`
+                    fields) and ``Admit`` (``admit`` / ``admit_no_call``)
+``call_launched``   ``Launch(kind, start=cache_position[0], length=len(input_ids))``;
+                    ``input_ids`` must be the committed sequence's slice, ``frontier_before``
+                    and ``generation`` the state's
+``fault``           ``Fault(kind)`` for ``device_fault`` / ``missing_lane``;
+                    ``StreamFailure()`` for ``stream_error``
+``call_completed``  ``Complete(call_id, generation, lanes, stages_ok, output_row)`` with the
+                    closed-roster report (``lanes_completed``); ``selection``,
+                    ``frontier_after``, ``score_id`` and ``reason`` must be the spec's
+``quarantine``      check: the completion left the handle quarantined
+``recover``         ``Recover()``
+``decision``        ``Decide(score_id, token_id, draws)``; ``receipt_id`` and
+                    ``rng_counter_before`` must be the spec's; ``logprob`` a finite value <= 0
+``commit``          ``Commit(receipt_id, text_triggers)`` (text triggers = ``triggers`` among
+                    stop_string / structured / structured_error); ``output_count``,
+                    ``pending_tag`` and ``triggers`` must be the spec's
+``cancel``          ``Cancel(kind)`` at interrupt point ``at``
+``snapshot``        ``Snapshot(form)``
+``restore``         ``Restore(record)`` with the snapshot's ledger (``state``)
+``finish``          check: ``finish_reason``, ``triggers`` and ``frontier`` are the spec's
+``stream``          (stream frontier; not a spec action, checked by the stream engineer)
+==================  =====================================================================
+
+Cost when enabled: one ``json.dumps`` of lists of ints per event (logits are never
+converted); disabled, the runner skips building the fields (``sink is None``).
+
+Source: docs/design.md section 6; M3.10 0x0BA "Requirements for observability" (an event
+trace that a checker can replay against the spec).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any, Iterable, TextIO
+
+__all__ = ["EVENTS_FORMAT", "EventSink", "FileSink", "ListSink", "read_events"]
+
+#: Name of the trace format (written in the ``request`` event's ``format`` field).
+EVENTS_FORMAT = "decodespec.events.v1"
+
+
+class EventSink:
+    """Writes ``decodespec.events.v1`` lines to a text stream.
+
+    Args:
+        stream: Any object with ``write(str)`` (a file opened for text, ``sys.stdout``,
+            ``io.StringIO``).
+
+    Attributes:
+        seq: The ``seq`` the next event gets.
+    """
+
+    def __init__(self, stream: TextIO | None = None):
+        self._stream = stream if stream is not None else io.StringIO()
+        self.seq = 0
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Write one event line; returns the record (``{"v": 1, "seq", "event", **fields}``)."""
+        record = {"v": 1, "seq": self.seq, "event": event, **fields}
+        self.seq += 1
+        self._stream.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+        return record
+
+    def close(self) -> None:
+        """Flush the stream (does not close streams the sink did not open)."""
+        flush = getattr(self._stream, "flush", None)
+        if flush is not None:
+            flush()
+
+
+class ListSink(EventSink):
+    """An in-memory sink: :attr:`records` (dicts) and :meth:`lines` (the NDJSON text lines)."""
+
+    def __init__(self) -> None:
+        super().__init__(io.StringIO())
+        self.records: list[dict[str, Any]] = []
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = super().emit(event, **fields)
+        self.records.append(record)
+        return record
+
+    def lines(self) -> list[str]:
+        """The written lines, without their newline."""
+        return self._stream.getvalue().splitlines()  # type: ignore[union-attr]
+
+
+class FileSink(EventSink):
+    """A sink writing to ``path`` (truncated); use as a context manager or call :meth:`close`."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._file = open(self.path, "w", encoding="utf-8")
+        super().__init__(self._file)
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+    def __enter__(self) -> "FileSink":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_events(source: str | Path | Iterable[str]) -> list[str]:
+    """The non-empty lines of a trace file (a path) or of an iterable of lines."""
+    if isinstance(source, (str, Path)) and Path(source).exists():
+        lines: Iterable[str] = Path(source).read_text(encoding="utf-8").splitlines()
+    elif isinstance(source, (str, Path)):
+        raise FileNotFoundError(str(source))
+    else:
+        lines = source
+    return [line for line in (ln.strip() for ln in lines) if line]

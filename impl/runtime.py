@@ -1,0 +1,1106 @@
+"""M3.10 single-request runtime: a step-wise request controller over a real model and cache.
+
+:class:`RequestRunner` runs one request with explicit integer state (never inferred from
+tensor contents) and one method per spec action of :mod:`decodespec.spec.transitions`, so a
+test can drive the spec and the runtime in lock step:
+
+==========================  ===========================================================
+runner method               spec action / rule
+==========================  ===========================================================
+:meth:`admit`               ``Admit`` (``admit`` / ``admit_no_call``)
+:meth:`launch`              ``Launch(kind, start, length)`` (prefill chunk / decode / repair)
+:meth:`complete`            ``Fault`` (if the call raised) then ``Complete`` (ALL_NEW / ALL_OLD)
+:meth:`decide`              ``Decide(score_id, token_id, draws)``
+:meth:`commit`              ``Commit(receipt_id, text_triggers)``
+:meth:`cancel`              ``Cancel(cancelled | timeout)`` at the current interrupt point
+:meth:`stream_failure`      ``StreamFailure()``
+:meth:`recover`             ``Recover()``
+:meth:`snapshot`            ``Snapshot(form)`` (``repaired`` first runs the append call)
+:meth:`restore`             ``Restore(record)`` into a fresh runner
+==========================  ===========================================================
+
+State (the spec's ``RequestState`` names): ``output_ids``, aligned ``logprobs`` and decision
+receipts; the pending suffix ``pending_ids`` with its :class:`PendingTag`; the processed
+frontier ``processed`` (P); the cache ``generation``; the in-flight call (its slice, generation
+and decision row); the consumable score (``score_id = "score-<generation>"``, bound to P, O and
+the generation); issued / consumed receipt ids (``"receipt-<n>"``); the policy state (RNG
+counter, automaton, Mirostat); finish reason and every trigger; the quarantine flag.
+
+A model call is a transaction (M3.10 0x08): :meth:`launch` validates ids, positions, the
+cache's slot start and capacity before any slot is touched and opens the call on the cache;
+:meth:`complete` awaits the forward (declared contract for an interrupt that arrives in flight:
+**await**, then select ALL_OLD), checks the two closed rosters -- every compute stage
+(embedding, each decoder layer, final norm, LM head) ran, and every layer's cache lane wrote
+exactly ``[P, P + Delta)`` under the call's generation -- and selects ALL_NEW (publish the
+staged rows, advance P and the generation, expose the score when the call's last row is the
+decision row) or ALL_OLD (expose nothing; a cached handle is quarantined until
+:meth:`recover` crops it back to P under a new generation; retried up to ``max_retries``, then
+``device_error``).  Logprobs are the natural log-softmax of the raw float32 logits of the
+selecting row at the selected id, recorded at decision time, before any later call.
+
+Stop/stream integration: :meth:`commit` hands each committed token to an optional
+:class:`CommitObserver` (``observe(token_id, logprob, output_index) -> CommitObservation``),
+which reports text triggers (``stop_string`` / ``structured`` / ``structured_error``) and
+whether the stream failed; EOS, ``length`` and ``context_length`` stay in the controller.
+
+Declared choices (docs/design.md): finish precedence; EOS included in ``output_ids``; G = 0
+follows the request's ``zero_new_tokens`` branch; the context cap is the least of the
+envelope's ``max_context`` / ``max_total_tokens`` / static capacity and the model window;
+``min_new_tokens`` is enforced by the policy's ``min_new_tokens`` legality transform (added to
+the policy when the envelope's policy lacks it); the last committed token stays
+CLOSED_UNPROCESSED at finish unless the request promises ``final_cache = all_outputs`` (then the
+repair call processes it and its logits are discarded).
+
+Source: M3.10 "Authoritative phase and commit spine", "The first-output off-by-one", 0x02
+bounded cached profile and branch table, 0x03, 0x06 "Finish reason and RNG precedence", 0x08
+"One model call prepares a complete logical state candidate" and "Output, input, and cache
+frontiers", 0x09, 0x0A "Logical recovery sockets" and "Asynchronous completion and error
+boundaries"; HF ``GenerationMixin._sample`` (last row in float32), gpt-fast (explicit
+``input_pos``), Meta Llama ``generate`` (``prev_pos:cur_pos``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+from typing import Any, Collection, Iterator, Protocol, Sequence
+
+import attrs
+import torch
+
+from decodespec.spec.actions import TEXT_TRIGGERS
+from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
+from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED, AdmittedRequest
+from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit, register_code
+from decodespec.spec.policy.codes import FAMILY_MISMATCH
+from decodespec.spec.policy.config import Family, Order, PolicyConfig, policy_config_from_json
+from decodespec.spec.policy.receipt import DecisionReceipt
+from decodespec.spec.policy.state import PolicyState, RequestView, initial_policy_state
+from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
+from decodespec.spec.state import ENVIRONMENT_FAILURES, InterruptPoint, Phase
+from decodespec.spec.transitions import NOT_ENABLED
+
+from .cache import CacheABI, DynamicCache, StaticCache, make_cache
+from .events import EVENTS_FORMAT, EventSink
+from .faults import FaultPlan, InjectedDeviceFault
+from .model import CONTEXT_WINDOW_EXCEEDED, LlamaForCausalLM
+from .policy import decide as policy_decide
+from .rng import RequestRng
+
+__all__ = [
+    "CallRecord",
+    "CommitObservation",
+    "CommitObserver",
+    "Decision",
+    "INVALID_REQUEST",
+    "RequestRunner",
+    "RuntimeRequest",
+    "Score",
+    "Selection",
+]
+
+INVALID_REQUEST = register_code(
+    "runtime.invalid_request",
+    "rejection",
+    "M3.10 Immutable request envelope",
+    "The generation request is malformed: empty prompt, a token id outside [0, V), or a negative max_new_tokens.",
+)
+
+_LANE = "self_kv"
+
+
+# --------------------------------------------------------------------------------------------
+# The request the runner executes.
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RuntimeRequest:
+    """Everything the runner needs from an admitted request (immutable).
+
+    Build it with :meth:`from_admitted` (an admitted ``numinens.request.v1`` envelope: its identity
+    keys the RNG and heads the trace) or directly (tests; ``identity`` is then whatever the
+    caller declares).
+
+    Attributes:
+        identity: Request identity (``"sha256:<hex>"`` for an admitted envelope).
+        prompt_ids: The L decoder input ids.
+        max_new_tokens: G.
+        policy: The M3.8 policy (greedy or multinomial family).
+        eos_ids: The termination EOS set.
+        min_new_tokens: EOS (and stop strings) are suppressed while O < this.
+        seed: Request seed (keys the RNG with the identity) or ``None``.
+        rng_counter_start: The envelope's initial RNG counter.
+        cache: ``"none"``, ``"dynamic"`` or ``"static"``.
+        static_capacity: S for the static cache (default: L + G + 1, at most the model window).
+        prefill_chunk: Largest prefill chunk, or ``None`` for one-shot prefill.
+        zero_new_tokens: The G = 0 branch (``reject`` / ``no_call`` / ``prefill_only``).
+        final_cache: ``none`` / ``processed_inputs_only`` / ``all_outputs`` (repair call at finish).
+        max_retries: Failed calls retried after recovery before ``device_error``.
+        context_cap: Envelope bound on L + O (``None``: only the model window and capacity).
+        stream: Whether the output streams (a streamer failure is possible).
+        stop_strings: Declared stop strings (the observer matches them).
+        structured: ``"none"`` or ``"json"``.
+        vocab_hash: Ordered vocabulary hash recorded in receipts.
+        envelope: Canonical bytes of the admitted envelope (snapshots carry them), or ``None``.
+    """
+
+    identity: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    policy: PolicyConfig = attrs.field(factory=PolicyConfig.greedy)
+    eos_ids: frozenset[int] = frozenset()
+    min_new_tokens: int = 0
+    seed: int | None = None
+    rng_counter_start: int = 0
+    cache: str = "dynamic"
+    static_capacity: int | None = None
+    prefill_chunk: int | None = None
+    zero_new_tokens: str = "no_call"
+    final_cache: str = "processed_inputs_only"
+    max_retries: int = 0
+    context_cap: int | None = None
+    stream: bool = False
+    stop_strings: tuple[str, ...] = ()
+    structured: str = "none"
+    vocab_hash: str = ""
+    envelope: bytes | None = attrs.field(default=None, repr=False)
+
+    @classmethod
+    def from_admitted(cls, request: AdmittedRequest) -> "RuntimeRequest":
+        """The runtime request of an admitted envelope (``decodespec.spec.envelope.validate_request_envelope``).
+
+        Raises:
+            Rejection: ``policy.family_mismatch`` for a beam policy (beams have their own loop);
+                ``runtime.invalid_request`` for an architecture other than ``decoder_only``.
+        """
+        if request.artifact.architecture != "decoder_only":
+            raise Rejection(INVALID_REQUEST, f"the reference runtime runs decoder_only requests, not {request.artifact.architecture}",
+                            "$.artifact.architecture")
+        term, rt, pv = request.termination, request.runtime, request.position_visibility
+        caps = [pv.max_context] + [c for c in (term.max_total_tokens,) if c is not None]
+        return cls(
+            identity=request.identity,
+            prompt_ids=request.decoder_input_ids,
+            max_new_tokens=term.max_new_tokens,
+            policy=request.policy,
+            eos_ids=frozenset(term.eos_ids),
+            min_new_tokens=term.min_new_tokens,
+            seed=request.rng.seed,
+            rng_counter_start=request.rng.counter,
+            cache=rt.cache_family,
+            static_capacity=rt.static_capacity,
+            prefill_chunk=rt.prefill_chunk,
+            zero_new_tokens=term.zero_new_tokens,
+            final_cache=request.output.final_cache,
+            max_retries=rt.max_retries,
+            context_cap=min(caps),
+            stream=request.output.stream,
+            stop_strings=term.stop_strings,
+            structured=term.structured,
+            vocab_hash=request.text_interface.tokenizer_sha256,
+            envelope=request.canonical,
+        )
+
+    @property
+    def prompt_len(self) -> int:
+        """L."""
+        return len(self.prompt_ids)
+
+    @property
+    def cached(self) -> bool:
+        """Whether calls reuse retained state."""
+        return self.cache != "none"
+
+    def max_draws(self) -> int:
+        """Most RNG draws one decision consumes (1 for the multinomial family, else 0)."""
+        return 1 if self.policy.family is Family.MULTINOMIAL else 0
+
+
+def _with_min_new_tokens(policy: PolicyConfig, min_new_tokens: int) -> PolicyConfig:
+    """``policy`` with the ``min_new_tokens`` legality transform when O < min_new_tokens can happen."""
+    if min_new_tokens <= 0 or policy.find("min_new_tokens") is not None:
+        return policy
+    obj = policy.to_json()
+    transforms = [{"name": "min_new_tokens"}] + obj["transforms"]
+    return policy_config_from_json({**obj, "transforms": transforms})
+
+
+# --------------------------------------------------------------------------------------------
+# Values the runner hands out.
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class CallRecord:
+    """The launched model call (M3.10 0x08 PREPARE).
+
+    Attributes:
+        call_id: 0-based call number of the request.
+        kind: prefill / decode / repair.
+        start: ``cache_position`` of row 0 (P cached, 0 without a cache).
+        length: Rows (T).
+        generation: Generation the call reads and its lanes must report.
+        decision_row: Input position whose output row owns the next decision, or ``None``.
+        input_ids: The T input ids.
+    """
+
+    call_id: int
+    kind: CallKind
+    start: int
+    length: int
+    generation: int
+    decision_row: int | None
+    input_ids: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        """P after an ALL_NEW selection."""
+        return self.start + self.length
+
+
+@attrs.frozen(eq=False)
+class Score:
+    """A consumable score row exposed by an ALL_NEW completion.
+
+    Attributes:
+        score_id: ``"score-<generation>"``.
+        generation: The generation the completion selected.
+        processed: P when exposed (the row belongs to input position ``processed - 1``).
+        output_count: O when exposed (the row predicts output number O).
+        logits: ``[V]`` raw logits of the decision row (model dtype, model device).
+    """
+
+    score_id: str
+    generation: int
+    processed: int
+    output_count: int
+    logits: torch.Tensor = attrs.field(repr=False)
+
+
+@attrs.frozen(eq=False)
+class Decision:
+    """An issued decision receipt, not yet consumed.
+
+    Attributes:
+        receipt_id: ``"receipt-<n>"`` (the request's ledger id).
+        score_id: The score row decided on.
+        token_id: The selected id.
+        logprob: ``log_softmax(raw row)[token_id]`` (natural log, float32 row).
+        draws: RNG draws consumed by the decision.
+        rng_counter_before: The request RNG counter the decision read.
+        receipt: The full M3.8 :class:`DecisionReceipt`.
+        policy_state: The policy state the commit adopts.
+    """
+
+    receipt_id: str
+    score_id: str
+    token_id: int
+    logprob: float
+    draws: int
+    rng_counter_before: int
+    receipt: DecisionReceipt = attrs.field(repr=False)
+    policy_state: PolicyState = attrs.field(repr=False)
+
+
+@attrs.frozen
+class CommitObservation:
+    """What the stop/stream components report for one committed token.
+
+    Attributes:
+        text_triggers: Subset of ``{stop_string, structured, structured_error}``.
+        stream_failed: The streamer failed to deliver (the runner closes with ``stream_error``).
+    """
+
+    text_triggers: frozenset[FinishReason] = frozenset()
+    stream_failed: bool = False
+
+
+class CommitObserver(Protocol):
+    """Hook called by :meth:`RequestRunner.commit` with each committed token (before finish is decided)."""
+
+    def observe(self, token_id: int, logprob: float, output_index: int) -> CommitObservation:  # pragma: no cover
+        ...
+
+
+@attrs.frozen
+class _Report:
+    """The closed-roster report of a completed call (the spec's ``Complete`` action)."""
+
+    stages_ok: bool
+    lanes: tuple[tuple[str, int], ...]
+    layers_written: int
+    generation: int
+    output_row: int | None
+    logits: torch.Tensor | None
+
+
+# --------------------------------------------------------------------------------------------
+# The controller.
+# --------------------------------------------------------------------------------------------
+
+
+class RequestRunner:
+    """The step-wise controller of one request (see the module docstring).
+
+    Args:
+        model: The decoder; its device, dtype and attention implementation are used as they are.
+        request: The :class:`RuntimeRequest`.
+        cache: A cache to use (e.g. a :class:`StaticCache` reused from an earlier request: it
+            is reset first); default a fresh cache of ``request.cache``.
+        sink: Event sink (``decodespec.events.v1``), or ``None`` for no trace.
+        faults: A declared :class:`FaultPlan`.
+        observer: The stop/stream :class:`CommitObserver`, or ``None``.
+        tokenizer: ``decode(ids) -> str`` for :meth:`result`'s text.
+        runtime_info: Extra ``runtime`` fields for the trace header (device, dtype, attention).
+
+    Raises:
+        Rejection: ``runtime.invalid_request`` (empty prompt, id outside ``[0, V)``, negative G,
+            unknown cache family); ``policy.family_mismatch`` for a beam policy;
+            ``envelope.zero_new_tokens_rejected`` for G = 0 under ``reject``;
+            ``runtime.invalid_fault_plan``; ``cache.abi_mismatch`` for a cache of another ABI.
+        ResourceLimit: ``model.context_window_exceeded`` when ``L >= max_position_embeddings``;
+            ``cache.capacity_exceeded`` when a static capacity cannot hold the prompt.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        request: RuntimeRequest,
+        *,
+        cache: DynamicCache | StaticCache | None = None,
+        sink: EventSink | None = None,
+        faults: FaultPlan | None = None,
+        observer: CommitObserver | None = None,
+        tokenizer: Any = None,
+        runtime_info: dict[str, Any] | None = None,
+    ):
+        self.model = model
+        self.request = request = _validated(model, request)
+        self.policy = _with_min_new_tokens(request.policy, request.min_new_tokens)
+        self.sink = sink
+        self.faults = faults or FaultPlan()
+        self.faults.check(num_layers=model.config.num_hidden_layers, cached=request.cached, stream=request.stream)
+        self.observer = observer
+        self.tokenizer = tokenizer
+        self.runtime_info = dict(runtime_info or {})
+        self.capacity = request.static_capacity if request.cache == "static" else None
+        caps = [model.config.max_position_embeddings] + [c for c in (request.context_cap, self.capacity) if c is not None]
+        #: C: L + O reaching it fires ``context_length``.
+        self.context_cap = min(caps)
+        if self.capacity is not None and self.capacity < request.prompt_len + (1 if request.max_new_tokens else 0):
+            raise ResourceLimit(CACHE_CAPACITY_EXCEEDED, f"static capacity {self.capacity} cannot hold the {request.prompt_len}-token prompt",
+                                "$.runtime.static_capacity")
+        if cache is None:
+            cache = make_cache(request.cache, model.cache_abi, capacity=self.capacity)
+        elif request.cache == "none" or cache.family != request.cache or cache.abi != model.cache_abi:
+            raise Rejection(INVALID_REQUEST, f"the given {cache.family} cache does not fit the request's {request.cache} cache / model ABI",
+                            "$.runtime.cache_family")
+        elif isinstance(cache, StaticCache) and cache.capacity != self.capacity:
+            raise Rejection(INVALID_REQUEST, f"the given static cache holds {cache.capacity} slots, the request declares {self.capacity}",
+                            "$.runtime.static_capacity")
+        else:
+            cache.reset()  # a reused buffer forgets every row of the previous request
+        self.cache = cache
+        self.rng = RequestRng(request.identity, request.seed)
+        # -- the explicit state (spec RequestState names) --
+        self.phase = Phase.NEW
+        self.processed = 0
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.receipts: list[DecisionReceipt] = []
+        self.consumed: list[Decision] = []
+        self.pending_ids: tuple[int, ...] = ()
+        self.pending_tag = PendingTag.EMPTY
+        self.generation = 0
+        self.in_flight: CallRecord | None = None
+        self._interrupts: set[FinishReason] = set()
+        self._fault: str | None = None
+        self.score: Score | None = None
+        self.decision: Decision | None = None
+        self.issued: list[str] = []
+        self.scores: list[tuple[str, int, int, int]] = []  # (score_id, generation, processed, output_count)
+        self.policy_state = attrs.evolve(initial_policy_state(self.policy), rng_counter=request.rng_counter_start)
+        self.finish_reason: FinishReason | None = None
+        self.triggers: set[FinishReason] = set()
+        self.quarantined = False
+        self.num_calls = 0
+        self.num_retries = 0
+        self.suspended = False
+
+    # ---------------------------------------------------------------------------------------
+    # Views.
+    # ---------------------------------------------------------------------------------------
+    @property
+    def output_count(self) -> int:
+        """O."""
+        return len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the output is closed (a repair call may still be owed)."""
+        return self.phase is Phase.FINISHED
+
+    def frontier(self) -> dict[str, Any]:
+        """``{"prompt_len", "output_count", "pending", "processed", "pending_tag"}`` (L, O, |U|, P, tag)."""
+        return {"prompt_len": self.request.prompt_len, "output_count": self.output_count, "pending": len(self.pending_ids),
+                "processed": self.processed, "pending_tag": self.pending_tag.value}
+
+    def repair_owed(self) -> bool:
+        """Whether the declared append/repair call still has to process the closed final token."""
+        return (self.phase is Phase.FINISHED and self.request.final_cache == "all_outputs" and self.request.cached
+                and self.pending_tag is PendingTag.CLOSED_UNPROCESSED and self.finish_reason is not None
+                and self.finish_reason not in ENVIRONMENT_FAILURES)
+
+    def terminal(self) -> bool:
+        """Whether no further controller action is required (FINISHED, no call in flight, no repair owed)."""
+        return self.phase is Phase.FINISHED and self.in_flight is None and not self.repair_owed()
+
+    def interrupt_point(self) -> InterruptPoint | None:
+        """Where an interrupt arriving now lands, or ``None`` (NEW or FINISHED)."""
+        return {Phase.READY: InterruptPoint.BEFORE_LAUNCH, Phase.IN_FLIGHT: InterruptPoint.IN_FLIGHT,
+                Phase.SCORED: InterruptPoint.AFTER_COMPLETION, Phase.DECIDED: InterruptPoint.AFTER_DECISION}.get(self.phase)
+
+    def ordered_triggers(self) -> tuple[FinishReason, ...]:
+        """Every trigger recorded, in precedence order."""
+        return tuple(r for r in FINISH_PRECEDENCE if r in self.triggers)
+
+    # ---------------------------------------------------------------------------------------
+    # Admission.
+    # ---------------------------------------------------------------------------------------
+    def admit(self) -> None:
+        """``Admit``: write the trace header; READY, or FINISHED ``length`` for the G = 0 ``no_call`` branch.
+
+        Raises:
+            Rejection: ``transition.not_enabled`` unless the phase is NEW.
+        """
+        self._require(self.phase is Phase.NEW, "transition.admit", "phase == NEW")
+        self._emit_request()
+        if self.request.max_new_tokens == 0 and self.request.zero_new_tokens == "no_call":
+            self._finish({FinishReason.LENGTH})
+        else:
+            self.phase = Phase.READY
+
+    def _emit_request(self) -> None:
+        if self.sink is None:
+            return
+        r = self.request
+        self.sink.emit(
+            "request",
+            format=EVENTS_FORMAT,
+            identity=r.identity,
+            prompt_ids=list(r.prompt_ids),
+            max_new_tokens=r.max_new_tokens,
+            min_new_tokens=r.min_new_tokens,
+            eos_ids=sorted(r.eos_ids),
+            zero_new_tokens=r.zero_new_tokens,
+            cache=r.cache,
+            capacity=self.capacity,
+            prefill_chunk=r.prefill_chunk,
+            profile="decoder_only",
+            lanes=[_LANE] if r.cached else [],
+            runtime={"name": "decodespec.impl", **self.runtime_info},
+            policy=self.policy.to_json(),
+            seed=r.seed,
+            params=self.spec_params(),
+        )
+
+    def spec_params(self) -> dict[str, Any]:
+        """This request's constants under the spec's ``RequestParams`` field names (the trace header's ``params``)."""
+        r = self.request
+        return {
+            "identity": r.identity, "prompt_len": r.prompt_len, "max_new_tokens": r.max_new_tokens,
+            "min_new_tokens": r.min_new_tokens, "vocab_size": self.model.config.vocab_size, "eos_ids": sorted(r.eos_ids),
+            "profile": "decoder_only", "cache_family": r.cache, "context_cap": self.context_cap,
+            "static_capacity": self.capacity, "zero_new_tokens": r.zero_new_tokens, "final_cache": r.final_cache,
+            "prefill_chunk": r.prefill_chunk if r.cached else None, "max_retries": r.max_retries,
+            "max_draws": r.max_draws(), "rng_counter_start": r.rng_counter_start, "stream": r.stream,
+            "stop_strings": bool(r.stop_strings), "structured": r.structured != "none",
+        }
+
+    # ---------------------------------------------------------------------------------------
+    # Model calls.
+    # ---------------------------------------------------------------------------------------
+    def next_call(self) -> tuple[CallKind, int, int] | None:
+        """``(kind, start, length)`` of the call the state calls for, or ``None`` when none is due."""
+        r = self.request
+        if self.in_flight is not None or self.quarantined:
+            return None
+        if self.phase is Phase.READY and self.processed < r.prompt_len and not self.output_ids:
+            if not r.cached:
+                return CallKind.PREFILL, 0, r.prompt_len
+            remaining = r.prompt_len - self.processed
+            length = remaining if r.prefill_chunk is None else min(r.prefill_chunk, remaining)
+            return CallKind.PREFILL, self.processed, length
+        if self.phase is Phase.READY and self.pending_tag is PendingTag.PENDING_NEXT_CALL:
+            return (CallKind.DECODE, self.processed, 1) if r.cached else (CallKind.DECODE, 0, r.prompt_len + self.output_count)
+        if self.repair_owed():
+            return CallKind.REPAIR, self.processed, 1
+        return None
+
+    def launch(self, kind: CallKind | str | None = None, *, start: int | None = None, length: int | None = None) -> CallRecord:
+        """``Launch``: validate and record the next model call; nothing runs yet (see :meth:`complete`).
+
+        Args:
+            kind: ``prefill`` / ``decode`` / ``repair``; default the call the state calls for.
+            start: ``cache_position`` of row 0; default the expected start (P, 0 uncached).
+            length: Rows; default the expected length (a chunk, 1, or L + O uncached).
+
+        Returns:
+            The :class:`CallRecord`.
+
+        Raises:
+            Rejection: ``transition.not_enabled`` (wrong phase, call in flight, quarantined
+                handle, a kind the state does not call for, a start other than the expected one,
+                a length that does not fit); ``cache.slot_mismatch`` when the cache's committed
+                length disagrees.  Nothing changes.
+            ResourceLimit: ``cache.capacity_exceeded`` when ``start + length`` exceeds the static
+                capacity; ``model.context_window_exceeded`` past the model window.  Nothing changes.
+        """
+        r = self.request
+        kind = None if kind is None else CallKind(kind)
+        due = self.next_call()
+        rule = f"transition.launch_{(kind or (due[0] if due else CallKind.DECODE)).value}"
+        self._require(self.in_flight is None, rule, "no call in flight")
+        self._require(not self.quarantined, rule, "handle not quarantined")
+        self._require(due is not None, rule, f"a call is due in phase {self.phase.value}")
+        assert due is not None
+        due_kind, due_start, due_length = due
+        kind = kind or due_kind
+        self._require(kind is due_kind, rule, f"the state calls for a {due_kind.value} call")
+        start = due_start if start is None else start
+        length = due_length if length is None else length
+        self._require(start == due_start, rule, "start == expected start (P cached, 0 uncached)")
+        if kind is CallKind.PREFILL and r.cached and r.prefill_chunk is not None:
+            self._require(1 <= length <= min(r.prompt_len - self.processed, r.prefill_chunk), rule,
+                          "prefill length fits the remaining prompt and the chunk size")
+        else:
+            self._require(length == due_length, rule, "length == the expected slice length")
+        if self.capacity is not None and start + length > self.capacity:
+            raise ResourceLimit(CACHE_CAPACITY_EXCEEDED, f"write [{start}, {start + length}) exceeds the {self.capacity} reserved slots",
+                                "$.cache_position", details={"rule": rule, "guard": "start + length <= static capacity"})
+        window = self.model.config.max_position_embeddings
+        if start + length > window:
+            raise ResourceLimit(CONTEXT_WINDOW_EXCEEDED, f"positions {start}..{start + length - 1} exceed the window {window}", "$.position_ids")
+        sequence = self.request.prompt_ids + tuple(self.output_ids)
+        input_ids = sequence[start:start + length]
+        vocab = self.model.config.vocab_size
+        assert len(input_ids) == length and all(0 <= t < vocab for t in input_ids), "ids were validated at admission and commit"
+        if self.cache is not None:
+            self.cache.begin_call(start, length, self.generation, drop_layers=self.faults.missing_lane_layers(self.num_calls))
+        end = start + length
+        if kind is CallKind.PREFILL:
+            decision_row = end - 1 if end == r.prompt_len and r.max_new_tokens > 0 else None
+        elif kind is CallKind.DECODE:
+            decision_row = end - 1
+        else:
+            decision_row = None
+        call = CallRecord(self.num_calls, kind, start, length, self.generation, decision_row, tuple(input_ids))
+        frontier_before = self.frontier()
+        self.in_flight = call
+        self._interrupts = set()
+        self._fault = None
+        self.num_calls += 1
+        if kind is not CallKind.REPAIR:
+            self.phase = Phase.IN_FLIGHT
+        if self.sink is not None:
+            self.sink.emit("call_launched", call_id=call.call_id, kind=kind.value, input_ids=list(input_ids),
+                           position_ids=list(range(start, end)), cache_position=list(range(start, end)),
+                           frontier_before=frontier_before, generation=call.generation)
+        return call
+
+    def complete(self) -> Selection:
+        """``Complete``: run the launched call to its completion boundary and select ALL_NEW or ALL_OLD.
+
+        ALL_NEW needs no interrupt or fault, every compute stage through the LM head, and every
+        layer's lane at ``[start, end)`` under the call's generation.  A forward that raises
+        (:class:`~decodespec.impl.faults.InjectedDeviceFault`, or any error on an accelerator)
+        is reported as ``fault{kind: device_fault}`` first.
+
+        Returns:
+            The selection.
+
+        Raises:
+            Rejection: ``transition.not_enabled`` when no call is in flight.
+        """
+        call = self.in_flight
+        self._require(call is not None, "transition.complete_all_new", "a call is in flight")
+        assert call is not None
+        triggers_before = set(self.triggers)
+        report = self._forward(call)
+        reason = self._completion_reason(call, report)
+        selection = Selection.ALL_NEW if reason is None else Selection.ALL_OLD
+        score = None
+        if selection is Selection.ALL_NEW:
+            score = self._select_all_new(call, report)
+        else:
+            self._select_all_old(call, report)
+        if self.sink is not None:
+            self.sink.emit("call_completed", call_id=call.call_id, selection=selection.value,
+                           lanes_completed=[list(lane) for lane in report.lanes], layers_written=report.layers_written,
+                           stages_ok=report.stages_ok, output_row=report.output_row, frontier_after=self.frontier(),
+                           score_id=None if score is None else score.score_id, generation=report.generation, reason=reason)
+            if self.quarantined and selection is Selection.ALL_OLD:
+                self.sink.emit("quarantine", generation=self.generation, processed=self.processed)
+        if self.phase is Phase.FINISHED and (self.triggers != triggers_before or call.kind is CallKind.REPAIR and selection is Selection.ALL_NEW):
+            self._emit_finish()
+        return selection
+
+    def _forward(self, call: CallRecord) -> _Report:
+        model, cache = self.model, self.cache
+        device = model.device
+        ids = torch.tensor([call.input_ids], dtype=torch.long, device=device)  # [1, T]
+        cache_position = torch.arange(call.start, call.end, device=device)  # [T]
+        mask = cache.key_validity(call.length, device) if isinstance(cache, StaticCache) else None  # [1, S] or None
+        stages: list[str] = []
+        logits = None
+        fault_layer = self.faults.device_fault_layer(call.call_id)
+        try:
+            with torch.inference_mode(), _stage_roster(model, stages, fault_layer):
+                out = model(ids, attention_mask=mask, past_key_values=cache, cache_position=cache_position, logits_to_keep=1)
+                logits = out.logits[0, -1]  # [V] raw scores of the call's last row
+                if logits.is_cuda:
+                    torch.cuda.current_stream(logits.device).synchronize()  # the declared completion boundary
+        except InjectedDeviceFault:
+            self._report_fault("device_fault", call)
+        except RuntimeError:
+            if device.type == "cpu":
+                raise  # on the CPU a RuntimeError is a bug, not a device fault
+            self._report_fault("device_fault", call)
+        expected = ["embed_tokens", *(f"layers.{i}" for i in range(model.config.num_hidden_layers)), "norm", "lm_head"]
+        stages_ok = logits is not None and stages == expected
+        if cache is not None:
+            complete = cache.complete_layers()
+            lanes = ((_LANE, call.end),) if complete == model.config.num_hidden_layers else ()
+        else:
+            complete, lanes = 0, ()
+        output_row = call.decision_row if stages_ok else None
+        return _Report(stages_ok, lanes, complete, call.generation, output_row, logits if stages_ok else None)
+
+    def _report_fault(self, kind: str, call: CallRecord) -> None:
+        self._fault = kind
+        if self.sink is not None:
+            self.sink.emit("fault", kind=kind, call_id=call.call_id)
+
+    def _completion_reason(self, call: CallRecord, report: _Report) -> str | None:
+        if self._interrupts:
+            reason = canonical_finish_reason(self._interrupts)
+            assert reason is not None
+            return reason.value
+        if self._fault is not None:
+            return self._fault
+        if not report.stages_ok or report.output_row != call.decision_row:
+            return "device_fault"
+        expected = ((_LANE, call.end),) if self.request.cached else ()
+        if report.generation != call.generation or report.lanes != expected:
+            return "missing_lane"
+        return None
+
+    def _select_all_new(self, call: CallRecord, report: _Report) -> Score | None:
+        r = self.request
+        generation = self.generation + 1
+        if self.cache is not None:
+            self.cache.commit_call(generation)
+        self.in_flight = None
+        self.processed = call.end
+        self.generation = generation
+        if call.kind is CallKind.PREFILL and call.end < r.prompt_len:
+            self.phase = Phase.READY
+            return None
+        if call.kind is CallKind.PREFILL and r.max_new_tokens == 0:
+            self._finish({FinishReason.LENGTH}, emit=False)
+            return None
+        self.pending_ids, self.pending_tag = (), PendingTag.EMPTY
+        if call.kind is CallKind.REPAIR:
+            self.phase = Phase.FINISHED
+            return None
+        assert report.logits is not None
+        score = Score(f"score-{generation}", generation, call.end, self.output_count, report.logits)
+        self.score = score
+        self.scores.append((score.score_id, generation, call.end, self.output_count))
+        self.phase = Phase.SCORED
+        return score
+
+    def _select_all_old(self, call: CallRecord, report: _Report) -> None:
+        failed = self._fault is not None or not report.stages_ok or report.lanes != (((_LANE, call.end),) if self.request.cached else ())
+        if self.cache is not None:
+            self.cache.abandon_call()
+        self.in_flight = None
+        self.quarantined = self.request.cached
+        if self._interrupts:
+            self._finish(set(self._interrupts) | ({FinishReason.DEVICE_ERROR} if failed else set()), emit=False)
+        elif self.num_retries < self.request.max_retries:
+            self.num_retries += 1
+            self.phase = Phase.FINISHED if call.kind is CallKind.REPAIR else Phase.READY
+        else:
+            self._finish({FinishReason.DEVICE_ERROR}, emit=False)
+
+    def recover(self) -> None:
+        """``Recover``: crop the quarantined handle back to the proven frontier P under a new generation.
+
+        Raises:
+            Rejection: ``transition.not_enabled`` unless quarantined, no call in flight, and READY
+                or a repair still owed.
+        """
+        self._require(self.quarantined, "transition.recover", "quarantined")
+        self._require(self.in_flight is None, "transition.recover", "no call in flight")
+        self._require(self.phase is Phase.READY or self.repair_owed(), "transition.recover", "phase READY or repair owed")
+        self.generation += 1
+        if self.cache is not None:
+            self.cache.recover(self.generation)
+            assert self.cache.committed_length == self.processed
+        self.quarantined = False
+        if self.sink is not None:
+            self.sink.emit("recover", generation=self.generation, processed=self.processed)
+
+    def repair(self) -> Selection:
+        """The append/repair call for a CLOSED_UNPROCESSED final token (its logits are discarded): launch + complete."""
+        self.launch(CallKind.REPAIR)
+        return self.complete()
+
+    # ---------------------------------------------------------------------------------------
+    # Decision and commit.
+    # ---------------------------------------------------------------------------------------
+    def decide(self) -> Decision:
+        """``Decide``: apply the M3.8 policy to the current score row and issue a receipt.
+
+        Raises:
+            Rejection: ``transition.not_enabled`` unless SCORED with a score of the current
+                generation; ``policy.*`` when the policy refuses the row.  Nothing changes.
+        """
+        score = self.score
+        self._require(self.phase is Phase.SCORED and score is not None, "transition.decide", "phase == SCORED")
+        assert score is not None
+        self._require(score.generation == self.generation, "transition.decide", "score is bound to the current generation")
+        r = self.request
+        view = RequestView(prompt_ids=r.prompt_ids, output_ids=self.output_ids, eos_ids=sorted(r.eos_ids),
+                           min_new_tokens=r.min_new_tokens, identity=r.identity, seed=r.seed)
+        with torch.inference_mode():
+            receipt, after = policy_decide(score.logits, self.policy, self.policy_state, view, score_id=score.score_id,
+                                           vocab_hash=r.vocab_hash, rng=self.rng)
+        decision = Decision(f"receipt-{len(self.issued)}", score.score_id, receipt.selected_id, receipt.raw_logprob,
+                            receipt.draws, self.policy_state.rng_counter, receipt, after)
+        self.issued.append(decision.receipt_id)
+        self.decision = decision
+        self.phase = Phase.DECIDED
+        if self.sink is not None:
+            self.sink.emit("decision", receipt_id=decision.receipt_id, score_id=score.score_id, token_id=decision.token_id,
+                           logprob=decision.logprob, draws=decision.draws, rng_counter_before=decision.rng_counter_before,
+                           rng_counter_after=after.rng_counter, receipt=receipt.to_json())
+        return decision
+
+    def commit(self, receipt: Decision | str | None = None) -> tuple[FinishReason, ...]:
+        """``Commit``: consume the pending receipt exactly once into the output.
+
+        Appends the token and its logprob, adopts the policy state (RNG counter + draws), asks
+        the observer for text triggers, then fires EOS / ``length`` / ``context_length``.  A
+        trigger finishes the request (U = [token] CLOSED_UNPROCESSED); otherwise READY with
+        U = [token] PENDING_NEXT_CALL.  A stream failure reported by the observer then closes an
+        open request with ``stream_error``.
+
+        Args:
+            receipt: The :class:`Decision` or its ``receipt_id``; default the pending one.
+
+        Returns:
+            The triggers this commit fired, in precedence order (empty when the request goes on).
+
+        Raises:
+            Rejection: ``transition.not_enabled`` for a duplicate (already consumed) or stale
+                (discarded or superseded) receipt, or outside DECIDED.  Nothing changes.
+        """
+        receipt_id = receipt.receipt_id if isinstance(receipt, Decision) else receipt
+        pending = self.decision
+        self._require(self.phase is Phase.DECIDED and pending is not None, "transition.commit", "phase == DECIDED")
+        assert pending is not None and self.score is not None
+        receipt_id = pending.receipt_id if receipt_id is None else receipt_id
+        self._require(all(d.receipt_id != receipt_id for d in self.consumed), "transition.commit", "receipt was never consumed")
+        self._require(receipt_id == pending.receipt_id, "transition.commit", "receipt is the pending one (not stale)")
+        self._require(pending.score_id == self.score.score_id and self.score.generation == self.generation, "transition.commit",
+                      "receipt is bound to the current score")
+        self._require(pending.rng_counter_before == self.policy_state.rng_counter, "transition.commit", "receipt read the current RNG counter")
+        token = pending.token_id
+        index = self.output_count
+        observation = CommitObservation()
+        if self.observer is not None:
+            observation = self.observer.observe(token, pending.logprob, index)
+            if not observation.text_triggers <= TEXT_TRIGGERS:
+                raise Rejection(NOT_ENABLED, f"the observer reported {sorted(t.value for t in observation.text_triggers)}; only "
+                                "stop_string / structured / structured_error are text triggers", "$.observer")
+        self.output_ids.append(token)
+        self.logprobs.append(pending.logprob)
+        self.receipts.append(pending.receipt)
+        self.consumed.append(pending)
+        self.policy_state = pending.policy_state
+        self.decision = None
+        self.score = None
+        self.pending_ids = (token,)
+        r = self.request
+        fired = set(observation.text_triggers)
+        if token in r.eos_ids:
+            fired.add(FinishReason.EOS)
+        if self.output_count >= r.max_new_tokens:
+            fired.add(FinishReason.LENGTH)
+        if r.prompt_len + self.output_count >= self.context_cap:
+            fired.add(FinishReason.CONTEXT_LENGTH)
+        if fired:
+            self.phase = Phase.FINISHED
+            self.triggers |= fired
+            self.finish_reason = canonical_finish_reason(self.triggers)
+            self.pending_tag = PendingTag.CLOSED_UNPROCESSED
+        else:
+            self.phase = Phase.READY
+            self.pending_tag = PendingTag.PENDING_NEXT_CALL
+        if self.sink is not None:
+            self.sink.emit("commit", receipt_id=pending.receipt_id, token_id=token, logprob=pending.logprob,
+                           output_count=self.output_count, pending_tag=self.pending_tag.value,
+                           triggers=[t.value for t in FINISH_PRECEDENCE if t in fired])
+            if fired:
+                self._emit_finish()
+        if (observation.stream_failed or self.faults.stream_fails_after(index)) and self.phase is Phase.READY:
+            self.stream_failure()
+        return tuple(t for t in FINISH_PRECEDENCE if t in fired)
+
+    # ---------------------------------------------------------------------------------------
+    # Interrupts.
+    # ---------------------------------------------------------------------------------------
+    def cancel(self, kind: FinishReason | str = FinishReason.CANCELLED) -> InterruptPoint:
+        """``Cancel``: a cancellation or timeout at the current interrupt point.
+
+        Before launch: finish at once (a pending token becomes CLOSED_UNPROCESSED).  In flight:
+        recorded; :meth:`complete` then awaits the call and selects ALL_OLD.  After completion /
+        after decision: the score (and receipt) are discarded unconsumed and the request finishes.
+
+        Returns:
+            Where the interrupt landed.
+
+        Raises:
+            Rejection: ``transition.not_enabled`` for a reason other than cancelled / timeout, in
+                phase NEW or FINISHED, or when the reason is already recorded for the call.
+        """
+        reason = FinishReason(kind)
+        self._require(reason in (FinishReason.CANCELLED, FinishReason.TIMEOUT), "transition.interrupt_before_launch",
+                      "cancel reason is cancelled or timeout; stream failure needs a stream")
+        return self._interrupt(reason)
+
+    def stream_failure(self) -> InterruptPoint:
+        """``StreamFailure``: the streamer failed; declared policy: close like an interrupt with ``stream_error``.
+
+        Raises:
+            Rejection: ``transition.not_enabled`` when the request does not stream, or as :meth:`cancel`.
+        """
+        self._require(self.request.stream, "transition.interrupt_before_launch", "cancel reason is cancelled or timeout; stream failure needs a stream")
+        if self.sink is not None and self.interrupt_point() is not None:
+            self.sink.emit("fault", kind="stream_error", call_id=None if self.in_flight is None else self.in_flight.call_id)
+        return self._interrupt(FinishReason.STREAM_ERROR, emit_cancel=False)
+
+    def _interrupt(self, reason: FinishReason, *, emit_cancel: bool = True) -> InterruptPoint:
+        at = self.interrupt_point()
+        self._require(at is not None, "transition.interrupt_before_launch", "phase == READY (before launch)")
+        assert at is not None
+        if at is InterruptPoint.IN_FLIGHT:
+            self._require(reason not in self._interrupts, "transition.interrupt_in_flight", "reason not yet recorded for the call")
+        if emit_cancel and self.sink is not None:
+            self.sink.emit("cancel", kind=reason.value, at=at.value)
+        if at is InterruptPoint.IN_FLIGHT:
+            self._interrupts.add(reason)
+            return at
+        self.score = None
+        self.decision = None
+        self._finish({reason})
+        return at
+
+    def _finish(self, triggers: set[FinishReason], *, emit: bool = True) -> None:
+        self.triggers |= triggers
+        self.finish_reason = canonical_finish_reason(self.triggers)
+        self.phase = Phase.FINISHED
+        self.pending_tag = PendingTag.CLOSED_UNPROCESSED if self.pending_ids else PendingTag.EMPTY
+        if emit:
+            self._emit_finish()
+
+    def _emit_finish(self) -> None:
+        if self.sink is not None:
+            self.sink.emit("finish", finish_reason=self.finish_reason.value, triggers=[t.value for t in self.ordered_triggers()],
+                           frontier=self.frontier())
+
+    # ---------------------------------------------------------------------------------------
+    # The ordinary loop.
+    # ---------------------------------------------------------------------------------------
+    def step(self) -> str | None:
+        """Take the one controller action the state calls for (applying the fault plan's interrupts first).
+
+        Returns:
+            The action's name (``admit``, ``launch``, ``complete``, ``recover``, ``decide``,
+            ``commit``, ``cancel``), or ``None`` when the request is terminal.
+        """
+        if self.phase is Phase.NEW:
+            self.admit()
+            return "admit"
+        if self._plan_interrupt():
+            return "cancel"
+        if self.in_flight is not None:
+            self.complete()
+            return "complete"
+        if self.quarantined and (self.phase is Phase.READY or self.repair_owed()):
+            self.recover()
+            return "recover"
+        if self.phase is Phase.SCORED:
+            self.decide()
+            return "decide"
+        if self.phase is Phase.DECIDED:
+            self.commit()
+            return "commit"
+        if self.next_call() is not None:
+            self.launch()
+            return "launch"
+        return None
+
+    def _plan_interrupt(self) -> bool:
+        at = self.interrupt_point()
+        if at is None or not self.faults.faults:
+            return False
+        if at is InterruptPoint.BEFORE_LAUNCH:
+            call_id = self.num_calls
+        else:
+            call_id = self.num_calls - 1
+        reason = self.faults.interrupt(call_id, at)
+        if reason is None or (at is InterruptPoint.IN_FLIGHT and reason in self._interrupts):
+            return False
+        self.cancel(reason)
+        return True
+
+    def run(self, *, max_outputs: int | None = None) -> "RequestRunner":
+        """Drive the request until it is terminal (or suspend after ``max_outputs`` committed tokens).
+
+        Args:
+            max_outputs: Stop at the first READY boundary with O >= this (the request stays open:
+                take a snapshot to resume it later); ``None``: run to the end.
+
+        Returns:
+            ``self``.
+        """
+        while True:
+            if max_outputs is not None and self.phase is Phase.READY and self.output_count >= max_outputs and not self.quarantined:
+                self.suspended = True
+                return self
+            if self.step() is None:
+                return self
+
+    def result(self):
+        """The :class:`~decodespec.impl.generate.GenerationResult` of a finished (or suspended) request."""
+        from .generate import GenerationResult
+
+        eos = self.request.eos_ids
+        ids = self.output_ids
+        text_ids = ids[:-1] if ids and ids[-1] in eos else ids
+        text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else ""
+        return GenerationResult(
+            prompt_ids=self.request.prompt_ids,
+            output_ids=tuple(ids),
+            text=text,
+            logprobs=tuple(self.logprobs),
+            finish_reason=self.finish_reason,
+            triggers=self.ordered_triggers(),
+            frontier=self.frontier(),
+            receipts=tuple(self.receipts),
+            rng_counter=self.policy_state.rng_counter,
+        )
+
+    # ---------------------------------------------------------------------------------------
+    # Snapshots.
+    # ---------------------------------------------------------------------------------------
+    def snapshot(self, form: str = "pending_suffix"):
+        """``Snapshot``: a resumable :class:`~decodespec.impl.snapshot.RuntimeSnapshot` of this request.
+
+        ``repaired`` with a pending token first runs the valid append call (the ordinary decode
+        call between calls, the repair call after finish), so that U = [] and P = L + O; never by
+        relabelling.
+
+        Raises:
+            Rejection: ``snapshot.form_unavailable`` (call in flight, pending decision,
+                quarantined handle, a repaired form whose append call is not allowed).
+        """
+        from .snapshot import take_runtime_snapshot
+
+        return take_runtime_snapshot(self, form)
+
+    @classmethod
+    def restore(cls, model: LlamaForCausalLM, snapshot, request: RuntimeRequest | None = None, **kwargs: Any) -> "RequestRunner":
+        """``Restore``: a runner continuing ``snapshot`` (validated before any state is built).
+
+        Args:
+            model: The decoder (its cache ABI must equal the snapshot's).
+            snapshot: A :class:`~decodespec.impl.snapshot.RuntimeSnapshot` (or see
+                :func:`decodespec.impl.snapshot.load_snapshot`).
+            request: The request; default the one the snapshot carries.
+            **kwargs: As :class:`RequestRunner` (sink, faults, observer, tokenizer, runtime_info).
+
+        Raises:
+            Rejection: ``snapshot.*`` (see :mod:`decodespec.impl.snapshot`).
+        """
+        from .snapshot import restore_runner
+
+        return restore_runner(cls, model, snapshot, request, **kwargs)
+
+    # ---------------------------------------------------------------------------------------
+    # Helpers.
+    # ---------------------------------------------------------------------------------------
+    def _require(self, condition: bool, rule: str, guard: str) -> None:
+        if not condition:
+            raise Rejection(NOT_ENABLED, f"{rule}: guard '{guard}' is false in phase {self.phase.value}", "$.action",
+                            details={"rule": rule, "guard": guard})
+
+
+def _validated(model: LlamaForCausalLM, request: RuntimeRequest) -> RuntimeRequest:
+    g = request.max_new_tokens
+    if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+        raise Rejection(INVALID_REQUEST, f"max_new_tokens must be a non-negative int, got {g!r}", "$.max_new_tokens")
+    prompt = tuple(int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in request.prompt_ids)
+    if not prompt:
+        raise Rejection(INVALID_REQUEST, "the prompt is empty (L >= 1 is required)", "$.prompt_ids")
+    vocab = model.config.vocab_size
+    for idx, tok in enumerate(prompt):
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+            raise Rejection(INVALID_REQUEST, f"prompt_ids[{idx}] = {tok!r} is not an id in [0, {vocab})", f"$.prompt_ids[{idx}]")
+    window = model.config.max_position_embeddings
+    if len(prompt) >= window:
+        raise ResourceLimit(CONTEXT_WINDOW_EXCEEDED, f"prompt length {len(prompt)} leaves no room in the context window {window}", "$.prompt_ids")
+    if request.cache not in ("none", "dynamic", "static"):
+        raise Rejection(INVALID_REQUEST, f"unknown cache family {request.cache!r}", "$.runtime.cache_family")
+    if request.policy.family is Family.BEAM:
+        raise Rejection(FAMILY_MISMATCH, "the request runner runs one sequence; the beam family needs a beam loop", "$.policy.family")
+    if g == 0 and request.zero_new_tokens == "reject":
+        raise Rejection(ZERO_NEW_TOKENS_REJECTED, "max_new_tokens is 0 and the declared G=0 branch is 'reject'", "$.termination.max_new_tokens")
+    changes: dict[str, Any] = {"prompt_ids": prompt, "eos_ids": frozenset(int(i) for i in request.eos_ids)}
+    if request.cache == "static" and request.static_capacity is None:
+        # Default: room for every output and the repair call, plus one slot so that the capacity
+        # (part of the context cap C) never fires context_length before length.
+        changes["static_capacity"] = min(len(prompt) + g + 1, window)
+    if request.cache == "none":
+        changes["prefill_chunk"] = None
+    return attrs.evolve(request, **changes)
+
+
+@contextlib.contextmanager
+def _stage_roster(model: LlamaForCausalLM, stages: list[str], fault_layer: int | None) -> Iterator[None]:
+    """Record each compute stage as it completes (forward hooks); raise at ``fault_layer`` if given."""
+    handles = []
+
+    def done(name: str):
+        return lambda module, args, output: stages.append(name)
+
+    def fault(module, args):
+        raise InjectedDeviceFault(f"injected device fault at layer {fault_layer}")
+
+    inner = model.model
+    handles.append(inner.embed_tokens.register_forward_hook(done("embed_tokens")))
+    for idx, layer in enumerate(inner.layers):
+        if idx == fault_layer:
+            handles.append(layer.register_forward_pre_hook(fault))
+        handles.append(layer.register_forward_hook(done(f"layers.{idx}")))
+    handles.append(inner.norm.register_forward_hook(done("norm")))
+    handles.append(model.lm_head.register_forward_hook(done("lm_head")))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
