@@ -1,0 +1,490 @@
+"""Resumable snapshots of a running request: both forms, JSON plus safetensors, validated restore.
+
+A :class:`RuntimeSnapshot` is the spec's logical :class:`~decodespec.spec.snapshot.SnapshotRecord`
+(identity, form, phase, frontiers, pending tag and ids, output ids, receipt ledger, generation,
+RNG counter, finish state, call counters) plus what only the runtime holds: the logprob values,
+the M3.8 policy state (RNG counter, automaton state, Mirostat ``mu``), the decision receipts as
+JSON, the request itself (with the admitted envelope's canonical bytes when there is one), the
+cache family, ABI and capacity, the committed K/V rows ``[1, H_kv, P, D]`` of every layer, the
+consumable score row ``[V]`` of a ``repaired`` snapshot taken in SCORED, and the stop/stream
+observer's state (``observer.snapshot_state()`` when it has one).
+
+Files (:func:`save_snapshot` / :func:`load_snapshot`): ``FILE`` holds the JSON
+(``"format": "decodespec.snapshot.v1"``) and ``FILE.safetensors`` the tensors
+(``safetensors.torch.save_file``; keys ``cache.layers.<l>.keys`` / ``.values`` and
+``score.logits``); the JSON records the tensor file's SHA-256, checked on load.
+
+Forms (M3.10 0x0B "A completed output is not automatically a resumable snapshot"):
+
+* ``pending_suffix``: between calls (READY) or after finish; U (``[u_O]``, PENDING_NEXT_CALL or
+  CLOSED_UNPROCESSED) is serialized, the cache holds exactly P = L + O - |U| rows.
+* ``repaired``: :meth:`RequestRunner.snapshot` first runs the *valid append call* for a pending
+  token -- the ordinary decode call between calls (whose row is then the next decision's score,
+  saved with the snapshot) or the declared repair call after finish -- so U = [] and P = L + O.
+  Nothing is relabelled: without a repair promise (``final_cache = all_outputs``) a finished
+  request has no repaired form (``snapshot.form_unavailable``).
+
+:func:`restore_runner` validates everything before building any state (typed ``snapshot.*``
+errors, registered in :mod:`decodespec.spec.snapshot`): the file shape
+(``snapshot.malformed``), the identity (``snapshot.identity_mismatch``; an envelope carried by
+the snapshot is re-admitted and must hash to the same identity), the cache family, ABI,
+capacity and tensor layout (``snapshot.abi_mismatch``), ``P + |U| = L + O`` and exactly P cached
+rows (``snapshot.frontier_invalid``), the pending suffix against the declared form
+(``snapshot.pending_invalid``), and the ledger: one logprob and one receipt per output, the RNG
+counter equal to the draws consumed (``snapshot.ledger_invalid``).  Restoring and continuing
+gives the same tokens and logprobs as never stopping (tests/test_snapshot*.py).
+
+Source: M3.10 0x0B "A completed output is not automatically a resumable snapshot", "Immutable
+identity versus mutable request state" (restoring token ids while resetting RNG, parser, stream
+suffix, finish state or positions is a different continuation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+import torch
+
+from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection
+from decodespec.spec.errors import DecodeSpecError, Rejection
+from decodespec.spec.policy.config import policy_config_from_json
+from decodespec.spec.policy.state import PolicyState
+from decodespec.spec.snapshot import (
+    PENDING_SUFFIX,
+    REPAIRED,
+    SNAPSHOT_ABI_MISMATCH,
+    SNAPSHOT_FORM_UNAVAILABLE,
+    SNAPSHOT_FORMS,
+    SNAPSHOT_FRONTIER_INVALID,
+    SNAPSHOT_IDENTITY_MISMATCH,
+    SNAPSHOT_LEDGER_INVALID,
+    SNAPSHOT_MALFORMED,
+    SNAPSHOT_PENDING_INVALID,
+    SnapshotRecord,
+)
+from decodespec.spec.state import Phase, Receipt
+from decodespec.spec.state import Score as SpecScore
+
+from .cache import CacheABI, StaticCache
+
+__all__ = [
+    "SNAPSHOT_FORMAT",
+    "RuntimeSnapshot",
+    "load_snapshot",
+    "request_from_json",
+    "request_to_json",
+    "restore_runner",
+    "save_snapshot",
+    "take_runtime_snapshot",
+]
+
+#: Name of the snapshot JSON format.
+SNAPSHOT_FORMAT = "decodespec.snapshot.v1"
+_LANE = "self_kv"
+
+
+@attrs.frozen(eq=False)
+class RuntimeSnapshot:
+    """A resumable snapshot (see the module docstring).
+
+    Attributes:
+        record: The logical record (spec value type).
+        logprobs: ``float[O]`` natural-log probabilities of the outputs.
+        policy_state: The M3.8 policy state the next decision reads.
+        receipts: The decision receipts as JSON, one per output (as far as the runner holds them).
+        request: The runtime request (``request.envelope`` carries the admitted envelope).
+        cache_family: ``none`` / ``dynamic`` / ``static``.
+        cache_abi: The ABI of the stored rows (``None`` without a cache).
+        capacity: Static capacity, else ``None``.
+        tensors: Per layer ``(keys, values)`` ``[1, H_kv, P, D]`` on the CPU, or ``None``.
+        score_logits: ``[V]`` raw row of the consumable score (repaired form in SCORED), or ``None``.
+        observer_state: JSON state of the stop/stream observer, or ``None``.
+    """
+
+    record: SnapshotRecord
+    logprobs: tuple[float, ...]
+    policy_state: PolicyState
+    receipts: tuple[dict, ...]
+    request: Any
+    cache_family: str
+    cache_abi: CacheABI | None
+    capacity: int | None
+    tensors: list[tuple[torch.Tensor, torch.Tensor]] | None = attrs.field(repr=False)
+    score_logits: torch.Tensor | None = attrs.field(default=None, repr=False)
+    observer_state: Any = None
+
+    @property
+    def form(self) -> str:
+        """``pending_suffix`` or ``repaired``."""
+        return self.record.form
+
+    def frontier(self) -> dict[str, Any]:
+        """``{"prompt_len", "output_count", "pending", "processed", "pending_tag"}``."""
+        r = self.record
+        return {"prompt_len": len(self.request.prompt_ids), "output_count": len(r.output_ids), "pending": len(r.pending_ids),
+                "processed": r.processed, "pending_tag": r.pending_tag.value}
+
+
+# --------------------------------------------------------------------------------------------
+# Taking a snapshot.
+# --------------------------------------------------------------------------------------------
+
+
+def take_runtime_snapshot(runner, form: str) -> RuntimeSnapshot:
+    """The snapshot of ``runner`` in ``form`` (``repaired`` first runs the append call; see the module docstring).
+
+    Raises:
+        Rejection: ``snapshot.form_unavailable``; the runner is unchanged unless the append call
+            ran (then it is in the state that call selected).
+    """
+    def refuse(why: str) -> Rejection:
+        return Rejection(SNAPSHOT_FORM_UNAVAILABLE, why, "$.form")
+
+    if form not in SNAPSHOT_FORMS:
+        raise refuse(f"unknown snapshot form {form!r}; expected one of {SNAPSHOT_FORMS}")
+    if runner.in_flight is not None:
+        raise refuse("a call is in flight")
+    if runner.quarantined:
+        raise refuse("the handle is quarantined (recover first)")
+    if runner.phase in (Phase.NEW, Phase.DECIDED) or runner.phase not in (Phase.READY, Phase.SCORED, Phase.FINISHED):
+        raise refuse(f"no snapshot in phase {runner.phase.value}")
+    if form == PENDING_SUFFIX and runner.phase is Phase.SCORED:
+        raise refuse("a pending-suffix snapshot is taken between calls or after finish, not with a consumable score")
+    if form == REPAIRED and runner.pending_ids:
+        if runner.phase is Phase.READY:
+            runner.launch(CallKind.DECODE)
+        elif runner.repair_owed():
+            runner.launch(CallKind.REPAIR)
+        else:
+            raise refuse("the final token is closed unprocessed and the request declares no append/repair call "
+                         "(final_cache all_outputs)")
+        if runner.complete() is not Selection.ALL_NEW:
+            raise refuse("the append call selected ALL_OLD; the state keeps its pending token")
+    request = runner.request
+    processed = runner.processed
+    record = SnapshotRecord(
+        identity=request.identity,
+        form=form,
+        phase=runner.phase,
+        processed=processed,
+        output_ids=tuple(runner.output_ids),
+        pending_ids=tuple(runner.pending_ids),
+        pending_tag=runner.pending_tag,
+        lanes=((_LANE, processed if processed > 0 else None),) if request.cached else (),
+        generation=runner.generation,
+        score=None if runner.score is None else SpecScore(runner.score.score_id, runner.score.generation, runner.score.processed,
+                                                          runner.score.output_count),
+        issued=tuple(runner.issued),
+        consumed=tuple(Receipt(d.receipt_id, d.score_id, d.token_id, d.draws, d.rng_counter_before) for d in runner.consumed),
+        scores=tuple(SpecScore(*s) for s in runner.scores),
+        rng_counter=runner.policy_state.rng_counter,
+        finish_reason=runner.finish_reason,
+        triggers=frozenset(runner.triggers),
+        num_calls=runner.num_calls,
+        num_retries=runner.num_retries,
+    )
+    tensors = None
+    if runner.cache is not None and processed > 0:
+        tensors = [(k.detach().to("cpu").contiguous().clone(), v.detach().to("cpu").contiguous().clone())
+                   for k, v in runner.cache.committed_tensors()]
+    observer_state = None
+    if runner.observer is not None and hasattr(runner.observer, "snapshot_state"):
+        observer_state = runner.observer.snapshot_state()
+    snapshot = RuntimeSnapshot(
+        record=record,
+        logprobs=tuple(runner.logprobs),
+        policy_state=runner.policy_state,
+        receipts=tuple(r.to_json() for r in runner.receipts),
+        request=request,
+        cache_family=request.cache,
+        cache_abi=None if runner.cache is None else runner.cache.abi,
+        capacity=runner.capacity,
+        tensors=tensors,
+        score_logits=None if runner.score is None else runner.score.logits.detach().to("cpu").clone(),
+        observer_state=observer_state,
+    )
+    if runner.sink is not None:
+        runner.sink.emit("snapshot", form=form, frontier=runner.frontier(), state=record.to_json())
+    return snapshot
+
+
+# --------------------------------------------------------------------------------------------
+# Files.
+# --------------------------------------------------------------------------------------------
+
+
+def request_to_json(request) -> dict[str, Any]:
+    """A :class:`~decodespec.impl.runtime.RuntimeRequest` as JSON (the envelope as its canonical JSON object)."""
+    out = {f.name: getattr(request, f.name) for f in attrs.fields(type(request))}
+    out["prompt_ids"] = list(request.prompt_ids)
+    out["policy"] = request.policy.to_json()
+    out["eos_ids"] = sorted(request.eos_ids)
+    out["stop_strings"] = list(request.stop_strings)
+    out["envelope"] = None if request.envelope is None else json.loads(request.envelope)
+    return out
+
+
+def request_from_json(obj: dict[str, Any]):
+    """Inverse of :func:`request_to_json`; an envelope is re-admitted (its identity recomputed).
+
+    Raises:
+        Rejection: ``snapshot.malformed`` for a mistyped field; the envelope's own
+            ``envelope.*`` / ``policy.*`` codes; ``snapshot.identity_mismatch`` when the
+            re-admitted envelope's identity differs from the recorded one.
+    """
+    from decodespec.spec.envelope import validate_request_envelope
+
+    from .runtime import RuntimeRequest
+
+    if obj.get("envelope") is not None:
+        import rfc8785
+
+        admitted, identity = validate_request_envelope(rfc8785.dumps(obj["envelope"]))
+        if identity != obj.get("identity"):
+            raise Rejection(SNAPSHOT_IDENTITY_MISMATCH, f"the carried envelope hashes to {identity}, not {obj.get('identity')}",
+                            "$.request.envelope")
+        return RuntimeRequest.from_admitted(admitted)
+    try:
+        fields = {f.name for f in attrs.fields(RuntimeRequest)}
+        values = {k: v for k, v in obj.items() if k in fields}
+        values.update(
+            prompt_ids=tuple(int(t) for t in obj["prompt_ids"]),
+            policy=policy_config_from_json(obj["policy"]),
+            eos_ids=frozenset(int(t) for t in obj["eos_ids"]),
+            stop_strings=tuple(obj.get("stop_strings", ())),
+            envelope=None,
+        )
+        return RuntimeRequest(**values)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise Rejection(SNAPSHOT_MALFORMED, f"not a runtime request: {type(exc).__name__}: {exc}", "$.request") from None
+
+
+def _tensor_path(path: Path) -> Path:
+    return path.with_name(path.name + ".safetensors")
+
+
+def save_snapshot(snapshot: RuntimeSnapshot, path: str | Path) -> tuple[Path, Path]:
+    """Write ``path`` (JSON) and ``path.safetensors`` (tensors); returns both paths."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for index, (keys, values) in enumerate(snapshot.tensors or ()):
+        tensors[f"cache.layers.{index}.keys"] = keys.contiguous()
+        tensors[f"cache.layers.{index}.values"] = values.contiguous()
+    if snapshot.score_logits is not None:
+        tensors["score.logits"] = snapshot.score_logits.contiguous()
+    tensor_path = _tensor_path(path)
+    save_file(tensors, str(tensor_path), metadata={"format": SNAPSHOT_FORMAT, "identity": snapshot.record.identity})
+    digest = "sha256:" + hashlib.sha256(tensor_path.read_bytes()).hexdigest()
+    doc = {
+        "format": SNAPSHOT_FORMAT,
+        "identity": snapshot.record.identity,
+        "form": snapshot.form,
+        "frontier": snapshot.frontier(),
+        "state": snapshot.record.to_json(),
+        "logprobs": list(snapshot.logprobs),
+        "policy_state": snapshot.policy_state.to_json(),
+        "receipts": list(snapshot.receipts),
+        "request": request_to_json(snapshot.request),
+        "cache": {
+            "family": snapshot.cache_family,
+            "abi": None if snapshot.cache_abi is None else snapshot.cache_abi.to_json(),
+            "capacity": snapshot.capacity,
+            "num_layers": 0 if snapshot.tensors is None else len(snapshot.tensors),
+            "tensors": tensor_path.name,
+            "sha256": digest,
+        },
+        "score": None if snapshot.record.score is None else {"score_id": snapshot.record.score.score_id, "tensor": "score.logits"},
+        "observer": snapshot.observer_state,
+    }
+    path.write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    return path, tensor_path
+
+
+def load_snapshot(path: str | Path) -> RuntimeSnapshot:
+    """Read a snapshot written by :func:`save_snapshot` (shape checks only; :func:`restore_runner` validates).
+
+    Raises:
+        Rejection: ``snapshot.malformed`` for unreadable JSON, a wrong format, a missing field,
+            a missing tensor file or one whose SHA-256 differs from the recorded one.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise Rejection(SNAPSHOT_MALFORMED, f"cannot read {path}: {exc}", "$") from None
+    if not isinstance(doc, dict) or doc.get("format") != SNAPSHOT_FORMAT:
+        raise Rejection(SNAPSHOT_MALFORMED, f"not a {SNAPSHOT_FORMAT} file", "$.format")
+    try:
+        cache = doc["cache"]
+        tensor_path = path.with_name(cache["tensors"])
+        if not tensor_path.is_file():
+            raise Rejection(SNAPSHOT_MALFORMED, f"tensor file {tensor_path} is missing", "$.cache.tensors")
+        if "sha256:" + hashlib.sha256(tensor_path.read_bytes()).hexdigest() != cache["sha256"]:
+            raise Rejection(SNAPSHOT_MALFORMED, f"tensor file {tensor_path} differs from the recorded SHA-256", "$.cache.sha256")
+        stored = load_file(str(tensor_path))
+        num_layers = int(cache["num_layers"])
+        tensors = None
+        if num_layers:
+            tensors = [(stored[f"cache.layers.{i}.keys"], stored[f"cache.layers.{i}.values"]) for i in range(num_layers)]
+        policy = doc["policy_state"]
+        return RuntimeSnapshot(
+            record=SnapshotRecord.from_json(doc["state"]),
+            logprobs=tuple(float(x) for x in doc["logprobs"]),
+            policy_state=PolicyState(int(policy["rng_counter"]), policy["constraint_state"],
+                                     None if policy["mirostat_mu"] is None else float(policy["mirostat_mu"])),
+            receipts=tuple(doc["receipts"]),
+            request=request_from_json(doc["request"]),
+            cache_family=str(cache["family"]),
+            cache_abi=None if cache["abi"] is None else CacheABI.from_json(cache["abi"]),
+            capacity=None if cache["capacity"] is None else int(cache["capacity"]),
+            tensors=tensors,
+            score_logits=stored.get("score.logits") if doc.get("score") else None,
+            observer_state=doc.get("observer"),
+        )
+    except DecodeSpecError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise Rejection(SNAPSHOT_MALFORMED, f"not a snapshot: {type(exc).__name__}: {exc}", "$") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Restore.
+# --------------------------------------------------------------------------------------------
+
+
+def _refuse(code: str, message: str, path: str = "$.snapshot") -> Rejection:
+    return Rejection(code, message, path)
+
+
+def _check(snapshot: RuntimeSnapshot, model, request) -> None:
+    """Every restore check, in order; raises the first failing one's ``snapshot.*`` code."""
+    rec = snapshot.record
+    prompt_len = len(request.prompt_ids)
+    outputs, pending = rec.output_ids, rec.pending_ids
+    # identity
+    if rec.identity != request.identity or snapshot.request.identity != request.identity:
+        raise _refuse(SNAPSHOT_IDENTITY_MISMATCH, f"the snapshot belongs to {rec.identity}, the request is {request.identity}", "$.identity")
+    if tuple(snapshot.request.prompt_ids) != tuple(request.prompt_ids):
+        raise _refuse(SNAPSHOT_IDENTITY_MISMATCH, "the snapshot's prompt differs from the request's", "$.request.prompt_ids")
+    # cache family, ABI, capacity, tensor layout
+    abi = model.cache_abi
+    if snapshot.cache_family != request.cache:
+        raise _refuse(SNAPSHOT_ABI_MISMATCH, f"snapshot cache family {snapshot.cache_family} != request's {request.cache}", "$.cache.family")
+    expected_lanes = ((_LANE, rec.processed if rec.processed else None),) if request.cached else ()
+    if tuple(name for name, _ in rec.lanes) != tuple(name for name, _ in expected_lanes):
+        raise _refuse(SNAPSHOT_ABI_MISMATCH, f"lane roster {rec.lanes} does not fit the {request.cache} cache", "$.state.lanes")
+    if request.cached:
+        if snapshot.cache_abi != abi:
+            raise _refuse(SNAPSHOT_ABI_MISMATCH, f"snapshot cache ABI {snapshot.cache_abi} differs from the model's {abi}", "$.cache.abi")
+        if request.cache == "static" and snapshot.capacity != request.static_capacity:
+            raise _refuse(SNAPSHOT_ABI_MISMATCH, f"snapshot capacity {snapshot.capacity} != the request's {request.static_capacity}", "$.cache.capacity")
+        for layer_idx, pair in enumerate(snapshot.tensors or ()):
+            for tensor in pair:
+                if (tensor.dim() != 4 or tensor.shape[0] != 1 or tensor.shape[1] != abi.num_key_value_heads or tensor.shape[3] != abi.head_dim
+                        or str(tensor.dtype).removeprefix("torch.") != abi.dtype):
+                    raise _refuse(SNAPSHOT_ABI_MISMATCH, f"layer {layer_idx} tensor {tuple(tensor.shape)} {tensor.dtype} does not fit "
+                                  f"[1, {abi.num_key_value_heads}, P, {abi.head_dim}] {abi.dtype}", f"$.cache.layers[{layer_idx}]")
+        if snapshot.tensors is not None and len(snapshot.tensors) != abi.num_layers:
+            raise _refuse(SNAPSHOT_ABI_MISMATCH, f"{len(snapshot.tensors)} layers stored, the model has {abi.num_layers}", "$.cache.num_layers")
+    # pending suffix against the declared form
+    if rec.form not in SNAPSHOT_FORMS:
+        raise _refuse(SNAPSHOT_PENDING_INVALID, f"unknown form {rec.form!r}", "$.form")
+    if len(pending) > 1 or (pending and outputs[-len(pending):] != pending):
+        raise _refuse(SNAPSHOT_PENDING_INVALID, f"pending {list(pending)} is not a one-token suffix of the output", "$.state.pending_ids")
+    tag_ok = {PendingTag.EMPTY: not pending, PendingTag.PENDING_NEXT_CALL: bool(pending) and rec.phase is Phase.READY,
+              PendingTag.CLOSED_UNPROCESSED: bool(pending) and rec.phase is Phase.FINISHED}[rec.pending_tag]
+    if not tag_ok:
+        raise _refuse(SNAPSHOT_PENDING_INVALID, f"tag {rec.pending_tag.value} with U = {list(pending)} in phase {rec.phase.value}", "$.state.pending_tag")
+    if rec.form == REPAIRED and pending:
+        raise _refuse(SNAPSHOT_PENDING_INVALID, "a 'repaired' snapshot with a token still ahead of the cache frontier", "$.state.pending_ids")
+    allowed = (Phase.READY, Phase.FINISHED) if rec.form == PENDING_SUFFIX else (Phase.READY, Phase.SCORED, Phase.FINISHED)
+    if rec.phase not in allowed:
+        raise _refuse(SNAPSHOT_PENDING_INVALID, f"a {rec.form} snapshot cannot be in phase {rec.phase.value}", "$.state.phase")
+    # frontiers
+    in_prefill = not outputs and not pending and rec.processed < prompt_len
+    if not (rec.processed + len(pending) == prompt_len + len(outputs) or in_prefill) or rec.processed < 0:
+        raise _refuse(SNAPSHOT_FRONTIER_INVALID, f"P {rec.processed} + |U| {len(pending)} != L {prompt_len} + O {len(outputs)}", "$.state.processed")
+    if rec.phase is Phase.READY and not in_prefill and len(pending) != 1:
+        raise _refuse(SNAPSHOT_FRONTIER_INVALID, "between calls after the prompt exactly one token is pending", "$.state.pending_ids")
+    if request.cache == "static" and rec.processed > (snapshot.capacity or 0):
+        raise _refuse(SNAPSHOT_FRONTIER_INVALID, f"P {rec.processed} exceeds the capacity {snapshot.capacity}", "$.state.processed")
+    if request.cached:
+        rows = {k.shape[2] for k, _ in snapshot.tensors or ()} | {v.shape[2] for _, v in snapshot.tensors or ()}
+        if (rows or {0}) != {rec.processed} or rec.lanes != expected_lanes:
+            raise _refuse(SNAPSHOT_FRONTIER_INVALID, f"the cache holds {sorted(rows)} rows and lanes {rec.lanes}; P is {rec.processed}", "$.cache")
+    # ledger
+    if not (len(snapshot.logprobs) == len(outputs) == len(rec.consumed)):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, f"{len(outputs)} outputs, {len(snapshot.logprobs)} logprobs, {len(rec.consumed)} receipts", "$.logprobs")
+    if any(c.token_id != t for c, t in zip(rec.consumed, outputs)) or any(not lp <= 1e-6 for lp in snapshot.logprobs):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, "receipts or logprobs do not line up with the outputs", "$.state.consumed")
+    draws = sum(c.draws for c in rec.consumed)
+    if rec.rng_counter != request.rng_counter_start + draws or snapshot.policy_state.rng_counter != rec.rng_counter:
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, f"RNG counter {rec.rng_counter} / policy {snapshot.policy_state.rng_counter} != start "
+                      f"{request.rng_counter_start} + {draws} draws", "$.state.rng_counter")
+    if (rec.score is not None) != (rec.phase is Phase.SCORED) or (rec.score is not None) != (snapshot.score_logits is not None):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, "a score row exists exactly in SCORED", "$.score")
+    if snapshot.score_logits is not None and tuple(snapshot.score_logits.shape) != (model.config.vocab_size,):
+        raise _refuse(SNAPSHOT_ABI_MISMATCH, f"score row {tuple(snapshot.score_logits.shape)} is not [V = {model.config.vocab_size}]", "$.score")
+    if (rec.phase is Phase.FINISHED) != (rec.finish_reason is not None):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, "a finish reason exists exactly in FINISHED", "$.state.finish_reason")
+    if len(outputs) > request.max_new_tokens or any(not 0 <= t < model.config.vocab_size for t in outputs):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, "outputs beyond max_new_tokens or the vocabulary", "$.state.output_ids")
+
+
+def restore_runner(cls, model, snapshot: RuntimeSnapshot, request=None, **kwargs: Any):
+    """A runner of class ``cls`` that continues ``snapshot`` (every check passes before any state is built).
+
+    Args:
+        cls: :class:`~decodespec.impl.runtime.RequestRunner` (or a subclass).
+        model: The decoder.
+        snapshot: The snapshot.
+        request: The request to continue (default the snapshot's own); its identity must match.
+        **kwargs: Passed to ``cls`` (sink, faults, observer, tokenizer, runtime_info).
+
+    Raises:
+        Rejection: ``snapshot.*`` (see the module docstring).
+    """
+    from .runtime import Decision, Score
+
+    request = snapshot.request if request is None else request
+    _check(snapshot, model, request)
+    runner = cls(model, request, **kwargs)
+    rec = snapshot.record
+    if runner.cache is not None and snapshot.tensors:
+        device = model.device
+        runner.cache.load_committed([(k.to(device), v.to(device)) for k, v in snapshot.tensors], generation=rec.generation)
+    elif runner.cache is not None:
+        runner.cache.generation = rec.generation
+    runner.phase = rec.phase
+    runner.processed = rec.processed
+    runner.output_ids = list(rec.output_ids)
+    runner.logprobs = list(snapshot.logprobs)
+    runner.consumed = [Decision(c.receipt_id, c.score_id, c.token_id, lp, c.draws, c.rng_counter_before, None, None)
+                       for c, lp in zip(rec.consumed, snapshot.logprobs)]
+    runner.pending_ids = tuple(rec.pending_ids)
+    runner.pending_tag = rec.pending_tag
+    runner.generation = rec.generation
+    runner.issued = list(rec.issued)
+    runner.scores = [(s.score_id, s.generation, s.processed, s.output_count) for s in rec.scores]
+    runner.policy_state = snapshot.policy_state
+    runner.finish_reason = rec.finish_reason
+    runner.triggers = set(rec.triggers)
+    runner.num_calls = rec.num_calls
+    runner.num_retries = rec.num_retries
+    if rec.score is not None:
+        logits = snapshot.score_logits.to(model.device)
+        runner.score = Score(rec.score.score_id, rec.score.generation, rec.score.processed, rec.score.output_count, logits)
+    if runner.observer is not None and snapshot.observer_state is not None and hasattr(runner.observer, "restore_state"):
+        runner.observer.restore_state(snapshot.observer_state)
+    if runner.sink is not None:
+        runner._emit_request()
+        runner.sink.emit("restore", form=rec.form, frontier=runner.frontier(), state=rec.to_json())
+    return runner
