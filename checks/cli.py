@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "bench": "bench",
     "validate": "validate",
     "explore": "explore",
+    "validate-trace": "validate_trace",
 }
 
 

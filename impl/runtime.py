@@ -88,6 +88,7 @@ from .policy import decide as policy_decide
 from .rng import RequestRng
 
 __all__ = [
+    "ARTIFACT_MISMATCH",
     "CallRecord",
     "CommitObservation",
     "CommitObserver",
@@ -104,6 +105,13 @@ INVALID_REQUEST = register_code(
     "rejection",
     "M3.10 Immutable request envelope",
     "The generation request is malformed: empty prompt, a token id outside [0, V), or a negative max_new_tokens.",
+)
+
+ARTIFACT_MISMATCH = register_code(
+    "runtime.artifact_mismatch",
+    "rejection",
+    "M3.10 Immutable request envelope and canonical identity",
+    "The admitted envelope names another checkpoint, tokenizer or vocabulary than the loaded model.",
 )
 
 _LANE = "self_kv"

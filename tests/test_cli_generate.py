@@ -53,7 +53,7 @@ def test_tiny_json_has_the_contract_keys(capsys):
 @pytest.mark.parametrize(
     "argv, code",
     [
-        (["--max-new-tokens", "-1"], "runtime.invalid_request"),
+        (["--max-new-tokens", "-1"], "envelope.out_of_range"),  # the flags become an envelope, admitted first
         (["--dtype", "float64"], "runtime.invalid_device"),
         (["--device", "tpu"], "runtime.invalid_device"),
     ],

@@ -1,44 +1,63 @@
-"""``decodespec generate``: generation with our decoder on SmolLM2 or the tiny model.
+"""``decodespec generate``: one request through the reference runtime (SmolLM2 or the tiny model).
+
+The request is an admitted ``numinens.request.v1`` envelope: ``--request FILE`` reads one (its
+planes decide prompt, policy, termination, cache family and chunking; the loaded model must be
+the envelope's checkpoint and tokenizer), otherwise the flags are turned into an envelope and
+admitted by the same validator (:func:`decodespec.spec.envelope.validate_request_envelope`),
+so there is one identity rule: the envelope identity keys the request RNG and heads the trace.
+
+Runtime flags: ``--cache {none,dynamic,static}`` (no cache = full recomputation, the reference),
+``--capacity N`` (static slots), ``--prefill-chunk N``, ``--repair`` (declare
+``final_cache = all_outputs``: the closed final token is processed by the append/repair call),
+``--dtype``, ``--device``, ``--attention {eager,sdpa}``, ``--trace FILE`` (the
+``decodespec.events.v1`` event trace; check it with ``decodespec validate-trace FILE``),
+``--snapshot FILE`` (write a resumable snapshot: ``FILE`` JSON + ``FILE.safetensors``) with
+``--snapshot-form {pending_suffix,repaired}`` and ``--snapshot-at N`` (suspend after N committed
+tokens; without it the snapshot is taken at finish), ``--resume FILE`` (continue a snapshot:
+same tokens and logprobs as never stopping).
 
 Plain mode prints the generated text; ``--json`` prints one JSON object with ``prompt_ids``,
-``output_ids``, ``text``, ``logprobs``, ``finish_reason``, ``triggers``, ``frontier``, one M3.8
-decision ``receipts`` entry per output token, ``rng_counter`` (draws consumed), the ``policy``
-and the run's ``model``, ``device``, ``dtype``, ``attention``, ``seed`` and ``identity``.
-``--chat`` wraps the prompt as one user message in the model's chat template.
-
-The decoding policy (M3.8) is built from the flags: greedy by default; ``--do-sample`` selects
-the multinomial family with ``--temperature`` (0 = the greedy branch), ``--top-k``, ``--top-p``
-and ``--min-p`` (sampling only); ``--repetition-penalty`` applies in both families;
-``--order`` picks the transform order (``default`` or a peer's: ``hf``, ``vllm``,
-``llama.cpp``).  Randomness is request-owned: the Philox key is derived from the request
-identity (the content hash of model, prompt ids, policy and ``max_new_tokens``) and ``--seed``,
-and each decision at step t draws the uniform at address ``(t, 0)``.
+``output_ids``, ``text``, ``logprobs``, ``finish_reason``, ``triggers``, ``frontier``
+(``prompt_len``, ``output_count``, ``pending``, ``processed``, ``pending_tag``), one M3.8
+decision ``receipts`` entry per output token decided in this run, ``rng_counter``, the
+``policy``, ``identity``, ``cache``, ``suspended`` and the run's ``model``, ``device``,
+``dtype``, ``attention``, ``seed``.  The decoding policy (M3.8) comes from the flags: greedy by
+default; ``--do-sample`` selects the multinomial family with ``--temperature`` (0 = the greedy
+branch), ``--top-k``, ``--top-p`` and ``--min-p``; ``--repetition-penalty`` applies in both
+families; ``--order`` picks the transform order preset.
 
 Exit codes: 0 success, 2 invalid input (typed ``Rejection``/``ResourceLimit``, printed as JSON
 on stderr), 3 the model file is not installed.
 
-Source: docs/design.md section 8 (runtime outputs); M3.10 0x03 "Decoder-only serving loop".
+Source: docs/design.md section 8 (runtime outputs); M3.10 0x03 "Decoder-only serving loop",
+"Immutable request envelope and canonical identity", 0x0B snapshots.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
 import sys
+from typing import Any
 
-__all__ = ["policy_json", "register", "run"]
+__all__ = ["envelope_from_flags", "policy_json", "register", "run", "tiny_checkpoint_sha256"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``generate`` subcommand."""
     parser = subparsers.add_parser(
         "generate",
-        help="generation with the reference decoder (SmolLM2 or the tiny model), greedy or sampled",
-        description="Generation: prefill the prompt, decode one token per call over a dynamic cache, decide each "
-        "token with the M3.8 policy (greedy, or --do-sample), stop on EOS or --max-new-tokens.",
+        help="one request through the reference runtime (SmolLM2 or the tiny model), greedy or sampled",
+        description="Generation with the step-wise reference runtime: prefill (one shot or chunked), decode one token per "
+        "call over no cache / a dynamic / a static cache, decide each token with the M3.8 policy (greedy, or --do-sample), "
+        "stop on EOS, --max-new-tokens or the context cap; optional event trace and resumable snapshots.",
     )
     parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2", help="model to run (default smollm2)")
-    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--prompt", help="prompt text (required unless --request or --resume)")
+    parser.add_argument("--request", metavar="FILE", help="a numinens.request.v1 envelope (JSON); its planes replace the prompt, "
+                        "policy, termination and cache flags")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="G, the most tokens to generate (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="request seed; keys the RNG stream with the request identity (greedy draws nothing)")
@@ -49,45 +68,181 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--min-p", type=float, default=None, help="keep p >= min_p * p_max (sampling)")
     parser.add_argument("--repetition-penalty", type=float, default=None, help="sign-aware repetition penalty r > 0 over prompt and output")
     parser.add_argument("--order", choices=("default", "hf", "vllm", "llama.cpp"), default="default", help="transform order preset (default: the normative order)")
+    parser.add_argument("--cache", choices=("none", "dynamic", "static"), default="dynamic",
+                        help="cache family: none (recompute the committed prefix each call), dynamic (default), static")
+    parser.add_argument("--capacity", type=int, default=None, help="static cache slots (default L + G + 1)")
+    parser.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks of at most N tokens (cached families)")
+    parser.add_argument("--repair", action="store_true", help="final_cache = all_outputs: process the closed final token with the append/repair call")
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa", help="attention implementation (default sdpa)")
+    parser.add_argument("--trace", metavar="FILE", help="write the decodespec.events.v1 event trace (NDJSON) to FILE")
+    parser.add_argument("--snapshot", metavar="FILE", help="write a resumable snapshot to FILE (JSON) and FILE.safetensors")
+    parser.add_argument("--snapshot-form", choices=("pending_suffix", "repaired"), default="pending_suffix",
+                        help="snapshot form (default pending_suffix; repaired runs the append call first)")
+    parser.add_argument("--snapshot-at", type=int, default=None, metavar="N",
+                        help="suspend after N committed tokens and snapshot there (needs --snapshot)")
+    parser.add_argument("--resume", metavar="FILE", help="continue the request of a snapshot written by --snapshot")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run one greedy request and print the result; returns the exit code."""
+    """Run one request and print the result; returns the exit code."""
     from decodespec.impl.device import resolve_device, resolve_dtype
+    from decodespec.impl.events import FileSink
     from decodespec.impl.gguf import MODEL_FILE_MISSING
-    from decodespec.impl.generate import generate
+    from decodespec.impl.runtime import RequestRunner
+    from decodespec.impl.snapshot import load_snapshot, save_snapshot
     from decodespec.spec.errors import DecodeSpecError
-    from decodespec.spec.policy import policy_config_from_json
-    from decodespec.spec.policy.receipt import content_id
 
+    if args.snapshot_at is not None and not args.snapshot:
+        print(json.dumps({"error": {"code": "runtime.invalid_request", "path": "$.snapshot_at",
+                                    "message": "--snapshot-at needs --snapshot FILE"}}), file=sys.stderr)
+        return 2
+    if not (args.prompt is not None or args.request or args.resume):
+        print(json.dumps({"error": {"code": "runtime.invalid_request", "path": "$.prompt",
+                                    "message": "give --prompt, --request FILE or --resume FILE"}}), file=sys.stderr)
+        return 2
+    sink = None
     try:
-        policy = policy_config_from_json(policy_json(args))
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype)
         model, tokenizer = _load(args.model, dtype, device, args.attention)
-        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-        prompt_ids = tokenizer.encode(text)
-        if tokenizer.add_bos_token and tokenizer.bos_token_id is not None:
-            prompt_ids = [tokenizer.bos_token_id, *prompt_ids]
-        identity = content_id({"model": args.model, "prompt_ids": list(prompt_ids), "policy": policy.to_json(), "max_new_tokens": args.max_new_tokens})
-        result = generate(model, prompt_ids, max_new_tokens=args.max_new_tokens, policy=policy, tokenizer=tokenizer,
-                          identity=identity, seed=args.seed, vocab_hash=getattr(tokenizer, "sha256", ""))
+        info = {"device": str(device), "dtype": args.dtype, "attention": args.attention, "model": args.model}
+        snapshot = load_snapshot(args.resume) if args.resume else None
+        request = None
+        if args.request or snapshot is None:
+            request = _admitted_request(args, model, tokenizer)
+        sink = FileSink(args.trace) if args.trace else None
+        if snapshot is not None:
+            runner = RequestRunner.restore(model, snapshot, request, sink=sink, tokenizer=tokenizer, runtime_info=info)
+        else:
+            runner = RequestRunner(model, request, sink=sink, tokenizer=tokenizer, runtime_info=info)
+        runner.run(max_outputs=args.snapshot_at)
+        if args.snapshot:
+            save_snapshot(runner.snapshot(args.snapshot_form), args.snapshot)
+        result = runner.result()
     except DecodeSpecError as exc:
         print(json.dumps({"error": exc.to_json()}), file=sys.stderr)
         return 3 if exc.code == MODEL_FILE_MISSING else 2
+    finally:
+        if sink is not None:
+            sink.close()
     if args.json:
         payload = result.to_json()
-        payload.update(model=args.model, device=str(device), dtype=args.dtype, attention=args.attention, seed=args.seed,
-                       identity=identity, policy=policy.to_json())
+        request = runner.request
+        payload.update(model=args.model, device=str(device), dtype=args.dtype, attention=args.attention, seed=request.seed,
+                       identity=request.identity, policy=runner.policy.to_json(), cache=request.cache,
+                       suspended=runner.suspended, snapshot=args.snapshot)
         print(json.dumps(payload, ensure_ascii=False))
     else:
         print(result.text)
     return 0
+
+
+def _admitted_request(args: argparse.Namespace, model, tokenizer):
+    """The runtime request: ``--request FILE`` admitted, or the flags' envelope admitted."""
+    from pathlib import Path
+
+    from decodespec.impl.runtime import RuntimeRequest
+    from decodespec.spec.envelope import validate_request_envelope
+    from decodespec.spec.errors import Rejection
+
+    if args.request:
+        try:
+            raw = Path(args.request).read_bytes()
+        except OSError as exc:
+            raise Rejection("runtime.invalid_request", f"cannot read {args.request}: {exc}", "$.request") from None
+    else:
+        raw = json.dumps(envelope_from_flags(args, model, tokenizer), ensure_ascii=False).encode("utf-8")
+    admitted, _identity = validate_request_envelope(raw)
+    _check_artifact(admitted, args.model, model, tokenizer)
+    return RuntimeRequest.from_admitted(admitted)
+
+
+def _check_artifact(admitted, name: str, model, tokenizer) -> None:
+    from decodespec.impl.runtime import ARTIFACT_MISMATCH
+    from decodespec.spec.errors import Rejection
+
+    checkpoint = _checkpoint_sha256(name, model)
+    ti = admitted.text_interface
+    for what, stated, loaded in (
+        ("artifact.checkpoint_sha256", admitted.artifact.checkpoint_sha256, checkpoint),
+        ("text_interface.tokenizer_sha256", ti.tokenizer_sha256, tokenizer.sha256),
+        ("text_interface.vocab_size", ti.vocab_size, model.config.vocab_size),
+    ):
+        if stated != loaded:
+            raise Rejection(ARTIFACT_MISMATCH, f"the envelope's {what} is {stated!r} but the loaded {name} model has {loaded!r}", f"$.{what}")
+
+
+def envelope_from_flags(args: argparse.Namespace, model, tokenizer) -> dict[str, Any]:
+    """The ``numinens.request.v1`` envelope the flags describe (validated by the caller)."""
+    import torch
+
+    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    prompt_ids = list(tokenizer.encode(text))
+    if tokenizer.add_bos_token and tokenizer.bos_token_id is not None:
+        prompt_ids = [tokenizer.bos_token_id, *prompt_ids]
+    eos = sorted({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    text_interface: dict[str, Any] = {"tokenizer_sha256": tokenizer.sha256, "vocab_size": model.config.vocab_size, "eos_ids": eos}
+    if tokenizer.bos_token_id is not None and tokenizer.bos_token_id not in eos:
+        text_interface["bos_id"] = tokenizer.bos_token_id
+    if getattr(tokenizer, "pad_token_id", None) is not None:
+        text_interface["pad_id"] = tokenizer.pad_token_id
+    runtime: dict[str, Any] = {
+        "framework_revision": f"decodespec-0.1.0+torch-{torch.__version__.split('+')[0]}",
+        "compute_dtype": args.dtype,
+        "logit_dtype": "float32",
+        "cache_family": args.cache,
+        "cache_abi": "none" if args.cache == "none" else "per_layer_compact_kv_rotated",
+        "attention": args.attention,
+        "append_repair": bool(args.repair),
+    }
+    if args.cache == "static":
+        g = max(args.max_new_tokens, 0)
+        runtime["static_capacity"] = args.capacity if args.capacity is not None else min(len(prompt_ids) + g + 1, model.config.max_position_embeddings)
+    if args.prefill_chunk is not None:
+        runtime["prefill_chunk"] = args.prefill_chunk
+    final_cache = "none" if args.cache == "none" else ("all_outputs" if args.repair else "processed_inputs_only")
+    return {
+        "schema": "numinens.request.v1",
+        "artifact": {"release_id": _RELEASE[args.model], "checkpoint_sha256": _checkpoint_sha256(args.model, model), "architecture": "decoder_only"},
+        "text_interface": text_interface,
+        "prompt": {"input_ids": prompt_ids, "attention_mask": [1] * len(prompt_ids), "text": text},
+        "position_visibility": {"mode": "causal", "position_rule": "valid_token_cumsum", "cache_position_start": 0,
+                                "max_context": model.config.max_position_embeddings},
+        "policy": policy_json(args),
+        "rng": {"algorithm": "philox", "seed": args.seed, "counter": 0},
+        "runtime": runtime,
+        "termination": {"max_new_tokens": args.max_new_tokens, "eos_ids": eos},
+        "output": {"return_token_ids": True, "return_logprobs": True, "final_cache": final_cache},
+    }
+
+
+_RELEASE = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct.Q4_1.gguf", "tiny": "decodespec-tiny-llama-seed0"}
+
+
+def _checkpoint_sha256(name: str, model) -> str:
+    if name == "tiny":
+        return tiny_checkpoint_sha256(0)
+    from decodespec.impl.gguf import file_sha256, smollm2_path
+
+    return file_sha256(smollm2_path())
+
+
+@functools.lru_cache(maxsize=4)
+def tiny_checkpoint_sha256(seed: int = 0) -> str:
+    """The tiny model's artifact identity: SHA-256 over its float32 state dict (names in sorted order, NUL, bytes)."""
+    import torch
+
+    from decodespec.impl.tiny import load_tiny
+
+    digest = hashlib.sha256()
+    for key, value in sorted(load_tiny(seed=seed, device="cpu").state_dict().items()):
+        digest.update(key.encode() + b"\x00")
+        digest.update(value.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return "sha256:" + digest.hexdigest()
 
 
 def policy_json(args: argparse.Namespace) -> dict:
