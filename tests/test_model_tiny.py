@@ -236,3 +236,22 @@ def test_untied_tiny_head_is_initialised():
     weight = untied.lm_head.weight.detach()
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
     assert torch.isfinite(weight).all() and 0.03 < float(weight.std()) < 0.07
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_row_projection_equals_f_linear(dtype):
+    """``model.Linear`` routes a single row through ``torch.mv``; values equal ``F.linear``'s (dtype tolerance)."""
+    from decodespec.impl.model import Linear
+
+    gen = torch.Generator().manual_seed(0)
+    layer = Linear(96, 200, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(200, 96, generator=gen))
+    layer = layer.to(dtype)
+    row = torch.randn(1, 1, 96, generator=gen).to(dtype)
+    rows = torch.randn(2, 3, 96, generator=gen).to(dtype)
+    with torch.inference_mode():
+        assert layer(row).shape == (1, 1, 200)
+        # Equal values (bitwise on the machines measured; a kernel may round differently elsewhere).
+        torch.testing.assert_close(layer(row), torch.nn.functional.linear(row, layer.weight))
+        assert torch.equal(layer(rows), torch.nn.functional.linear(rows, layer.weight))  # the F.linear path itself
