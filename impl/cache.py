@@ -394,6 +394,31 @@ class _CacheLedger:
                 self._truncate(layer_idx, max_length)
         self._committed = min(self._committed, max_length)
 
+    def reorder_cache(self, beam_idx: torch.Tensor | Sequence[int]) -> None:
+        """Select batch rows ``beam_idx`` in every layer (row ``r`` becomes old row ``beam_idx[r]``).
+
+        Args:
+            beam_idx: ``int64[B']`` parent row of each new row; repeats are allowed (a parent
+                with several children), ``B'`` may differ from ``B``.
+
+        Raises:
+            Rejection: ``cache.invalid_operation`` for a non-1-D or non-integer index or an index
+                outside ``[0, B)``; nothing changes then.
+
+        Source: HF ``Cache.reorder_cache`` (``index_select`` on the batch axis).
+        """
+        index = _check_beam_index(beam_idx, self.batch_size)
+        for layer_idx, keys in enumerate(self.key_cache):  # type: ignore[attr-defined]
+            if keys is None:
+                continue
+            rows = index.to(device=keys.device, dtype=torch.long)
+            self.key_cache[layer_idx] = keys.index_select(0, rows)  # [B', H_kv, S, D]
+            self.value_cache[layer_idx] = self.value_cache[layer_idx].index_select(0, rows)  # [B', H_kv, S, D]
+        self._batch_changed(int(index.numel()))
+
+    def _batch_changed(self, batch: int) -> None:
+        return None
+
     # -- snapshots ---------------------------------------------------------------------------
     def committed_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, ``(keys, values)`` of the committed slots, ``[B, H_kv, K_committed, D]`` each (views).
@@ -513,27 +538,6 @@ class DynamicCache(_CacheLedger):
         """Bytes of K and V payload held, ``2 * L_c * B * H_kv * S * D * itemsize``."""
         return sum(t.numel() * t.element_size() for t in (*self.key_cache, *self.value_cache) if t is not None)
 
-    def reorder_cache(self, beam_idx: torch.Tensor | Sequence[int]) -> None:
-        """Select batch rows ``beam_idx`` in every layer (row ``r`` becomes old row ``beam_idx[r]``).
-
-        Args:
-            beam_idx: ``int64[B']`` parent row of each new row; repeats are allowed (a parent
-                with several children), ``B'`` may differ from ``B``.
-
-        Raises:
-            Rejection: ``cache.invalid_operation`` for a non-1-D or non-integer index or an index
-                outside ``[0, B)``; nothing changes then.
-
-        Source: HF ``Cache.reorder_cache`` (``index_select`` on the batch axis).
-        """
-        index = _check_beam_index(beam_idx, self.batch_size)
-        for layer_idx, keys in enumerate(self.key_cache):
-            if keys is None:
-                continue
-            rows = index.to(device=keys.device, dtype=torch.long)
-            self.key_cache[layer_idx] = keys.index_select(0, rows)  # [B', H_kv, S, D]
-            self.value_cache[layer_idx] = self.value_cache[layer_idx].index_select(0, rows)  # [B', H_kv, S, D]
-
 
 class StaticCache(_CacheLedger):
     """Static full K/V cache: ``[B, H_kv, S, D]`` buffers reserved up front, rows written at explicit slots.
@@ -623,6 +627,9 @@ class StaticCache(_CacheLedger):
         valid = torch.arange(self.capacity, device=device) < end  # [S]
         return valid.expand(self._batch, self.capacity)  # [B, S]
 
+    def _batch_changed(self, batch: int) -> None:
+        self._batch = batch
+
     @property
     def reserved_length(self) -> int:
         """``K_reserved = S``."""
@@ -636,21 +643,6 @@ class StaticCache(_CacheLedger):
     def nbytes(self) -> int:
         """Reserved bytes of K and V buffers (allocated layers only)."""
         return sum(t.numel() * t.element_size() for t in (*self.key_cache, *self.value_cache) if t is not None)
-
-    def reorder_cache(self, beam_idx: torch.Tensor | Sequence[int]) -> None:
-        """Select batch rows ``beam_idx`` of every buffer (``B'`` may differ from ``B``).
-
-        Raises:
-            Rejection: ``cache.invalid_operation`` as :meth:`DynamicCache.reorder_cache`.
-        """
-        index = _check_beam_index(beam_idx, self.batch_size)
-        for layer_idx, keys in enumerate(self.key_cache):
-            if keys is None:
-                continue
-            rows = index.to(device=keys.device, dtype=torch.long)
-            self.key_cache[layer_idx] = keys.index_select(0, rows)  # [B', H_kv, S, D]
-            self.value_cache[layer_idx] = self.value_cache[layer_idx].index_select(0, rows)  # [B', H_kv, S, D]
-        self._batch = int(index.numel())
 
 
 def _check_beam_index(beam_idx: torch.Tensor | Sequence[int], batch: int | None) -> torch.Tensor:
