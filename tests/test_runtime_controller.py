@@ -193,3 +193,27 @@ def test_commit_observer_reports_text_triggers_and_stream_failures(tiny_model, b
     with pytest.raises(Rejection):
         wrong.commit()
     assert wrong.output_count == 0 and wrong.phase.value == "decided"
+
+
+def test_every_other_action_is_refused_outside_its_phase(tiny_model, byte_tokenizer):
+    """transition.admit, transition.complete_*, transition.interrupt_*, transition.recover: typed refusals, nothing changed."""
+    from decodespec.impl.faults import DeviceFault, FaultPlan
+
+    runner = RequestRunner(tiny_model, request(_prompt(byte_tokenizer), 3, max_retries=1), faults=FaultPlan.of(DeviceFault(1)))
+    for attempt in (runner.complete, runner.launch, runner.stream_failure, lambda: runner.cancel(FinishReason.EOS)):
+        with pytest.raises(Rejection) as info:
+            attempt()
+        assert info.value.code == "transition.not_enabled" and runner.phase.value == "new"
+    runner.admit()
+    with pytest.raises(Rejection):
+        runner.admit()
+    while runner.num_calls < 2 or runner.in_flight is not None:
+        runner.step()
+    assert runner.quarantined and runner.num_retries == 1 and runner.phase.value == "ready"
+    before = _snapshot_of(runner)
+    with pytest.raises(Rejection) as info:
+        runner.launch()  # a quarantined handle is never reused before recovery
+    assert info.value.details["guard"] == "handle not quarantined" and _snapshot_of(runner) == before
+    runner.recover()
+    assert not runner.quarantined and runner.cache.committed_length == runner.processed
+    assert drive(runner)[1].output_ids == drive(RequestRunner(tiny_model, request(_prompt(byte_tokenizer), 3)))[1].output_ids
