@@ -7,7 +7,11 @@ token with every allowed draw count, commit with every declared text trigger, re
 adversarial environment actions (cancel and timeout at every point, streamer failure, device
 fault and missing-lane faults, completion reports with a missing lane, a stale generation, a
 failed compute stage or a wrong decision row, duplicate and stale receipts, stale scores, a
-decode launched at a reset ``cache_position``).  The reachable graph is a ``networkx.DiGraph``
+decode launched at a reset ``cache_position``), and both snapshot forms wherever a state admits
+them: each snapshot is restored into a fresh request (``transition.restore``, an edge from the
+initial state) and must give back the state (``explore.restore_mismatch`` otherwise), while
+corrupted copies of the record (:func:`corrupted_records`) must be refused with a
+``snapshot.*`` code (``explore.corrupt_snapshot_restored`` otherwise).  The reachable graph is a ``networkx.DiGraph``
 whose nodes are states and whose edges carry the rule id and the action.
 
 On every state it checks every invariant of :mod:`decodespec.spec.invariants`; every
