@@ -1,0 +1,645 @@
+"""The runtime adapter contract of the conformance gate: case configs, actions, results, observations.
+
+The gate (``pytest checks/``, ``decodespec check``, ``decodespec replay``) drives the spec and a
+runtime in lock step.  A runtime takes part through an **adapter** that only *translates*: it
+builds a request from a :class:`CaseConfig`, applies one JSON action at a time and reports an
+:class:`Observation` (the observable projection of its state).  The harness does every
+comparison (the ladder, :mod:`decodespec.checks.ladder`); an adapter never judges.
+
+Two forms share this contract: an in-process Python class implementing :class:`Adapter`
+(our runtime: :mod:`decodespec.checks.adapters.impl`; HF transformers, llama.cpp), and a
+JSON-lines process over stdin/stdout for any other language, whose messages are defined by
+:mod:`decodespec.checks.adapters.wire` (Bowtie-style ``start`` handshake).
+
+Case config
+    :class:`CaseConfig` (frozen, JSON-serialisable, :meth:`CaseConfig.to_json` /
+    :meth:`CaseConfig.from_json`): model (``tiny`` / ``smollm2``), prompt ids, the M3.8 policy
+    JSON object, ``max_new_tokens`` (G), ``min_new_tokens``, EOS ids, stop strings, output
+    alignment, structured completion, cache family (``none`` / ``dynamic`` / ``static``),
+    static capacity, prefill chunk, dtype, device, attention implementation, seed, beam
+    width, plus the G=0 branch, the final-cache promise (repair call), the retry budget, the
+    stream flag and an optional context cap.  :meth:`CaseConfig.identity` is the request
+    identity every party uses (it keys the request RNG with the seed).
+
+Reset
+    ``reset(config)`` builds and **admits** the request: afterwards the phase is ``ready``
+    (or ``finished`` with ``length`` for G = 0 under ``zero_new_tokens = "no_call"``).  A
+    config the runtime refuses raises :class:`~decodespec.spec.errors.Rejection` (or
+    ``ResourceLimit``) with a registered code (``envelope.zero_new_tokens_rejected``,
+    ``runtime.invalid_request``, ``adapter.unsupported`` for a capability it lacks ...).
+
+Actions (:data:`OPS`; validate with :func:`check_action`)
+    JSON objects ``{"op": <name>, ...}``; receipt ids are the spec's (``"receipt-<n>"``, n the
+    0-based decision number of the request), so duplicate and stale receipts replay the same
+    way on every runtime.
+
+    ==============  ========================================  ========================================
+    op              fields                                    meaning (spec actions)
+    ==============  ========================================  ========================================
+    ``prefill``     ``chunk``: rows, or ``null`` (the rest)   launch + complete one prefill call
+    ``decode``      --                                        launch + complete the decode call
+    ``launch``      ``kind``?, ``length``? (default: due)     launch the due call; stays in flight
+    ``complete``    --                                        complete the in-flight call
+    ``decide``      --                                        policy decision on the current score
+    ``commit``      ``receipt``: id or ``null`` (pending)     consume the receipt exactly once
+    ``step``        --                                        next call(s) + decide + commit
+    ``run``         --                                        ``step`` until terminal (repair too)
+    ``cancel``      ``kind``: ``cancelled`` / ``timeout``     at the current interrupt point
+    ``fault``       ``kind``: ``device_fault`` /              a fault of the in-flight call
+                    ``missing_lane``; ``layer``? (0)
+    ``recover``     --                                        recover a quarantined handle
+    ``repair``      --                                        launch + complete the repair call
+    ``snapshot``    ``form``; ``id``? (handle name)           ``pending_suffix`` / ``repaired``
+    ``restore``     ``snapshot``: handle; ``corrupt``?        restore into a fresh request
+    ``reuse``       ``prompt_ids``; ``max_new_tokens``?       reset onto the same cache object
+    ``stream_fail`` --                                        the streamer fails
+    ==============  ========================================  ========================================
+
+    ``snapshot`` returns ``{"snapshot": handle}`` (the given ``id``, else one the adapter
+    names); a ``repaired`` snapshot with a pending token first runs the valid append call
+    (decode between calls, repair after finish).  ``restore`` with ``corrupt`` (one of
+    :data:`CORRUPTIONS`) restores a deliberately broken copy (:func:`corrupt_record`), which
+    must be refused.  ``reuse`` is the static-cache reuse case: a new request (the config with
+    the new prompt) on the **same cache object**, which must forget every row.
+
+Apply
+    ``apply(action) -> ApplyResult``: ``ok`` with optional ``data`` (``decide``:
+    ``receipt_id``, ``token_id``, ``logprob``, ``draws``; ``commit``: ``receipt_id``,
+    ``token_id``, ``triggers``; ``launch``: ``call_id``, ``kind``, ``start``, ``length``;
+    ``complete``: ``selection``, ``reason``; ``snapshot``: ``snapshot``), or ``rejected`` with
+    the typed error's ``code`` and ``message`` -- and then **nothing changed** (the harness
+    checks the observation).  An op outside the adapter's capabilities is rejected with
+    ``adapter.unsupported``; the harness never sends one knowingly.
+
+Observation
+    :class:`Observation`; a field that is ``None`` is *not exposed* by the runtime and is
+    skipped by the comparator (our runtime exposes every field).  Arrays are numpy in-process
+    and ``{"dtype", "shape", "base64"}`` on the wire.
+
+Capabilities (:data:`CAPABILITIES`)
+    ``cache:none``, ``cache:dynamic``, ``cache:static``, ``prefill_chunk``, ``decide_commit``
+    (separate decide / commit ops), ``inflight`` (launch / complete / cancel in flight),
+    ``faults``, ``snapshot``, ``sampling`` (multinomial policies with the request RNG),
+    ``beam``, ``stream`` (stream chunks, ``stream_fail``), ``logits`` (the raw score row),
+    ``policy_rows`` (the processed-row probe), ``cache_probe`` (committed K/V rows),
+    ``reuse``, ``stop_strings``, ``structured``.  :data:`OP_CAPABILITIES` names what each op
+    needs.
+
+Runtimes
+    :func:`open_adapter` resolves ``impl``, ``hf``, ``llamacpp`` and ``stdio:CMD``: module
+    ``decodespec.checks.adapters.<name>`` exposes ``available() -> str | None`` (``None`` when
+    usable, else the skip reason) and ``create(**options) -> Adapter``.
+
+Source: research/formal-anchors-survey.md 0 (quint-connect / Bowtie adapter contract: reset,
+apply -> ok | rejected, observe a projection; comparison in the harness), 5.4 (Bowtie IHOP);
+/work/shared/DESIGN.md "Other runtimes"; M3.10 "Correctness matrix" (what is compared),
+0x0BA (the observable fields: positions, frontiers, selected id, logprob, RNG counter, finish
+reason, stream chunks with offsets, cache lengths).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+
+import attrs
+import numpy as np
+import rfc8785
+
+from decodespec.spec.errors import Rejection, register_code
+from decodespec.spec.snapshot import SnapshotRecord
+from decodespec.spec.enums import PendingTag
+
+__all__ = [
+    "ADAPTER_INVALID_ACTION",
+    "ADAPTER_INVALID_CONFIG",
+    "ADAPTER_PROTOCOL",
+    "ADAPTER_UNSUPPORTED",
+    "Adapter",
+    "AdapterUnavailable",
+    "ApplyResult",
+    "CAPABILITIES",
+    "CORRUPTIONS",
+    "CaseConfig",
+    "MODELS",
+    "OPS",
+    "OP_CAPABILITIES",
+    "Observation",
+    "check_action",
+    "corrupt_record",
+    "open_adapter",
+    "required_capabilities",
+]
+
+_SECTION = "docs/design.md (conformance gate: adapter contract)"
+ADAPTER_INVALID_CONFIG = register_code(
+    "adapter.invalid_config", "rejection", _SECTION,
+    "A case config is not a decodespec case: a missing, unknown or mistyped field, or a value outside its domain.")
+ADAPTER_INVALID_ACTION = register_code(
+    "adapter.invalid_action", "rejection", _SECTION,
+    "An action is not a JSON object with a known 'op' and exactly that op's fields of the right types.")
+ADAPTER_UNSUPPORTED = register_code(
+    "adapter.unsupported", "rejection", _SECTION,
+    "The runtime does not declare the capability an action or a case config needs.")
+ADAPTER_PROTOCOL = register_code(
+    "adapter.protocol", "rejection", _SECTION,
+    "A JSON-lines adapter message is malformed, out of order, or the adapter process answered with an error.")
+
+#: Models the gate runs.
+MODELS = ("tiny", "smollm2")
+#: Every capability an adapter may declare.
+CAPABILITIES = frozenset({
+    "cache:none", "cache:dynamic", "cache:static", "prefill_chunk", "decide_commit", "inflight", "faults",
+    "snapshot", "sampling", "beam", "stream", "logits", "policy_rows", "cache_probe", "reuse", "stop_strings",
+    "structured",
+})
+#: Deliberate corruptions of a snapshot's logical record a restore must refuse (:func:`corrupt_record`).
+CORRUPTIONS = ("identity", "processed_plus_one", "pending_dropped", "repaired_with_pending", "rng_counter")
+
+_INT = "int"
+_OPT_INT = "int?"
+_STR = "str"
+_OPT_STR = "str?"
+_IDS = "ids"
+
+#: op -> {field: type tag, ...} (fields marked ``?`` may be absent or null).
+OPS: dict[str, dict[str, str]] = {
+    "prefill": {"chunk": _OPT_INT},
+    "decode": {},
+    "launch": {"kind": _OPT_STR, "length": _OPT_INT},
+    "complete": {},
+    "decide": {},
+    "commit": {"receipt": _OPT_STR},
+    "step": {},
+    "run": {},
+    "cancel": {"kind": _STR},
+    "fault": {"kind": _STR, "layer": _OPT_INT},
+    "recover": {},
+    "repair": {},
+    "snapshot": {"form": _STR, "id": _OPT_STR},
+    "restore": {"snapshot": _STR, "corrupt": _OPT_STR},
+    "reuse": {"prompt_ids": _IDS, "max_new_tokens": _OPT_INT},
+    "stream_fail": {},
+}
+_REQUIRED = {op: tuple(k for k, t in fields.items() if not t.endswith("?")) for op, fields in OPS.items()}
+_ENUMS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("launch", "kind"): ("prefill", "decode", "repair"),
+    ("cancel", "kind"): ("cancelled", "timeout"),
+    ("fault", "kind"): ("device_fault", "missing_lane"),
+    ("snapshot", "form"): ("pending_suffix", "repaired"),
+    ("restore", "corrupt"): CORRUPTIONS,
+}
+
+#: op -> capabilities it needs (every one of them).
+OP_CAPABILITIES: dict[str, frozenset[str]] = {
+    "prefill": frozenset(), "decode": frozenset(), "step": frozenset(), "run": frozenset(),
+    "launch": frozenset({"inflight"}), "complete": frozenset({"inflight"}),
+    "decide": frozenset({"decide_commit"}), "commit": frozenset({"decide_commit"}),
+    "cancel": frozenset(), "fault": frozenset({"faults", "inflight"}), "recover": frozenset({"faults"}),
+    "repair": frozenset(), "snapshot": frozenset({"snapshot"}), "restore": frozenset({"snapshot"}),
+    "reuse": frozenset({"reuse"}), "stream_fail": frozenset({"stream"}),
+}
+
+
+def check_action(action: Any) -> dict[str, Any]:
+    """Validate one action and return it as a plain dict with every optional field filled (``None``).
+
+    Raises:
+        Rejection: ``adapter.invalid_action`` naming the offending field.
+    """
+    if not isinstance(action, Mapping) or not isinstance(action.get("op"), str):
+        raise Rejection(ADAPTER_INVALID_ACTION, f"an action is a JSON object with a string 'op', got {action!r}", "$.op")
+    op = action["op"]
+    if op not in OPS:
+        raise Rejection(ADAPTER_INVALID_ACTION, f"unknown op {op!r}; expected one of {sorted(OPS)}", "$.op")
+    fields = OPS[op]
+    extra = sorted(set(action) - set(fields) - {"op"})
+    if extra:
+        raise Rejection(ADAPTER_INVALID_ACTION, f"op {op!r} takes no field(s) {extra}", f"$.{extra[0]}")
+    out: dict[str, Any] = {"op": op}
+    for name, tag in fields.items():
+        value = action.get(name)
+        path = f"$.{name}"
+        if value is None:
+            if not tag.endswith("?"):
+                raise Rejection(ADAPTER_INVALID_ACTION, f"op {op!r} needs field {name!r}", path)
+            out[name] = None
+            continue
+        base = tag.rstrip("?")
+        if base == _INT and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise Rejection(ADAPTER_INVALID_ACTION, f"{name} must be a non-negative integer, got {value!r}", path)
+        if base == _STR and not isinstance(value, str):
+            raise Rejection(ADAPTER_INVALID_ACTION, f"{name} must be a string, got {value!r}", path)
+        if base == _IDS:
+            if not isinstance(value, (list, tuple)) or not value or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
+                raise Rejection(ADAPTER_INVALID_ACTION, f"{name} must be a non-empty list of token ids, got {value!r}", path)
+            value = [int(t) for t in value]
+        allowed = _ENUMS.get((op, name))
+        if allowed is not None and value not in allowed:
+            raise Rejection(ADAPTER_INVALID_ACTION, f"{name} must be one of {list(allowed)}, got {value!r}", path)
+        out[name] = value
+    return out
+
+
+def required_capabilities(action: Mapping[str, Any], config: "CaseConfig | None" = None) -> frozenset[str]:
+    """Capabilities an action needs (chunked prefill also needs ``prefill_chunk``)."""
+    need = set(OP_CAPABILITIES[action["op"]])
+    if action["op"] == "prefill" and action.get("chunk") is not None:
+        need.add("prefill_chunk")
+    return frozenset(need)
+
+
+# --------------------------------------------------------------------------------------------
+# Case config.
+# --------------------------------------------------------------------------------------------
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    return tuple(int(v) for v in value)
+
+
+@attrs.frozen
+class CaseConfig:
+    """One conformance case's request (frozen; JSON via :meth:`to_json` / :meth:`from_json`).
+
+    Attributes:
+        model: ``"tiny"`` (seeded random Llama, ``ByteTokenizer``) or ``"smollm2"``.
+        prompt_ids: The L prompt token ids (L >= 1).
+        policy: The M3.8 policy JSON object (``decodespec.spec.policy.POLICY_JSON_SCHEMA``).
+        max_new_tokens: G >= 0.
+        min_new_tokens: EOS and stop strings are suppressed while O < this.
+        eos_ids: The termination EOS set.
+        stop_strings: Stop strings (matched on output bytes).
+        include_stop_str: Whether a matched stop string stays in the returned text.
+        alignment: Output alignment ``token`` / ``text`` / ``span``.
+        structured: ``"none"`` or ``"json"``.
+        stream: Whether the output streams (chunks; ``stream_fail`` applies).
+        cache: ``"none"``, ``"dynamic"`` or ``"static"``.
+        static_capacity: Static-cache slots S (default chosen by the runtime: L + G + 1).
+        prefill_chunk: Largest prefill chunk, or ``None`` (one-shot prefill).
+        zero_new_tokens: G = 0 branch ``reject`` / ``no_call`` / ``prefill_only``.
+        final_cache: ``processed_inputs_only`` or ``all_outputs`` (the repair call at finish).
+        max_retries: Failed calls retried after recovery before ``device_error``.
+        context_cap: Bound on L + O (``None``: the model window and the capacity only).
+        dtype: Model dtype (``float32``, ``bfloat16``, ``float16``).
+        device: ``cpu`` or ``cuda[:N]``.
+        attention: ``sdpa`` or ``eager``.
+        seed: Request seed (keys the RNG with :meth:`identity`), or ``None``.
+        num_beams: Beam width (1: single-path decoding).
+
+    Units: tokens for every length and count.
+    """
+
+    model: str
+    prompt_ids: tuple[int, ...] = attrs.field(converter=_ids)
+    policy: dict[str, Any] = attrs.field(factory=lambda: {"family": "greedy"}, hash=False)
+    max_new_tokens: int = 8
+    min_new_tokens: int = 0
+    eos_ids: tuple[int, ...] = attrs.field(default=(), converter=lambda v: tuple(sorted(int(i) for i in v)))
+    stop_strings: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    include_stop_str: bool = False
+    alignment: str = "text"
+    structured: str = "none"
+    stream: bool = False
+    cache: str = "dynamic"
+    static_capacity: int | None = None
+    prefill_chunk: int | None = None
+    zero_new_tokens: str = "no_call"
+    final_cache: str = "processed_inputs_only"
+    max_retries: int = 0
+    context_cap: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention: str = "sdpa"
+    seed: int | None = 0
+    num_beams: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        def bad(field: str, why: str) -> Rejection:
+            return Rejection(ADAPTER_INVALID_CONFIG, f"{field}: {why}", f"$.{field}")
+
+        choices = {
+            "model": MODELS, "alignment": ("token", "text", "span"), "structured": ("none", "json"),
+            "cache": ("none", "dynamic", "static"), "zero_new_tokens": ("reject", "no_call", "prefill_only"),
+            "final_cache": ("none", "processed_inputs_only", "all_outputs"), "dtype": ("float32", "bfloat16", "float16"),
+            "attention": ("sdpa", "eager"),
+        }
+        for field, allowed in choices.items():
+            if getattr(self, field) not in allowed:
+                raise bad(field, f"must be one of {list(allowed)}, got {getattr(self, field)!r}")
+        if not self.prompt_ids or any(t < 0 for t in self.prompt_ids):
+            raise bad("prompt_ids", "a non-empty list of non-negative ids")
+        if not isinstance(self.policy, dict) or not isinstance(self.policy.get("family"), str):
+            raise bad("policy", "an M3.8 policy JSON object with a 'family'")
+        for field in ("max_new_tokens", "min_new_tokens", "max_retries"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise bad(field, f"a non-negative integer, got {value!r}")
+        for field in ("static_capacity", "prefill_chunk", "context_cap"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise bad(field, f"a positive integer or null, got {value!r}")
+        if isinstance(self.num_beams, bool) or not isinstance(self.num_beams, int) or self.num_beams < 1:
+            raise bad("num_beams", f"a positive integer, got {self.num_beams!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= 2**53 - 1):
+            raise bad("seed", f"an integer in [0, 2**53 - 1] or null, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise bad("stop_strings", "non-empty strings")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise bad("min_new_tokens", f"{self.min_new_tokens} > max_new_tokens {self.max_new_tokens}")
+
+    @property
+    def prompt_len(self) -> int:
+        """L."""
+        return len(self.prompt_ids)
+
+    def to_json(self) -> dict[str, Any]:
+        """The config as a JSON object (every field, lists for tuples)."""
+        out = attrs.asdict(self, recurse=False)
+        out["prompt_ids"] = list(self.prompt_ids)
+        out["eos_ids"] = list(self.eos_ids)
+        out["stop_strings"] = list(self.stop_strings)
+        out["policy"] = json.loads(json.dumps(self.policy))
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "CaseConfig":
+        """Inverse of :meth:`to_json` (absent optional fields take their defaults).
+
+        Raises:
+            Rejection: ``adapter.invalid_config`` for a non-object, an unknown or missing field,
+                or a value outside its domain.
+        """
+        if not isinstance(obj, Mapping):
+            raise Rejection(ADAPTER_INVALID_CONFIG, f"a case config is a JSON object, got {type(obj).__name__}", "$")
+        names = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(obj) - names)
+        if unknown:
+            raise Rejection(ADAPTER_INVALID_CONFIG, f"unknown field(s) {unknown}", f"$.{unknown[0]}")
+        for required in ("model", "prompt_ids"):
+            if required not in obj:
+                raise Rejection(ADAPTER_INVALID_CONFIG, f"missing field {required!r}", f"$.{required}")
+        try:
+            return cls(**dict(obj))
+        except (TypeError, ValueError) as exc:
+            raise Rejection(ADAPTER_INVALID_CONFIG, f"{type(exc).__name__}: {exc}", "$") from None
+
+    def evolve(self, **changes: Any) -> "CaseConfig":
+        """A copy with ``changes`` (validated again)."""
+        return attrs.evolve(self, **changes)
+
+    def identity(self) -> str:
+        """The request identity: ``"sha256:" + hex(sha256(b"decodespec.case.v1" + b"\\x00" + JCS(to_json())))``."""
+        digest = hashlib.sha256(b"decodespec.case.v1\x00" + rfc8785.dumps(self.to_json())).hexdigest()
+        return "sha256:" + digest
+
+
+# --------------------------------------------------------------------------------------------
+# Results and observations.
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ApplyResult:
+    """The answer to one action: accepted (``ok``, optional ``data``) or rejected (``code``, ``message``).
+
+    A rejected action changed nothing.
+    """
+
+    ok: bool
+    data: dict[str, Any] = attrs.field(factory=dict)
+    code: str | None = None
+    message: str | None = None
+
+    @classmethod
+    def accepted(cls, data: Mapping[str, Any] | None = None) -> "ApplyResult":
+        """An accepted action's result."""
+        return cls(True, dict(data or {}))
+
+    @classmethod
+    def rejected(cls, code: str, message: str = "") -> "ApplyResult":
+        """A refused action's result (the typed error's code and message)."""
+        return cls(False, {}, code, message)
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"status": "ok", "data": {...}}`` or ``{"status": "rejected", "code", "message"}``."""
+        if self.ok:
+            return {"status": "ok", "data": self.data}
+        return {"status": "rejected", "code": self.code, "message": self.message or ""}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "ApplyResult":
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            Rejection: ``adapter.protocol`` for anything else.
+        """
+        if isinstance(obj, Mapping) and obj.get("status") == "ok" and isinstance(obj.get("data", {}), Mapping):
+            return cls.accepted(obj.get("data"))
+        if isinstance(obj, Mapping) and obj.get("status") == "rejected" and isinstance(obj.get("code"), str):
+            return cls.rejected(obj["code"], str(obj.get("message", "")))
+        raise Rejection(ADAPTER_PROTOCOL, f"not an apply result: {obj!r}", "$.result")
+
+
+def _opt_array(dtype: Any) -> Any:
+    def convert(value: Any) -> np.ndarray | None:
+        if value is None:
+            return None
+        arr = np.asarray(value, dtype=dtype)
+        arr.setflags(write=False)
+        return arr
+
+    return convert
+
+
+def _opt_tuple(value: Any) -> tuple | None:
+    return None if value is None else tuple(value)
+
+
+@attrs.frozen(eq=False)
+class Observation:
+    """The observable projection of a runtime's request state (``None``: not exposed).
+
+    Attributes:
+        phase: The spec's phase name (``new``, ``ready``, ``in_flight``, ``scored``,
+            ``decided``, ``finished``), or ``None``.
+        output_ids: Committed output ids ``int[O]`` (EOS included).
+        logprobs: ``float[O]``: natural log-softmax of the raw row at each committed id.
+        frontier: ``{"prompt_len", "output_count", "pending", "processed", "pending_tag"}``
+            (L, O, |U|, P, tag) or ``None``.
+        finish_reason: Canonical finish reason, or ``None`` while open.
+        triggers: Every trigger that fired, in precedence order.
+        rng_counter: Request RNG counter (draws consumed by committed decisions).
+        generation: State / cache generation.
+        quarantined: Whether the cache handle awaits recovery.
+        decision: The latest decision (pending or committed): ``{"receipt_id", "score_id",
+            "token_id", "logprob", "draws"}``, or ``None`` before the first.
+        score_row: ``float32[V]`` raw logits of the latest exposed score row (kept after its
+            decision is committed), or ``None``.
+        score_id: Its score id.
+        score_output_count: O when that row was exposed: the row conditions on
+            ``prompt_ids + output_ids[:score_output_count]`` and predicts output number
+            ``score_output_count``.
+        support_ids: ``int64[k]`` ascending ids of the processed support of the latest decision
+            (the POLICY probe), or ``None``.
+        support_probs: ``float32[k]`` their processed probabilities.
+        text: Returned text so far (EOS and special tokens excluded), or ``None``.
+        chunks: Stream chunks delivered: ``{"chunk_idx", "text", "byte_start", "byte_end",
+            "token_start", "token_end"}`` each, or ``None``.
+        cache_committed: Committed cache rows (K frontier; 0 without a cache), or ``None``.
+        cache_physical: Physical rows: allocated slots S (static) or written rows (dynamic).
+        call: The latest launched call ``{"call_id", "kind", "start", "length",
+            "position_ids", "cache_position", "in_flight"}``, or ``None``.
+        cache_probe: ``float32[num_layers, 2, H_kv, P, D]`` committed K (after RoPE) and V rows,
+            or ``None``.
+        beam_tokens / beam_parents: Selected ids and their parent beams of the latest beam
+            step, or ``None``.
+
+    Shapes: see each attribute; V the vocabulary size.
+    """
+
+    phase: str | None = None
+    output_ids: tuple[int, ...] = attrs.field(default=(), converter=_ids)
+    logprobs: tuple[float, ...] = attrs.field(default=(), converter=lambda v: tuple(float(x) for x in v))
+    frontier: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    triggers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    rng_counter: int | None = None
+    generation: int | None = None
+    quarantined: bool | None = None
+    decision: dict[str, Any] | None = None
+    score_row: np.ndarray | None = attrs.field(default=None, converter=_opt_array(np.float32))
+    score_id: str | None = None
+    score_output_count: int | None = None
+    support_ids: np.ndarray | None = attrs.field(default=None, converter=_opt_array(np.int64))
+    support_probs: np.ndarray | None = attrs.field(default=None, converter=_opt_array(np.float32))
+    text: str | None = None
+    chunks: tuple[dict[str, Any], ...] | None = attrs.field(default=None, converter=_opt_tuple)
+    cache_committed: int | None = None
+    cache_physical: int | None = None
+    call: dict[str, Any] | None = None
+    cache_probe: np.ndarray | None = attrs.field(default=None, converter=_opt_array(np.float32))
+    beam_tokens: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_tuple)
+    beam_parents: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_tuple)
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON-able, array-free part (what traces record per step; arrays as their shapes)."""
+        out: dict[str, Any] = {}
+        for field in attrs.fields(type(self)):
+            value = getattr(self, field.name)
+            if isinstance(value, np.ndarray):
+                out[field.name] = None if value is None else {"shape": list(value.shape), "dtype": str(value.dtype)}
+            elif isinstance(value, tuple):
+                out[field.name] = list(value)
+            else:
+                out[field.name] = value
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# The adapter protocol and the registry.
+# --------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    """What the gate needs from a runtime (see the module docstring)."""
+
+    name: str
+
+    def capabilities(self) -> frozenset[str]:  # pragma: no cover - protocol
+        """The capabilities this runtime declares (a subset of :data:`CAPABILITIES`)."""
+        ...
+
+    def reset(self, config: CaseConfig) -> None:  # pragma: no cover - protocol
+        """Build and admit the request of ``config``; raise ``Rejection`` / ``ResourceLimit`` if refused."""
+        ...
+
+    def apply(self, action: Mapping[str, Any]) -> ApplyResult:  # pragma: no cover - protocol
+        """Apply one action; a rejected action changes nothing."""
+        ...
+
+    def observe(self) -> Observation:  # pragma: no cover - protocol
+        """The current observable projection."""
+        ...
+
+    def close(self) -> None:  # pragma: no cover - protocol
+        """Release the runtime (processes, files)."""
+        ...
+
+
+class AdapterUnavailable(Exception):
+    """The named runtime cannot run here (not installed, no model file); the message is the skip reason."""
+
+
+def open_adapter(runtime: str, **options: Any) -> Adapter:
+    """Create the adapter named ``runtime``: ``impl``, ``hf``, ``llamacpp`` or ``stdio:CMD``.
+
+    Args:
+        runtime: The runtime name (``stdio:`` followed by the server's command line).
+        **options: Passed to the module's ``create`` (e.g. ``model="smollm2"``).
+
+    Raises:
+        AdapterUnavailable: the adapter module or its runtime is not installed (the reason).
+        Rejection: ``adapter.unsupported`` for an unknown runtime name.
+    """
+    name, _, rest = runtime.partition(":")
+    if name == "stdio":
+        options = {"command": rest, **options}
+    elif rest:
+        raise Rejection(ADAPTER_UNSUPPORTED, f"only stdio takes a ':' argument, got {runtime!r}", "$.runtime")
+    if name not in ("impl", "hf", "llamacpp", "stdio"):
+        raise Rejection(ADAPTER_UNSUPPORTED, f"unknown runtime {runtime!r}; expected impl, hf, llamacpp or stdio:CMD", "$.runtime")
+    try:
+        module = importlib.import_module(f"decodespec.checks.adapters.{name}")
+    except ModuleNotFoundError as exc:
+        raise AdapterUnavailable(f"the {name} adapter is not available: {exc}") from None
+    reason = module.available()
+    if reason is not None:
+        raise AdapterUnavailable(reason)
+    return module.create(**options)
+
+
+# --------------------------------------------------------------------------------------------
+# Snapshot corruption (shared by the harness and every adapter).
+# --------------------------------------------------------------------------------------------
+
+
+def corrupt_record(record: SnapshotRecord, corruption: str) -> SnapshotRecord:
+    """A deliberately broken copy of a snapshot's logical record (a restore must refuse it).
+
+    ``identity``: another request; ``processed_plus_one``: the pending token counted as
+    processed (P + 1, U kept); ``pending_dropped``: U = [] while P stays; ``repaired_with_pending``:
+    a pending token labelled ``repaired``; ``rng_counter``: the RNG counter skips a draw.  The
+    two pending corruptions need a pending token; on a record without one they fall back to
+    ``processed_plus_one`` (still invalid).
+
+    Raises:
+        Rejection: ``adapter.invalid_action`` for an unknown corruption.
+
+    Source: M3.10 0x0B ("never ... increment a length field, or relabel a cache slot"),
+    checks/explore.py ``corrupted_records``.
+    """
+    if corruption not in CORRUPTIONS:
+        raise Rejection(ADAPTER_INVALID_ACTION, f"unknown corruption {corruption!r}; expected one of {list(CORRUPTIONS)}", "$.corrupt")
+    if corruption == "identity":
+        return attrs.evolve(record, identity="sha256:" + "f" * 64)
+    if corruption == "rng_counter":
+        return attrs.evolve(record, rng_counter=record.rng_counter + 1)
+    if corruption == "pending_dropped" and record.pending_ids:
+        return attrs.evolve(record, pending_ids=(), pending_tag=PendingTag.EMPTY)
+    if corruption == "repaired_with_pending" and record.pending_ids:
+        return attrs.evolve(record, form="repaired")
+    return attrs.evolve(record, processed=record.processed + 1)
+
+
+def stable_json(value: Any) -> str:
+    """Canonical JSON text (sorted keys, no spaces) used in ids and comparisons."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def sequence_ids(values: Sequence[Any]) -> list[int]:
+    """``values`` as a list of Python ints (numpy / torch scalars accepted)."""
+    return [int(v) for v in values]

@@ -1,0 +1,199 @@
+"""The JSON-lines wire format of a foreign-runtime adapter (both sides use this codec).
+
+One JSON object per line on the adapter process's stdin (requests, from the harness) and
+stdout (responses, line-buffered).  Requests carry ``cmd`` and, except ``start`` / ``stop``,
+a ``seq`` the response echoes; responses carry ``ok``.
+
+=============================================  ================================================
+request                                        response
+=============================================  ================================================
+``{"cmd": "start", "version": 1}``             ``{"ok": true, "ready": true, "version": 1,
+                                               "implementation": {"name", "version",
+                                               "language"?, "homepage"?, "capabilities": [...]}}``
+``{"cmd": "reset", "seq", "config": {...}}``   ``{"ok": true, "seq"}``, or the refusal
+                                               ``{"ok": false, "seq", "error": {"code",
+                                               "message"}}`` (a typed error: the config is
+                                               refused, nothing was built)
+``{"cmd": "apply", "seq", "action": {...}}``   ``{"ok": true, "seq", "result": {"status": "ok",
+                                               "data": {...}}}`` or ``{"ok": true, "seq",
+                                               "result": {"status": "rejected", "code",
+                                               "message"}}``
+``{"cmd": "observe", "seq"}``                  ``{"ok": true, "seq", "observation": {...}}``
+``{"cmd": "stop"}``                            ``{"ok": true}`` then the process exits
+=============================================  ================================================
+
+``ok: false`` on ``apply`` / ``observe`` is a protocol error (the adapter itself failed), not a
+refused action.  Config objects are :meth:`CaseConfig.to_json`; actions are the contract's
+action objects; observations are :func:`observation_to_json` (arrays as ``{"dtype", "shape",
+"base64"}`` of the little-endian bytes: ``float32`` rows, ``int64`` ids).  The protocol
+version is :data:`PROTOCOL_VERSION`; a server answering another version is refused.
+
+Source: research/formal-anchors-survey.md 4.4 and 5.4 (Bowtie IHOP: ``start`` handshake
+declaring the implementation, per-case commands, ``stop``; line-buffered stdout).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any, Mapping
+
+import attrs
+import numpy as np
+
+from decodespec.spec.errors import Rejection
+
+from . import ADAPTER_PROTOCOL, CAPABILITIES, ApplyResult, CaseConfig, Observation
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "array_from_json",
+    "array_to_json",
+    "decode_line",
+    "encode_line",
+    "observation_from_json",
+    "observation_to_json",
+    "request",
+    "response_error",
+    "response_ok",
+    "start_response",
+]
+
+#: Version of this wire format (bump when a message changes meaning).
+PROTOCOL_VERSION = 1
+_ARRAY_DTYPES = ("float32", "int64")
+_ARRAY_FIELDS = {"score_row": "float32", "support_ids": "int64", "support_probs": "float32", "cache_probe": "float32"}
+_CMDS = ("start", "reset", "apply", "observe", "stop")
+
+
+def _protocol(message: str, path: str = "$") -> Rejection:
+    return Rejection(ADAPTER_PROTOCOL, message, path)
+
+
+def array_to_json(array: np.ndarray) -> dict[str, Any]:
+    """``{"dtype", "shape", "base64"}`` of ``array`` (little-endian ``float32`` or ``int64``)."""
+    arr = np.asarray(array)
+    dtype = "float32" if arr.dtype.kind == "f" else "int64"
+    data = np.ascontiguousarray(arr, dtype=np.dtype(dtype).newbyteorder("<"))
+    return {"dtype": dtype, "shape": list(arr.shape), "base64": base64.b64encode(data.tobytes()).decode("ascii")}
+
+
+def array_from_json(obj: Any, path: str = "$") -> np.ndarray:
+    """Inverse of :func:`array_to_json`.
+
+    Raises:
+        Rejection: ``adapter.protocol`` for a wrong dtype, shape or byte count.
+    """
+    if not isinstance(obj, Mapping) or obj.get("dtype") not in _ARRAY_DTYPES or not isinstance(obj.get("shape"), list):
+        raise _protocol(f"not an array object: {obj!r}", path)
+    try:
+        raw = base64.b64decode(obj["base64"], validate=True)
+        arr = np.frombuffer(raw, dtype=np.dtype(obj["dtype"]).newbyteorder("<")).astype(obj["dtype"])
+        return arr.reshape([int(n) for n in obj["shape"]])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _protocol(f"bad array: {exc}", path) from None
+
+
+def observation_to_json(obs: Observation) -> dict[str, Any]:
+    """The observation as a JSON object (arrays base64-encoded, ``None`` fields kept as ``null``)."""
+    out: dict[str, Any] = {}
+    for field in attrs.fields(Observation):
+        value = getattr(obs, field.name)
+        if field.name in _ARRAY_FIELDS and value is not None:
+            out[field.name] = array_to_json(value)
+        elif isinstance(value, tuple):
+            out[field.name] = list(value)
+        else:
+            out[field.name] = value
+    return out
+
+
+def observation_from_json(obj: Any) -> Observation:
+    """Inverse of :func:`observation_to_json` (absent fields are not exposed: ``None`` / empty).
+
+    Raises:
+        Rejection: ``adapter.protocol`` for a non-object, an unknown field or a bad array.
+    """
+    if not isinstance(obj, Mapping):
+        raise _protocol(f"an observation is a JSON object, got {type(obj).__name__}", "$.observation")
+    names = {f.name for f in attrs.fields(Observation)}
+    unknown = sorted(set(obj) - names)
+    if unknown:
+        raise _protocol(f"unknown observation field(s) {unknown}", f"$.observation.{unknown[0]}")
+    values = {}
+    for name, value in obj.items():
+        if name in _ARRAY_FIELDS and value is not None:
+            value = array_from_json(value, f"$.observation.{name}")
+        values[name] = value
+    for name in ("output_ids", "logprobs", "triggers"):
+        if values.get(name) is None:
+            values.pop(name, None)
+    try:
+        return Observation(**values)
+    except (TypeError, ValueError) as exc:
+        raise _protocol(f"bad observation: {exc}", "$.observation") from None
+
+
+def encode_line(message: Mapping[str, Any]) -> str:
+    """One message as one line of JSON (UTF-8 text, no embedded newline, ``\\n`` appended)."""
+    return json.dumps(message, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n"
+
+
+def decode_line(line: str | bytes) -> dict[str, Any]:
+    """Parse one line into a message object.
+
+    Raises:
+        Rejection: ``adapter.protocol`` for invalid JSON or a non-object.
+    """
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _protocol(f"not a JSON line: {exc}") from None
+    if not isinstance(obj, dict):
+        raise _protocol(f"a message is a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def request(cmd: str, seq: int | None = None, **fields: Any) -> dict[str, Any]:
+    """A request message; ``config`` may be a :class:`CaseConfig`."""
+    if cmd not in _CMDS:
+        raise _protocol(f"unknown command {cmd!r}", "$.cmd")
+    message: dict[str, Any] = {"cmd": cmd}
+    if seq is not None:
+        message["seq"] = seq
+    for key, value in fields.items():
+        message[key] = value.to_json() if isinstance(value, CaseConfig) else value
+    return message
+
+
+def start_response(name: str, version: str, capabilities: frozenset[str] | set[str], **implementation: Any) -> dict[str, Any]:
+    """The server's answer to ``start``.
+
+    Raises:
+        Rejection: ``adapter.protocol`` for a capability outside :data:`CAPABILITIES`.
+    """
+    unknown = sorted(set(capabilities) - CAPABILITIES)
+    if unknown:
+        raise _protocol(f"unknown capabilities {unknown}", "$.implementation.capabilities")
+    return {"ok": True, "ready": True, "version": PROTOCOL_VERSION,
+            "implementation": {"name": name, "version": version, **implementation, "capabilities": sorted(capabilities)}}
+
+
+def response_ok(seq: int | None = None, *, result: ApplyResult | None = None, observation: Observation | None = None) -> dict[str, Any]:
+    """A successful response (with an apply result or an observation when given)."""
+    message: dict[str, Any] = {"ok": True}
+    if seq is not None:
+        message["seq"] = seq
+    if result is not None:
+        message["result"] = result.to_json()
+    if observation is not None:
+        message["observation"] = observation_to_json(observation)
+    return message
+
+
+def response_error(seq: int | None, code: str, message: str) -> dict[str, Any]:
+    """A refusal (``reset``) or protocol error (other commands)."""
+    out: dict[str, Any] = {"ok": False, "error": {"code": code, "message": message}}
+    if seq is not None:
+        out["seq"] = seq
+    return out
