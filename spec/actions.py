@@ -127,10 +127,15 @@ class Commit:
         receipt_id: The receipt to consume.
         text_triggers: Triggers the stop-string matcher / structured parser report after
             decoding the committed token (subset of :data:`TEXT_TRIGGERS`).
+        stream_failed: The commit's own publish step (M3.10 0x06 "One selection is an
+            output-state transaction", step 7) failed to deliver: ``stream_error`` is one of the
+            commit's triggers (declared output-transaction policy), whether or not another
+            trigger also closes the output.  Needs a streamed request.
     """
 
     receipt_id: str
     text_triggers: frozenset[FinishReason] = frozenset()
+    stream_failed: bool = False
 
 
 @attrs.frozen

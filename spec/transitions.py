@@ -513,8 +513,9 @@ def commit_triggers(params: RequestParams, output_count: int, token_id: int, tex
     "and generation and to the current RNG counter; text triggers only when declared (a stop string only once the committed "
     "token's index is >= min_new_tokens, as decodespec.spec.stop.step_triggers suppresses it). Effect: append the token "
     "and its logprob (owned by the score row); O + 1; RNG counter + draws; the receipt is consumed and the score "
-    "is spent. Triggers (EOS, length at O = G, context_length at L + O = C, stop_string/structured): finish with "
-    "the canonical reason and U = [token] CLOSED_UNPROCESSED; otherwise READY with U = [token] PENDING_NEXT_CALL.",
+    "is spent. Triggers (EOS, length at O = G, context_length at L + O = C, stop_string/structured, and stream_error "
+    "when the commit's publish step failed, which needs a stream): finish with the canonical reason and U = [token] "
+    "CLOSED_UNPROCESSED; otherwise READY with U = [token] PENDING_NEXT_CALL.",
 )
 def commit(params: RequestParams, state: RequestState, action: Action) -> RequestState:
     assert isinstance(action, Commit) and state.receipt is not None
@@ -531,6 +532,8 @@ def commit(params: RequestParams, state: RequestState, action: Action) -> Reques
         pending_ids=(receipt.token_id,),
     )
     fired = commit_triggers(params, len(output_ids), receipt.token_id, action.text_triggers)
+    if action.stream_failed:
+        fired |= {FinishReason.STREAM_ERROR}
     if fired:
         return _finish(next_state, fired)
     return attrs.evolve(next_state, phase=Phase.READY, pending_tag=PendingTag.PENDING_NEXT_CALL)
@@ -772,6 +775,7 @@ TRANSITIONS: tuple[Transition, ...] = (
                 and (FinishReason.STOP_STRING not in a.text_triggers or (p.stop_strings and s.output_count >= p.min_new_tokens))
                 and (p.structured or not (a.text_triggers & {FinishReason.STRUCTURED, FinishReason.STRUCTURED_ERROR})),
             ),
+            Clause("a stream failure at commit needs a stream", lambda p, s, a: p.stream or not a.stream_failed),
         ),
         commit,
     ),
