@@ -431,7 +431,10 @@ class BeamParams:
         """The beam parameters of a beam-family :class:`~decodespec.spec.policy.config.PolicyConfig`.
 
         The policy's ``num_beams``, ``length_penalty`` and ``early_stopping`` carry HF's names and
-        meaning, so they map to :meth:`hf_compatible`.
+        meaning, so ``true`` / ``false`` / ``never`` map to :meth:`hf_compatible`.  ``exact`` (not an
+        HF value) gives the normative parameters: ``early_stop=EXACT`` with the policy's width and
+        ``length_penalty`` as the power-form alpha, ``n = 1``, every completed hypothesis kept, the
+        cap closing every live child.
 
         Raises:
             Rejection: ``policy.family_mismatch`` unless ``config.family`` is ``beam``.
@@ -439,6 +442,10 @@ class BeamParams:
         if config.family is not Family.BEAM:
             raise _reject(policy_codes.FAMILY_MISMATCH, f"beam parameters need the beam family, not "
                           f"{config.family.value!r}", "$.policy.family")
+        if config.early_stopping is EarlyStopping.EXACT:
+            return cls(num_beams=config.num_beams, max_new_tokens=max_new_tokens, eos_ids=tuple(eos_ids),
+                       length_penalty=LengthPenalty(alpha=config.length_penalty, form=PenaltyForm.POWER),
+                       early_stop=EarlyStop.EXACT)
         early = {EarlyStopping.TRUE: True, EarlyStopping.FALSE: False, EarlyStopping.NEVER: "never"}
         return cls.hf_compatible(config.num_beams, max_new_tokens, eos_ids, length_penalty=config.length_penalty,
                                  early_stopping=early[config.early_stopping])

@@ -97,11 +97,17 @@ class EmptySupport(str, enum.Enum):
 
 
 class EarlyStopping(str, enum.Enum):
-    """HF ``early_stopping`` for beam search (``"true"``, ``"false"``, ``"never"``)."""
+    """Beam termination: HF ``early_stopping`` (``"true"``, ``"false"``, ``"never"``) or ``"exact"``.
+
+    ``"exact"`` is not an HF value: it selects the spec's normative termination (M3.10 0x05
+    "exact relative to a declared finite-beam search trace"; ``decodespec.spec.beam.EarlyStop.EXACT``
+    with the normative parameters, see ``BeamParams.from_policy``).
+    """
 
     TRUE = "true"
     FALSE = "false"
     NEVER = "never"
+    EXACT = "exact"
 
 
 class Stage(str, enum.Enum):
