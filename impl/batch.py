@@ -5,8 +5,8 @@ A padded batch puts ``B`` independent requests of different prompt lengths into 
 row must end with the same tokens, logits and finish state as its unbatched run.  The objects
 that must agree (M3.10 0x07, 0x0A) are built here from one validated Boolean mask:
 
-* ``attention_mask`` ``bool[B, T]``: Boolean semantics (``bool`` or integer 0/1; a float mask
-  is refused), no empty row (``runtime.empty_input_row``), each row's valid columns one
+* ``attention_mask`` ``bool[B, T]``: Boolean semantics (``bool`` or 0/1 values; an additive
+  ``0/-inf`` mask is refused), no empty row (``runtime.empty_input_row``), each row's valid columns one
   contiguous run (left, right or no padding; ``runtime.invalid_mask`` otherwise);
 * ``position_ids`` from valid-token counts: ``cumsum(mask) - 1``, padding filled with 0
   (:data:`decodespec.spec.positions.PAD_POSITION_FILL`, HF 5.24), so a row's real tokens get
@@ -97,15 +97,15 @@ def check_attention_mask(attention_mask: torch.Tensor, *, path: str = "$.attenti
     """Validate a padding mask and return it as ``bool[B, T]`` (a new tensor; the input is not changed).
 
     Args:
-        attention_mask: ``[B, T]`` ``bool`` or integer 0/1 (1 = a real token).
+        attention_mask: ``[B, T]`` ``bool``, or 0/1 values of any real dtype (1 = a real token).
 
     Returns:
         ``bool[B, T]`` on the mask's device.
 
     Raises:
-        Rejection: ``runtime.invalid_mask`` for a wrong rank, a floating dtype (an additive
-            mask is not a validity mask), a value other than 0/1, or valid columns that are not
-            one contiguous run in some row; ``runtime.empty_input_row`` for a row with no
+        Rejection: ``runtime.invalid_mask`` for a wrong rank, a value other than 0/1 (an
+            additive ``0/-inf`` mask is not a validity mask), or valid columns that are not one
+            contiguous run in some row; ``runtime.empty_input_row`` for a row with no
             valid column (no row could own its decision).  The path names the row.
 
     Source: M3.10 0x07 ("validate Boolean mask semantics and reject empty active rows").
@@ -113,13 +113,14 @@ def check_attention_mask(attention_mask: torch.Tensor, *, path: str = "$.attenti
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or 0 in attention_mask.shape:
         got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
         raise Rejection(INVALID_MASK, f"attention_mask must be a non-empty [B, T] tensor, got {got}", path)
-    if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
-        raise Rejection(INVALID_MASK, f"attention_mask must be bool or 0/1 integers, got {attention_mask.dtype}", path)
+    if attention_mask.dtype.is_complex:
+        raise Rejection(INVALID_MASK, f"attention_mask must hold 0/1 values, got {attention_mask.dtype}", path)
     if attention_mask.dtype != torch.bool:
         bad = (attention_mask != 0) & (attention_mask != 1)  # [B, T]
         if bool(bad.any()):
             row, column = (int(i) for i in bad.nonzero()[0])
-            raise Rejection(INVALID_MASK, f"mask value {int(attention_mask[row, column])} is not 0 or 1", f"{path}[{row}][{column}]")
+            raise Rejection(INVALID_MASK, f"mask value {attention_mask[row, column].item()} is not 0 or 1 (an additive mask is not a "
+                            "validity mask)", f"{path}[{row}][{column}]")
     valid = attention_mask.to(torch.bool)  # [B, T]
     counts = valid.sum(dim=-1)  # [B]
     empty = (counts == 0).nonzero()

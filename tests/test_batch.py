@@ -56,7 +56,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [40, 41, 42, 43]]
 @pytest.mark.parametrize(
     ("mask", "code", "path"),
     [
-        (torch.tensor([[1.0, 1.0]]), "runtime.invalid_mask", "$.attention_mask"),  # an additive/float mask
+        (torch.tensor([[0.0, float("-inf")]]), "runtime.invalid_mask", "$.attention_mask[0][1]"),  # an additive mask
         (torch.tensor([[1, 2, 1]]), "runtime.invalid_mask", "$.attention_mask[0][1]"),  # not Boolean
         (torch.tensor([1, 1]), "runtime.invalid_mask", "$.attention_mask"),  # rank 1
         (torch.tensor([[1, 1, 1], [1, 0, 1]]), "runtime.invalid_mask", "$.attention_mask[1]"),  # interior hole
