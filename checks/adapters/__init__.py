@@ -349,6 +349,8 @@ class CaseConfig:
             raise bad("stop_strings", "non-empty strings")
         if self.min_new_tokens > self.max_new_tokens:
             raise bad("min_new_tokens", f"{self.min_new_tokens} > max_new_tokens {self.max_new_tokens}")
+        if self.final_cache == "all_outputs" and self.cache == "none":
+            raise bad("final_cache", "all_outputs needs a cache (envelope.output_unimplementable: no cache, no final cache)")
 
     @property
     def prompt_len(self) -> int:

@@ -1,0 +1,512 @@
+"""The adapter of our reference runtime (:class:`decodespec.impl.runtime.RequestRunner`).
+
+It translates the contract's actions (:mod:`decodespec.checks.adapters`) into runner methods,
+one for one where the runner has the method (``launch``, ``complete``, ``decide``, ``commit``,
+``cancel``, ``stream_failure``, ``recover``, ``repair``, ``snapshot``, ``restore``) and as short
+loops over :meth:`RequestRunner.step` for ``step`` and ``run``; it never decides anything
+itself.  Typed errors the runner raises become ``rejected`` results (the runner validates
+before it mutates, so a rejected action changed nothing).
+
+Environment actions the runner takes from a declared :class:`~decodespec.impl.faults.FaultPlan`
+are added to its plan when they happen: a ``fault`` on the in-flight call appends
+``DeviceFault(call_id, layer)`` (the forward raises at that layer when the call completes) or
+``MissingLane(call_id, layer)`` (the open cache call is re-opened, before any row is written,
+with that layer's write dropped).  Text triggers, the returned text and stream chunks come
+from :class:`~decodespec.impl.stream.Streamer` (the runtime's stop/stream component), wrapped as
+the runner's :class:`~decodespec.impl.runtime.CommitObserver`.
+
+Observation extras the runner does not keep are recorded by the adapter as they happen: the
+latest exposed score row (kept after its decision is committed), the latest launched call,
+and the processed-row probe of the latest decision (the runtime's policy twin,
+:func:`decodespec.impl.policy.process_scores`, re-run on the decision's inputs: the runner
+does not keep its processed row).  A snapshot stores them with the runtime snapshot so a
+restore gives back the same observation.
+
+``ImplAdapter(runner_cls=...)`` plugs in a deliberately broken runner subclass (the mutants of
+the failure lab).
+
+Source: docs/design.md sections 6 and 11; M3.10 0x0BA (observable fields).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping
+
+import attrs
+import torch
+
+from decodespec.impl.faults import DeviceFault, FaultPlan, MissingLane
+from decodespec.impl.policy import process_scores
+from decodespec.impl.runtime import CommitObservation, RequestRunner, RuntimeRequest
+from decodespec.impl.stream import Streamer
+from decodespec.spec.actions import TEXT_TRIGGERS
+from decodespec.spec.enums import CallKind, FinishReason
+from decodespec.spec.errors import DecodeSpecError, Rejection
+from decodespec.spec.policy import RequestView, policy_config_from_json
+from decodespec.spec.state import Phase
+from decodespec.spec.stop import StopConfig
+from decodespec.spec.transitions import NOT_ENABLED
+
+from . import (
+    ADAPTER_INVALID_ACTION,
+    ADAPTER_PROTOCOL,
+    ADAPTER_UNSUPPORTED,
+    ApplyResult,
+    CaseConfig,
+    Observation,
+    check_action,
+    corrupt_record,
+    required_capabilities,
+)
+
+__all__ = ["IMPL_CAPABILITIES", "ImplAdapter", "StreamObserver", "available", "create", "load_model", "load_tokenizer",
+           "model_window", "runtime_request"]
+
+#: What our runtime supports (beams run in their own loop, not through this adapter).
+IMPL_CAPABILITIES = frozenset({
+    "cache:none", "cache:dynamic", "cache:static", "prefill_chunk", "decide_commit", "inflight", "faults", "snapshot",
+    "sampling", "stream", "logits", "policy_rows", "cache_probe", "reuse", "stop_strings", "structured",
+})
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def available() -> str | None:
+    """Always usable (the tiny model needs no file; SmolLM2 cases report ``model.file_missing`` at reset)."""
+    return None
+
+
+def create(**options: Any) -> "ImplAdapter":
+    """The adapter (``options``: see :class:`ImplAdapter`; a ``model`` option is ignored: the config names it)."""
+    options.pop("model", None)
+    return ImplAdapter(**options)
+
+
+@functools.lru_cache(maxsize=8)
+def load_model(name: str, dtype: str = "float32", device: str = "cpu", attention: str = "sdpa"):
+    """The shared model instance of ``name`` (``tiny``: seed 0; ``smollm2``: the GGUF file), loaded once per process.
+
+    Raises:
+        Rejection: ``model.file_missing`` when SmolLM2 is not installed; ``runtime.invalid_device``.
+    """
+    if name == "tiny":
+        from decodespec.impl.tiny import load_tiny
+
+        return load_tiny(seed=0, dtype=_DTYPES[dtype], device=device, attn_implementation=attention)
+    from decodespec.impl.weights import load_smollm2
+
+    return load_smollm2(dtype=_DTYPES[dtype], device=device, attn_implementation=attention)
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(name: str):
+    """The tokenizer of model ``name`` (``ByteTokenizer(512)`` for tiny, the GGUF tokenizer for SmolLM2)."""
+    if name == "tiny":
+        from decodespec.impl.tiny import TINY_VOCAB_SIZE
+        from decodespec.impl.tokenizer import ByteTokenizer
+
+        return ByteTokenizer(TINY_VOCAB_SIZE)
+    from decodespec.impl.tokenizer import load_smollm2_tokenizer
+
+    return load_smollm2_tokenizer()
+
+
+def model_window(name: str) -> int:
+    """``max_position_embeddings`` of model ``name``."""
+    return int(load_model(name).config.max_position_embeddings)
+
+
+def runtime_request(config: CaseConfig) -> RuntimeRequest:
+    """The runner's request for ``config`` (identity :meth:`CaseConfig.identity`).
+
+    Raises:
+        Rejection: ``policy.*`` for a policy object the M3.8 schema refuses.
+    """
+    return RuntimeRequest(
+        identity=config.identity(),
+        prompt_ids=config.prompt_ids,
+        max_new_tokens=config.max_new_tokens,
+        policy=policy_config_from_json(config.policy),
+        eos_ids=frozenset(config.eos_ids),
+        min_new_tokens=config.min_new_tokens,
+        seed=config.seed,
+        cache=config.cache,
+        static_capacity=config.static_capacity,
+        prefill_chunk=config.prefill_chunk,
+        zero_new_tokens=config.zero_new_tokens,
+        final_cache=config.final_cache,
+        max_retries=config.max_retries,
+        context_cap=config.context_cap,
+        stream=config.stream,
+        stop_strings=config.stop_strings,
+        structured=config.structured,
+    )
+
+
+class StreamObserver:
+    """The runner's :class:`~decodespec.impl.runtime.CommitObserver` over the runtime's :class:`Streamer`.
+
+    Each committed token is pushed to the streamer; its text triggers (``stop_string``,
+    ``structured``, ``structured_error``) go back to the runner, which fires EOS, ``length`` and
+    ``context_length`` itself.  :meth:`finish` closes the stream for a finish the runner decided
+    outside a commit (cancel, timeout, device or stream error, G = 0).
+    """
+
+    def __init__(self, tokenizer: Any, config: StopConfig):
+        self.tokenizer = tokenizer
+        self.config = config
+        self.streamer = Streamer(tokenizer, config)
+        self.committed: list[tuple[int, float]] = []
+
+    def observe(self, token_id: int, logprob: float, output_index: int) -> CommitObservation:
+        """Push the committed token; report its text triggers."""
+        self.committed.append((token_id, logprob))
+        self.streamer.push(token_id, logprob)
+        return CommitObservation(text_triggers=frozenset(self.streamer.last_triggers) & TEXT_TRIGGERS)
+
+    def finish(self, reason: FinishReason) -> None:
+        """Close an open stream with a finish decided outside a commit (final flush, except after ``stream_error``)."""
+        if not self.streamer.finished:
+            self.streamer.finish(reason)
+
+    def snapshot_state(self) -> dict[str, Any]:
+        """The committed tokens and logprobs (the streamer is rebuilt from them on restore)."""
+        return {"committed": [[t, lp] for t, lp in self.committed]}
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        """Rebuild the streamer by pushing the committed tokens again (it is deterministic)."""
+        self.streamer = Streamer(self.tokenizer, self.config)
+        self.committed = []
+        for token_id, logprob in state["committed"]:
+            self.observe(int(token_id), float(logprob), len(self.committed))
+
+    @property
+    def text(self) -> str:
+        """The returned text when finished, else the decode of every committed byte."""
+        s = self.streamer
+        return s.output.text if s.output is not None else s.detokenizer.text()
+
+
+@attrs.frozen(eq=False)
+class _Extras:
+    """What the adapter records beside the runner (restored with a snapshot)."""
+
+    score: tuple[str, torch.Tensor, int] | None = None  # (score_id, logits [V] float32 CPU, output_count)
+    probe: tuple[Any, Any] | None = None  # (support ids int64, probs float32)
+    call: dict[str, Any] | None = None
+
+
+class ImplAdapter:
+    """Our runtime behind the adapter contract.
+
+    Args:
+        runner_cls: The runner class (a deliberately broken subclass for a mutant).
+        name: Adapter name reported to the harness.
+        cache_factory: Optional ``(runner_request, model) -> cache`` building the request's
+            cache (a mutant cache); default the runner's own.
+    """
+
+    def __init__(self, *, runner_cls: type[RequestRunner] = RequestRunner, name: str = "impl",
+                 cache_factory: Callable[[RuntimeRequest, Any], Any] | None = None):
+        self.name = name
+        self.runner_cls = runner_cls
+        self.cache_factory = cache_factory
+        self.config: CaseConfig | None = None
+        self.runner: RequestRunner | None = None
+        self.observer: StreamObserver | None = None
+        self.extras = _Extras()
+        self.snapshots: dict[str, tuple[Any, _Extras, CaseConfig]] = {}
+        self._faulted: set[int] = set()
+
+    # -- contract ------------------------------------------------------------------------
+    def capabilities(self) -> frozenset[str]:
+        """:data:`IMPL_CAPABILITIES`."""
+        return IMPL_CAPABILITIES
+
+    def reset(self, config: CaseConfig) -> None:
+        """Build and admit the request of ``config`` (a fresh cache; snapshots of earlier requests are kept).
+
+        Raises:
+            Rejection: ``adapter.unsupported`` for a beam config; the runner's typed errors
+                (``runtime.invalid_request``, ``envelope.zero_new_tokens_rejected``, ``policy.*``,
+                ``model.file_missing`` ...).
+            ResourceLimit: ``model.context_window_exceeded``, ``cache.capacity_exceeded``.
+        """
+        self._start(config, cache=None)
+
+    def _start(self, config: CaseConfig, cache: Any) -> None:
+        if config.num_beams != 1 or config.policy.get("family") == "beam":
+            raise Rejection(ADAPTER_UNSUPPORTED, "the request runner decodes one sequence; beams need the 'beam' capability", "$.num_beams")
+        model = load_model(config.model, config.dtype, config.device, config.attention)
+        request = runtime_request(config)
+        if cache is None and self.cache_factory is not None and request.cache != "none":
+            cache = self.cache_factory(request, model)
+        observer = self._observer(config, model)
+        runner = self.runner_cls(model, request, cache=cache, observer=observer, tokenizer=load_tokenizer(config.model),
+                                 runtime_info={"device": config.device, "dtype": config.dtype, "attention": config.attention})
+        runner.admit()
+        self.config, self.runner, self.observer = config, runner, observer
+        self.extras = _Extras()
+        self._faulted = set()
+        self._sync_stream()
+
+    def _observer(self, config: CaseConfig, model: Any) -> StreamObserver:
+        window = int(model.config.max_position_embeddings)
+        caps = [window] + [c for c in (config.context_cap,) if c is not None]
+        if config.cache == "static":
+            caps.append(config.static_capacity or min(config.prompt_len + config.max_new_tokens + 1, window))
+        stop = StopConfig(max_new_tokens=config.max_new_tokens, eos_ids=frozenset(config.eos_ids), min_new_tokens=config.min_new_tokens,
+                          prompt_len=config.prompt_len, max_context_len=min(caps), stop_strings=config.stop_strings,
+                          include_stop_str=config.include_stop_str, alignment=config.alignment,
+                          json_completion=config.structured == "json")
+        return StreamObserver(load_tokenizer(config.model), stop)
+
+    def apply(self, action: Mapping[str, Any]) -> ApplyResult:
+        """Apply one action (see the module docstring); typed refusals become ``rejected``."""
+        try:
+            act = check_action(action)
+            missing = required_capabilities(act) - self.capabilities()
+            if missing:
+                raise Rejection(ADAPTER_UNSUPPORTED, f"op {act['op']!r} needs {sorted(missing)}", "$.op")
+            if self.runner is None:
+                raise Rejection(ADAPTER_PROTOCOL, "reset(config) must come before any action", "$")
+            data = getattr(self, "_op_" + act["op"])(act)
+        except DecodeSpecError as exc:
+            return ApplyResult.rejected(exc.code, exc.message)
+        finally:
+            if self.runner is not None:
+                self._sync_stream()
+        return ApplyResult.accepted(data)
+
+    def observe(self) -> Observation:
+        """The runner's observable projection (every field of the contract)."""
+        r = self.runner
+        if r is None:
+            raise Rejection(ADAPTER_PROTOCOL, "reset(config) must come before observe()", "$")
+        latest = r.decision if r.decision is not None else (r.consumed[-1] if r.consumed else None)
+        decision = None if latest is None else {"receipt_id": latest.receipt_id, "score_id": latest.score_id, "token_id": latest.token_id,
+                                               "logprob": latest.logprob, "draws": latest.draws}
+        score = self.extras.score
+        probe = self.extras.probe
+        cache = r.cache
+        call = None
+        if self.extras.call is not None:
+            call = {**self.extras.call, "in_flight": r.in_flight is not None and r.in_flight.call_id == self.extras.call["call_id"]}
+        return Observation(
+            phase=r.phase.value,
+            output_ids=r.output_ids,
+            logprobs=r.logprobs,
+            frontier=r.frontier(),
+            finish_reason=None if r.finish_reason is None else r.finish_reason.value,
+            triggers=[t.value for t in r.ordered_triggers()],
+            rng_counter=r.policy_state.rng_counter,
+            generation=r.generation,
+            quarantined=r.quarantined,
+            decision=decision,
+            score_row=None if score is None else score[1].numpy(),
+            score_id=None if score is None else score[0],
+            score_output_count=None if score is None else score[2],
+            support_ids=None if probe is None else probe[0],
+            support_probs=None if probe is None else probe[1],
+            text=self.observer.text if self.observer is not None else None,
+            chunks=[c.to_json() for c in self.observer.streamer.chunks] if self.observer is not None and self.config.stream else None,
+            cache_committed=0 if cache is None else cache.committed_length,
+            cache_physical=0 if cache is None else (cache.reserved_length if hasattr(cache, "reserved_length") else max(cache.layer_lengths())),
+            call=call,
+            cache_probe=self._cache_probe(),
+        )
+
+    def close(self) -> None:
+        """Drop the runner and the stored snapshots."""
+        self.runner = None
+        self.snapshots.clear()
+
+    # -- helpers -------------------------------------------------------------------------
+    def _cache_probe(self):
+        cache = self.runner.cache
+        if cache is None or cache.committed_length == 0 or cache.dirty:
+            return None
+        try:
+            tensors = cache.committed_tensors()
+        except DecodeSpecError:
+            return None
+        # per layer [2, H_kv, P, D] -> [layers, 2, H_kv, P, D]
+        return torch.stack([torch.stack((k[0], v[0])) for k, v in tensors]).detach().to("cpu", torch.float32).numpy()
+
+    def _sync_stream(self) -> None:
+        r = self.runner
+        if self.observer is not None and r.phase is Phase.FINISHED and r.finish_reason is not None:
+            reason = r.finish_reason
+            if reason in (FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR, FinishReason.STREAM_ERROR) \
+                    or (reason is FinishReason.LENGTH and r.output_count == 0):
+                self.observer.finish(reason)
+
+    def _record_call(self) -> None:
+        call = self.runner.in_flight
+        if call is not None:
+            positions = list(range(call.start, call.end))
+            self.extras = attrs.evolve(self.extras, call={"call_id": call.call_id, "kind": call.kind.value, "start": call.start,
+                                                          "length": call.length, "position_ids": positions, "cache_position": positions})
+
+    def _record_score(self) -> None:
+        score = self.runner.score
+        if score is not None and (self.extras.score is None or self.extras.score[0] != score.score_id):
+            row = score.logits.detach().to("cpu", torch.float32).clone()
+            self.extras = attrs.evolve(self.extras, score=(score.score_id, row, score.output_count), probe=None)
+
+    def _record_probe(self) -> None:
+        r = self.runner
+        if r.decision is None or r.score is None:
+            return
+        req = r.request
+        view = RequestView(prompt_ids=req.prompt_ids, output_ids=r.output_ids, eos_ids=sorted(req.eos_ids),
+                           min_new_tokens=req.min_new_tokens, identity=req.identity, seed=req.seed)
+        with torch.inference_mode():
+            processed = process_scores(r.score.logits, r.policy, r.policy_state, view)
+        mask = processed.support_mask[0]
+        ids = mask.nonzero().squeeze(-1)
+        probs = processed.probs[0, ids]
+        self.extras = attrs.evolve(self.extras, probe=(ids.cpu().numpy(), probs.detach().to("cpu", torch.float32).numpy()))
+
+    def _launch(self, kind: CallKind | None, length: int | None = None):
+        call = self.runner.launch(kind, length=length)
+        self._record_call()
+        return call
+
+    def _complete(self) -> dict[str, Any]:
+        selection = self.runner.complete()
+        self._record_score()
+        return {"selection": selection.value}
+
+    def _steps(self, until_commit: bool) -> list[str]:
+        names = []
+        while True:
+            name = self.runner.step()
+            if name is None:
+                break
+            names.append(name)
+            if name == "launch":
+                self._record_call()
+            elif name == "complete":
+                self._record_score()
+            elif name == "decide":
+                self._record_probe()
+            elif name == "commit" and until_commit:
+                break
+        if not names:
+            raise Rejection(NOT_ENABLED, f"no controller action is enabled in phase {self.runner.phase.value} (terminal)", "$.op",
+                            details={"rule": "controller", "guard": "the request is not terminal"})
+        return names
+
+    # -- ops -----------------------------------------------------------------------------
+    def _op_prefill(self, act: dict[str, Any]) -> dict[str, Any]:
+        self._launch(CallKind.PREFILL, act["chunk"])
+        return self._complete()
+
+    def _op_decode(self, act: dict[str, Any]) -> dict[str, Any]:
+        self._launch(CallKind.DECODE)
+        return self._complete()
+
+    def _op_repair(self, act: dict[str, Any]) -> dict[str, Any]:
+        self._launch(CallKind.REPAIR)
+        return self._complete()
+
+    def _op_launch(self, act: dict[str, Any]) -> dict[str, Any]:
+        call = self._launch(None if act["kind"] is None else CallKind(act["kind"]), act["length"])
+        return {"call_id": call.call_id, "kind": call.kind.value, "start": call.start, "length": call.length}
+
+    def _op_complete(self, act: dict[str, Any]) -> dict[str, Any]:
+        return self._complete()
+
+    def _op_decide(self, act: dict[str, Any]) -> dict[str, Any]:
+        d = self.runner.decide()
+        self._record_probe()
+        return {"receipt_id": d.receipt_id, "token_id": d.token_id, "logprob": d.logprob, "draws": d.draws}
+
+    def _op_commit(self, act: dict[str, Any]) -> dict[str, Any]:
+        pending = self.runner.decision
+        triggers = self.runner.commit(act["receipt"])
+        assert pending is not None
+        return {"receipt_id": pending.receipt_id, "token_id": pending.token_id, "triggers": [t.value for t in triggers]}
+
+    def _op_step(self, act: dict[str, Any]) -> dict[str, Any]:
+        return {"actions": self._steps(until_commit=True)}
+
+    def _op_run(self, act: dict[str, Any]) -> dict[str, Any]:
+        return {"actions": self._steps(until_commit=False)}
+
+    def _op_cancel(self, act: dict[str, Any]) -> dict[str, Any]:
+        return {"at": self.runner.cancel(act["kind"]).value}
+
+    def _op_stream_fail(self, act: dict[str, Any]) -> dict[str, Any]:
+        return {"at": self.runner.stream_failure().value}
+
+    def _op_recover(self, act: dict[str, Any]) -> dict[str, Any]:
+        self.runner.recover()
+        return {}
+
+    def _op_fault(self, act: dict[str, Any]) -> dict[str, Any]:
+        r = self.runner
+        kind, layer = act["kind"], act["layer"] or 0
+
+        def refuse(guard: str) -> Rejection:
+            return Rejection(NOT_ENABLED, f"transition.fault: guard '{guard}' is false in phase {r.phase.value}", "$.action",
+                             details={"rule": "transition.fault", "guard": guard})
+
+        call = r.in_flight
+        if call is None:
+            raise refuse("a call is in flight")
+        if call.call_id in self._faulted:
+            raise refuse("no fault recorded yet")
+        if kind == "missing_lane" and r.cache is None:
+            raise refuse("missing_lane needs a non-empty roster")
+        if not 0 <= layer < r.model.config.num_hidden_layers:
+            raise Rejection(ADAPTER_INVALID_ACTION, f"layer {layer} is outside the model", "$.layer")
+        fault = DeviceFault(call.call_id, layer) if kind == "device_fault" else MissingLane(call.call_id, layer)
+        r.faults = FaultPlan(r.faults.faults + (fault,))
+        if kind == "missing_lane":
+            # Nothing ran yet (the forward runs at complete): re-open the call with the layer's write dropped.
+            r.cache.abandon_call()
+            r.cache.begin_call(call.start, call.length, call.generation, drop_layers=r.faults.missing_lane_layers(call.call_id))
+        self._faulted.add(call.call_id)
+        return {"call_id": call.call_id}
+
+    def _op_snapshot(self, act: dict[str, Any]) -> dict[str, Any]:
+        r = self.runner
+        if act["form"] == "repaired" and r.pending_ids and r.in_flight is None and not r.quarantined:
+            # The append call RequestRunner.snapshot would run itself, run here through the same
+            # runner methods so that the adapter sees the call and its score row.
+            kind = CallKind.DECODE if r.phase is Phase.READY else (CallKind.REPAIR if r.repair_owed() else None)
+            if kind is not None:
+                self._launch(kind)
+                self._complete()
+        snapshot = r.snapshot(act["form"])
+        handle = act["id"] or f"snapshot-{len(self.snapshots)}"
+        self.snapshots[handle] = (snapshot, self.extras, self.config)
+        return {"snapshot": handle}
+
+    def _op_restore(self, act: dict[str, Any]) -> dict[str, Any]:
+        entry = self.snapshots.get(act["snapshot"])
+        if entry is None:
+            raise Rejection(ADAPTER_INVALID_ACTION, f"no snapshot named {act['snapshot']!r}", "$.snapshot")
+        snapshot, extras, _ = entry
+        if act["corrupt"] is not None:
+            snapshot = attrs.evolve(snapshot, record=corrupt_record(snapshot.record, act["corrupt"]))
+        config = self.config
+        model = load_model(config.model, config.dtype, config.device, config.attention)
+        observer = self._observer(config, model)
+        # The current request as the runner admitted it (static capacity resolved): a snapshot of
+        # another request (e.g. before a reuse) is refused with snapshot.identity_mismatch.
+        runner = self.runner_cls.restore(model, snapshot, self.runner.request, observer=observer,
+                                         tokenizer=load_tokenizer(config.model))
+        self.runner, self.observer, self.extras = runner, observer, extras
+        self._faulted = set()
+        return {}
+
+    def _op_reuse(self, act: dict[str, Any]) -> dict[str, Any]:
+        changes: dict[str, Any] = {"prompt_ids": tuple(act["prompt_ids"])}
+        if act["max_new_tokens"] is not None:
+            changes["max_new_tokens"] = act["max_new_tokens"]
+        config = self.config.evolve(**changes)
+        self._start(config, cache=self.runner.cache)
+        return {}

@@ -1,0 +1,603 @@
+"""M3.10 "A logit tolerance is not a token-equality proof": the STATE..RESUME comparison ladder.
+
+:func:`compare` judges one runtime :class:`~decodespec.checks.adapters.Observation` against
+:class:`Expected` -- the spec state's projection (driven by the same actions) plus the
+references the spec cannot compute itself (the no-cache float32 score row and K/V rows of the
+same committed prefix, the spec policy's processed row) -- layer by layer, in the seed's order,
+and stops at the first layer that does not pass (a later pass never cures an earlier failure):
+
+========== ===================================================================================
+layer      what is compared (``ladder.<LAYER>``)
+========== ===================================================================================
+STATE      phase, committed tokens, frontiers (L, O, |U|, P, tag), RNG counter, generation,
+           quarantine, committed cache rows (K = P) and the launched call's slice/positions
+TENSOR     the latest score row against the reference row of the same prefix (L-infinity
+           <= epsilon), committed K/V rows against the reference K/V (declared tolerance)
+POLICY     processed support (exact ids) and probabilities (tolerance), draw count
+DECISION   the latest decision's selected id (M3.10 greedy comparator: L-infinity premise, tie
+           rule, margin > 2 epsilon, then ids), its logprob (aligned token metadata), beams
+SEQUENCE   output ids, text, finish reason, triggers, stream chunks (offsets and final flush)
+RESUME     after a restore: the continuation equals the uninterrupted state at the same point
+========== ===================================================================================
+
+A :class:`Verdict` is ``passed``, ``failed`` or ``undecided``: undecided is the seed's third
+outcome -- the candidate row is within tolerance of the reference, the reference margin is at
+most 2 epsilon, and the candidate picked another id that the tolerance cannot rule out; it is
+neither a pass nor a fail.  Every non-passing verdict names its layer, the rule id
+(``ladder.<LAYER>``), the check that failed, the expected and actual values and a message.
+
+Tolerances are declared per model and dtype (:data:`TOLERANCES`; a runtime may declare its
+own entry, e.g. ``("hf", "smollm2", "float32")``): float32 CPU logits 5e-5 (tiny) and 2e-4
+(SmolLM2), K/V 1e-5 / 1e-4 (measured in tests/test_model_cache.py).
+
+Source: M3.10 "A logit tolerance is not a token-equality proof" (the comparator order and the
+[10,0] vs [100,0] example), "Correctness matrix" (the ladder stops at the first failed layer;
+final-text equality cannot waive a state or tensor failure), 0x0BA (observable fields).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import attrs
+import numpy as np
+
+from decodespec.spec.rules import rule
+
+from .adapters import Observation
+
+__all__ = [
+    "FAILED",
+    "LAYERS",
+    "PASSED",
+    "TOLERANCES",
+    "UNDECIDED",
+    "DecisionCheck",
+    "Expected",
+    "Tolerance",
+    "Verdict",
+    "combine",
+    "compare",
+    "compare_rows",
+    "greedy_comparator",
+    "tolerance_for",
+]
+
+#: The ladder's layers, in checking order.
+LAYERS = ("STATE", "TENSOR", "POLICY", "DECISION", "SEQUENCE", "RESUME")
+PASSED = "passed"
+FAILED = "failed"
+UNDECIDED = "undecided"
+_S = "M3.10 A logit tolerance is not a token-equality proof; Correctness matrix"
+
+
+@attrs.frozen
+class Tolerance:
+    """Declared numerical tolerances of one (runtime, model, dtype).
+
+    Attributes:
+        logit: epsilon on raw logits (L-infinity).
+        kv: Absolute tolerance on committed K (after RoPE) and V rows.
+        prob: Absolute tolerance on processed probabilities (``2 * logit`` plus rounding).
+        logprob: Absolute tolerance on recorded logprobs.
+
+    Units: logits and nats.
+    """
+
+    logit: float
+    kv: float
+    prob: float
+    logprob: float
+
+    @classmethod
+    def from_logit(cls, logit: float, kv: float) -> "Tolerance":
+        """Derived tolerances: a logit error epsilon moves log-softmax by at most 2 epsilon."""
+        return cls(logit=logit, kv=kv, prob=2 * logit + 1e-6, logprob=2 * logit + 1e-5)
+
+
+#: ``(runtime or "*", model, dtype) -> Tolerance``.  float32 on the CPU: tests/test_model_cache.py.
+TOLERANCES: dict[tuple[str, str, str], Tolerance] = {
+    ("*", "tiny", "float32"): Tolerance.from_logit(5e-5, 1e-5),
+    ("*", "smollm2", "float32"): Tolerance.from_logit(2e-4, 1e-4),
+    ("*", "tiny", "bfloat16"): Tolerance.from_logit(0.25, 0.05),
+    ("*", "smollm2", "bfloat16"): Tolerance.from_logit(1.0, 0.25),
+    ("*", "tiny", "float16"): Tolerance.from_logit(0.05, 0.01),
+    ("*", "smollm2", "float16"): Tolerance.from_logit(0.25, 0.05),
+}
+
+
+def tolerance_for(runtime: str, model: str, dtype: str) -> Tolerance:
+    """The declared tolerance of ``runtime`` on ``model`` in ``dtype`` (runtime entry first, then ``*``).
+
+    Raises:
+        KeyError: when no tolerance is declared (a gate must not guess one).
+    """
+    for key in ((runtime.split(":", 1)[0], model, dtype), ("*", model, dtype)):
+        if key in TOLERANCES:
+            return TOLERANCES[key]
+    raise KeyError(f"no tolerance declared for runtime {runtime!r}, model {model!r}, dtype {dtype!r}")
+
+
+@attrs.frozen
+class Verdict:
+    """The outcome of a comparison.
+
+    Attributes:
+        result: ``passed``, ``failed`` or ``undecided``.
+        layer: The layer that did not pass (``None`` when passed).
+        rule: Its rule id ``ladder.<LAYER>`` (``None`` when passed).
+        check: The named check inside the layer, e.g. ``frontier.processed``.
+        expected: The expected value (JSON-able summary).
+        actual: The observed value (JSON-able summary).
+        message: One sentence.
+        step: Index of the action after which it was found (set by the harness), or ``None``.
+    """
+
+    result: str
+    layer: str | None = None
+    rule: str | None = None
+    check: str | None = None
+    expected: Any = None
+    actual: Any = None
+    message: str = ""
+    step: int | None = None
+
+    @property
+    def passed(self) -> bool:
+        """Whether the result is ``passed``."""
+        return self.result == PASSED
+
+    def to_json(self) -> dict[str, Any]:
+        """The verdict as JSON."""
+        return {"result": self.result, "layer": self.layer, "rule": self.rule, "check": self.check,
+                "expected": _jsonable(self.expected), "actual": _jsonable(self.actual), "message": self.message, "step": self.step}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "Verdict":
+        """Inverse of :meth:`to_json`."""
+        return cls(result=obj["result"], layer=obj.get("layer"), rule=obj.get("rule"), check=obj.get("check"),
+                   expected=obj.get("expected"), actual=obj.get("actual"), message=obj.get("message", ""), step=obj.get("step"))
+
+    def same_outcome(self, other: "Verdict") -> bool:
+        """Whether two verdicts agree on result, layer and rule (what a replay must reproduce)."""
+        return (self.result, self.layer, self.rule) == (other.result, other.layer, other.rule)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        if value.size <= 16:
+            return value.tolist()
+        return {"shape": list(value.shape), "head": value.ravel()[:8].tolist()}
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+PASS = Verdict(PASSED)
+
+
+def _fail(layer: str, check: str, expected: Any, actual: Any, message: str) -> Verdict:
+    return Verdict(FAILED, layer, f"ladder.{layer}", check, expected, actual, message)
+
+
+def combine(verdicts: Sequence[Verdict]) -> Verdict:
+    """The verdict of a run: its first failure, else its first undecided verdict, else passed."""
+    for result in (FAILED, UNDECIDED):
+        for verdict in verdicts:
+            if verdict.result == result:
+                return verdict
+    return PASS
+
+
+# --------------------------------------------------------------------------------------------
+# The greedy comparator (M3.10 "A logit tolerance is not a token-equality proof").
+# --------------------------------------------------------------------------------------------
+
+
+def _greedy_top(row: np.ndarray) -> tuple[int, float]:
+    """``(argmax under the lowest-id tie rule, margin to the runner-up)``; margin ``inf`` for one finite entry."""
+    finite = np.where(np.isfinite(row), row, -np.inf)
+    top = int(np.argmax(finite))  # first maximal index = lowest id
+    rest = np.delete(finite, top)
+    second = float(rest.max()) if rest.size else -math.inf
+    return top, float(finite[top]) - second
+
+
+@attrs.frozen
+class RowComparison:
+    """One reference/candidate score-row comparison.
+
+    Attributes:
+        linf: ``max |z - z~|`` over ids finite in both (``inf`` if the finite sets differ).
+        ref_top / cand_top: Greedy ids of both rows (lowest id on ties).
+        margin: Reference top-1 minus top-2.
+        epsilon: The declared tolerance.
+    """
+
+    linf: float
+    ref_top: int
+    cand_top: int
+    margin: float
+    epsilon: float
+
+    @property
+    def within(self) -> bool:
+        """The L-infinity premise holds."""
+        return self.linf <= self.epsilon
+
+    @property
+    def stable(self) -> bool:
+        """Greedy selection is guaranteed unchanged (margin > 2 epsilon)."""
+        return self.margin > 2 * self.epsilon
+
+
+def compare_rows(reference: Any, candidate: Any, epsilon: float) -> RowComparison:
+    """Compare two raw score rows under tolerance ``epsilon`` (shape, finite-value policy, L-infinity, tie rule, margin).
+
+    Raises:
+        ValueError: for different shapes or a negative / non-finite epsilon (the comparator's
+            first check: same vocabulary map and shape).
+
+    Shapes: both ``[V]``.
+    """
+    ref = np.asarray(reference, dtype=np.float64)
+    cand = np.asarray(candidate, dtype=np.float64)
+    if ref.shape != cand.shape or ref.ndim != 1:
+        raise ValueError(f"rows of different shapes {ref.shape} and {cand.shape}")
+    if not (math.isfinite(epsilon) and epsilon >= 0):
+        raise ValueError(f"epsilon must be finite and >= 0, got {epsilon}")
+    same_support = np.array_equal(np.isfinite(ref), np.isfinite(cand))
+    both = np.isfinite(ref) & np.isfinite(cand)
+    linf = float(np.max(np.abs(ref[both] - cand[both]))) if both.any() and same_support else math.inf
+    ref_top, margin = _greedy_top(ref)
+    cand_top, _ = _greedy_top(cand)
+    return RowComparison(linf, ref_top, cand_top, margin, epsilon)
+
+
+def greedy_comparator(reference: Any, candidate: Any, epsilon: float, *, candidate_id: int | None = None) -> Verdict:
+    """The seed's valid greedy comparator, in its order: L-infinity <= epsilon, tie rule, margin > 2 epsilon, ids.
+
+    Args:
+        reference: Reference raw row ``[V]``.
+        candidate: Candidate raw row ``[V]``.
+        epsilon: Declared tolerance.
+        candidate_id: The id the candidate runtime selected (default: its row's greedy id).
+
+    Returns:
+        ``failed`` at TENSOR when the L-infinity premise fails (whatever the ids); ``failed`` at
+        DECISION when the candidate's id is not its own row's greedy id, or the ids differ although
+        the margin exceeds 2 epsilon; ``undecided`` at DECISION when the ids differ and the margin
+        is at most 2 epsilon; ``passed`` otherwise.
+    """
+    cmp = compare_rows(reference, candidate, epsilon)
+    if not cmp.within:
+        return _fail("TENSOR", "score_row.linf", f"<= {epsilon}", cmp.linf,
+                     f"L-infinity error {cmp.linf:.3g} exceeds epsilon {epsilon:.3g} (ids {cmp.ref_top} / {cmp.cand_top} prove nothing)")
+    chosen = cmp.cand_top if candidate_id is None else int(candidate_id)
+    if chosen != cmp.cand_top:
+        return _fail("DECISION", "decision.tie_rule", cmp.cand_top, chosen,
+                     f"the runtime selected {chosen}, not its own row's greedy id {cmp.cand_top} (lowest-id tie rule)")
+    if chosen == cmp.ref_top:
+        return PASS
+    if cmp.stable:
+        return _fail("DECISION", "decision.selected_id", cmp.ref_top, chosen,
+                     f"reference margin {cmp.margin:.3g} > 2 epsilon guarantees id {cmp.ref_top}, the runtime selected {chosen}")
+    return Verdict(UNDECIDED, "DECISION", "ladder.DECISION", "decision.margin", cmp.ref_top, chosen,
+                   f"reference margin {cmp.margin:.3g} <= 2 epsilon = {2 * epsilon:.3g}: the tolerance cannot decide between "
+                   f"{cmp.ref_top} and {chosen}")
+
+
+# --------------------------------------------------------------------------------------------
+# What the spec side expects.
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class DecisionCheck:
+    """The harness's judgement of one decision (made when the spec decided; see :mod:`decodespec.checks.lockstep`).
+
+    Attributes:
+        output_index: The decision's output index O.
+        verdict: ``passed``, ``failed`` (DECISION) or ``undecided``.
+    """
+
+    output_index: int
+    verdict: Verdict
+
+
+@attrs.frozen(eq=False)
+class Expected:
+    """The spec side of one comparison (``None``: nothing expected, the check is skipped).
+
+    Attributes mirror :class:`~decodespec.checks.adapters.Observation`; besides:
+
+    Attributes:
+        score_row: Reference raw row ``float32[V]`` of the observation's score prefix.
+        cache_probe: Reference committed K/V ``float32[layers, 2, H_kv, P, D]``.
+        support_ids / support_probs: The spec policy's processed row of the latest decision
+            (on the runtime's own row when it exposes one).
+        draws: Draws of the latest decision.
+        decision_checks: The harness's per-decision judgements (DECISION layer).
+        decision_token / decision_logprob: The latest decision's id and its reference logprob.
+        text / chunks / finish_reason / triggers: The spec's output (SEQUENCE).
+        resume: The observation of the uninterrupted run at the same point (RESUME), or ``None``.
+        tolerance: The declared :class:`Tolerance`.
+    """
+
+    tolerance: Tolerance
+    phase: str | None = None
+    output_ids: tuple[int, ...] | None = None
+    frontier: dict[str, Any] | None = None
+    rng_counter: int | None = None
+    generation: int | None = None
+    quarantined: bool | None = None
+    cache_committed: int | None = None
+    call: dict[str, Any] | None = None
+    score_row: np.ndarray | None = None
+    cache_probe: np.ndarray | None = None
+    support_ids: np.ndarray | None = None
+    support_probs: np.ndarray | None = None
+    draws: int | None = None
+    decision_checks: tuple[DecisionCheck, ...] = ()
+    decision_token: int | None = None
+    decision_logprob: float | None = None
+    logprobs: tuple[float, ...] | None = None
+    finish_reason: str | None = None
+    triggers: tuple[str, ...] | None = None
+    text: str | None = None
+    chunks: tuple[dict[str, Any], ...] | None = None
+    beam_tokens: tuple[int, ...] | None = None
+    beam_parents: tuple[int, ...] | None = None
+    resume: Observation | None = None
+
+
+def _eq(layer: str, check: str, expected: Any, actual: Any, what: str) -> Verdict | None:
+    if expected is None or actual is None or expected == actual:
+        return None
+    return _fail(layer, check, expected, actual, f"{what}: expected {expected!r}, observed {actual!r}")
+
+
+@rule(
+    "ladder.STATE",
+    title="State equivalence: tokens, frontiers, positions, RNG counter",
+    section="M3.10 Correctness matrix (1. state); A logit tolerance is not a token-equality proof",
+    statement="The runtime's phase, committed output ids, frontiers (L, O, |U|, P, pending tag), RNG counter, generation, "
+    "quarantine flag, committed cache rows (K = P; 0 without a cache) and the launched call's slice and positions "
+    "(position_ids = cache_position = start..start+length-1) equal the spec state's, exactly.",
+)
+def check_state(exp: Expected, obs: Observation) -> Verdict | None:
+    """``ladder.STATE``; ``None`` when it passes."""
+    checks = (
+        ("phase", exp.phase, obs.phase, "phase"),
+        ("output_ids", exp.output_ids, obs.output_ids, "committed output ids"),
+        ("rng_counter", exp.rng_counter, obs.rng_counter, "RNG counter"),
+        ("quarantined", exp.quarantined, obs.quarantined, "quarantine flag"),
+        ("generation", exp.generation, obs.generation, "generation"),
+        ("cache_committed", exp.cache_committed, obs.cache_committed, "committed cache rows (K frontier)"),
+    )
+    for name, want, got, what in checks:
+        bad = _eq("STATE", name, want, got, what)
+        if bad is not None:
+            return bad
+    if exp.frontier is not None and obs.frontier is not None:
+        for key, want in exp.frontier.items():
+            bad = _eq("STATE", f"frontier.{key}", want, obs.frontier.get(key), f"frontier {key}")
+            if bad is not None:
+                return bad
+    if exp.call is not None and obs.call is not None:
+        for key, want in exp.call.items():
+            got = obs.call.get(key)
+            if isinstance(got, tuple):
+                got = list(got)
+            bad = _eq("STATE", f"call.{key}", want, got, f"launched call {key}")
+            if bad is not None:
+                return bad
+    return None
+
+
+@rule(
+    "ladder.TENSOR",
+    title="Tensor equivalence: score row and cache probes within the declared tolerance",
+    section="M3.10 Correctness matrix (2. tensor); A logit tolerance is not a token-equality proof",
+    statement="The latest raw score row is within L-infinity epsilon of the reference no-cache float32 row of the same "
+    "committed prefix (same shape and finite entries), and the committed K/V rows are within the declared K/V tolerance "
+    "of the reference forward over the first P tokens.",
+)
+def check_tensor(exp: Expected, obs: Observation) -> Verdict | None:
+    """``ladder.TENSOR``; ``None`` when it passes."""
+    tol = exp.tolerance
+    if exp.score_row is not None and obs.score_row is not None:
+        if exp.score_row.shape != obs.score_row.shape:
+            return _fail("TENSOR", "score_row.shape", list(exp.score_row.shape), list(obs.score_row.shape), "score row shape differs")
+        cmp = compare_rows(exp.score_row, obs.score_row, tol.logit)
+        if not cmp.within:
+            worst = _worst_index(exp.score_row, obs.score_row)
+            return _fail("TENSOR", "score_row.linf", f"<= {tol.logit}", cmp.linf,
+                         f"score row L-infinity error {cmp.linf:.3g} > epsilon {tol.logit:.3g} (worst id {worst})")
+    if exp.cache_probe is not None and obs.cache_probe is not None:
+        if exp.cache_probe.shape != obs.cache_probe.shape:
+            return _fail("TENSOR", "cache_probe.shape", list(exp.cache_probe.shape), list(obs.cache_probe.shape),
+                         "committed K/V rows have another shape (layers, K/V, H_kv, P, D)")
+        err = float(np.max(np.abs(exp.cache_probe.astype(np.float64) - obs.cache_probe))) if exp.cache_probe.size else 0.0
+        if not err <= tol.kv:
+            return _fail("TENSOR", "cache_probe.linf", f"<= {tol.kv}", err, f"committed K/V rows differ by {err:.3g} > {tol.kv:.3g}")
+    return None
+
+
+def _worst_index(a: np.ndarray, b: np.ndarray) -> int:
+    diff = np.abs(np.nan_to_num(a.astype(np.float64), posinf=0, neginf=0) - np.nan_to_num(b.astype(np.float64), posinf=0, neginf=0))
+    return int(np.argmax(diff))
+
+
+@rule(
+    "ladder.POLICY",
+    title="Policy equivalence: processed support, probabilities, draw count",
+    section="M3.10 Correctness matrix (3. policy); M3.8 0x0B (local policy trace)",
+    statement="The latest decision's processed support (ids) equals the spec policy's processed row computed on the "
+    "runtime's own raw row, its probabilities agree within the declared probability tolerance, and the decision "
+    "consumed the same number of RNG draws.",
+)
+def check_policy(exp: Expected, obs: Observation) -> Verdict | None:
+    """``ladder.POLICY``; ``None`` when it passes."""
+    if exp.support_ids is not None and obs.support_ids is not None:
+        if not np.array_equal(exp.support_ids, obs.support_ids):
+            missing = np.setdiff1d(exp.support_ids, obs.support_ids)[:8].tolist()
+            extra = np.setdiff1d(obs.support_ids, exp.support_ids)[:8].tolist()
+            return _fail("POLICY", "support.ids", {"size": int(exp.support_ids.size), "missing": missing},
+                         {"size": int(obs.support_ids.size), "extra": extra},
+                         f"processed support differs ({exp.support_ids.size} vs {obs.support_ids.size} ids)")
+        if exp.support_probs is not None and obs.support_probs is not None:
+            err = float(np.max(np.abs(exp.support_probs.astype(np.float64) - obs.support_probs))) if exp.support_probs.size else 0.0
+            if not err <= exp.tolerance.prob:
+                return _fail("POLICY", "support.probs", f"<= {exp.tolerance.prob}", err,
+                             f"processed probabilities differ by {err:.3g}")
+    if exp.draws is not None and obs.decision is not None and obs.decision.get("draws") is not None:
+        bad = _eq("POLICY", "draws", exp.draws, obs.decision.get("draws"), "RNG draws of the latest decision")
+        if bad is not None:
+            return bad
+    return None
+
+
+@rule(
+    "ladder.DECISION",
+    title="Decision equivalence: selected ids, aligned logprobs, beam parents",
+    section="M3.10 Correctness matrix (4. decision); A logit tolerance is not a token-equality proof",
+    statement="Every decision selects the spec policy's id (greedy: by the seed's comparator -- L-infinity premise, "
+    "lowest-id tie rule, then ids, undecided when the reference margin is at most 2 epsilon; sampled: the same "
+    "replayed draw); each committed logprob is the reference log-softmax at the committed id within tolerance; "
+    "beam steps select the same ids and parents.",
+)
+def check_decision(exp: Expected, obs: Observation) -> Verdict | None:
+    """``ladder.DECISION``; ``None`` when it passes (an undecided judgement is returned as is)."""
+    for check in exp.decision_checks:
+        if check.verdict.result == FAILED:
+            return check.verdict
+    if exp.decision_token is not None and obs.decision is not None:
+        bad = _eq("DECISION", "decision.selected_id", exp.decision_token, obs.decision.get("token_id"), "selected id")
+        if bad is not None:
+            return bad
+    if exp.decision_logprob is not None and obs.decision is not None and obs.decision.get("logprob") is not None:
+        got = float(obs.decision["logprob"])
+        if not abs(got - exp.decision_logprob) <= exp.tolerance.logprob:
+            return _fail("DECISION", "decision.logprob", exp.decision_logprob, got,
+                         "the decision's logprob is not log-softmax of its own score row at the selected id")
+    if exp.logprobs is not None and obs.logprobs:
+        if len(exp.logprobs) != len(obs.logprobs):
+            return _fail("DECISION", "logprobs.aligned", len(exp.logprobs), len(obs.logprobs), "one logprob per committed token")
+        for index, (want, got) in enumerate(zip(exp.logprobs, obs.logprobs)):
+            if not abs(want - got) <= exp.tolerance.logprob:
+                return _fail("DECISION", "logprobs.value", {"index": index, "logprob": want}, {"index": index, "logprob": got},
+                             f"logprob of output {index} is not the reference log-softmax at that token")
+    for name, want, got in (("beam.tokens", exp.beam_tokens, obs.beam_tokens), ("beam.parents", exp.beam_parents, obs.beam_parents)):
+        bad = _eq("DECISION", name, None if want is None else list(want), None if got is None else list(got), name)
+        if bad is not None:
+            return bad
+    for check in exp.decision_checks:
+        if check.verdict.result == UNDECIDED:
+            return check.verdict
+    return None
+
+
+@rule(
+    "ladder.SEQUENCE",
+    title="Sequence equivalence: output ids, text, finish reason, stream",
+    section="M3.10 Correctness matrix (5. sequence); 0x06 Streaming has a commit horizon",
+    statement="The returned text, the canonical finish reason, every trigger (precedence order) and the delivered "
+    "stream chunks (text, byte and token offsets, final flush) equal the spec's stop/stream reference over the same "
+    "committed tokens.",
+)
+def check_sequence(exp: Expected, obs: Observation) -> Verdict | None:
+    """``ladder.SEQUENCE``; ``None`` when it passes."""
+    checks = (
+        ("finish_reason", exp.finish_reason, obs.finish_reason, "finish reason"),
+        ("triggers", None if exp.triggers is None else list(exp.triggers), None if obs.triggers is None else list(obs.triggers), "triggers"),
+        ("text", exp.text, obs.text, "text"),
+    )
+    for name, want, got, what in checks:
+        bad = _eq("SEQUENCE", name, want, got, what)
+        if bad is not None:
+            return bad
+    if exp.chunks is not None and obs.chunks is not None:
+        want, got = [dict(c) for c in exp.chunks], [dict(c) for c in obs.chunks]
+        if want != got:
+            index = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+            return _fail("SEQUENCE", "stream.chunks", want[index] if index < len(want) else None,
+                         got[index] if index < len(got) else None, f"stream chunk {index} differs ({len(want)} vs {len(got)} chunks)")
+    return None
+
+
+_RESUME_FIELDS = ("phase", "output_ids", "logprobs", "frontier", "finish_reason", "triggers", "rng_counter", "cache_committed", "text")
+
+
+@rule(
+    "ladder.RESUME",
+    title="Resume equivalence: a restored request continues like the uninterrupted one",
+    section="M3.10 0x0B A completed output is not automatically a resumable snapshot; Correctness matrix (6. resume)",
+    statement="After restoring a snapshot, the runtime's observable state (phase, outputs, logprobs, frontiers, finish "
+    "state, RNG counter, committed cache rows, text) equals the uninterrupted run's at the same point, and its score "
+    "row (when both expose one) agrees within the logit tolerance: Continue(Restore(S), n) == Continue(S, n).",
+)
+def check_resume(exp: Expected, obs: Observation) -> Verdict | None:
+    """``ladder.RESUME``; ``None`` when it passes."""
+    ref = exp.resume
+    if ref is None:
+        return None
+    for name in _RESUME_FIELDS:
+        want, got = getattr(ref, name), getattr(obs, name)
+        if name == "logprobs":
+            if len(want) != len(got) or any(not abs(a - b) <= exp.tolerance.logprob for a, b in zip(want, got)):
+                return _fail("RESUME", "resume.logprobs", list(want), list(got), "logprobs after resume differ from the uninterrupted run")
+            continue
+        bad = _eq("RESUME", f"resume.{name}", want, got, f"{name} after resume")
+        if bad is not None:
+            return bad
+    if ref.score_row is not None and obs.score_row is not None and ref.score_output_count == obs.score_output_count:
+        cmp = compare_rows(ref.score_row, obs.score_row, exp.tolerance.logit)
+        if not cmp.within:
+            return _fail("RESUME", "resume.score_row", f"<= {exp.tolerance.logit}", cmp.linf, "score row after resume differs")
+    return None
+
+
+#: The layer checks in ladder order.
+LAYER_CHECKS: tuple[tuple[str, Callable[[Expected, Observation], Verdict | None]], ...] = (
+    ("STATE", check_state),
+    ("TENSOR", check_tensor),
+    ("POLICY", check_policy),
+    ("DECISION", check_decision),
+    ("SEQUENCE", check_sequence),
+    ("RESUME", check_resume),
+)
+
+
+def compare(exp: Expected, obs: Observation, *, layers: Sequence[str] = LAYERS) -> Verdict:
+    """Run the ladder in order and stop at the first layer that does not pass.
+
+    Args:
+        exp: The spec side.
+        obs: The runtime's observation.
+        layers: The layers to run (a subset keeps the order; the rest are skipped).
+
+    Returns:
+        The first failed layer's verdict; else the first undecided one (an undecided layer
+        does not stop the ladder: a later layer may still fail); else ``passed``.
+    """
+    undecided = None
+    for layer, check in LAYER_CHECKS:
+        if layer not in layers:
+            continue
+        verdict = check(exp, obs)
+        if verdict is None:
+            continue
+        if verdict.result == FAILED:
+            return verdict
+        undecided = undecided or verdict
+    return undecided or PASS

@@ -1,0 +1,900 @@
+"""Lock-step driver of the conformance gate: the spec and a runtime adapter take the same actions.
+
+:class:`LockStep` holds one :class:`~decodespec.checks.adapters.Adapter` and the spec side of
+the same request -- the spec's :class:`~decodespec.spec.state.RequestParams` and
+:class:`~decodespec.spec.state.RequestState`, the M3.8 policy state, the stop/stream reference
+-- and applies each contract action (:data:`~decodespec.checks.adapters.OPS`) to both:
+
+1. the adapter applies the action and is observed;
+2. the action is translated into spec actions (``prefill`` = ``Launch`` + ``Complete``,
+   ``step`` = the controller's next actions up to one ``Commit``, ``snapshot{repaired}`` with a
+   pending token = the append call + ``Snapshot`` ...) and stepped through
+   :func:`decodespec.spec.transitions.step`; the model is uninterpreted in the spec, so every
+   decision takes its score row from the :class:`Reference` (our no-cache float32 forward of the
+   same committed prefix, M3.10's "full recompute" semantics) and the spec policy
+   (:func:`decodespec.spec.policy.decide`) picks the token;
+3. both must agree on accept / reject (and the refusal code); a rejected action must leave
+   the observation unchanged;
+4. the ladder (:func:`decodespec.checks.ladder.compare`) judges the observation against the
+   spec state's projection and the references.
+
+A decision where the runtime picked another id than the spec is judged when it is made
+(:func:`judge_decision`): failed when the margin rules it out, ``undecided`` when the
+tolerance cannot (then the spec adopts the runtime's id -- any id within the tolerance is a
+legal spec behaviour -- so the lock step goes on).
+
+Declared choices of the spec side (the contract's, mirrored by our runtime): ``min_new_tokens``
+is enforced by the policy's ``min_new_tokens`` legality transform (added when the policy lacks
+it); the static capacity defaults to ``L + G + 1`` capped by the model window; the context cap
+is the least of the model window, ``context_cap`` and the capacity; admission refuses G = 0
+under ``reject``, a prompt id outside the vocabulary, ``L >= window`` and a static capacity
+that cannot hold the prompt (``L + 1`` slots when G >= 1).
+
+Source: M3.10 "A logit tolerance is not a token-equality proof", "Correctness matrix",
+"Boundary cases" (adversarial transitions); research/formal-anchors-survey.md 0 and 7
+(quint-connect style lock step; comparison in the harness); docs/design.md section 11.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any, Mapping, Sequence
+
+import attrs
+import numpy as np
+
+from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure
+from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag
+from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED
+from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit
+from decodespec.spec.policy import PolicyConfig, PolicyState, RequestView, ScoreRow, child_state, decide, policy_config_from_json, processed_row
+from decodespec.spec.policy.config import Family
+from decodespec.spec.policy.rng import rng_key, uniform
+from decodespec.spec.policy.scores import log_softmax
+from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
+from decodespec.spec.snapshot import REPAIRED, SNAPSHOT_FORM_UNAVAILABLE, SNAPSHOT_FORMS, SnapshotRecord, take_snapshot
+from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, repair_outstanding
+from decodespec.spec.stop import StopConfig, align_output, reference_stream, step_triggers
+from decodespec.spec.transitions import MACHINE, NOT_ENABLED, Machine, expected_report, expected_start
+
+from .adapters import Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record
+from .ladder import FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, Tolerance, Verdict, compare, tolerance_for
+
+__all__ = [
+    "LockStep",
+    "Reference",
+    "SpecSide",
+    "StepRecord",
+    "admission_refusal",
+    "judge_decision",
+    "params_for",
+    "policy_for",
+    "reference_for",
+]
+
+_RUNTIME_INVALID_REQUEST = "runtime.invalid_request"
+_CONTEXT_WINDOW_EXCEEDED = "model.context_window_exceeded"
+
+
+# --------------------------------------------------------------------------------------------
+# The reference forward (no-cache float32 semantics).
+# --------------------------------------------------------------------------------------------
+
+
+class Reference:
+    """Reference score rows and K/V rows of committed prefixes: one full-prefix float32 forward each.
+
+    The forward runs the whole prefix in one call from position 0 (what a no-cache runtime
+    computes every step); its K/V rows are read from a fresh dynamic cache that call fills.
+    Results are cached per prefix (LRU bounded by ``max_bytes``).
+
+    Args:
+        model: Our decoder in float32 (shared; never mutated).
+        max_bytes: Cache budget in bytes.
+
+    Shapes: :meth:`row` ``float32[V]``; :meth:`kv` ``float32[layers, 2, H_kv, P, D]``.
+    """
+
+    def __init__(self, model: Any, *, max_bytes: int = 256 << 20):
+        self.model = model
+        self.max_bytes = max_bytes
+        self._cache: collections.OrderedDict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = collections.OrderedDict()
+        self._bytes = 0
+        self.num_forwards = 0
+
+    @property
+    def vocab_size(self) -> int:
+        """V."""
+        return int(self.model.config.vocab_size)
+
+    @property
+    def window(self) -> int:
+        """``max_position_embeddings``."""
+        return int(self.model.config.max_position_embeddings)
+
+    def _forward(self, prefix: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        hit = self._cache.get(prefix)
+        if hit is not None:
+            self._cache.move_to_end(prefix)
+            return hit
+        import torch
+
+        model = self.model
+        cache = model.new_cache()
+        ids = torch.tensor([prefix], dtype=torch.long, device=model.device)  # [1, P]
+        with torch.inference_mode():
+            out = model(ids, past_key_values=cache, cache_position=torch.arange(len(prefix), device=model.device), logits_to_keep=1)
+            row = out.logits[0, -1].to("cpu", torch.float32).numpy().copy()  # [V]
+            kv = torch.stack([torch.stack((k[0], v[0])) for k, v in cache.committed_tensors()]).to("cpu", torch.float32).numpy().copy()
+        self.num_forwards += 1
+        entry = (row, kv)
+        self._cache[prefix] = entry
+        self._bytes += row.nbytes + kv.nbytes
+        while self._bytes > self.max_bytes and len(self._cache) > 1:
+            _, (r, k) = self._cache.popitem(last=False)
+            self._bytes -= r.nbytes + k.nbytes
+        return entry
+
+    def row(self, prefix: Sequence[int]) -> np.ndarray:
+        """Raw logits ``float32[V]`` predicting the token after ``prefix`` (read-only)."""
+        return self._forward(tuple(int(t) for t in prefix))[0]
+
+    def kv(self, prefix: Sequence[int]) -> np.ndarray | None:
+        """Committed K (after RoPE) and V rows of ``prefix`` (``None`` for an empty prefix)."""
+        if not prefix:
+            return None
+        return self._forward(tuple(int(t) for t in prefix))[1]
+
+
+_REFERENCES: dict[str, Reference] = {}
+
+
+def reference_for(model: str) -> Reference:
+    """The shared :class:`Reference` of model ``model`` (float32, CPU, SDPA), built once per process."""
+    if model not in _REFERENCES:
+        from .adapters.impl import load_model
+
+        _REFERENCES[model] = Reference(load_model(model, "float32", "cpu", "sdpa"))
+    return _REFERENCES[model]
+
+
+# --------------------------------------------------------------------------------------------
+# Spec-side request constants.
+# --------------------------------------------------------------------------------------------
+
+
+def static_capacity(config: CaseConfig, window: int) -> int | None:
+    """S of a static cache: the config's, else ``L + G + 1`` capped by the model window."""
+    if config.cache != "static":
+        return None
+    return config.static_capacity or min(config.prompt_len + config.max_new_tokens + 1, window)
+
+
+def params_for(config: CaseConfig, vocab_size: int, window: int) -> RequestParams:
+    """The spec's :class:`RequestParams` of ``config`` (see the module docstring for the declared defaults)."""
+    capacity = static_capacity(config, window)
+    caps = [window] + [c for c in (config.context_cap, capacity) if c is not None]
+    family = config.policy.get("family")
+    return RequestParams(
+        identity=config.identity(),
+        prompt_len=config.prompt_len,
+        max_new_tokens=config.max_new_tokens,
+        vocab_size=vocab_size,
+        eos_ids=frozenset(config.eos_ids),
+        min_new_tokens=config.min_new_tokens,
+        cache_family=config.cache,
+        context_cap=min(caps),
+        static_capacity=capacity,
+        zero_new_tokens=config.zero_new_tokens,
+        final_cache=config.final_cache,
+        prefill_chunk=None if config.cache == "none" else config.prefill_chunk,
+        max_retries=config.max_retries,
+        max_draws=1 if family == "multinomial" else 0,
+        stream=config.stream,
+        stop_strings=bool(config.stop_strings),
+        structured=config.structured != "none",
+    )
+
+
+def policy_for(config: CaseConfig) -> PolicyConfig:
+    """The M3.8 policy the spec side decides with: the config's, plus ``min_new_tokens`` when needed.
+
+    Raises:
+        Rejection: ``policy.*`` for a policy object the schema refuses.
+    """
+    policy = policy_config_from_json(config.policy)
+    if config.min_new_tokens > 0 and policy.find("min_new_tokens") is None:
+        obj = policy.to_json()
+        policy = policy_config_from_json({**obj, "transforms": [{"name": "min_new_tokens"}] + obj["transforms"]})
+    return policy
+
+
+def admission_refusal(config: CaseConfig, vocab_size: int, window: int) -> DecodeSpecError | None:
+    """The typed refusal of admitting ``config``, or ``None`` (see the module docstring).
+
+    Source: M3.10 "The first-output off-by-one" (G = 0 reject), "Immutable request envelope"
+    (ids inside the vocabulary), 0x09 (static capacity).
+    """
+    try:
+        policy_for(config)
+    except DecodeSpecError as exc:
+        return exc
+    if config.max_new_tokens == 0 and config.zero_new_tokens == "reject":
+        return Rejection(ZERO_NEW_TOKENS_REJECTED, "max_new_tokens is 0 and the declared G=0 branch is 'reject'", "$.max_new_tokens")
+    if any(t >= vocab_size for t in config.prompt_ids):
+        return Rejection(_RUNTIME_INVALID_REQUEST, f"a prompt id is outside [0, {vocab_size})", "$.prompt_ids")
+    if config.prompt_len >= window:
+        return ResourceLimit(_CONTEXT_WINDOW_EXCEEDED, f"prompt length {config.prompt_len} leaves no room in the window {window}", "$.prompt_ids")
+    capacity = static_capacity(config, window)
+    if capacity is not None and capacity < config.prompt_len + (1 if config.max_new_tokens else 0):
+        return ResourceLimit(CACHE_CAPACITY_EXCEEDED, f"static capacity {capacity} cannot hold the prompt", "$.static_capacity")
+    return None
+
+
+def due_call(params: RequestParams, state: RequestState) -> tuple[CallKind, int, int] | None:
+    """``(kind, start, length)`` of the call the controller launches next, or ``None``.
+
+    The whole remaining prompt (or the next chunk) while the prompt is unprocessed; the pending
+    token's decode call; the repair call when it is owed.
+    """
+    if state.in_flight is not None or state.quarantined:
+        return None
+    if state.phase is Phase.READY and state.processed < params.prompt_len and not state.output_ids:
+        if not params.cached:
+            return CallKind.PREFILL, 0, params.prompt_len
+        remaining = params.prompt_len - state.processed
+        return CallKind.PREFILL, state.processed, remaining if params.prefill_chunk is None else min(params.prefill_chunk, remaining)
+    start, length = expected_start(params, state), (1 if params.cached else params.prompt_len + state.output_count)
+    if state.phase is Phase.READY and state.pending_tag is PendingTag.PENDING_NEXT_CALL:
+        return CallKind.DECODE, start, length
+    if repair_outstanding(params, state):
+        return CallKind.REPAIR, start, length
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Judging one decision.
+# --------------------------------------------------------------------------------------------
+
+
+def _temperature(policy: PolicyConfig) -> float:
+    t = policy.find("temperature")
+    value = None if t is None else t.get("temperature")
+    return float(value) if value else 1.0
+
+
+def judge_decision(
+    *,
+    policy: PolicyConfig,
+    ref_values: np.ndarray,
+    ref_token: int,
+    runtime_token: int,
+    tolerance: Tolerance,
+    greedy: bool,
+    cand_token: int | None = None,
+    ref_probs: np.ndarray | None = None,
+    u: float | None = None,
+    output_index: int = 0,
+) -> Verdict:
+    """Judge a decision where the runtime may have picked another id than the spec on the reference row.
+
+    Args:
+        policy: The policy.
+        ref_values: The spec's processed reference row (selector input).
+        ref_token: The spec's id on the reference row.
+        runtime_token: The runtime's id.
+        tolerance: Declared tolerances (epsilon on logits).
+        greedy: Whether the selector is greedy (family greedy or temperature 0).
+        cand_token: The spec policy's id on the runtime's own row, when the runtime exposed it.
+        ref_probs: Processed reference probabilities (multinomial).
+        u: The decision's uniform (multinomial).
+        output_index: O of the decision (for the message).
+
+    Returns:
+        ``passed`` when the ids agree; ``failed`` (DECISION) when the runtime's id is not the
+        policy's on its own row, or the reference margin rules it out; ``undecided`` when a row
+        within epsilon of the reference could select it (greedy: the runtime's processed score
+        is within 2 epsilon of the maximum; sampled: the uniform lies within ``2 epsilon / T``
+        of the runtime id's CDF interval, T the temperature).
+
+    Source: M3.10 "A logit tolerance is not a token-equality proof" (margin > 2 epsilon;
+    "equal seed is even weaker" for sampling).
+    """
+    if runtime_token == ref_token:
+        return Verdict(PASSED)
+    where = f"output {output_index}"
+    if cand_token is not None and cand_token != runtime_token:
+        return Verdict(FAILED, "DECISION", "ladder.DECISION", "decision.policy", cand_token, runtime_token,
+                       f"{where}: the runtime selected {runtime_token}, but the policy selects {cand_token} on the runtime's own row")
+    eps = tolerance.logit
+    if not 0 <= runtime_token < ref_values.shape[0] or not math.isfinite(float(ref_values[runtime_token])):
+        return Verdict(FAILED, "DECISION", "ladder.DECISION", "decision.support", ref_token, runtime_token,
+                       f"{where}: the runtime selected {runtime_token}, outside the processed support")
+    if greedy:
+        gap = float(ref_values[ref_token] - ref_values[runtime_token])
+        if gap <= 2 * eps:
+            return Verdict(UNDECIDED, "DECISION", "ladder.DECISION", "decision.margin", ref_token, runtime_token,
+                           f"{where}: reference margin {gap:.3g} <= 2 epsilon = {2 * eps:.3g}; the tolerance cannot decide between "
+                           f"{ref_token} and {runtime_token}")
+        return Verdict(FAILED, "DECISION", "ladder.DECISION", "decision.selected_id", ref_token, runtime_token,
+                       f"{where}: reference margin {gap:.3g} > 2 epsilon guarantees {ref_token}; the runtime selected {runtime_token}")
+    assert ref_probs is not None and u is not None
+    cdf = np.cumsum(ref_probs)
+    low = float(cdf[runtime_token - 1]) if runtime_token else 0.0
+    high = float(cdf[runtime_token])
+    distance = max(low - u, u - high, 0.0)
+    delta = 2 * eps / _temperature(policy)
+    if distance <= delta:
+        return Verdict(UNDECIDED, "DECISION", "ladder.DECISION", "decision.draw_margin", ref_token, runtime_token,
+                       f"{where}: the uniform {u:.6g} is {distance:.3g} <= {delta:.3g} from the CDF interval of {runtime_token}; "
+                       "the tolerance cannot decide the draw")
+    return Verdict(FAILED, "DECISION", "ladder.DECISION", "decision.draw", ref_token, runtime_token,
+                   f"{where}: the replayed draw selects {ref_token} (uniform {u:.6g} is {distance:.3g} from {runtime_token}'s interval)")
+
+
+# --------------------------------------------------------------------------------------------
+# The spec side.
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class SpecSnapshot:
+    """What the spec side keeps per snapshot handle."""
+
+    record: SnapshotRecord
+    policy_state: PolicyState
+    logprobs: tuple[float, ...]
+    last_call: dict[str, Any] | None
+    last_decision: tuple[int, float, int, Any] | None
+    observation: Observation | None
+
+
+class SpecSide:
+    """The spec state of one request plus what the spec needs to act (policy, stop reference, ledgers).
+
+    Args:
+        config: The case config.
+        reference: The reference forward of the config's model.
+        tokenizer: ``token_bytes`` / ``special_ids`` for the stop/stream reference.
+        machine: The spec's transition machine (a broken one in the gate's own tests).
+    """
+
+    def __init__(self, config: CaseConfig, reference: Reference, tokenizer: Any, machine: Machine = MACHINE):
+        self.reference = reference
+        self.tokenizer = tokenizer
+        self.machine = machine
+        self.snapshots: dict[str, SpecSnapshot] = {}
+        self._install(config)
+
+    def _install(self, config: CaseConfig) -> None:
+        self.config = config
+        self.params = params_for(config, self.reference.vocab_size, self.reference.window)
+        self.policy = policy_for(config)
+        self.state = initial_state(self.params)
+        self.policy_state = PolicyState(rng_counter=0, constraint_state=self._initial_constraint(), mirostat_mu=self._initial_mu())
+        self.pending_policy_state: PolicyState | None = None
+        self.logprobs: list[float] = []
+        self.pending_logprob: float | None = None
+        self.last_call: dict[str, Any] | None = None
+        #: The latest decision: (token, reference logprob, draws, processed row (ids, probs) or None).
+        self.last_decision: tuple[int, float, int, Any] | None = None
+        self.stop = StopConfig(max_new_tokens=config.max_new_tokens, eos_ids=frozenset(config.eos_ids),
+                               min_new_tokens=config.min_new_tokens, prompt_len=config.prompt_len,
+                               max_context_len=self.params.context_cap, stop_strings=config.stop_strings,
+                               include_stop_str=config.include_stop_str, alignment=config.alignment,
+                               json_completion=config.structured == "json")
+
+    def _initial_constraint(self):
+        from decodespec.spec.policy import initial_policy_state
+
+        return initial_policy_state(self.policy).constraint_state
+
+    def _initial_mu(self):
+        from decodespec.spec.policy import initial_policy_state
+
+        return initial_policy_state(self.policy).mirostat_mu
+
+    # -- helpers ---------------------------------------------------------------------------
+    def admit(self, config: CaseConfig) -> None:
+        """Admission of ``config`` (replaces the request; snapshots are kept).
+
+        Raises:
+            Rejection / ResourceLimit: :func:`admission_refusal`; nothing changes.
+        """
+        refusal = admission_refusal(config, self.reference.vocab_size, self.reference.window)
+        if refusal is not None:
+            raise refusal
+        old = (self.config, self.params, self.policy, self.state)
+        try:
+            self._install(config)
+            self.state = self.machine.step(self.params, self.state, Admit())
+        except DecodeSpecError:
+            self.config, self.params, self.policy, self.state = old
+            raise
+
+    @property
+    def sequence(self) -> tuple[int, ...]:
+        """``prompt_ids + output_ids``."""
+        return self.config.prompt_ids + self.state.output_ids
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """The output bytes of each id (``b""`` for special tokens)."""
+        special = frozenset(getattr(self.tokenizer, "special_ids", ()))
+        return [b"" if t in special else self.tokenizer.token_bytes(t) for t in ids]
+
+    def view(self, state: RequestState) -> RequestView:
+        """The policy's request view at ``state``."""
+        c = self.config
+        return RequestView(prompt_ids=c.prompt_ids, output_ids=state.output_ids, eos_ids=sorted(c.eos_ids),
+                           min_new_tokens=c.min_new_tokens, identity=self.params.identity, seed=c.seed)
+
+    def greedy(self) -> bool:
+        """Whether the selector is greedy (family greedy, or temperature 0)."""
+        t = self.policy.find("temperature")
+        return self.policy.family is Family.GREEDY or (t is not None and t.get("temperature") == 0.0)
+
+
+@attrs.frozen
+class StepRecord:
+    """One lock-step step.
+
+    Attributes:
+        index: 0-based step number (``reset`` is step 0).
+        action: The action (``{"op": "reset", "config": ...}`` for step 0).
+        runtime: The adapter's result (``ApplyResult.to_json()``; for reset ``ok`` / the refusal).
+        spec: The spec's result: ``{"status": "ok"}`` or ``{"status": "rejected", "code", "message", "rule", "guard"}``.
+        observation: The observation summary after the step.
+        verdict: The step's verdict.
+    """
+
+    index: int
+    action: dict[str, Any]
+    runtime: dict[str, Any]
+    spec: dict[str, Any]
+    observation: dict[str, Any] | None
+    verdict: Verdict
+    spec_state: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as JSON."""
+        return {"index": self.index, "action": self.action, "runtime": self.runtime, "spec": self.spec,
+                "observation": self.observation, "verdict": self.verdict.to_json(), "spec_state": self.spec_state}
+
+
+def _refusal_json(exc: DecodeSpecError) -> dict[str, Any]:
+    return {"status": "rejected", "code": exc.code, "message": exc.message, **{k: exc.details[k] for k in ("rule", "guard") if k in exc.details}}
+
+
+def _spec_state_json(state: RequestState) -> dict[str, Any]:
+    return {"phase": state.phase.value, "processed": state.processed, "output_ids": list(state.output_ids),
+            "pending_ids": list(state.pending_ids), "pending_tag": state.pending_tag.value, "generation": state.generation,
+            "rng_counter": state.rng_counter, "quarantined": state.quarantined,
+            "finish_reason": None if state.finish_reason is None else state.finish_reason.value,
+            "in_flight": None if state.in_flight is None else {"call_id": state.in_flight.call_id, "kind": state.in_flight.kind.value,
+                                                                "start": state.in_flight.start, "length": state.in_flight.length}}
+
+
+_STATE_FIELDS = ("phase", "output_ids", "logprobs", "frontier", "finish_reason", "triggers", "rng_counter", "generation",
+                 "quarantined", "decision", "score_id", "text", "chunks", "cache_committed", "call")
+
+
+class LockStep:
+    """Drive ``adapter`` and the spec with the same actions and judge every step with the ladder.
+
+    Args:
+        adapter: The runtime's adapter.
+        config: The case config (``reset`` admits it on both sides).
+        runtime: Runtime name for the tolerance lookup (default ``adapter.name``).
+        tolerance: Declared tolerance (default :func:`~decodespec.checks.ladder.tolerance_for`).
+        layers: Ladder layers to check.
+        machine: The spec machine (default the specification's).
+
+    Attributes:
+        records: One :class:`StepRecord` per step (``reset`` first).
+    """
+
+    def __init__(self, adapter: Adapter, config: CaseConfig, *, runtime: str | None = None, tolerance: Tolerance | None = None,
+                 layers: Sequence[str] = LAYERS, machine: Machine = MACHINE, reference: Reference | None = None):
+        from .adapters.impl import load_tokenizer
+
+        self.adapter = adapter
+        self.config = config
+        self.runtime = runtime or adapter.name
+        self.tolerance = tolerance or tolerance_for(self.runtime, config.model, config.dtype)
+        self.layers = tuple(layers)
+        self.reference = reference or reference_for(config.model)
+        self.spec = SpecSide(config, self.reference, load_tokenizer(config.model), machine)
+        self.records: list[StepRecord] = []
+        self.observation: Observation | None = None
+        self.resume_reference: Observation | None = None
+        self._snapshot_count = 0
+
+    # -- public ----------------------------------------------------------------------------
+    @property
+    def verdict(self) -> Verdict:
+        """The run's verdict: its first failed step, else its first undecided step, else passed."""
+        for result in (FAILED, UNDECIDED):
+            for record in self.records:
+                if record.verdict.result == result:
+                    return record.verdict
+        return Verdict(PASSED)
+
+    @property
+    def failed(self) -> bool:
+        """Whether some step failed."""
+        return any(r.verdict.result == FAILED for r in self.records)
+
+    def reset(self) -> StepRecord:
+        """Admit the config on both sides (step 0)."""
+        spec_error = runtime_error = None
+        try:
+            self.spec.admit(self.config)
+        except DecodeSpecError as exc:
+            spec_error = exc
+        try:
+            self.adapter.reset(self.config)
+        except DecodeSpecError as exc:
+            runtime_error = exc
+        action = {"op": "reset", "config": self.config.to_json()}
+        runtime = {"status": "ok", "data": {}} if runtime_error is None else _refusal_json(runtime_error)
+        spec = {"status": "ok"} if spec_error is None else _refusal_json(spec_error)
+        verdict = self._agreement(spec, runtime)
+        obs = None
+        if runtime_error is None:
+            obs = self.adapter.observe()
+            self.observation = obs
+            if verdict is None:
+                verdict = compare(self._expected(obs, ()), obs, layers=self.layers)
+        return self._record(action, runtime, spec, obs, verdict or Verdict(PASSED))
+
+    def apply(self, action: Mapping[str, Any]) -> StepRecord:
+        """Apply one contract action to both sides and judge it (see the module docstring)."""
+        act = check_action(action)
+        if act["op"] == "snapshot" and act["id"] is None:
+            act["id"] = f"snapshot-{self._snapshot_count}"
+        before = self.observation
+        result = self.adapter.apply(act)
+        obs = self.adapter.observe()
+        self.observation = obs
+        saved = self._save()
+        checks: list[DecisionCheck] = []
+        try:
+            self._spec_apply(act, obs, result, checks)
+            spec = {"status": "ok"}
+        except DecodeSpecError as exc:
+            self._restore(saved)
+            checks = []
+            spec = _refusal_json(exc)
+        runtime = result.to_json()
+        verdict = self._agreement(spec, runtime)
+        if verdict is None and not result.ok:
+            verdict = self._unchanged(before, obs)
+        if verdict is None and result.ok:
+            if act["op"] == "snapshot":
+                self._snapshot_count += 1
+                handle = result.data.get("snapshot", act["id"])
+                snap = self.spec.snapshots.pop(act["id"])
+                self.spec.snapshots[handle] = attrs.evolve(snap, observation=obs)
+            resume = None
+            if act["op"] == "restore" and act["corrupt"] is None:
+                resume = self.spec.snapshots[act["snapshot"]].observation
+            verdict = compare(self._expected(obs, tuple(checks), resume=resume), obs, layers=self.layers)
+        return self._record(act, runtime, spec, obs, verdict or Verdict(PASSED))
+
+    def finish_against(self, uninterrupted: Observation) -> Verdict:
+        """RESUME: compare the current observation with an uninterrupted run's final observation."""
+        assert self.observation is not None
+        exp = Expected(tolerance=self.tolerance, resume=uninterrupted)
+        verdict = compare(exp, self.observation, layers=("RESUME",))
+        record = StepRecord(len(self.records), {"op": "compare_resume"}, {"status": "ok", "data": {}}, {"status": "ok"},
+                            self.observation.summary(), verdict, _spec_state_json(self.spec.state))
+        self.records.append(record)
+        return verdict
+
+    # -- internals -------------------------------------------------------------------------
+    def _record(self, action: dict[str, Any], runtime: dict[str, Any], spec: dict[str, Any], obs: Observation | None,
+                verdict: Verdict) -> StepRecord:
+        index = len(self.records)
+        record = StepRecord(index, action, runtime, spec, None if obs is None else obs.summary(),
+                            attrs.evolve(verdict, step=index) if not verdict.passed else verdict, _spec_state_json(self.spec.state))
+        self.records.append(record)
+        return record
+
+    def _agreement(self, spec: dict[str, Any], runtime: dict[str, Any]) -> Verdict | None:
+        s_ok, r_ok = spec["status"] == "ok", runtime["status"] == "ok"
+        if s_ok != r_ok:
+            expected = "accepted" if s_ok else f"rejected ({spec.get('code')}: {spec.get('rule', '')} {spec.get('guard', '')})".rstrip()
+            actual = "accepted" if r_ok else f"rejected ({runtime.get('code')}: {runtime.get('message', '')})"
+            return Verdict(FAILED, "STATE", "ladder.STATE", "accept_reject", expected, actual,
+                           f"the spec {'accepts' if s_ok else 'rejects'} the action, the runtime {'accepts' if r_ok else 'rejects'} it")
+        if not s_ok and spec.get("code") != runtime.get("code"):
+            return Verdict(FAILED, "STATE", "ladder.STATE", "refusal_code", spec.get("code"), runtime.get("code"),
+                           f"both refuse the action, with different codes ({spec.get('message')} / {runtime.get('message')})")
+        return None
+
+    def _unchanged(self, before: Observation | None, after: Observation) -> Verdict | None:
+        if before is None:
+            return None
+        for name in _STATE_FIELDS:
+            a, b = getattr(before, name), getattr(after, name)
+            if a != b:
+                return Verdict(FAILED, "STATE", "ladder.STATE", "rejected_changed_nothing", {name: a}, {name: b},
+                               f"a rejected action changed the observable {name}")
+        return None
+
+    def _save(self) -> tuple:
+        s = self.spec
+        return (s.config, s.params, s.policy, s.state, s.policy_state, s.pending_policy_state, list(s.logprobs), s.pending_logprob,
+                s.last_call, s.last_decision, s.stop, dict(s.snapshots))
+
+    def _restore(self, saved: tuple) -> None:
+        s = self.spec
+        (s.config, s.params, s.policy, s.state, s.policy_state, s.pending_policy_state, s.logprobs, s.pending_logprob,
+         s.last_call, s.last_decision, s.stop, s.snapshots) = saved
+
+    # -- the spec translation --------------------------------------------------------------
+    def _step(self, action: Action) -> None:
+        s = self.spec
+        s.state = s.machine.step(s.params, s.state, action)
+
+    def _launch(self, kind: CallKind | None, length: int | None) -> None:
+        s = self.spec
+        due = due_call(s.params, s.state)
+        if kind is None:
+            if due is None:
+                raise Rejection(NOT_ENABLED, f"no call is due in phase {s.state.phase.value}", "$.action",
+                                details={"rule": "controller", "guard": "a call is due"})
+            kind = due[0]
+        start = expected_start(s.params, s.state)
+        if length is None:
+            length = due[2] if due is not None and due[0] is kind else (1 if s.params.cached else s.params.prompt_len + s.state.output_count)
+        self._step(Launch(kind, start, length))
+        call = s.state.in_flight
+        assert call is not None
+        positions = list(range(call.start, call.end))
+        s.last_call = {"call_id": call.call_id, "kind": call.kind.value, "start": call.start, "length": call.length,
+                       "position_ids": positions, "cache_position": positions}
+
+    def _complete(self) -> None:
+        s = self.spec
+        self._step(expected_report(s.params, s.state))
+
+    def _decide(self, obs: Observation, checks: list[DecisionCheck], runtime_token: int | None) -> None:
+        s = self.spec
+        state = s.state
+        if state.phase is not Phase.SCORED or state.score is None:
+            self._step(Decide(score_id="", token_id=0, draws=0))  # raises the spec's own refusal
+        score = state.score
+        assert score is not None
+        index = state.output_count
+        view = s.view(state)
+        ref_raw = s.reference.row(s.sequence)
+        ref_row = ScoreRow.create(ref_raw, row_id=score.score_id)
+        receipt, after = decide(ref_row, s.policy, s.policy_state, view)
+        ref_processed = processed_row(ref_row, s.policy, s.policy_state, view)
+        token, draws = receipt.selected_id, receipt.draws
+        cand_processed = None
+        cand_token = None
+        own_row = obs.score_row is not None and obs.score_output_count == index
+        if own_row:
+            cand_row = ScoreRow.create(obs.score_row, row_id=score.score_id)
+            try:
+                cand_processed = processed_row(cand_row, s.policy, s.policy_state, view)
+                cand_token = decide(cand_row, s.policy, s.policy_state, view)[0].selected_id
+            except DecodeSpecError:
+                cand_processed = cand_token = None
+        if runtime_token is not None and runtime_token != token:
+            u = None
+            if not s.greedy():
+                u = uniform(rng_key(s.params.identity, s.config.seed), view.step, 0)
+            verdict = judge_decision(policy=s.policy, ref_values=ref_processed.values, ref_token=token, runtime_token=runtime_token,
+                                     tolerance=self.tolerance, greedy=s.greedy(), cand_token=cand_token,
+                                     ref_probs=ref_processed.probs, u=u, output_index=index)
+            checks.append(DecisionCheck(index, verdict))
+            if verdict.result == UNDECIDED:
+                token = runtime_token
+                after = child_state(s.policy, s.policy_state, token, draws=draws)
+        self._step(Decide(score.score_id, token, draws))
+        probe = cand_processed if cand_processed is not None else ref_processed
+        support = probe.support
+        s.pending_policy_state = after
+        s.pending_logprob = float(log_softmax(np.asarray(ref_raw, dtype=np.float64))[token])
+        s.last_decision = (token, s.pending_logprob, draws, (support, probe.probs[support]))
+
+    def _commit(self, receipt: str | None, obs: Observation) -> None:
+        s = self.spec
+        state = s.state
+        pending = state.receipt
+        receipt_id = receipt if receipt is not None else (pending.receipt_id if pending is not None else "")
+        text: frozenset[FinishReason] = frozenset()
+        if pending is not None and receipt_id == pending.receipt_id and (s.params.stop_strings or s.params.structured):
+            ids = state.output_ids + (pending.token_id,)
+            fired, _, _ = step_triggers(s.stop, ids, s.token_bytes(ids))
+            text = frozenset(fired) & TEXT_TRIGGERS
+        self._step(Commit(receipt_id, text))
+        assert s.pending_policy_state is not None and s.pending_logprob is not None
+        s.policy_state = s.pending_policy_state
+        s.logprobs.append(s.pending_logprob)
+        s.pending_policy_state = None
+        s.pending_logprob = None
+
+    def _controller(self, obs: Observation, checks: list[DecisionCheck], *, until_commit: bool) -> None:
+        s = self.spec
+        moved = False
+        while True:
+            state = s.state
+            if state.in_flight is not None:
+                self._complete()
+            elif state.quarantined and (state.phase is Phase.READY or repair_outstanding(s.params, state)):
+                self._step(Recover())
+            elif state.phase is Phase.SCORED:
+                index = state.output_count
+                self._decide(obs, checks, obs.output_ids[index] if index < len(obs.output_ids) else None)
+            elif state.phase is Phase.DECIDED:
+                self._commit(None, obs)
+                moved = True
+                if until_commit:
+                    return
+                continue
+            elif due_call(s.params, state) is not None:
+                self._launch(None, None)
+            else:
+                break
+            moved = True
+        if not moved:
+            raise Rejection(NOT_ENABLED, f"no controller action is enabled in phase {s.state.phase.value} (terminal)", "$.op",
+                            details={"rule": "controller", "guard": "the request is not terminal"})
+
+    def _spec_apply(self, act: dict[str, Any], obs: Observation, result: ApplyResult, checks: list[DecisionCheck]) -> None:
+        s = self.spec
+        op = act["op"]
+        if op in ("prefill", "decode", "repair"):
+            kind = CallKind(op)
+            self._launch(kind, act["chunk"] if op == "prefill" else None)
+            self._complete()
+        elif op == "launch":
+            self._launch(None if act["kind"] is None else CallKind(act["kind"]), act["length"])
+        elif op == "complete":
+            self._complete()
+        elif op == "decide":
+            token = result.data.get("token_id") if result.ok else None
+            self._decide(obs, checks, token if token is None else int(token))
+        elif op == "commit":
+            self._commit(act["receipt"], obs)
+        elif op == "step":
+            self._controller(obs, checks, until_commit=True)
+        elif op == "run":
+            self._controller(obs, checks, until_commit=False)
+        elif op == "cancel":
+            self._step(Cancel(FinishReason(act["kind"])))
+            self._discard_decision()
+        elif op == "stream_fail":
+            self._step(StreamFailure())
+            self._discard_decision()
+        elif op == "fault":
+            self._step(Fault(act["kind"]))
+        elif op == "recover":
+            self._step(Recover())
+        elif op == "snapshot":
+            self._snapshot(act["form"], act["id"])
+        elif op == "restore":
+            self._restore_snapshot(act["snapshot"], act["corrupt"])
+        elif op == "reuse":
+            changes: dict[str, Any] = {"prompt_ids": tuple(act["prompt_ids"])}
+            if act["max_new_tokens"] is not None:
+                changes["max_new_tokens"] = act["max_new_tokens"]
+            s.admit(s.config.evolve(**changes))
+            self.config = s.config
+        else:  # pragma: no cover - check_action knows every op
+            raise AssertionError(op)
+
+    def _discard_decision(self) -> None:
+        s = self.spec
+        if s.state.receipt is None:
+            s.pending_policy_state = None
+            s.pending_logprob = None
+
+    def _snapshot(self, form: str, handle: str) -> None:
+        s = self.spec
+        state = s.state
+        refuse = lambda why: Rejection(SNAPSHOT_FORM_UNAVAILABLE, why, "$.form")  # noqa: E731
+        if form not in SNAPSHOT_FORMS:
+            raise refuse(f"unknown snapshot form {form!r}")
+        if state.in_flight is not None:
+            raise refuse("a call is in flight")
+        if state.quarantined:
+            raise refuse("the handle is quarantined (recover first)")
+        if state.phase not in (Phase.READY, Phase.SCORED, Phase.FINISHED):
+            raise refuse(f"no snapshot in phase {state.phase.value}")
+        if form == REPAIRED and state.pending_ids:
+            if state.phase is Phase.READY:
+                self._launch(CallKind.DECODE, None)
+            elif repair_outstanding(s.params, state):
+                self._launch(CallKind.REPAIR, None)
+            else:
+                raise refuse("the final token is closed unprocessed and no append/repair call is declared")
+            self._complete()
+        self._step(Snapshot(form))
+        record = take_snapshot(s.params, s.state, form)
+        s.snapshots[handle] = SpecSnapshot(record, s.policy_state, tuple(s.logprobs), s.last_call, s.last_decision, None)
+
+    def _restore_snapshot(self, handle: str, corrupt: str | None) -> None:
+        s = self.spec
+        snap = s.snapshots.get(handle)
+        if snap is None:
+            raise Rejection("adapter.invalid_action", f"no snapshot named {handle!r}", "$.snapshot")
+        record = snap.record if corrupt is None else corrupt_record(snap.record, corrupt)
+        state = s.machine.step(s.params, initial_state(s.params), Restore(record))
+        s.state = state
+        s.policy_state = snap.policy_state
+        s.pending_policy_state = None
+        s.pending_logprob = None
+        s.logprobs = list(snap.logprobs)
+        s.last_call = snap.last_call
+        s.last_decision = snap.last_decision
+
+    # -- the expected projection -----------------------------------------------------------
+    def _expected(self, obs: Observation, checks: tuple[DecisionCheck, ...], *, resume: Observation | None = None) -> Expected:
+        s = self.spec
+        state = s.state
+        params = s.params
+        seq = s.sequence
+        score_row = None
+        if obs.score_row is not None and obs.score_output_count is not None and obs.score_output_count <= state.output_count:
+            score_row = s.reference.row(s.config.prompt_ids + state.output_ids[:obs.score_output_count])
+        cache_probe = None
+        if obs.cache_probe is not None and params.cached and 0 < state.processed <= len(seq):
+            cache_probe = s.reference.kv(seq[:state.processed])
+        call = None
+        if s.last_call is not None:
+            call = {**s.last_call, "in_flight": state.in_flight is not None and state.in_flight.call_id == s.last_call["call_id"]}
+        decision = s.last_decision
+        text, chunks = self._text(state)
+        return Expected(
+            tolerance=self.tolerance,
+            phase=state.phase.value,
+            output_ids=state.output_ids,
+            frontier={"prompt_len": params.prompt_len, "output_count": state.output_count, "pending": len(state.pending_ids),
+                      "processed": state.processed, "pending_tag": state.pending_tag.value},
+            rng_counter=state.rng_counter,
+            generation=state.generation,
+            quarantined=state.quarantined,
+            cache_committed=state.processed if params.cached else 0,
+            call=call,
+            score_row=score_row,
+            cache_probe=cache_probe,
+            support_ids=None if decision is None else decision[3][0],
+            support_probs=None if decision is None else decision[3][1],
+            draws=None if decision is None else decision[2],
+            decision_checks=checks,
+            decision_token=None if decision is None else decision[0],
+            decision_logprob=None if decision is None else decision[1],
+            logprobs=tuple(s.logprobs),
+            finish_reason=None if state.finish_reason is None else state.finish_reason.value,
+            triggers=tuple(r.value for r in FINISH_PRECEDENCE if r in state.triggers),
+            text=text,
+            chunks=chunks,
+            resume=resume,
+        )
+
+    def _text(self, state: RequestState) -> tuple[str, tuple[dict[str, Any], ...] | None]:
+        """The spec's returned text and delivered chunks (:mod:`decodespec.spec.stop` reference) over the committed ids."""
+        s = self.spec
+        ids = list(state.output_ids)
+        stream = s.config.stream
+        if not ids:
+            return "", (() if stream else None)
+        tb = s.token_bytes(ids)
+        external = {FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR, FinishReason.STREAM_ERROR}
+        flush = None
+        if state.phase is not Phase.FINISHED:
+            text = b"".join(tb).decode("utf-8", errors="replace")
+        elif state.triggers - external:  # a commit closed the output
+            fired, match, structured_end = step_triggers(s.stop, ids, tb)
+            text = align_output(s.stop, ids, tb, None, fired, match, structured_end).text
+        else:  # closed from outside: everything committed is text; the stream flushes except after stream_error
+            text = align_output(s.stop, ids, tb, None, frozenset(state.triggers)).text
+            flush = None if state.finish_reason is FinishReason.STREAM_ERROR else state.finish_reason
+        chunks = reference_stream(s.stop, ids, tb, external=flush).chunks if stream else None
+        return text, None if chunks is None else tuple(c.to_json() for c in chunks)
