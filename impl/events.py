@@ -31,6 +31,13 @@ event               spec action (or check)
 ``restore``         ``Restore(record)`` with the snapshot's ledger (``state``)
 ``finish``          check: ``finish_reason``, ``triggers`` and ``frontier`` are the spec's
 ``stream``          (stream frontier; not a spec action, checked by the stream engineer)
+``beam_step``       a beam search's ``transition.beam_step`` (written by
+                    :class:`decodespec.impl.beam.BeamRunner`, whose ``request`` header
+                    carries ``beam``, the ``BeamParams`` JSON, instead of ``params``):
+                    ``step``, ``parents``, ``tokens``, ``scores`` (the new live slots) and
+                    ``completed`` (``parent``, ``token``, ``rank``, ``score``,
+                    ``normalized``, ``length``, ``finish_reason``, ``triggers``), equal to
+                    ``decodespec.spec.beam.BeamStepRecord.to_event()`` for the same rows
 ==================  =====================================================================
 
 Cost when enabled: one ``json.dumps`` of lists of ints per event (logits are never
@@ -47,10 +54,13 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, TextIO
 
-__all__ = ["EVENTS_FORMAT", "EventSink", "FileSink", "ListSink", "read_events"]
+__all__ = ["BEAM_STEP_FIELDS", "EVENTS_FORMAT", "EventSink", "FileSink", "ListSink", "read_events"]
 
 #: Name of the trace format (written in the ``request`` event's ``format`` field).
 EVENTS_FORMAT = "decodespec.events.v1"
+
+#: The body fields of a ``beam_step`` event, in order (``spec.beam.BeamStepRecord.to_event()``).
+BEAM_STEP_FIELDS = ("step", "parents", "tokens", "scores", "completed")
 
 
 class EventSink:
