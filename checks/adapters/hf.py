@@ -1,0 +1,463 @@
+"""The HF transformers adapter: ``LlamaForCausalLM`` driven the way ``GenerationMixin`` drives it.
+
+Two paths over the same HF model:
+
+* **Step-wise** (:class:`HFEngine` behind :class:`~decodespec.checks.adapters.peer.PeerAdapter`,
+  what ``pytest checks/ --runtime hf`` drives): each contract call is one HF forward prepared by
+  HF's own ``prepare_inputs_for_generation`` (the growing ``input_ids`` and all-ones
+  ``attention_mask`` as ``_sample`` keeps them; ``next_sequence_length`` = the call's rows with a
+  cache, the whole prefix without one, ``logits_to_keep=1``); the cache is HF's own
+  ``DynamicCache`` / ``StaticCache(max_cache_len=S)`` (``cache = None`` and ``use_cache=False``
+  for the no-cache family), so positions come from HF's ``cache.get_seq_length()`` and P is that
+  same count; the decision row is ``logits[:, -1]`` in float32; the decision applies the
+  ``LogitsProcessorList`` that ``GenerationMixin._get_logits_processor`` builds for the case's
+  policy (HF's fixed processor order, ``generation/utils.py:1416-1663``), then ``argmax``
+  (greedy) or ``torch.multinomial(softmax(scores), 1)`` (sampling: HF's **global** torch RNG,
+  seeded once per request with ``torch.manual_seed(seed)`` as HF's examples do -- no
+  per-request, replayable stream, so the decision's draw count is not exposed); the finish
+  triggers come from HF's own ``_get_stopping_criteria`` list (``MaxLengthCriteria``,
+  ``StopStringCriteria``, ``EosTokenCriteria``), each criterion mapped to the reason it stands
+  for; a cancelled call's rows are dropped with HF's ``Cache.crop(-n)`` (the v5 negative form);
+  text is the HF tokenizer's ``decode`` (SmolLM2; the tiny model has no HF tokenizer).
+* **Sequence-level** (:func:`generate_sequence`): one ``model.generate(...)`` call (greedy,
+  sampling, ``num_beams``) with ``output_logits=True``, for SEQUENCE comparisons and for the
+  evidence that the step-wise path is HF's own loop.
+
+Models: SmolLM2 from the same GGUF file (``from_pretrained(dir, gguf_file=...)``, dequantized to
+float32); the tiny model is HF ``LlamaForCausalLM`` with our tiny architecture and our seed-0
+weights copied in (:func:`hf_tiny`).
+
+Capabilities: no-cache / dynamic / static caches, chunked prefill (HF's ``_prefill`` chunk loop
+body), separate decide / commit, launch / complete (the forward runs at ``complete``), sampling,
+raw logits, processed rows, committed K/V rows (HF's cache tensors, keys after RoPE), static-cache
+reuse (HF's ``Cache.reset()``), snapshots (a deep copy of HF's cache: HF resumes from
+``past_key_values``; there is no RNG or processor state to save) and stop strings (SmolLM2).
+HF cannot honour: transforms it has no processor for (frequency / presence penalty, top-n-sigma,
+Mirostat, a finite-state constraint), vLLM's output-only history, ``empty_support =
+fallback_eos``, temperature 0 in the sampling family (``TemperatureLogitsWarper`` raises), beams
+in the step-wise path, streams, structured completion; those are refused with
+``adapter.unsupported`` at reset.
+
+Source: transformers 5.24.0 ``generation/utils.py`` (``_sample`` 3123-3300, ``_prefill``
+4283-4420, ``prepare_inputs_for_generation`` 667-800, ``_get_logits_processor`` 1416-1663,
+``_get_stopping_criteria`` 1665-1700), ``cache_utils.py`` (``DynamicLayer.crop`` 164,
+``StaticLayer`` 403-520), ``generation/stopping_criteria.py``; M3.10 "Pinned official runtime
+reconciliation" (Transformers generation row).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+from typing import Any
+
+import numpy as np
+
+from decodespec.spec.enums import FinishReason
+from decodespec.spec.policy.config import EmptySupport, Family, policy_config_from_json
+
+from . import CaseConfig
+from .peer import PeerAdapter, PeerDecision, unsupported
+
+__all__ = ["HF_CAPABILITIES", "HFEngine", "available", "create", "generation_config", "generate_sequence", "hf_model", "hf_tiny",
+           "hf_tokenizer"]
+
+#: What the step-wise HF adapter declares.
+HF_CAPABILITIES = frozenset({
+    "cache:none", "cache:dynamic", "cache:static", "prefill_chunk", "decide_commit", "inflight", "sampling", "logits",
+    "policy_rows", "cache_probe", "reuse", "snapshot", "stop_strings",
+})
+#: Policy transform -> the ``GenerationConfig`` field HF builds its processor from.
+_HF_FIELDS = {
+    "temperature": ("temperature", "temperature"),
+    "top_k": ("top_k", "k"),
+    "top_p": ("top_p", "p"),
+    "min_p": ("min_p", "p"),
+    "typical": ("typical_p", "p"),
+    "epsilon": ("epsilon_cutoff", "epsilon"),
+    "eta": ("eta_cutoff", "epsilon"),
+    "repetition_penalty": ("repetition_penalty", "penalty"),
+    "no_repeat_ngram": ("no_repeat_ngram_size", "n"),
+}
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def available() -> str | None:
+    """``None`` when HF transformers (with accelerate, for GGUF loading) is importable, else the skip reason."""
+    from decodespec.checks.testing import HF_SKIP_REASON, hf_available
+
+    return None if hf_available() else HF_SKIP_REASON
+
+
+def create(**options: Any) -> PeerAdapter:
+    """The step-wise HF adapter (``options`` are ignored: the case config names model, dtype, device)."""
+    return PeerAdapter(HFEngine(), "hf")
+
+
+@functools.lru_cache(maxsize=4)
+def hf_model(name: str, dtype: str = "float32", device: str = "cpu", attention: str = "sdpa"):
+    """The shared HF ``LlamaForCausalLM`` of model ``name`` (loaded once per process, eval mode).
+
+    Raises:
+        Rejection: ``model.file_missing`` when SmolLM2 is not installed.
+    """
+    import torch
+
+    if name == "tiny":
+        model = hf_tiny(attention)
+    else:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        from decodespec.impl.gguf import smollm2_path
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+        path = smollm2_path()
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                     attn_implementation=attention)
+    return model.to(device=device, dtype=getattr(torch, dtype)).eval()
+
+
+def hf_tiny(attention: str = "sdpa"):
+    """HF ``LlamaForCausalLM`` with our tiny architecture and the seed-0 weights of :func:`decodespec.impl.tiny.load_tiny`.
+
+    Source: impl/tiny.py (architecture and initialisation); the state-dict names are HF's.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from decodespec.impl.tiny import load_tiny
+
+    ours = load_tiny(seed=0, device="cpu")
+    c = ours.config
+    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                         max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+                         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+                         tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+                         pad_token_id=c.pad_token_id, attn_implementation=attention)
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(ours.state_dict(), strict=False)
+    # A tied head is not a separate tensor in our state dict.
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    with torch.no_grad():
+        assert torch.equal(model.lm_head.weight, ours.model.embed_tokens.weight)
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=2)
+def hf_tokenizer(name: str):
+    """HF's tokenizer of model ``name`` (SmolLM2 from the same GGUF file), or ``None`` for the tiny model."""
+    if name == "tiny":
+        return None
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from decodespec.impl.gguf import smollm2_path
+
+    hf_logging.set_verbosity_error()
+    path = smollm2_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def generation_config(config: CaseConfig, *, max_length: int | None = None):
+    """The ``GenerationConfig`` a user sets for ``config``'s request (HF field per policy transform).
+
+    Args:
+        config: The case.
+        max_length: HF's ``max_length`` (L + G, or the context cap when it is smaller).
+
+    Raises:
+        Rejection: ``adapter.unsupported`` for a policy HF has no processor or option for;
+            ``policy.*`` for a policy the M3.8 schema refuses.
+    """
+    from transformers import GenerationConfig
+
+    policy = policy_config_from_json(config.policy)
+    if policy.family is Family.BEAM:
+        raise unsupported("beams run through generate_sequence(num_beams=...), not the step-wise adapter", "$.policy.family")
+    if policy.empty_support is not EmptySupport.RAISE:
+        raise unsupported("HF has no EOS fallback for an empty support", "$.policy.empty_support")
+    fields: dict[str, Any] = {"do_sample": policy.family is Family.MULTINOMIAL, "num_beams": 1, "top_k": None, "top_p": None,
+                              "temperature": None}
+    for index, transform in enumerate(policy.transforms):
+        path = f"$.policy.transforms[{index}]"
+        name = transform.name
+        if any(key == "history" and value != "prompt_and_output" for key, value in transform.params):
+            raise unsupported(f"HF's {name} reads the prompt and the output; it has no output-only history", path)
+        if name in _HF_FIELDS:
+            field, param = _HF_FIELDS[name]
+            fields[field] = transform.get(param)
+        elif name == "bad_words":
+            fields["bad_words_ids"] = [list(seq) for seq in transform.get("sequences")]
+        elif name == "logit_bias":
+            fields["sequence_bias"] = {(token,): bias for token, bias in transform.get("bias")}
+        elif name == "min_new_tokens":
+            fields["min_new_tokens"] = config.min_new_tokens or None
+        else:
+            raise unsupported(f"HF has no logits processor for the {name!r} transform", path)
+    if config.min_new_tokens:
+        fields["min_new_tokens"] = config.min_new_tokens
+    if fields["do_sample"] and fields["temperature"] == 0.0:
+        raise unsupported("HF refuses temperature 0 when sampling (TemperatureLogitsWarper needs T > 0); "
+                          "the spec takes the greedy branch", "$.policy.transforms")
+    eos = list(config.eos_ids)
+    return GenerationConfig(max_new_tokens=config.max_new_tokens, max_length=max_length, eos_token_id=eos or None,
+                            pad_token_id=eos[0] if eos else 0, stop_strings=list(config.stop_strings) or None, **fields)
+
+
+class HFEngine:
+    """HF's generation loop, one contract call at a time (see the module docstring)."""
+
+    name = "hf"
+    capabilities = HF_CAPABILITIES
+
+    def __init__(self):
+        self.model = None
+        self.cache = None
+        self.config: CaseConfig | None = None
+
+    # -- request -------------------------------------------------------------------------
+    def start(self, config: CaseConfig, *, context_cap: int, reuse: bool = False) -> None:
+        """Build the request: model, cache, processors (``_get_logits_processor``), criteria (``_get_stopping_criteria``).
+
+        Raises:
+            Rejection: ``adapter.unsupported`` (see the module docstring).
+        """
+        import torch
+        from transformers import StoppingCriteriaList
+
+        if config.dtype not in _DTYPES:
+            raise unsupported(f"dtype {config.dtype!r}", "$.dtype")
+        if config.stop_strings and config.model == "tiny":
+            raise unsupported("the tiny model has no HF tokenizer, so HF cannot match stop strings", "$.stop_strings")
+        model = hf_model(config.model, config.dtype, config.device, config.attention)
+        L, G = config.prompt_len, config.max_new_tokens
+        gen = generation_config(config, max_length=min(L + G, context_cap))
+        tokenizer = hf_tokenizer(config.model)
+        device = model.device
+        model._prepare_special_tokens(gen, True, device=device)
+        ones = torch.ones((1, L), dtype=torch.long, device=device)
+        processors = model._get_logits_processor(gen, input_ids_seq_length=L, device=device, model_kwargs={"attention_mask": ones})
+        criteria = model._get_stopping_criteria(gen, StoppingCriteriaList(), tokenizer)
+        if config.cache == "static":
+            capacity = config.static_capacity or min(L + G + 1, int(model.config.max_position_embeddings))
+        reused = self.cache if reuse else None
+        if config.cache == "none":
+            cache = None
+        elif reused is not None and type(reused).__name__ == {"dynamic": "DynamicCache", "static": "StaticCache"}[config.cache]:
+            reused.reset()  # HF's API for giving a cache object to a new request
+            cache = reused
+        elif config.cache == "dynamic":
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=model.config)
+        else:
+            from transformers import StaticCache
+
+            cache = StaticCache(config=model.config, max_cache_len=capacity)
+        self.model, self.config, self.generation, self.processors, self.criteria = model, config, gen, processors, criteria
+        self.tokenizer, self.cache, self.context_cap = tokenizer, cache, context_cap
+        if config.seed is not None and gen.do_sample:
+            torch.manual_seed(config.seed)  # HF's convention: the global RNG (transformers.set_seed)
+
+    def window_for(self, config: CaseConfig) -> int:
+        """``max_position_embeddings`` of the case's model (loads it)."""
+        return int(hf_model(config.model, config.dtype, config.device, config.attention).config.max_position_embeddings)
+
+    def processed(self) -> int:
+        """HF's ``cache.get_seq_length()`` (a tensor for static layers)."""
+        return int(self.cache.get_seq_length()) if self.cache is not None else 0
+
+    def physical(self) -> int:
+        """Allocated slots (static: ``max_cache_len``) or written rows (dynamic)."""
+        if self.cache is None:
+            return 0
+        layer = self.cache.layers[0]
+        if hasattr(layer, "max_cache_len"):
+            return int(layer.max_cache_len)
+        return int(layer.keys.shape[-2]) if getattr(layer, "is_initialized", False) and layer.keys is not None else 0
+
+    # -- calls ---------------------------------------------------------------------------
+    def forward(self, sequence: list[int], start: int, length: int) -> np.ndarray:
+        """One HF forward prepared by ``prepare_inputs_for_generation`` (see the module docstring).
+
+        Shapes: returns ``float32[V]``.
+        """
+        import torch
+
+        model = self.model
+        end = start + length
+        ids = torch.tensor([sequence[:end]], dtype=torch.long, device=model.device)  # [1, P + T]: HF's growing input_ids
+        mask = torch.ones_like(ids)  # [1, P + T]
+        use_cache = self.cache is not None
+        kwargs: dict[str, Any] = {"attention_mask": mask, "use_cache": use_cache, "logits_to_keep": 1}
+        if use_cache:
+            kwargs["cache"] = self.cache
+        inputs = model.prepare_inputs_for_generation(ids, next_sequence_length=length if use_cache else None,
+                                                     is_first_iteration=start == 0, **kwargs)
+        with torch.inference_mode():
+            out = model(**inputs, return_dict=True)
+        if use_cache:
+            self.cache = out.cache
+        return out.logits[0, -1].to(dtype=torch.float32).cpu().numpy()  # `_sample`: logits[:, -1] in float32
+
+    def rollback(self, processed: int) -> None:
+        """HF's ``Cache.crop(-n)`` back to ``processed`` rows."""
+        extra = self.processed() - processed
+        if extra > 0:
+            self.cache.crop(-extra)
+
+    def decide(self, row: np.ndarray, sequence: list[int], output_count: int) -> PeerDecision:
+        """HF's processors on ``row``, then ``argmax`` or ``torch.multinomial`` (global RNG)."""
+        import torch
+
+        device = self.model.device
+        ids = torch.tensor([sequence], dtype=torch.long, device=device)  # [1, L + O]
+        logits = torch.tensor(row, dtype=torch.float32, device=device)[None]  # [1, V]
+        with torch.inference_mode():
+            scores = self.processors(ids, logits)  # [1, V]
+            probs = torch.nn.functional.softmax(scores, dim=-1)  # [1, V]
+            if self.generation.do_sample:
+                token = int(torch.multinomial(probs, num_samples=1)[0, 0])
+            else:
+                token = int(torch.argmax(scores, dim=-1)[0])
+        support = torch.isfinite(scores[0]).nonzero().squeeze(-1)
+        return PeerDecision(token, support.cpu().numpy(), probs[0, support].float().cpu().numpy(), None)
+
+    def accept(self, token_id: int) -> None:
+        """HF keeps no per-request processor state (its processors recompute from ``input_ids``)."""
+
+    def triggers(self, sequence: list[int], output_count: int) -> set[FinishReason]:
+        """The criteria of ``_get_stopping_criteria`` that fire on HF's ``input_ids``, each mapped to its reason."""
+        import torch
+        from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StopStringCriteria
+
+        ids = torch.tensor([sequence], dtype=torch.long, device=self.model.device)
+        fired: set[FinishReason] = set()
+        for criterion in self.criteria:
+            if not bool(criterion(ids, None)[0]):
+                continue
+            if isinstance(criterion, EosTokenCriteria):
+                fired.add(FinishReason.EOS)
+            elif isinstance(criterion, StopStringCriteria):
+                fired.add(FinishReason.STOP_STRING)
+            elif isinstance(criterion, MaxLengthCriteria):
+                # One HF bound, max_length = min(L + G, C): say which declared bound it stands for.
+                if output_count >= self.config.max_new_tokens:
+                    fired.add(FinishReason.LENGTH)
+                if len(sequence) >= self.context_cap:
+                    fired.add(FinishReason.CONTEXT_LENGTH)
+        return fired
+
+    def text(self, output_ids: list[int]) -> str | None:
+        """``tokenizer.decode(output_ids)`` (HF returns what it generated; a stop string stays in)."""
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(output_ids)
+
+    def cache_probe(self, processed: int) -> np.ndarray | None:
+        """HF's cached K (after RoPE) and V rows ``[layers, 2, H_kv, P, D]`` (float32)."""
+        import torch
+
+        if self.cache is None:
+            return None
+        rows = []
+        for layer in self.cache.layers:
+            if layer.keys is None:
+                return None
+            rows.append(torch.stack((layer.keys[0, :, :processed], layer.values[0, :, :processed])))
+        return torch.stack(rows).to(torch.float32).cpu().numpy()
+
+    # -- snapshots -----------------------------------------------------------------------
+    def save(self) -> Any:
+        """A deep copy of HF's cache (what ``generate`` continues from as ``past_key_values``)."""
+        return copy.deepcopy(self.cache)
+
+    def load(self, blob: Any) -> None:
+        """Continue from a copy of the saved cache."""
+        self.cache = copy.deepcopy(blob)
+
+    def corrupt(self, blob: Any, state: dict[str, Any], corruption: str) -> tuple[Any, dict[str, Any]]:
+        """HF's snapshot is a cache object and the caller's ``input_ids``: corrupt the counterpart when one exists.
+
+        ``pending_dropped``: the pending token is removed from the caller's ids (the cache is
+        kept); ``processed_plus_one`` / ``repaired_with_pending``: the cache is given one more
+        row (a copy of its last row, as a relabelled slot); ``identity`` and ``rng_counter``:
+        HF's snapshot has no such field, so the copy is restored unchanged.  HF validates none
+        of these on continue.
+        """
+        import torch
+
+        blob = copy.deepcopy(blob)
+        if corruption == "pending_dropped" and state.get("pending_ids"):
+            state = {**state, "output_ids": list(state["output_ids"])[:-1], "pending_ids": ()}
+        elif corruption in ("processed_plus_one", "repaired_with_pending") and blob is not None:
+            for layer in blob.layers:
+                if hasattr(layer, "max_cache_len"):
+                    layer.cumulative_length.add_(1)
+                else:
+                    layer.keys = torch.cat([layer.keys, layer.keys[:, :, -1:]], dim=-2)
+                    layer.values = torch.cat([layer.values, layer.values[:, :, -1:]], dim=-2)
+        return blob, state
+
+
+def generate_sequence(config: CaseConfig, *, num_beams: int = 1, length_penalty: float = 1.0,
+                      early_stopping: bool | str = False) -> dict[str, Any]:
+    """One ``model.generate(...)`` call for ``config`` (the SEQUENCE-level path).
+
+    Args:
+        config: The case (greedy or multinomial policy; cache ``none`` / ``dynamic`` / ``static``).
+        num_beams: ``generate(num_beams=...)`` (with ``num_return_sequences=num_beams``).
+        length_penalty / early_stopping: HF's beam parameters.
+
+    Returns:
+        ``{"output_ids": [[...], ...], "logits": float32[steps, V] (first sequence), "scores":
+        sequences_scores or None, "beam_indices": [[...]] or None, "text": str | None}``; each
+        output row is cut after the generated tokens (HF's fill value removed for beams).
+
+    Raises:
+        Rejection: ``adapter.unsupported`` as :func:`generation_config`.
+    """
+    import torch
+
+    model = hf_model(config.model, config.dtype, config.device, config.attention)
+    gen = generation_config(config)
+    gen.num_beams = num_beams
+    if num_beams > 1:
+        gen.num_return_sequences = num_beams
+        gen.length_penalty = length_penalty
+        gen.early_stopping = early_stopping
+    gen.cache_implementation = {"static": "static", "dynamic": "dynamic", "none": None}[config.cache]
+    gen.use_cache = config.cache != "none"
+    gen.return_dict_in_generate, gen.output_logits, gen.output_scores = True, True, num_beams > 1
+    ids = torch.tensor([list(config.prompt_ids)], dtype=torch.long, device=model.device)
+    if config.seed is not None and gen.do_sample:
+        torch.manual_seed(config.seed)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen, tokenizer=hf_tokenizer(config.model))
+    L = config.prompt_len
+    rows = []
+    fill = gen.pad_token_id
+    for row in out.sequences.tolist():
+        new = row[L:]
+        if num_beams > 1:
+            while new and new[-1] == fill and (len(new) < 2 or new[-2] == fill or new[-1] not in config.eos_ids):
+                new.pop()
+        rows.append(new)
+    logits = torch.stack([step[0] for step in out.logits]).float().cpu().numpy() if out.logits else np.zeros((0, 0), np.float32)
+    tok = hf_tokenizer(config.model)
+    first = rows[0]
+    text_ids = first[:-1] if first and first[-1] in config.eos_ids else first
+    return {
+        "output_ids": rows,
+        "logits": logits,
+        "scores": None if getattr(out, "sequences_scores", None) is None else out.sequences_scores.tolist(),
+        "beam_indices": None if getattr(out, "beam_indices", None) is None else out.beam_indices.tolist(),
+        "text": None if tok is None else tok.decode(text_ids),
+    }
+

@@ -1,0 +1,313 @@
+"""The llama.cpp adapter, through llama-cpp-python's ``Llama`` and its low-level bindings.
+
+llama.cpp runs the SmolLM2 Q4_1 weights natively (quantized matmuls against Q8-quantized
+activations), so its logits legitimately differ from the dequantized float32 reference; the
+runtime's tolerance is declared in ``checks/expectations/llamacpp.toml`` from a measured
+distribution, and the ladder's margin rule decides token equality (undecided when the reference
+margin is at most 2 epsilon).
+
+What each contract call does (:class:`LlamaCppEngine` behind
+:class:`~decodespec.checks.adapters.peer.PeerAdapter`):
+
+* **Model call**: ``Llama.eval(rows)`` -- one ``llama_decode`` of the call's rows at positions
+  ``n_tokens..`` (after llama-cpp-python's own ``kv_cache_seq_rm(-1, n_tokens, -1)``); the
+  decision row is ``llama_get_logits_ith(ctx, -1)``.  The context is created once per process
+  with ``logits_all=False`` (a ``logits_all=True`` context keeps an ``n_ctx x V`` float32 score
+  buffer, 400 MB at ``n_ctx = 2048``; only the last row is needed), ``n_threads = 1``,
+  ``n_batch = 512``, ``seed`` per request.  The no-cache family clears the memory and evaluates
+  the whole prefix every call (llama.cpp has no no-cache mode; this is what "cache vs no-cache"
+  compares).
+* **P** is llama.cpp's own memory frontier, ``llama_memory_seq_pos_max(mem, 0) + 1``, not the
+  Python-side ``n_tokens`` counter.
+* **Decision**: the sampler chain llama-cpp-python's ``Llama._init_sampler`` builds for the
+  policy (penalties over the last ``last_n_tokens_size = 64`` accepted tokens -> top-k ->
+  typical -> top-p -> min-p -> **temperature last** -> dist(seed); temperature 0 or the greedy
+  family -> penalties -> greedy; Mirostat v2 -> penalties -> mirostat_v2), applied with
+  ``llama_sampler_apply`` to the row (the processed support and its softmax are the POLICY
+  probe), then ``llama_sampler_accept`` at commit (the chain's penalty / Mirostat history).  The
+  chain's ``std::mt19937`` is the request RNG: llama.cpp does not count draws.
+* **Finish**: ``llama_vocab_is_eog`` (llama-cpp-python's stop test; SmolLM2's EOG set is
+  {0, 2, 4}, wider than a case's EOS ids), ``max_tokens`` (``length``), the context (``n_ctx``).
+* **Rollback** of an aborted call: ``llama_memory_seq_rm(mem, -1, P, -1)``.
+* **Snapshots**: ``Llama.save_state()`` / ``load_state()`` (``LlamaState``: ids, scores,
+  ``n_tokens``, the ``llama_state_get_data`` bytes, seed).  ``state_write_data`` writes the model
+  arch and memory only -- **not the sampler chain** (RNG, penalty history), so a restored
+  request starts a fresh chain (llama.cpp ``src/llama-context.cpp`` ``state_write_data``).
+* **Reuse**: ``Llama.reset()`` (llama-cpp-python's API for a new prompt on the same context).
+
+Capabilities: no-cache / dynamic cache, chunked prefill, decide / commit, launch / complete,
+sampling, raw logits, processed rows, reuse, snapshots (pending-suffix form).  Refused with
+``adapter.unsupported``: the tiny model (no GGUF), a static cache (llama.cpp's KV cells are
+allocated once per context, not per request), transforms without a llama-cpp-python sampler
+(logit bias, bad words, no-repeat n-gram, epsilon, eta, top-n-sigma through ``_init_sampler``, a
+finite-state constraint), ``min_new_tokens`` (no such llama.cpp parameter), an output-only
+repetition-penalty history other than llama.cpp's window, streams, stop strings, structured
+completion, an empty EOS set (llama-cpp-python always stops on EOG).
+
+Source: llama-cpp-python 0.3.36 ``llama_cpp/llama.py`` (``Llama.eval``, ``_init_sampler``,
+``sample``, ``_create_completion`` stop tests, ``save_state`` / ``load_state``, ``reset``),
+``llama_cpp/_internals.py`` (``LlamaTokenDataArray``); llama.cpp ``include/llama.h``
+(``llama_memory_seq_rm`` / ``seq_pos_max``, ``llama_sampler_apply`` / ``accept``),
+``src/llama-sampler.cpp``, ``common/sampling.cpp`` (default chain order);
+research/peers-survey.md B' and G #47; M3.10 "Framework names are observations" (llama.cpp
+column).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+from typing import Any
+
+import numpy as np
+
+from decodespec.spec.enums import FinishReason
+from decodespec.spec.policy.config import EmptySupport, Family, policy_config_from_json
+
+from . import CaseConfig
+from .peer import PeerAdapter, PeerDecision, unsupported
+
+__all__ = ["LLAMACPP_CAPABILITIES", "LLAMACPP_SKIP_REASON", "LlamaCppEngine", "N_CTX", "available", "create", "llama",
+           "sampler_params"]
+
+LLAMACPP_SKIP_REASON = ("llama-cpp-python not installed: pip install 'decodespec[llamacpp]' "
+                        "(CMAKE_ARGS=-DGGML_NATIVE=OFF; see .ci/setup --with-llamacpp)")
+#: What the llama.cpp adapter declares.
+LLAMACPP_CAPABILITIES = frozenset({
+    "cache:none", "cache:dynamic", "prefill_chunk", "decide_commit", "inflight", "sampling", "logits", "policy_rows", "reuse",
+    "snapshot",
+})
+#: The context the adapter creates (positions; the adapter's model window).
+N_CTX = 2048
+#: ``_init_sampler`` keyword -> (policy transform, its parameter).
+_SAMPLER_FIELDS = {
+    "temp": ("temperature", "temperature"),
+    "top_k": ("top_k", "k"),
+    "top_p": ("top_p", "p"),
+    "min_p": ("min_p", "p"),
+    "typical_p": ("typical", "p"),
+    "repeat_penalty": ("repetition_penalty", "penalty"),
+    "frequency_penalty": ("frequency_penalty", "penalty"),
+    "presence_penalty": ("presence_penalty", "penalty"),
+}
+#: Neutral values: each sampler in ``_init_sampler``'s chain is then a no-op.
+_NEUTRAL = {"temp": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0,
+            "frequency_penalty": 0.0, "presence_penalty": 0.0}
+
+
+def available() -> str | None:
+    """``None`` when llama-cpp-python and the SmolLM2 GGUF file are installed, else the skip reason."""
+    from decodespec.checks.testing import SMOLLM2_SKIP_REASON
+    from decodespec.impl.gguf import smollm2_available
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return LLAMACPP_SKIP_REASON
+    return None if smollm2_available() else SMOLLM2_SKIP_REASON
+
+
+def create(**options: Any) -> PeerAdapter:
+    """The llama.cpp adapter (``options`` are ignored: the case config names the model)."""
+    return PeerAdapter(LlamaCppEngine(), "llamacpp")
+
+
+@functools.lru_cache(maxsize=1)
+def llama():
+    """The shared ``Llama`` context on the SmolLM2 GGUF file (created once per process)."""
+    import llama_cpp
+
+    from decodespec.impl.gguf import smollm2_path
+
+    return llama_cpp.Llama(model_path=str(smollm2_path()), n_ctx=N_CTX, n_batch=512, n_ubatch=512, n_threads=1,
+                           n_threads_batch=1, logits_all=False, seed=0, verbose=False)
+
+
+def sampler_params(config: CaseConfig) -> dict[str, Any]:
+    """``Llama._init_sampler`` keyword arguments for ``config``'s policy (neutral values for absent samplers).
+
+    Raises:
+        Rejection: ``adapter.unsupported`` for a transform llama-cpp-python's chain has no
+            sampler for; ``policy.*`` for a policy the M3.8 schema refuses.
+    """
+    policy = policy_config_from_json(config.policy)
+    if policy.family is Family.BEAM:
+        raise unsupported("llama.cpp removed beam search (PR #7736)", "$.policy.family")
+    if policy.empty_support is not EmptySupport.RAISE:
+        raise unsupported("llama.cpp has no EOS fallback for an empty support", "$.policy.empty_support")
+    params = dict(_NEUTRAL)
+    by_name = {name: kw for kw, (name, _) in _SAMPLER_FIELDS.items()}
+    for index, transform in enumerate(policy.transforms):
+        path = f"$.policy.transforms[{index}]"
+        if transform.name in by_name:
+            kw = by_name[transform.name]
+            params[kw] = transform.get(_SAMPLER_FIELDS[kw][1])
+        elif transform.name == "mirostat_v2":
+            params.update(mirostat_mode=2, mirostat_tau=transform.get("tau"), mirostat_eta=transform.get("eta"))
+        elif transform.name == "min_new_tokens":
+            raise unsupported("llama.cpp has no min_new_tokens", path)
+        else:
+            raise unsupported(f"llama-cpp-python's sampler chain has no {transform.name!r} sampler", path)
+    if policy.family is Family.GREEDY:
+        params["temp"] = 0.0  # _init_sampler: temp == 0 -> greedy
+    return params
+
+
+class LlamaCppEngine:
+    """llama.cpp's loop, one contract call at a time (see the module docstring)."""
+
+    name = "llamacpp"
+    capabilities = LLAMACPP_CAPABILITIES
+
+    def __init__(self):
+        self.llm = None
+        self.sampler = None
+        self.config: CaseConfig | None = None
+
+    # -- request -------------------------------------------------------------------------
+    def window_for(self, config: CaseConfig) -> int:
+        """``n_ctx`` of the adapter's context.
+
+        Raises:
+            Rejection: ``adapter.unsupported`` for the tiny model (no GGUF file).
+        """
+        if config.model != "smollm2":
+            raise unsupported("llama.cpp runs GGUF files; the tiny model has none", "$.model")
+        return int(llama().n_ctx())
+
+    def start(self, config: CaseConfig, *, context_cap: int, reuse: bool = False) -> None:
+        """A new request on the shared context: ``Llama.reset()``, ``set_seed``, the sampler chain.
+
+        Raises:
+            Rejection: ``adapter.unsupported`` (see the module docstring).
+        """
+        if config.cache == "static":
+            raise unsupported("llama.cpp allocates its KV cells once per context; it has no per-request static cache", "$.cache")
+        if config.min_new_tokens:
+            raise unsupported("llama.cpp has no min_new_tokens", "$.min_new_tokens")
+        if not config.eos_ids:
+            raise unsupported("llama-cpp-python always stops on the vocabulary's EOG tokens", "$.eos_ids")
+        if config.dtype != "float32" or config.device != "cpu":
+            raise unsupported("the llama.cpp adapter runs the Q4_1 file on the CPU (dtype float32 names the reference)", "$.dtype")
+        params = sampler_params(config)
+        llm = llama()
+        llm.reset()
+        if config.cache == "none" or not reuse:
+            llm._ctx.kv_cache_clear()  # a fresh request: no retained rows
+        llm.set_seed(config.seed if config.seed is not None else 0)
+        if self.sampler is not None:
+            self.sampler.close()
+        self.sampler = llm._init_sampler(**params)
+        self.llm, self.config, self.context_cap = llm, config, context_cap
+
+    def processed(self) -> int:
+        """llama.cpp's memory frontier ``llama_memory_seq_pos_max(mem, 0) + 1``."""
+        import llama_cpp
+
+        mem = llama_cpp.llama_get_memory(self.llm._ctx.ctx)
+        return int(llama_cpp.llama_memory_seq_pos_max(mem, 0)) + 1
+
+    def physical(self) -> int:
+        """The context's KV cells (``n_ctx``)."""
+        return int(self.llm.n_ctx())
+
+    # -- calls ---------------------------------------------------------------------------
+    def forward(self, sequence: list[int], start: int, length: int) -> np.ndarray:
+        """``Llama.eval`` of the call's rows (the whole prefix after a memory clear without a cache).
+
+        Shapes: returns ``float32[V]``.
+        """
+        llm = self.llm
+        if self.config.cache == "none":
+            llm.reset()
+            llm._ctx.kv_cache_clear()
+            llm.eval(sequence[:start + length])
+            row = self._last_row()
+            llm.reset()
+            llm._ctx.kv_cache_clear()
+            return row
+        llm.eval(sequence[start:start + length])  # at n_past = llama-cpp-python's n_tokens
+        return self._last_row()
+
+    def _last_row(self) -> np.ndarray:
+        import llama_cpp
+
+        vocab = self.llm.n_vocab()
+        ptr = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(vocab,)).astype(np.float32, copy=True)
+
+    def rollback(self, processed: int) -> None:
+        """``llama_memory_seq_rm(mem, -1, processed, -1)``."""
+        self.llm._ctx.kv_cache_seq_rm(-1, processed, -1)
+        self.llm.n_tokens = processed
+
+    def decide(self, row: np.ndarray, sequence: list[int], output_count: int) -> PeerDecision:
+        """``llama_sampler_apply`` of the request's chain to ``row``: the kept candidates and the selected id."""
+        import llama_cpp
+        from llama_cpp import _internals
+
+        data = _internals.LlamaTokenDataArray(n_vocab=len(row))
+        data.copy_logits(np.asarray(row, dtype=np.float32))
+        llama_cpp.llama_sampler_apply(self.sampler.sampler, ctypes.byref(data.candidates))
+        size, selected = int(data.candidates.size), int(data.candidates.selected)
+        kept = data.candidates_data[:size]
+        ids = np.asarray(kept.id, dtype=np.int64)
+        logits = np.asarray(kept.logit, dtype=np.float64)
+        token = int(ids[selected])
+        order = np.argsort(ids, kind="stable")
+        ids, logits = ids[order], logits[order]
+        finite = np.isfinite(logits)
+        ids, logits = ids[finite], logits[finite]
+        probs = np.exp(logits - logits.max())
+        return PeerDecision(token, ids, (probs / probs.sum()).astype(np.float32), None)
+
+    def accept(self, token_id: int) -> None:
+        """``llama_sampler_accept``: the chain's penalty window and Mirostat state see the token."""
+        self.sampler.accept(token_id)
+
+    def triggers(self, sequence: list[int], output_count: int) -> set[FinishReason]:
+        """llama-cpp-python's stop tests: EOG token, ``max_tokens``, the context."""
+        import llama_cpp
+
+        fired: set[FinishReason] = set()
+        if llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, sequence[-1]):
+            fired.add(FinishReason.EOS)
+        if output_count >= self.config.max_new_tokens:
+            fired.add(FinishReason.LENGTH)
+        if len(sequence) >= self.context_cap:
+            fired.add(FinishReason.CONTEXT_LENGTH)
+        return fired
+
+    def text(self, output_ids: list[int]) -> str | None:
+        """``Llama.detokenize(ids).decode("utf-8", errors="ignore")`` (``_create_completion``'s decoding)."""
+        return self.llm.detokenize(output_ids).decode("utf-8", errors="ignore")
+
+    def cache_probe(self, processed: int) -> np.ndarray | None:
+        """Not exposed (llama.cpp's K/V rows live in ggml buffers behind the state API)."""
+        return None
+
+    # -- snapshots -----------------------------------------------------------------------
+    def save(self) -> Any:
+        """``Llama.save_state()`` (no sampler chain in it)."""
+        return self.llm.save_state()
+
+    def load(self, blob: Any) -> None:
+        """``Llama.load_state(state)`` into the request's fresh chain."""
+        self.llm.load_state(blob)
+
+    def corrupt(self, blob: Any, state: dict[str, Any], corruption: str) -> tuple[Any, dict[str, Any]]:
+        """Corrupt the ``LlamaState`` field that stands for the record's field (llama-cpp-python checks none).
+
+        ``processed_plus_one`` / ``repaired_with_pending``: ``n_tokens + 1``; ``pending_dropped``:
+        the pending id is removed from the caller's ids; ``rng_counter``: the state's ``seed``
+        + 1; ``identity``: the state has no identity (restored unchanged).
+        """
+        import copy
+
+        blob = copy.copy(blob)
+        if corruption in ("processed_plus_one", "repaired_with_pending"):
+            blob.n_tokens += 1
+        elif corruption == "pending_dropped" and state.get("pending_ids"):
+            state = {**state, "output_ids": list(state["output_ids"])[:-1], "pending_ids": ()}
+        elif corruption == "rng_counter":
+            blob.seed += 1
+        return blob, state
