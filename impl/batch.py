@@ -78,6 +78,8 @@ __all__ = [
     "PaddedBatch",
     "batch_generate",
     "check_attention_mask",
+    "closed_result",
+    "commit_triggers",
     "decision_columns",
     "gather_decision_rows",
     "position_ids_from_mask",
@@ -545,28 +547,63 @@ def _decide(row: _Row, logits: torch.Tensor, score_id: str, eos: frozenset[int],
     row.logprobs.append(receipt.raw_logprob)
     row.receipts.append(receipt)
     row.state = after
-    if token in eos:
-        row.triggers.add(FinishReason.EOS)
-    if len(row.output_ids) >= row.max_new_tokens:
-        row.triggers.add(FinishReason.LENGTH)
-    if len(row.prompt_ids) + len(row.output_ids) >= window:
-        row.triggers.add(FinishReason.CONTEXT_LENGTH)
+    row.triggers |= commit_triggers(token, len(row.prompt_ids), len(row.output_ids), row.max_new_tokens, eos, window)
 
 
-def _row_result(row: _Row, tokenizer: Any) -> GenerationResult:
-    ids = row.output_ids
-    text_ids = ids[:-1] if ids and FinishReason.EOS in row.triggers else ids
-    num_prompt, num_out = len(row.prompt_ids), len(ids)
+def commit_triggers(token_id: int, num_prompt: int, num_output: int, max_new_tokens: int, eos_ids: Collection[int], window: int) -> set[FinishReason]:
+    """The token-level finish conditions a commit fires (the runtime's rule): ``eos``, ``length``, ``context_length``.
+
+    Args:
+        token_id: The committed id.
+        num_prompt, num_output: ``L`` and ``O`` after the commit.
+        max_new_tokens: ``G``.
+        eos_ids: The EOS set.
+        window: The context cap ``C`` (``L + O >= C`` fires ``context_length``).
+    """
+    fired = set()
+    if token_id in eos_ids:
+        fired.add(FinishReason.EOS)
+    if num_output >= max_new_tokens:
+        fired.add(FinishReason.LENGTH)
+    if num_prompt + num_output >= window:
+        fired.add(FinishReason.CONTEXT_LENGTH)
+    return fired
+
+
+def closed_result(
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    logprobs: Sequence[float],
+    triggers: Collection[FinishReason],
+    *,
+    tokenizer: Any = None,
+    receipts: Sequence[Any] = (),
+    rng_counter: int = 0,
+) -> GenerationResult:
+    """The :class:`~decodespec.impl.generate.GenerationResult` of a request closed by token-level triggers.
+
+    The final committed token was never fed: ``|U| = 1`` CLOSED_UNPROCESSED, ``P = L + O - 1``
+    (as :class:`~decodespec.impl.runtime.RequestRunner` without a repair call); a final EOS is
+    kept in ``output_ids`` and left out of ``text``.
+    """
+    ids = list(output_ids)
+    text_ids = ids[:-1] if ids and FinishReason.EOS in triggers else ids
+    num_prompt, num_out = len(prompt_ids), len(ids)
     frontier = {"prompt_len": num_prompt, "output_count": num_out, "pending": 1, "processed": num_prompt + num_out - 1,
                 "pending_tag": PendingTag.CLOSED_UNPROCESSED.value}
     return GenerationResult(
-        prompt_ids=row.prompt_ids,
+        prompt_ids=tuple(prompt_ids),
         output_ids=tuple(ids),
         text=tokenizer.decode(text_ids) if tokenizer is not None else "",
-        logprobs=tuple(row.logprobs),
-        finish_reason=canonical_finish_reason(row.triggers),
-        triggers=tuple(t for t in FINISH_PRECEDENCE if t in row.triggers),
+        logprobs=tuple(logprobs),
+        finish_reason=canonical_finish_reason(triggers),
+        triggers=tuple(t for t in FINISH_PRECEDENCE if t in triggers),
         frontier=frontier,
-        receipts=tuple(row.receipts),
-        rng_counter=row.state.rng_counter,
+        receipts=tuple(receipts),
+        rng_counter=rng_counter,
     )
+
+
+def _row_result(row: _Row, tokenizer: Any) -> GenerationResult:
+    return closed_result(row.prompt_ids, row.output_ids, row.logprobs, row.triggers, tokenizer=tokenizer, receipts=row.receipts,
+                         rng_counter=row.state.rng_counter)
