@@ -15,6 +15,22 @@ right after a ``snapshot`` event; otherwise :class:`TraceVerdict` names the firs
 (1-based ``line`` and its ``seq``), its event, and the reason (the failing guard clause, or the
 field that disagreed and both values).
 
+The stream contract (M3.10 0x06) is checked on every trace: ``stream`` events only in a
+streamed request, numbered from 0, each publishing the bytes right after the previous one
+(published bytes are never retracted or overlapped, ``invariant.stream_prefix``), never covering
+a token that is not yet committed, none after the stream failed or after ``finish``; the
+``finish`` event's stream report agrees with the chunks seen.  Given the tokenizer's bytes
+(``token_bytes``, special tokens as ``b""``), the committed ids are also replayed through the
+spec's stop oracle (:mod:`decodespec.spec.stop`, with the header's ``output`` object and
+``params``): each ``commit``'s text triggers must be ``step_triggers``'; each chunk must be the
+decode of its byte range with its token range (``invariant.chunk_metadata``) and end at or before
+the stream horizon of the committed output (``stream_frontier``; the aligned output's visible end
+once finished), so no held-back byte of a stop string is ever published
+(``invariant.stream_no_stop_bytes``); between commits exactly the stream frontier is published
+(``invariant.stream_frontier``); and at ``finish`` the concatenated chunks equal the returned text
+``align_output`` gives (``invariant.stream_final``) unless the stream failed (then a prefix of it).
+A resumed trace continues the stream at the reference frontier of the restored output.
+
 Source: docs/design.md section 6 (the trace format); M3.10 0x0BA "Requirements for
 observability"; research/formal-anchors-survey.md (trace validation as membership of a
 runtime trace in the spec's behaviours, as in TLA+ trace validation).
@@ -24,7 +40,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import attrs
 
@@ -34,9 +50,19 @@ from decodespec.spec.errors import DecodeSpecError, Rejection, register_code
 from decodespec.spec.profiles import profile_named
 from decodespec.spec.snapshot import SnapshotRecord
 from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, interrupt_point, is_terminal
+from decodespec.spec.stop import (
+    AlignedOutput,
+    StopConfig,
+    align_output,
+    make_chunk,
+    reference_stream,
+    step_triggers,
+    stream_frontier,
+    token_ends,
+)
 from decodespec.spec.transitions import MACHINE, Machine, completion_reason
 
-__all__ = ["TRACE_INVALID", "TraceVerdict", "params_from_header", "validate_trace"]
+__all__ = ["TRACE_INVALID", "TraceVerdict", "params_from_header", "stop_config_from_header", "token_bytes_of", "validate_trace"]
 
 TRACE_INVALID = register_code(
     "trace.invalid_header",
@@ -119,6 +145,54 @@ def params_from_header(header: dict[str, Any]) -> RequestParams:
     return params
 
 
+def stop_config_from_header(header: dict[str, Any], params: RequestParams) -> StopConfig | None:
+    """The request's :class:`~decodespec.spec.stop.StopConfig`: the header's ``output`` object plus ``params``' counts.
+
+    Returns ``None`` for a header without ``output`` whose params declare neither stop strings nor
+    structured completion (the default output contract applies then: no cut).
+
+    Raises:
+        Rejection: ``trace.invalid_header`` when ``output`` is missing although stop strings or
+            structured completion are declared, is mistyped, or disagrees with ``params``.
+    """
+    out = header.get("output")
+    if out is None:
+        if params.stop_strings or params.structured:
+            raise Rejection(TRACE_INVALID, "params declare stop strings / structured completion but the header has no 'output'", "$.output")
+        out = {}
+    try:
+        config = StopConfig(
+            max_new_tokens=params.max_new_tokens, eos_ids=params.eos_ids, min_new_tokens=params.min_new_tokens,
+            prompt_len=params.prompt_len, max_context_len=params.context_cap, stop_strings=tuple(out.get("stop_strings", ())),
+            include_stop_str=bool(out.get("include_stop_str", False)), alignment=out.get("alignment", "token"),
+            json_completion=out.get("structured", "none") == "json", **({"max_json_depth": int(out["max_json_depth"])} if "max_json_depth" in out else {}))
+    except (DecodeSpecError, TypeError, ValueError, AttributeError) as exc:
+        raise Rejection(TRACE_INVALID, f"the header's output object is not a stop configuration: {exc}", "$.output") from None
+    declared = (bool(config.stop_strings), config.json_completion, bool(out.get("stream", params.stream)))
+    if declared != (params.stop_strings, params.structured, params.stream):
+        raise Rejection(TRACE_INVALID, f"output (stop strings, structured, stream) = {declared} disagrees with params "
+                        f"{(params.stop_strings, params.structured, params.stream)}", "$.output")
+    return config
+
+
+def token_bytes_of(tokenizer: Any) -> Callable[[int], bytes]:
+    """``token_bytes`` for :func:`validate_trace`: a tokenizer's bytes per id, ``b""`` for its special ids (EOS ...)."""
+    special = frozenset(getattr(tokenizer, "special_ids", ()))
+    return lambda token_id: b"" if token_id in special else tokenizer.token_bytes(token_id)
+
+
+@attrs.define
+class _Stream:
+    """What the trace's ``stream`` events have published so far (trace-global, not per candidate)."""
+
+    num_chunks: int | None = 0     # None: unknown (a resumed trace without the tokenizer's bytes)
+    published: int | None = 0
+    text: str | None = ""
+    failed: bool = False           # stream_error at a commit or as an interrupt
+    closed: bool = False           # a finish event was seen
+    restored_finished: bool = False
+
+
 def _frontier(params: RequestParams, state: RequestState) -> dict[str, Any]:
     return {"prompt_len": params.prompt_len, "output_count": state.output_count, "pending": len(state.pending_ids),
             "processed": state.processed, "pending_tag": state.pending_tag.value}
@@ -136,10 +210,86 @@ Check = Callable[[RequestState, RequestState], "str | None"]
 
 
 class _Replay:
-    def __init__(self, header: dict[str, Any], machine: Machine):
+    def __init__(self, header: dict[str, Any], machine: Machine, token_bytes: Callable[[int], bytes] | None = None):
         self.params = params_from_header(header)
         self.prompt_ids = tuple(int(t) for t in header["prompt_ids"])
         self.machine = machine
+        self.stop = stop_config_from_header(header, self.params)
+        self.token_bytes = token_bytes
+        if self.stop is None:
+            self.stop = StopConfig(max_new_tokens=self.params.max_new_tokens, eos_ids=self.params.eos_ids,
+                                   min_new_tokens=self.params.min_new_tokens, prompt_len=self.params.prompt_len,
+                                   max_context_len=self.params.context_cap)
+        self.stream = _Stream()
+        self._bytes: dict[int, bytes] = {}
+        self._memo: dict[tuple, Any] = {}
+
+    # -- the stop oracle over committed ids --------------------------------------------------------
+    def _token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        assert self.token_bytes is not None
+        out = []
+        for token in ids:
+            b = self._bytes.get(token)
+            if b is None:  # declared: the request's EOS ids never contribute text, like special tokens
+                b = self._bytes[token] = b"" if token in self.params.eos_ids else bytes(self.token_bytes(int(token)))
+            out.append(b)
+        return out
+
+    def _oracle(self, state: RequestState) -> "int | AlignedOutput":
+        """The stream frontier F of an open state, or the aligned output of a finished one (needs token bytes)."""
+        finished = state.phase is Phase.FINISHED
+        key = (state.output_ids, frozenset(state.triggers) if finished else None)
+        if key not in self._memo:
+            tb = self._token_bytes(state.output_ids)
+            if not finished:
+                self._memo[key] = stream_frontier(self.stop, tb)
+            else:
+                match = structured_end = None
+                if state.output_ids:
+                    _, match, structured_end = step_triggers(self.stop, state.output_ids, tb)
+                triggers = frozenset(state.triggers)
+                self._memo[key] = align_output(self.stop, state.output_ids, tb, None, triggers,
+                                               match if FinishReason.STOP_STRING in triggers else None,
+                                               structured_end if FinishReason.STRUCTURED in triggers else None)
+        return self._memo[key]
+
+    def stream_due(self, candidates: set[RequestState]) -> str | None:
+        """``invariant.stream_frontier``: between commits exactly F bytes are published (checked before each non-stream line)."""
+        st = self.stream
+        if not self.params.stream or self.token_bytes is None or st.failed or st.published is None:
+            return None
+        for state in candidates:
+            if state.phase is not Phase.FINISHED:
+                front = self._oracle(state)
+                if st.published != front:
+                    return (f"with {state.output_count} committed outputs the stream has published {st.published} bytes, but the stream "
+                            f"frontier (invariant.stream_frontier: min(decoder frontier, stop frontier)) is {front}")
+        return None
+
+    def accepted(self, rec: dict[str, Any], candidates: set[RequestState]) -> None:
+        """Advance the trace-global stream bookkeeping after ``rec`` was matched."""
+        st = self.stream
+        event = rec.get("event")
+        if event == "stream":
+            st.num_chunks = int(rec["chunk_idx"]) + 1
+            st.published = int(rec["byte_end"])
+            st.text = None if st.text is None else st.text + str(rec["text"])
+        elif event == "commit" and rec.get("stream_failed"):
+            st.failed = True
+        elif event == "fault" and rec.get("kind") == "stream_error":
+            st.failed = True
+        elif event == "finish":
+            st.closed = True
+        elif event == "restore":
+            state = next(iter(candidates))
+            self.stream = st = _Stream(num_chunks=None, published=None, text=None)
+            if state.phase is Phase.FINISHED:
+                st.restored_finished = st.closed = True
+            elif self.token_bytes is not None and self.params.stream:
+                # What a conforming stream had published when the snapshot was taken.
+                ref = reference_stream(self.stop, state.output_ids, self._token_bytes(state.output_ids))
+                st.num_chunks, st.published = len(ref.chunks), ref.chunks[-1].byte_end if ref.chunks else 0
+                st.text = "".join(c.text for c in ref.chunks)
 
     # -- event -> [(action or None, check)] ------------------------------------------------------
     def candidates(self, rec: dict[str, Any], state: RequestState) -> list[tuple[Action | None, Check]]:
@@ -206,7 +356,10 @@ class _Replay:
 
     def _on_commit(self, rec, state):
         triggers = [FinishReason(t) for t in rec["triggers"]]
-        action = Commit(rec["receipt_id"], frozenset(triggers) & TEXT_TRIGGERS)
+        stream_failed = rec.get("stream_failed", False)
+        if not isinstance(stream_failed, bool):
+            raise _Mismatch(f"field 'stream_failed' is {stream_failed!r}, expected a bool")
+        action = Commit(rec["receipt_id"], frozenset(triggers) & TEXT_TRIGGERS, stream_failed)
 
         def check(before, after):
             logprob = rec.get("logprob")
@@ -218,9 +371,21 @@ class _Replay:
                 _differs("output_count", rec["output_count"], after.output_count),
                 _differs("pending_tag", rec["pending_tag"], after.pending_tag.value),
                 _differs("triggers", [t.value for t in triggers], [t.value for t in FINISH_PRECEDENCE if t in fired]),
+                self._text_triggers_check(after, frozenset(triggers) & TEXT_TRIGGERS),
             )
 
         return [(action, check)]
+
+    def _text_triggers_check(self, after: RequestState, stated: frozenset[FinishReason]) -> str | None:
+        """invariant.stop_triggers: the commit's text triggers are the stop oracle's for the committed bytes."""
+        if self.token_bytes is None:
+            return None
+        fired, _, _ = step_triggers(self.stop, after.output_ids, self._token_bytes(after.output_ids))
+        oracle = fired & TEXT_TRIGGERS
+        if stated != oracle:
+            return (f"the commit reports text triggers {[t.value for t in FINISH_PRECEDENCE if t in stated]} but the stop oracle "
+                    f"(invariant.stop_triggers) gives {[t.value for t in FINISH_PRECEDENCE if t in oracle]} for the committed bytes")
+        return None
 
     def _on_cancel(self, rec, state):
         action = Cancel(FinishReason(rec["kind"]))
@@ -253,12 +418,99 @@ class _Replay:
                 _differs("finish_reason", rec["finish_reason"], before.finish_reason.value),
                 _differs("triggers", rec["triggers"], [t.value for t in FINISH_PRECEDENCE if t in before.triggers]),
                 _differs("frontier", rec["frontier"], _frontier(self.params, before)),
+                self._final_stream_check(rec, before),
             )
 
         return [(None, check)]
 
+    def _final_stream_check(self, rec: dict[str, Any], state: RequestState) -> str | None:
+        """invariant.stream_final / invariant.stream_no_stop_bytes at ``finish`` (and the stream report's agreement)."""
+        st = self.stream
+        report = rec.get("stream")
+        if report is not None and not self.params.stream:
+            return "the finish event carries a stream report but the request does not stream"
+        if not self.params.stream or st.restored_finished:
+            return None
+        failed = st.failed or FinishReason.STREAM_ERROR in state.triggers
+        claims_failure = isinstance(report, dict) and report.get("failed") is True
+        if report is not None:
+            if not isinstance(report, dict):
+                return f"field 'stream' is {report!r}, expected the stream report object"
+            why = _first(_differs("stream.chunks", report.get("chunks"), st.num_chunks) if st.num_chunks is not None else None,
+                         _differs("stream.delivered_bytes", report.get("delivered_bytes"), st.published) if st.published is not None else None)
+            if why is not None:
+                return why
+            if failed and not claims_failure:
+                return "the stream failed (stream_error) but the finish event's stream report says it did not"
+            if claims_failure and not failed and state.finish_reason not in (FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR):
+                return (f"the stream report claims a failed delivery without stream_error; only the flush of an external close "
+                        f"(cancelled / timeout / device_error) may fail that way, not a {state.finish_reason.value} finish")
+        if self.token_bytes is None or st.published is None:
+            return None
+        out = self._oracle(state)
+        assert isinstance(out, AlignedOutput)
+        match = out.stop_match
+        if match is not None and not self.stop.include_stop_str and st.published > match.start:
+            return (f"the stream published bytes up to {st.published}, past the start {match.start} of the excluded stop string "
+                    "(invariant.stream_no_stop_bytes)")
+        if failed or claims_failure:
+            if st.published > out.visible_end:
+                return f"the stream published {st.published} bytes, more than the returned text's {out.visible_end}"
+            return None
+        if st.published != out.visible_end or (st.text is not None and st.text != out.text):
+            return (f"the stream published {st.published} bytes {st.text!r}, but the returned text is {out.visible_end} bytes "
+                    f"{out.text!r} (invariant.stream_final: the concatenated stream equals the final text)")
+        return None
+
     def _on_stream(self, rec, state):
-        return [(None, lambda b, a: None)]
+        def check(before, after):
+            return self._chunk_check(rec, before)
+
+        return [(None, check)]
+
+    def _chunk_check(self, rec: dict[str, Any], state: RequestState) -> str | None:
+        """invariant.stream_prefix, invariant.chunk_metadata and the stream horizon for one ``stream`` event."""
+        st = self.stream
+        if not self.params.stream:
+            return "a stream event but the request does not stream (params.stream is false)"
+        if st.failed:
+            return "a stream event after the stream failed (stream_error): nothing more is published"
+        if st.closed:
+            return "a stream event after the finish event: the output is closed and fully published"
+        fields = {}
+        for name in ("chunk_idx", "byte_start", "byte_end", "token_start", "token_end"):
+            value = rec[name]
+            if isinstance(value, bool) or not isinstance(value, int):
+                return f"field {name!r} is {value!r}, expected an int"
+            fields[name] = value
+        if not isinstance(rec["text"], str):
+            return f"field 'text' is {rec['text']!r}, expected a str"
+        idx, start, end = fields["chunk_idx"], fields["byte_start"], fields["byte_end"]
+        if st.num_chunks is not None and idx != st.num_chunks:
+            return f"field 'chunk_idx' is {idx}, expected {st.num_chunks} (chunks are numbered consecutively from 0)"
+        if st.published is not None and start != st.published:
+            return (f"field 'byte_start' is {start} but {st.published} bytes are published: chunks are contiguous and published "
+                    "bytes are never retracted (invariant.stream_prefix)")
+        if end <= start:
+            return f"the chunk [{start}, {end}) is empty or reversed"
+        if fields["token_end"] > state.output_count:
+            return (f"the chunk covers tokens up to {fields['token_end']} but only {state.output_count} are committed: "
+                    "text is never published before its tokens are committed")
+        if self.token_bytes is None:
+            return None
+        tb = self._token_bytes(state.output_ids)
+        data = b"".join(tb)
+        horizon = self._oracle(state)
+        limit = horizon.visible_end if isinstance(horizon, AlignedOutput) else horizon
+        if end > limit:
+            what = "the returned text's visible end" if isinstance(horizon, AlignedOutput) else "the stream horizon (held-back stop / UTF-8 bytes)"
+            return f"the chunk ends at byte {end}, beyond {what} {limit}: {data[limit:end]!r} may not be published"
+        expected = make_chunk(idx, data, token_ends(tb), start, end)
+        return _first(
+            _differs("text", rec["text"], expected.text),
+            _differs("token_start", fields["token_start"], expected.token_start),
+            _differs("token_end", fields["token_end"], expected.token_end),
+        )
 
     def _on_beam_step(self, rec, state):
         raise _Mismatch("beam_step events belong to the beam machine, not the single-path request machine")
@@ -285,12 +537,16 @@ def _parse(index: int, raw: str | dict[str, Any]) -> dict[str, Any]:
     return rec
 
 
-def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = MACHINE) -> TraceVerdict:
+def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = MACHINE,
+                   token_bytes: Callable[[int], bytes] | None = None) -> TraceVerdict:
     """Accept or reject an event trace against the spec (see the module docstring).
 
     Args:
         lines: The trace's lines (JSON text, or already-parsed dicts), in order.
         machine: The transition table to replay against (tests plug in broken ones).
+        token_bytes: The bytes each output id contributes to the text (``b""`` for special ids;
+            :func:`token_bytes_of` builds it from a tokenizer).  Enables the stop-oracle and
+            stream-content checks; without it only the stream's structure is checked.
 
     Returns:
         The :class:`TraceVerdict`; never raises for a bad trace.
@@ -307,7 +563,7 @@ def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = 
             if index == 0:
                 if event != "request":
                     raise _Mismatch(f"the first event must be 'request', got {event!r}")
-                replay = _Replay(rec, machine)
+                replay = _Replay(rec, machine, token_bytes)
                 init = initial_state(replay.params)
                 candidates = {init}
                 try:
@@ -319,6 +575,10 @@ def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = 
             if event == "request":
                 raise _Mismatch("a second request header")
             assert replay is not None
+            if event != "stream":
+                due = replay.stream_due(candidates)
+                if due is not None:
+                    raise _Mismatch(due)
             survivors: set[RequestState] = set()
             reasons: list[str] = []
             for state in candidates:
@@ -341,6 +601,7 @@ def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = 
             if not survivors:
                 raise _Mismatch(reasons[0] if reasons else "no candidate state")
             candidates = survivors
+            replay.accepted(rec, candidates)
             last_event = event
         except (_Mismatch, DecodeSpecError, KeyError, TypeError, ValueError, AttributeError) as exc:
             reason = exc.args[0] if isinstance(exc, _Mismatch) else (

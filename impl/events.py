@@ -10,7 +10,9 @@ consistent boundary.  Every line has ``"v": 1``, ``"seq"`` (0-based, consecutive
 event               spec action (or check)
 ==================  =====================================================================
 ``request``         the parameters (``params``: the :class:`~decodespec.spec.state.RequestParams`
-                    fields) and ``Admit`` (``admit`` / ``admit_no_call``)
+                    fields; ``output``: ``stop_strings``, ``include_stop_str``, ``alignment``,
+                    ``structured``, ``max_json_depth``, ``stream``) and ``Admit``
+                    (``admit`` / ``admit_no_call``)
 ``call_launched``   ``Launch(kind, start=cache_position[0], length=len(input_ids))``;
                     ``input_ids`` must be the committed sequence's slice, ``frontier_before``
                     and ``generation`` the state's
@@ -23,14 +25,21 @@ event               spec action (or check)
 ``recover``         ``Recover()``
 ``decision``        ``Decide(score_id, token_id, draws)``; ``receipt_id`` and
                     ``rng_counter_before`` must be the spec's; ``logprob`` a finite value <= 0
-``commit``          ``Commit(receipt_id, text_triggers)`` (text triggers = ``triggers`` among
-                    stop_string / structured / structured_error); ``output_count``,
-                    ``pending_tag`` and ``triggers`` must be the spec's
+``commit``          ``Commit(receipt_id, text_triggers, stream_failed)`` (text triggers =
+                    ``triggers`` among stop_string / structured / structured_error;
+                    ``stream_failed``: this commit's delivery failed, so ``stream_error`` is
+                    among ``triggers``); ``output_count``, ``pending_tag`` and ``triggers``
+                    must be the spec's, and the text triggers the stop oracle's
 ``cancel``          ``Cancel(kind)`` at interrupt point ``at``
 ``snapshot``        ``Snapshot(form)``
 ``restore``         ``Restore(record)`` with the snapshot's ledger (``state``)
-``finish``          check: ``finish_reason``, ``triggers`` and ``frontier`` are the spec's
-``stream``          (stream frontier; not a spec action, checked by the stream engineer)
+``finish``          check: ``finish_reason``, ``triggers`` and ``frontier`` are the spec's; a
+                    streamed request adds ``stream`` (``chunks``, ``delivered_bytes``,
+                    ``delivered_tokens``, ``failed``, ``error``): what was delivered
+``stream``          one published chunk (``chunk_idx``, ``text``, ``byte_start``, ``byte_end``,
+                    ``token_start``, ``token_end``), written right after the ``commit`` that
+                    published it or before the ``finish`` of an external close (its flush);
+                    checked against the stream contract, not a spec action
 ``beam_step``       a beam search's ``transition.beam_step`` (written by
                     :class:`decodespec.impl.beam.BeamRunner`, whose ``request`` header
                     carries ``beam``, the ``BeamParams`` JSON, instead of ``params``):

@@ -28,7 +28,7 @@ Source: M3.10 0x03 "Decoder-only serving loop", 0x08 "Output, input, and cache f
 
 from __future__ import annotations
 
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import attrs
 import torch
@@ -47,20 +47,36 @@ __all__ = ["INVALID_REQUEST", "GenerationResult", "generate", "greedy_generate",
 
 @attrs.frozen
 class GenerationResult:
-    """What one greedy request returned.
+    """What one request returned (M3.10 0x06 output contract; docs/design.md section 8).
 
     Attributes:
         prompt_ids: The L prompt token ids.
-        output_ids: The O committed output ids (a final EOS included).
-        text: Decoded output without a final EOS ("" without a tokenizer).
-        logprobs: Per output token, natural log-softmax of the raw float32 logits of its
-            selecting row at that token (``<= 0``).
+        output_ids: The returned output ids under the alignment contract (``int[k]``; a final EOS
+            included); every committed id when no cut applies or without the output observer.
+        text: The returned text (UTF-8 of the output bytes ``[0, visible_end)``; EOS and other
+            special tokens contribute no bytes; "" without a tokenizer).
+        logprobs: ``float[k]``: per returned token, natural log-softmax of the raw float32 logits of
+            its selecting row at that token (``<= 0``); ``len(logprobs) == len(output_ids)``.
         finish_reason: The canonical finish reason (``None`` for a suspended request).
-        triggers: Every finish condition that fired at the final commit, in precedence order.
+        triggers: Every finish condition recorded, in precedence order.
         frontier: ``{"prompt_len", "output_count", "pending", "processed", "pending_tag"}``
-            (L, O, |U|, P, tag) at finish.
-        receipts: One M3.8 decision receipt per output token (``impl.policy.decide``).
+            (L, O, |U|, P, tag) at finish; O counts every committed token.
+        receipts: One M3.8 decision receipt per committed token (``impl.policy.decide``).
         rng_counter: Draws the request consumed (0 for greedy).
+        num_committed: O, tokens committed (returned or not); ``None`` when unknown.
+        alignment: ``token`` / ``text`` / ``span`` when the output observer aligned the result,
+            else ``None``.
+        overhang: Output bytes ``[visible_end, ids_byte_end)``: what the returned ids decode to
+            beyond ``text`` (empty under ``token``; the documented mismatch under ``text``; the
+            trimmed bytes under ``span``).
+        token_spans: ``(start, end)`` byte span of each returned token in the output bytes.
+        visible_end: End of the visible bytes (``len(text.encode())`` unless the text ends in an
+            incomplete UTF-8 sequence), or ``None``.
+        stop_match: ``(stop string, start byte, end byte)`` of the stop match that fired, or ``None``.
+        structured_end: Byte offset where the JSON value completed, or ``None``.
+        chunks: The stream chunks delivered (:class:`~decodespec.spec.stop.Chunk`).
+        stream: The stream report (``chunks``, ``delivered_bytes``, ``delivered_tokens``,
+            ``failed``, ``error``) of a streamed request, else ``None``.
     """
 
     prompt_ids: tuple[int, ...]
@@ -72,9 +88,24 @@ class GenerationResult:
     frontier: dict[str, Any] = attrs.field(factory=dict)
     receipts: tuple[DecisionReceipt, ...] = ()
     rng_counter: int = 0
+    num_committed: int | None = None
+    alignment: str | None = None
+    overhang: bytes = b""
+    token_spans: tuple[tuple[int, int], ...] = ()
+    visible_end: int | None = None
+    stop_match: tuple[str, int, int] | None = None
+    structured_end: int | None = None
+    chunks: tuple[Any, ...] = ()
+    stream: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-ready dict (``finish_reason`` and ``triggers`` as their string values)."""
+        """JSON-ready dict (``finish_reason`` and ``triggers`` as their string values, ``overhang`` as hex).
+
+        ``stop_match`` is ``{"stop", "start", "end"}``; ``token_spans`` a list of ``[start, end]``;
+        the chunks themselves are not included (``decodespec generate --stream --json`` prints
+        them as lines), only the ``stream`` report.
+        """
+        match = self.stop_match
         return {
             "prompt_ids": list(self.prompt_ids),
             "output_ids": list(self.output_ids),
@@ -85,6 +116,14 @@ class GenerationResult:
             "frontier": dict(self.frontier),
             "receipts": [r.to_json() for r in self.receipts],
             "rng_counter": self.rng_counter,
+            "num_committed": self.num_committed,
+            "alignment": self.alignment,
+            "overhang": self.overhang.hex(),
+            "token_spans": [list(span) for span in self.token_spans],
+            "visible_end": self.visible_end,
+            "stop_match": None if match is None else {"stop": match[0], "start": match[1], "end": match[2]},
+            "structured_end": self.structured_end,
+            "stream": None if self.stream is None else dict(self.stream),
         }
 
 
@@ -141,6 +180,12 @@ def generate(
     sink: EventSink | None = None,
     faults: FaultPlan | None = None,
     observer: CommitObserver | None = None,
+    stop_strings: Sequence[str] = (),
+    include_stop_str: bool = False,
+    alignment: str = "token",
+    structured: str = "none",
+    stream: bool = False,
+    on_chunk: Callable[[Any], None] | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` under a decoding policy.
 
@@ -164,14 +209,24 @@ def generate(
         static_capacity: Slots of the static cache (default L + G + 1, at most the model window).
         sink: Event sink for a ``decodespec.events.v1`` trace.
         faults: A declared :class:`~decodespec.impl.faults.FaultPlan`.
-        observer: The stop/stream :class:`~decodespec.impl.runtime.CommitObserver`.
+        observer: A :class:`~decodespec.impl.runtime.CommitObserver`; default the runner's
+            :class:`~decodespec.impl.output.OutputObserver` when ``tokenizer`` has ``token_bytes``.
+        stop_strings: Stop strings, matched on the output's UTF-8 bytes (needs the output observer).
+        include_stop_str: Keep the matched stop string in the returned text.
+        alignment: ``"token"`` (default, as the envelope), ``"text"`` or ``"span"``.
+        structured: ``"json"``: finish ``structured`` where one JSON value completes
+            (``structured_error`` on an invalid prefix).
+        stream: Stream the output (publishes chunks; enables ``stream_error``).
+        on_chunk: Consumer of each published chunk (needs ``stream``); if it raises, the request
+            finishes with ``stream_error``.
 
     Returns:
         A :class:`GenerationResult` with one receipt per output token.
 
     Raises:
         Rejection: ``runtime.invalid_request`` (empty prompt, id out of range, negative or
-            non-integer ``max_new_tokens``), before any model call; ``policy.*`` for a beam
+            non-integer ``max_new_tokens``, ``on_chunk`` without ``stream``), before any model
+            call; ``stop.*`` for bad stop strings, alignment or counts; ``policy.*`` for a beam
             policy, a bad view (negative seed) or a decision the policy refuses.
         ResourceLimit: ``model.context_window_exceeded`` when ``L >= max_position_embeddings``.
     """
@@ -190,6 +245,11 @@ def generate(
         prefill_chunk=prefill_chunk,
         static_capacity=static_capacity,
         vocab_hash=vocab_hash,
+        stream=stream,
+        stop_strings=tuple(stop_strings) if not isinstance(stop_strings, str) else stop_strings,
+        include_stop_str=include_stop_str,
+        alignment=alignment,
+        structured=structured,
     )
-    runner = RequestRunner(model, request, sink=sink, faults=faults, observer=observer, tokenizer=tokenizer)
+    runner = RequestRunner(model, request, sink=sink, faults=faults, observer=observer, tokenizer=tokenizer, on_chunk=on_chunk)
     return runner.run().result()

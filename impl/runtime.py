@@ -38,10 +38,21 @@ decision row) or ALL_OLD (expose nothing; a cached handle is quarantined until
 ``device_error``).  Logprobs are the natural log-softmax of the raw float32 logits of the
 selecting row at the selected id, recorded at decision time, before any later call.
 
-Stop/stream integration: :meth:`commit` hands each committed token to an optional
-:class:`CommitObserver` (``observe(token_id, logprob, output_index) -> CommitObservation``),
-which reports text triggers (``stop_string`` / ``structured`` / ``structured_error``) and
-whether the stream failed; EOS, ``length`` and ``context_length`` stay in the controller.
+Stop/stream integration (M3.10 0x06 "One selection is an output-state transaction"):
+:meth:`commit` hands each committed token to a :class:`CommitObserver` (``observe(token_id,
+logprob, output_index) -> CommitObservation``), which feeds the detokenizer, the stop matcher and
+the structured parser, publishes the chunks behind the stream commit horizon, and reports the
+text triggers (``stop_string`` / ``structured`` / ``structured_error``), whether this commit's
+delivery failed, and the chunks it published; EOS, ``length`` and ``context_length`` stay in
+the controller, which resolves every trigger under ``FINISH_PRECEDENCE``.  A delivery failure
+is one of the commit's triggers (``stream_error``, spec ``Commit.stream_failed``), also when the
+commit fires another trigger.  With a tokenizer that exposes ``token_bytes`` and no observer of
+its own, the runner builds :class:`~decodespec.impl.output.OutputObserver` (stop strings,
+``include_stop_str``, the alignment contract, JSON completion, ``on_chunk`` streaming); it is
+closed when the request finishes outside a commit (its held-back bytes flushed), its state rides
+in snapshots, and :meth:`result` returns its aligned output.  The trace gets one ``stream`` event
+per published chunk, right after the ``commit`` that published it (or before the ``finish`` of
+an external close).
 
 Declared choices (docs/design.md): finish precedence; EOS included in ``output_ids``; G = 0
 follows the request's ``zero_new_tokens`` branch; the context cap is the least of the
@@ -63,7 +74,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from typing import Any, Collection, Iterator, Protocol, Sequence
+from typing import Any, Callable, Collection, Iterator, Protocol, Sequence
 
 import attrs
 import torch
@@ -84,6 +95,7 @@ from .cache import CacheABI, DynamicCache, StaticCache, make_cache
 from .events import EVENTS_FORMAT, EventSink
 from .faults import FaultPlan, InjectedDeviceFault
 from .model import CONTEXT_WINDOW_EXCEEDED, LlamaForCausalLM
+from .output import OutputObserver, output_header, stop_config
 from .policy import decide as policy_decide
 from .rng import RequestRng
 
@@ -149,6 +161,9 @@ class RuntimeRequest:
         stream: Whether the output streams (a streamer failure is possible).
         stop_strings: Declared stop strings (the observer matches them).
         structured: ``"none"`` or ``"json"``.
+        include_stop_str: Whether a matched stop string is part of the returned text.
+        alignment: The output contract after a cut: ``"token"`` (the envelope's default),
+            ``"text"`` or ``"span"`` (M3.10 "Token-aligned and text-aligned outputs can diverge").
         vocab_hash: Ordered vocabulary hash recorded in receipts.
         envelope: Canonical bytes of the admitted envelope (snapshots carry them), or ``None``.
     """
@@ -171,6 +186,8 @@ class RuntimeRequest:
     stream: bool = False
     stop_strings: tuple[str, ...] = ()
     structured: str = "none"
+    include_stop_str: bool = False
+    alignment: str = "token"
     vocab_hash: str = ""
     envelope: bytes | None = attrs.field(default=None, repr=False)
 
@@ -206,6 +223,8 @@ class RuntimeRequest:
             stream=request.output.stream,
             stop_strings=term.stop_strings,
             structured=term.structured,
+            include_stop_str=request.output.include_stop_str,
+            alignment=request.output.alignment,
             vocab_hash=request.text_interface.tokenizer_sha256,
             envelope=request.canonical,
         )
@@ -317,15 +336,24 @@ class CommitObservation:
 
     Attributes:
         text_triggers: Subset of ``{stop_string, structured, structured_error}``.
-        stream_failed: The streamer failed to deliver (the runner closes with ``stream_error``).
+        stream_failed: This commit's delivery failed (``stream_error`` becomes one of the commit's
+            triggers; needs a streamed request).
+        chunks: The stream chunks this commit published (written to the trace as ``stream``
+            events after the ``commit`` event).
     """
 
     text_triggers: frozenset[FinishReason] = frozenset()
     stream_failed: bool = False
+    chunks: tuple[Any, ...] = ()
 
 
 class CommitObserver(Protocol):
-    """Hook called by :meth:`RequestRunner.commit` with each committed token (before finish is decided)."""
+    """Hook called by :meth:`RequestRunner.commit` with each committed token (before finish is decided).
+
+    Optional methods the runner uses when present: ``close(reason) -> chunks`` (the request
+    finished outside a commit), ``snapshot_state()`` / ``restore_state(state)`` (carried in
+    snapshots), ``output`` and ``stream_report()`` (read by :meth:`RequestRunner.result`).
+    """
 
     def observe(self, token_id: int, logprob: float, output_index: int) -> CommitObservation:  # pragma: no cover
         ...
@@ -358,15 +386,21 @@ class RequestRunner:
             is reset first); default a fresh cache of ``request.cache``.
         sink: Event sink (``decodespec.events.v1``), or ``None`` for no trace.
         faults: A declared :class:`FaultPlan`.
-        observer: The stop/stream :class:`CommitObserver`, or ``None``.
-        tokenizer: ``decode(ids) -> str`` for :meth:`result`'s text.
+        observer: A :class:`CommitObserver`; default (``None``) an
+            :class:`~decodespec.impl.output.OutputObserver` when ``tokenizer`` has ``token_bytes``.
+        tokenizer: ``token_bytes(id)`` / ``vocab_size`` / ``special_ids`` (the output observer) or
+            only ``decode(ids) -> str`` (then :meth:`result`'s text is a plain decode).
         runtime_info: Extra ``runtime`` fields for the trace header (device, dtype, attention).
+        on_chunk: Consumer of published stream chunks (needs ``request.stream`` and the output
+            observer); if it raises, the output closes with ``stream_error``.
 
     Raises:
         Rejection: ``runtime.invalid_request`` (empty prompt, id outside ``[0, V)``, negative G,
             unknown cache family); ``policy.family_mismatch`` for a beam policy;
             ``envelope.zero_new_tokens_rejected`` for G = 0 under ``reject``;
-            ``runtime.invalid_fault_plan``; ``cache.abi_mismatch`` for a cache of another ABI.
+            ``runtime.invalid_fault_plan``; ``cache.abi_mismatch`` for a cache of another ABI;
+            ``stop.*`` for bad stop strings or alignment; ``runtime.invalid_request`` for an
+            ``on_chunk`` without a streamed request or without the output observer.
         ResourceLimit: ``model.context_window_exceeded`` when ``L >= max_position_embeddings``;
             ``cache.capacity_exceeded`` when a static capacity cannot hold the prompt.
     """
@@ -382,6 +416,7 @@ class RequestRunner:
         observer: CommitObserver | None = None,
         tokenizer: Any = None,
         runtime_info: dict[str, Any] | None = None,
+        on_chunk: Callable[[Any], None] | None = None,
     ):
         self.model = model
         self.request = request = _validated(model, request)
@@ -389,7 +424,6 @@ class RequestRunner:
         self.sink = sink
         self.faults = faults or FaultPlan()
         self.faults.check(num_layers=model.config.num_hidden_layers, cached=request.cached, stream=request.stream)
-        self.observer = observer
         self.tokenizer = tokenizer
         self.runtime_info = dict(runtime_info or {})
         self.capacity = request.static_capacity if request.cache == "static" else None
@@ -399,6 +433,16 @@ class RequestRunner:
         if self.capacity is not None and self.capacity < request.prompt_len + (1 if request.max_new_tokens else 0):
             raise ResourceLimit(CACHE_CAPACITY_EXCEEDED, f"static capacity {self.capacity} cannot hold the {request.prompt_len}-token prompt",
                                 "$.runtime.static_capacity")
+        #: The request's stop / structured / output parameters (validated before any state exists).
+        self.stop_config = stop_config(request, self.context_cap)
+        if on_chunk is not None and not request.stream:
+            raise Rejection(INVALID_REQUEST, "a chunk consumer needs a streamed request (output.stream)", "$.output.stream")
+        if observer is None and tokenizer is not None and hasattr(tokenizer, "token_bytes"):
+            observer = OutputObserver(tokenizer, self.stop_config, on_chunk=on_chunk)
+        elif on_chunk is not None:
+            raise Rejection(INVALID_REQUEST, "a chunk consumer needs the runner's output observer (a tokenizer with token_bytes)", "$.on_chunk")
+        self.observer = observer
+        self._stream_chunks: list[Any] = []  # published chunks whose trace events are not yet written
         if cache is None:
             cache = make_cache(request.cache, model.cache_abi, capacity=self.capacity)
         elif request.cache == "none" or cache.family != request.cache or cache.abi != model.cache_abi:
@@ -511,6 +555,7 @@ class RequestRunner:
             policy=self.policy.to_json(),
             seed=r.seed,
             params=self.spec_params(),
+            output=output_header(self.stop_config, r.stream),
         )
 
     def spec_params(self) -> dict[str, Any]:
@@ -800,11 +845,17 @@ class RequestRunner:
     def commit(self, receipt: Decision | str | None = None) -> tuple[FinishReason, ...]:
         """``Commit``: consume the pending receipt exactly once into the output.
 
-        Appends the token and its logprob, adopts the policy state (RNG counter + draws), asks
-        the observer for text triggers, then fires EOS / ``length`` / ``context_length``.  A
-        trigger finishes the request (U = [token] CLOSED_UNPROCESSED); otherwise READY with
-        U = [token] PENDING_NEXT_CALL.  A stream failure reported by the observer then closes an
-        open request with ``stream_error``.
+        M3.10's output-state transaction: appends the token and its logprob, adopts the policy
+        state (RNG counter + the receipt's draws only), lets the observer decode the token, match
+        stop strings, run the structured parser and publish the chunks behind the stream horizon,
+        then resolves every trigger -- the observer's text triggers, EOS, ``length``,
+        ``context_length``, and ``stream_error`` when this commit's delivery failed -- under
+        ``FINISH_PRECEDENCE``.  A trigger finishes the request (U = [token] CLOSED_UNPROCESSED);
+        otherwise READY with U = [token] PENDING_NEXT_CALL.  The fault plan's
+        :class:`~decodespec.impl.faults.StreamFailureAt` fails the delivery of the first chunk
+        this commit publishes (the output observer); when the commit publishes none, it is a
+        failure right after the commit: an interrupt before the next launch, or, when this commit
+        closed the output, one of its triggers (never dropped).
 
         Args:
             receipt: The :class:`Decision` or its ``receipt_id``; default the pending one.
@@ -828,12 +879,17 @@ class RequestRunner:
         self._require(pending.rng_counter_before == self.policy_state.rng_counter, "transition.commit", "receipt read the current RNG counter")
         token = pending.token_id
         index = self.output_count
+        injected = self.faults.stream_fails_after(index)
         observation = CommitObservation()
         if self.observer is not None:
+            if injected and hasattr(self.observer, "inject_delivery_failure"):
+                self.observer.inject_delivery_failure()  # the first chunk this commit publishes fails
             observation = self.observer.observe(token, pending.logprob, index)
             if not observation.text_triggers <= TEXT_TRIGGERS:
                 raise Rejection(NOT_ENABLED, f"the observer reported {sorted(t.value for t in observation.text_triggers)}; only "
                                 "stop_string / structured / structured_error are text triggers", "$.observer")
+            self._require(self.request.stream or not observation.stream_failed, "transition.commit",
+                          "a stream failure at commit needs a stream")
         self.output_ids.append(token)
         self.logprobs.append(pending.logprob)
         self.receipts.append(pending.receipt)
@@ -850,6 +906,10 @@ class RequestRunner:
             fired.add(FinishReason.LENGTH)
         if r.prompt_len + self.output_count >= self.context_cap:
             fired.add(FinishReason.CONTEXT_LENGTH)
+        stream_failed = observation.stream_failed or (injected and bool(fired))
+        if stream_failed:
+            fired.add(FinishReason.STREAM_ERROR)
+        self._stream_chunks.extend(observation.chunks)
         if fired:
             self.phase = Phase.FINISHED
             self.triggers |= fired
@@ -861,10 +921,11 @@ class RequestRunner:
         if self.sink is not None:
             self.sink.emit("commit", receipt_id=pending.receipt_id, token_id=token, logprob=pending.logprob,
                            output_count=self.output_count, pending_tag=self.pending_tag.value,
-                           triggers=[t.value for t in FINISH_PRECEDENCE if t in fired])
-            if fired:
-                self._emit_finish()
-        if (observation.stream_failed or self.faults.stream_fails_after(index)) and self.phase is Phase.READY:
+                           triggers=[t.value for t in FINISH_PRECEDENCE if t in fired], stream_failed=stream_failed)
+        self._emit_stream()
+        if fired:
+            self._emit_finish()
+        if injected and self.phase is Phase.READY:
             self.stream_failure()
         return tuple(t for t in FINISH_PRECEDENCE if t in fired)
 
@@ -922,13 +983,40 @@ class RequestRunner:
         self.finish_reason = canonical_finish_reason(self.triggers)
         self.phase = Phase.FINISHED
         self.pending_tag = PendingTag.CLOSED_UNPROCESSED if self.pending_ids else PendingTag.EMPTY
+        close = getattr(self.observer, "close", None)
+        if close is not None:
+            # The output closes outside a commit: the observer flushes its held-back bytes.
+            self._stream_chunks.extend(close(self.finish_reason))
         if emit:
             self._emit_finish()
 
+    def _emit_stream(self) -> None:
+        """Write a ``stream`` event for every published chunk not yet in the trace (streamed requests only)."""
+        if self.sink is not None and self.request.stream:
+            for chunk in self._stream_chunks:
+                self.sink.emit("stream", **chunk.to_json())
+        self._stream_chunks.clear()
+
     def _emit_finish(self) -> None:
+        self._emit_stream()
         if self.sink is not None:
+            report = self.stream_report() if self.request.stream else None
             self.sink.emit("finish", finish_reason=self.finish_reason.value, triggers=[t.value for t in self.ordered_triggers()],
-                           frontier=self.frontier())
+                           frontier=self.frontier(), **({} if report is None else {"stream": report}))
+
+    def stream_report(self) -> dict[str, Any] | None:
+        """What the stream delivered: ``{"chunks", "delivered_bytes", "delivered_tokens", "failed", "error"}``.
+
+        ``failed`` is true when ``stream_error`` is among the triggers or a delivery failed (also
+        the flush of an external close, which outranks ``stream_error``).  ``None`` when the
+        observer keeps no stream (a custom observer).
+        """
+        report = getattr(self.observer, "stream_report", None)
+        if report is None:
+            return None
+        out = dict(report())
+        out["failed"] = bool(out["failed"]) or FinishReason.STREAM_ERROR in self.triggers
+        return out
 
     # ---------------------------------------------------------------------------------------
     # The ordinary loop.
@@ -994,24 +1082,37 @@ class RequestRunner:
                 return self
 
     def result(self):
-        """The :class:`~decodespec.impl.generate.GenerationResult` of a finished (or suspended) request."""
+        """The :class:`~decodespec.impl.generate.GenerationResult` of a finished (or suspended) request.
+
+        With the output observer and a finished request, ids, logprobs and text follow the
+        request's alignment contract (``len(logprobs) == len(output_ids)``; ``overhang`` is the
+        text-aligned mismatch; the text equals the concatenated stream unless the stream failed);
+        ``receipts`` stay one per committed token (the commit ledger).  A suspended request
+        returns every committed id and the decode of every committed byte.  Without an observer
+        the text is ``tokenizer.decode`` of the ids without a final EOS.
+        """
         from .generate import GenerationResult
 
-        eos = self.request.eos_ids
+        common = dict(prompt_ids=self.request.prompt_ids, finish_reason=self.finish_reason, triggers=self.ordered_triggers(),
+                      frontier=self.frontier(), receipts=tuple(self.receipts), rng_counter=self.policy_state.rng_counter,
+                      num_committed=self.output_count, stream=self.stream_report() if self.request.stream else None)
+        out = getattr(self.observer, "output", None) if self.phase is Phase.FINISHED else None
+        if out is not None:
+            match = out.stop_match
+            return GenerationResult(
+                output_ids=out.output_ids, text=out.text, logprobs=tuple(out.logprobs or ()), alignment=out.alignment.value,
+                overhang=out.overhang, token_spans=out.token_spans, visible_end=out.visible_end, structured_end=out.structured_end,
+                stop_match=None if match is None else (self.request.stop_strings[match.pattern_idx], match.start, match.end),
+                chunks=tuple(self.observer.chunks), **common)
         ids = self.output_ids
-        text_ids = ids[:-1] if ids and ids[-1] in eos else ids
-        text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else ""
-        return GenerationResult(
-            prompt_ids=self.request.prompt_ids,
-            output_ids=tuple(ids),
-            text=text,
-            logprobs=tuple(self.logprobs),
-            finish_reason=self.finish_reason,
-            triggers=self.ordered_triggers(),
-            frontier=self.frontier(),
-            receipts=tuple(self.receipts),
-            rng_counter=self.policy_state.rng_counter,
-        )
+        if hasattr(self.observer, "text_so_far"):
+            text = self.observer.text_so_far()
+        else:
+            eos = self.request.eos_ids
+            text_ids = ids[:-1] if ids and ids[-1] in eos else ids
+            text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else ""
+        chunks = tuple(getattr(self.observer, "chunks", ()))
+        return GenerationResult(output_ids=tuple(ids), text=text, logprobs=tuple(self.logprobs), chunks=chunks, **common)
 
     # ---------------------------------------------------------------------------------------
     # Snapshots.
@@ -1047,7 +1148,18 @@ class RequestRunner:
         """
         from .snapshot import restore_runner
 
-        return restore_runner(cls, model, snapshot, request, **kwargs)
+        runner = restore_runner(cls, model, snapshot, request, **kwargs)
+        observer = runner.observer
+        if isinstance(observer, OutputObserver):
+            if snapshot.observer_state is None and (runner.output_ids or runner.phase is Phase.FINISHED):
+                # A snapshot taken without the output observer: its chunks count as delivered.
+                observer.replay(runner.output_ids, runner.logprobs, finish_reason=runner.finish_reason)
+            if observer.output_ids != tuple(runner.output_ids):
+                from decodespec.spec.snapshot import SNAPSHOT_LEDGER_INVALID
+
+                raise Rejection(SNAPSHOT_LEDGER_INVALID, "the output state's committed ids differ from the snapshot's output ids",
+                                "$.observer.output_ids")
+        return runner
 
     # ---------------------------------------------------------------------------------------
     # Helpers.

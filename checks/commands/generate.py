@@ -16,12 +16,25 @@ Runtime flags: ``--cache {none,dynamic,static}`` (no cache = full recomputation,
 tokens; without it the snapshot is taken at finish), ``--resume FILE`` (continue a snapshot:
 same tokens and logprobs as never stopping).
 
+Stop, structured completion and streaming (M3.10 0x06): ``--stop STR`` (repeatable; matched on
+the output's UTF-8 bytes, the earliest-ending match fires), ``--include-stop`` (keep the matched
+stop string in the text), ``--align {token,text,span}`` (the output contract after a cut;
+default the envelope's ``token``), ``--min-new-tokens N`` (EOS and stop strings are suppressed
+until N tokens are committed), ``--json-mode`` (structured completion: finish ``structured``
+where one JSON value completes, ``structured_error`` on an invalid prefix), ``--stream`` (publish
+the text behind the stream commit horizon as it is committed: plain mode prints each chunk as it
+is published; with ``--json`` one JSON line per chunk -- ``chunk_idx``, ``text``,
+``byte_start``, ``byte_end``, ``token_start``, ``token_end`` -- then the result object as the last
+line).  A chunk that cannot be written (a closed pipe) closes the request with ``stream_error``.
+
 Plain mode prints the generated text; ``--json`` prints one JSON object with ``prompt_ids``,
 ``output_ids``, ``text``, ``logprobs``, ``finish_reason``, ``triggers``, ``frontier``
 (``prompt_len``, ``output_count``, ``pending``, ``processed``, ``pending_tag``), one M3.8
 decision ``receipts`` entry per output token decided in this run, ``rng_counter``, the
 ``policy``, ``identity``, ``cache``, ``suspended`` and the run's ``model``, ``device``,
-``dtype``, ``attention``, ``seed``.  The decoding policy (M3.8) comes from the flags: greedy by
+``dtype``, ``attention``, ``seed``; and the output contract: ``num_committed``, ``alignment``,
+``overhang`` (hex), ``token_spans``, ``visible_end``, ``stop_match``, ``structured_end`` and
+the ``stream`` report (chunks, delivered bytes and tokens, failure).  The decoding policy (M3.8) comes from the flags: greedy by
 default; ``--do-sample`` selects the multinomial family with ``--temperature`` (0 = the greedy
 branch), ``--top-k``, ``--top-p`` and ``--min-p``; ``--repetition-penalty`` applies in both
 families; ``--order`` picks the transform order preset.
@@ -83,6 +96,18 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--snapshot-at", type=int, default=None, metavar="N",
                         help="suspend after N committed tokens and snapshot there (needs --snapshot)")
     parser.add_argument("--resume", metavar="FILE", help="continue the request of a snapshot written by --snapshot")
+    parser.add_argument("--stop", action="append", default=None, metavar="STR",
+                        help="stop string, matched on the output's UTF-8 bytes (repeatable)")
+    parser.add_argument("--include-stop", action="store_true", help="keep the matched stop string in the returned text")
+    parser.add_argument("--align", choices=("token", "text", "span"), default=None,
+                        help="output contract after a stop / structured cut (default: the envelope's token)")
+    parser.add_argument("--min-new-tokens", type=int, default=None, metavar="N",
+                        help="suppress EOS and stop strings until N tokens are committed")
+    parser.add_argument("--json-mode", action="store_true",
+                        help="structured completion: finish where one JSON value completes (structured_error on invalid JSON)")
+    parser.add_argument("--stream", action="store_true",
+                        help="print text chunks as they pass the stream commit horizon (with --json: one JSON line per chunk, "
+                        "then the result object)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     return parser
 
@@ -115,10 +140,12 @@ def run(args: argparse.Namespace) -> int:
         if args.request or snapshot is None:
             request = _admitted_request(args, model, tokenizer)
         sink = FileSink(args.trace) if args.trace else None
+        streamed = (request if request is not None else snapshot.request).stream
+        on_chunk = _chunk_printer(args.json) if streamed else None
         if snapshot is not None:
-            runner = RequestRunner.restore(model, snapshot, request, sink=sink, tokenizer=tokenizer, runtime_info=info)
+            runner = RequestRunner.restore(model, snapshot, request, sink=sink, tokenizer=tokenizer, runtime_info=info, on_chunk=on_chunk)
         else:
-            runner = RequestRunner(model, request, sink=sink, tokenizer=tokenizer, runtime_info=info)
+            runner = RequestRunner(model, request, sink=sink, tokenizer=tokenizer, runtime_info=info, on_chunk=on_chunk)
         runner.run(max_outputs=args.snapshot_at)
         if args.snapshot:
             save_snapshot(runner.snapshot(args.snapshot_form), args.snapshot)
@@ -136,9 +163,22 @@ def run(args: argparse.Namespace) -> int:
                        identity=request.identity, policy=runner.policy.to_json(), cache=request.cache,
                        suspended=runner.suspended, snapshot=args.snapshot)
         print(json.dumps(payload, ensure_ascii=False))
+    elif streamed:
+        if not (result.stream or {}).get("failed"):
+            print()  # the chunks were printed as they were published
     else:
         print(result.text)
     return 0
+
+
+def _chunk_printer(as_json: bool):
+    """The stream consumer: write each published chunk to stdout at once (a failing write is a stream_error)."""
+
+    def deliver(chunk) -> None:
+        sys.stdout.write(json.dumps(chunk.to_json(), ensure_ascii=False) + "\n" if as_json else chunk.text)
+        sys.stdout.flush()
+
+    return deliver
 
 
 def _admitted_request(args: argparse.Namespace, model, tokenizer):
@@ -215,9 +255,33 @@ def envelope_from_flags(args: argparse.Namespace, model, tokenizer) -> dict[str,
         "policy": policy_json(args),
         "rng": {"algorithm": "philox", "seed": args.seed, "counter": 0},
         "runtime": runtime,
-        "termination": {"max_new_tokens": args.max_new_tokens, "eos_ids": eos},
-        "output": {"return_token_ids": True, "return_logprobs": True, "final_cache": final_cache},
+        "termination": _termination(args, eos),
+        "output": _output(args, final_cache),
     }
+
+
+def _termination(args: argparse.Namespace, eos: list[int]) -> dict[str, Any]:
+    """The envelope's termination plane from the flags (only the fields a flag sets; defaults otherwise)."""
+    term: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "eos_ids": eos}
+    if getattr(args, "min_new_tokens", None) is not None:
+        term["min_new_tokens"] = args.min_new_tokens
+    if getattr(args, "stop", None):
+        term["stop_strings"] = list(args.stop)
+    if getattr(args, "json_mode", False):
+        term["structured"] = "json"
+    return term
+
+
+def _output(args: argparse.Namespace, final_cache: str) -> dict[str, Any]:
+    """The envelope's output plane from the flags."""
+    out: dict[str, Any] = {"return_token_ids": True, "return_logprobs": True, "final_cache": final_cache}
+    if getattr(args, "include_stop", False):
+        out["include_stop_str"] = True
+    if getattr(args, "align", None) is not None:
+        out["alignment"] = args.align
+    if getattr(args, "stream", False):
+        out["stream"] = True
+    return out
 
 
 _RELEASE = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct.Q4_1.gguf", "tiny": "decodespec-tiny-llama-seed0"}

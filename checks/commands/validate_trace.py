@@ -6,7 +6,11 @@ Reads a ``decodespec.events.v1`` trace (``decodespec generate --trace FILE``), r
 ``num_lines``, ``consumed``, and for a rejected trace the first unmatched ``line`` (1-based),
 its ``seq`` and ``event``, and the ``reason`` (the failing guard or the disagreeing field).
 
-Exit codes: 0 accepted, 1 rejected, 2 the file cannot be read.
+``--tokenizer {auto,smollm2,tiny,none}`` supplies the token bytes for the stream-content and
+stop-oracle checks (``auto``: the model named in the header's ``runtime``; ``none``: structure
+only).
+
+Exit codes: 0 accepted, 1 rejected, 2 the file (or the named tokenizer) cannot be read.
 
 Source: docs/design.md section 6.
 """
@@ -29,6 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "keeping every candidate spec state per line; print the verdict as JSON (exit 0 accepted, 1 rejected).",
     )
     parser.add_argument("file", help="the NDJSON trace file")
+    parser.add_argument("--tokenizer", choices=("auto", "smollm2", "tiny", "none"), default="auto",
+                        help="token bytes for the stream / stop-string checks (default: the header's runtime model)")
     return parser
 
 
@@ -42,6 +48,36 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, UnicodeDecodeError) as exc:
         print(json.dumps({"error": {"code": "trace.unreadable", "path": "$", "message": str(exc)}}), file=sys.stderr)
         return 2
-    verdict = validate_trace(lines)
+    from decodespec.spec.errors import DecodeSpecError
+
+    try:
+        token_bytes = _token_bytes(args.tokenizer, lines)
+    except DecodeSpecError as exc:
+        print(json.dumps({"error": exc.to_json()}), file=sys.stderr)
+        return 2
+    verdict = validate_trace(lines, token_bytes=token_bytes)
     print(json.dumps(verdict.to_json(), ensure_ascii=False))
     return 0 if verdict.accepted else 1
+
+
+def _token_bytes(choice: str, lines: list[str]):
+    """The token-bytes function for ``choice`` (``auto``: the header's ``runtime.model``), or ``None``."""
+    from decodespec.checks.trace_validation import token_bytes_of
+
+    auto = choice == "auto"
+    if auto:
+        try:
+            choice = str(json.loads(lines[0]).get("runtime", {}).get("model", "none"))
+        except (IndexError, ValueError, AttributeError):
+            choice = "none"
+    if choice == "tiny":
+        from decodespec.impl.tiny import TINY_VOCAB_SIZE
+        from decodespec.impl.tokenizer import ByteTokenizer
+
+        return token_bytes_of(ByteTokenizer(TINY_VOCAB_SIZE))
+    if choice == "smollm2":
+        from decodespec.impl.gguf import smollm2_available
+        from decodespec.impl.tokenizer import load_smollm2_tokenizer
+
+        return None if auto and not smollm2_available() else token_bytes_of(load_smollm2_tokenizer())
+    return None
