@@ -237,7 +237,10 @@ def test_width_one_equals_greedy_token_for_token_with_identical_logprobs(tiny_mo
 
 def test_completed_hypotheses_carry_score_length_reason_and_ancestry(tiny_model):
     """invariant.beam_completed_metadata: at the cap (close_live) every live child completes with
-    `length`; EOS hypotheses finish `eos`; normalized = score / |y|**alpha; best first."""
+    `length`; EOS hypotheses finish `eos`; normalized = score / |y|**alpha; best first.  HF closes
+    only the top ranks and records no reason (expectations hf.beam_length_cap, hf.beam_finish_reasons);
+    HF keeps K completed hypotheses where the spec keeps all, with the same top K
+    (hf.beam_completed_capacity)."""
     result = run(tiny_model, EXACT).result()
     reasons = {h.finish_reason for h in result.hypotheses}
     assert reasons <= {FinishReason.EOS, FinishReason.LENGTH} and FinishReason.EOS in reasons
@@ -255,6 +258,9 @@ def test_completed_hypotheses_carry_score_length_reason_and_ancestry(tiny_model)
     assert sum(h.length == 9 for h in at_cap.hypotheses) == len(last) == 3 + sum(c["token"] == EOS for c in last)
     assert {tuple(c["triggers"]) for c in last} <= {("eos", "length"), ("length",)}
     assert all(c["finish_reason"] == ("eos" if c["token"] == EOS else "length") for c in last)
+    assert len(at_cap.hypotheses) > AT_CAP.num_beams
+    capped = run(tiny_model, attrs.evolve(AT_CAP, completed_capacity=AT_CAP.num_beams)).result()
+    assert [(h.output_ids, h.score) for h in capped.hypotheses] == [(h.output_ids, h.score) for h in at_cap.hypotheses[:3]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -307,7 +313,7 @@ def test_repetition_penalty_reads_each_beams_own_history(tiny_model):
 def test_fewer_finite_candidates_than_hfs_window_is_refused_under_hf_parameters(tiny_model):
     """-inf candidates are never kept: under the normative parameters the frontier shrinks to the
     legal continuations; under the HF parameters the runtime refuses (beam.outside_hf_envelope)
-    where HF would keep -inf or sentinel candidates, and nothing changes."""
+    where HF would keep -inf or sentinel candidates, and nothing changes (hf.beam_first_step_sentinel)."""
     constraint = [{"name": "constraint", "automaton": AUTOMATON}]
     narrow = B.BeamParams(4, 6, [EOS], early_stop="at_cap")
     runner = run(tiny_model, narrow, transforms=constraint)
