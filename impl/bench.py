@@ -1,15 +1,28 @@
-"""Greedy decode throughput of our decoder against HF transformers, and the memory-bandwidth bound.
+"""Greedy decode throughput of our runtime against HF transformers, and the memory-bandwidth bound.
 
 One process loads SmolLM2 twice, into :class:`~decodespec.impl.model.LlamaForCausalLM` and into
 HF's ``LlamaForCausalLM`` (from the same GGUF file), then times greedy generation of
-``new_tokens`` tokens after the same ``prompt_len``-token prompt, batch 1: ours with
-:func:`~decodespec.impl.generate.greedy_generate`, HF with ``generate(do_sample=False,
-max_new_tokens=...)``.  EOS is disabled in both, so both produce exactly ``new_tokens`` tokens
-(their ids are compared and reported).  After a warm-up run of each, the runtimes alternate for
-``repetitions`` rounds (so background load hits both alike); tokens/s is
-``new_tokens / wall time`` of the whole call (prefill included, device synchronised), and the
-median is reported with the ratio ours / HF (and the ratio of the best runs, the least
-disturbed on a shared machine).
+``new_tokens`` tokens after the same ``prompt_len``-token prompt, batch 1.  What is timed:
+
+* ``ours``: the runtime's own path, :func:`decodespec.impl.generate.generate` -- a
+  :class:`~decodespec.impl.runtime.RequestRunner` with a static cache (``cache="static"``, the
+  preallocated buffer) or a dynamic one, every token decided by the M3.8 policy twin with its
+  receipt, the closed stage and lane rosters checked at every call -- no trace;
+* ``ours_trace``: the same with the ``decodespec.events.v1`` trace written to a file
+  (:class:`~decodespec.impl.events.FileSink`); its cost is reported as the paired median of
+  ``time(trace) / time(no trace) - 1`` over the repetitions (the event-trace overhead);
+* ``ours_graph`` (CUDA only, or when asked): :func:`decodespec.impl.graphs.graph_greedy_generate`,
+  the same forward with one decode step captured in a CUDA graph;
+* ``hf``: ``generate(do_sample=False, max_new_tokens=...)``.
+
+EOS is disabled everywhere, so each run produces exactly ``new_tokens`` tokens (the ids are
+compared with ours and reported).  After a warm-up run of each, the runtimes alternate for
+``repetitions`` rounds (background load hits all alike); tokens/s is ``new_tokens / wall time``
+of the whole call (prefill included, device synchronised); medians are reported with the ratio
+ours / HF, and the ratio of the best runs (the least disturbed on a shared machine).  Every
+runtime runs with the same intra-op thread count (``threads``, reported): on a shared CPU a
+second thread that is descheduled stalls every parallel region, so ``--threads 1`` is the
+honest setting there.
 
 The memory-bandwidth bound: a batch-1 decode step reads every weight matrix once, one
 embedding row and the ``lm_head`` (:func:`decode_weight_bytes`).  Divided by a measured read
@@ -20,21 +33,26 @@ bound), it gives the most tokens/s the hardware allows; ours is reported as a fr
 Timing is never asserted by tests: this is a script (``decodespec bench``) whose output is read.
 
 Source: M3.10 0x08 "Quantifying projection reuse and retained state" (what a cached decode step
-reads); M4 owns physical cost; HF ``GenerationMixin.generate`` (the peer).
+reads); M3.10 0x0A "Asynchronous completion and error boundaries" (timers synchronise the
+device); M4 owns physical cost; HF ``GenerationMixin.generate`` (the peer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import statistics
+import tempfile
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import attrs
 import torch
 
 from .device import resolve_device
-from .generate import greedy_generate
+from .events import FileSink
+from .generate import generate
 from .model import LlamaForCausalLM
 
 __all__ = [
@@ -61,16 +79,22 @@ class BenchResult:
     """One benchmark run.
 
     Attributes:
-        device, dtype: Where and in which dtype both runtimes ran.
+        device, dtype: Where and in which dtype every runtime ran.
         prompt_len, new_tokens, repetitions: The workload (batch 1, greedy).
-        ours_tokens_per_s, hf_tokens_per_s: Tokens/s of each timed repetition.
-        same_tokens: Whether both runtimes generated the same ids.
+        ours_tokens_per_s, hf_tokens_per_s: Tokens/s of each timed repetition (ours: the
+            runtime without a trace).
+        same_tokens: Whether ours and HF generated the same ids.
         decode_weight_bytes: Bytes of weights one decode step reads.
         bandwidth_bytes_per_s: Measured read bandwidth per method (``sum``, ``gemv``).
         peak_memory: Bytes: ``ours_resident``/``hf_resident`` (parameters + buffers of each
-            model), on CUDA ``ours_peak_allocated``/``hf_peak_allocated`` (peak allocated device
-            memory during each runtime's timed runs), and ``process_peak_rss`` (the whole
-            process, both models loaded).
+            model), ``ours_cache`` (K/V buffers of our cache), on CUDA
+            ``<runtime>_peak_allocated`` (peak allocated device memory during that runtime's
+            timed runs), and ``process_peak_rss`` (the whole process, both models loaded).
+        trace_tokens_per_s: Tokens/s of the runtime writing the event trace (empty: not timed).
+        graph_tokens_per_s: Tokens/s of the captured-graph path (empty: not timed).
+        same_tokens_graph: Whether the graph path generated our ids (``None``: not run).
+        threads: Intra-op threads of every runtime (``torch.get_num_threads()`` during the runs).
+        cache: Our cache family (``"static"`` or ``"dynamic"``).
     """
 
     device: str
@@ -84,6 +108,11 @@ class BenchResult:
     decode_weight_bytes: int
     bandwidth_bytes_per_s: dict[str, float]
     peak_memory: dict[str, int]
+    trace_tokens_per_s: tuple[float, ...] = ()
+    graph_tokens_per_s: tuple[float, ...] = ()
+    same_tokens_graph: bool | None = None
+    threads: int | None = None
+    cache: str = "static"
 
     @property
     def ours_median(self) -> float:
@@ -112,11 +141,30 @@ class BenchResult:
     def fraction_of_bound(self) -> float:
         return self.ours_median / self.bound_tokens_per_s
 
+    @property
+    def fraction_of_bound_best(self) -> float:
+        """Our best run as a fraction of the bound."""
+        return max(self.ours_tokens_per_s) / self.bound_tokens_per_s
+
+    @property
+    def trace_overhead(self) -> float | None:
+        """Event-trace cost as a fraction of generation time: the median over repetitions of
+        ``time(trace) / time(no trace) - 1`` for the adjacent runs of one repetition (paired, so
+        a burst of background load cancels); ``None`` when not timed."""
+        if not self.trace_tokens_per_s:
+            return None
+        return statistics.median(plain / traced - 1.0 for plain, traced in zip(self.ours_tokens_per_s, self.trace_tokens_per_s))
+
+    @property
+    def graph_ratio(self) -> float | None:
+        """Captured-graph path / HF median tokens per second (``None``: not timed)."""
+        return statistics.median(self.graph_tokens_per_s) / self.hf_median if self.graph_tokens_per_s else None
+
     def to_json(self) -> dict[str, Any]:
-        """Every field plus the derived medians, ratio, bound and fraction."""
+        """Every field plus the derived medians, ratios, bound, fractions and trace overhead."""
         out = attrs.asdict(self)
-        out["ours_tokens_per_s"] = list(self.ours_tokens_per_s)
-        out["hf_tokens_per_s"] = list(self.hf_tokens_per_s)
+        for name in ("ours_tokens_per_s", "hf_tokens_per_s", "trace_tokens_per_s", "graph_tokens_per_s"):
+            out[name] = list(getattr(self, name))
         out.update(
             ours_median_tokens_per_s=self.ours_median,
             hf_median_tokens_per_s=self.hf_median,
@@ -124,6 +172,9 @@ class BenchResult:
             ratio_best_ours_over_hf=self.ratio_best,
             bound_tokens_per_s=self.bound_tokens_per_s,
             ours_fraction_of_bound=self.fraction_of_bound,
+            ours_best_fraction_of_bound=self.fraction_of_bound_best,
+            trace_overhead=self.trace_overhead,
+            ratio_graph_over_hf=self.graph_ratio,
         )
         return out
 
@@ -188,6 +239,18 @@ def _resident_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+@contextlib.contextmanager
+def _threads(count: int | None) -> Iterator[int]:
+    """Run a block with ``count`` intra-op threads (``None``: as configured); yields the count in force."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_benchmark(
     *,
     dtype: torch.dtype = torch.float32,
@@ -195,8 +258,20 @@ def run_benchmark(
     prompt_len: int = 32,
     new_tokens: int = 128,
     repetitions: int = 5,
+    threads: int | None = None,
+    cache: str = "static",
+    trace: bool = True,
+    graph: bool | None = None,
 ) -> BenchResult:
     """Load both runtimes on SmolLM2 and time greedy decode (see the module docstring).
+
+    Args:
+        dtype, device: Of both models.
+        prompt_len, new_tokens, repetitions: The workload.
+        threads: Intra-op threads for every runtime (``None``: torch's setting).
+        cache: Our cache family, ``"static"`` (default) or ``"dynamic"``.
+        trace: Also time the runtime writing its event trace.
+        graph: Also time the captured-graph path (default: on CUDA).
 
     Raises:
         Rejection: ``model.file_missing`` when SmolLM2 is not installed; ``runtime.invalid_device``.
@@ -205,10 +280,12 @@ def run_benchmark(
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from .gguf import smollm2_path
+    from .graphs import GraphDecoder, graph_greedy_generate
     from .tokenizer import load_smollm2_tokenizer
     from .weights import load_smollm2
 
     target = resolve_device(device if not isinstance(device, torch.device) else str(device))
+    graph = target.type == "cuda" if graph is None else graph
     path = smollm2_path()
     tokenizer = load_smollm2_tokenizer()
     prompt_ids = tokenizer.encode(BENCH_TEXT)[:prompt_len]
@@ -219,33 +296,52 @@ def run_benchmark(
     hf_config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
     hf_input = torch.tensor([prompt_ids], device=target)
     hf_mask = torch.ones_like(hf_input)
+    trace_dir = tempfile.TemporaryDirectory(prefix="decodespec-bench-")
+    decoder = GraphDecoder(ours, prompt_len + new_tokens - 1) if graph else None
 
     def run_ours() -> tuple[int, ...]:
-        return greedy_generate(ours, prompt_ids, max_new_tokens=new_tokens, eos_token_ids=()).output_ids
+        return generate(ours, prompt_ids, max_new_tokens=new_tokens, eos_token_ids=(), cache=cache).output_ids
+
+    def run_trace() -> tuple[int, ...]:
+        with FileSink(Path(trace_dir.name) / "trace.ndjson") as sink:
+            return generate(ours, prompt_ids, max_new_tokens=new_tokens, eos_token_ids=(), cache=cache, sink=sink).output_ids
+
+    def run_graph() -> tuple[int, ...]:
+        return graph_greedy_generate(ours, prompt_ids, max_new_tokens=new_tokens, eos_token_ids=(), decoder=decoder).output_ids
 
     def run_hf() -> tuple[int, ...]:
         with torch.inference_mode():
             out = hf.generate(hf_input, attention_mask=hf_mask, generation_config=hf_config)
         return tuple(out[0, prompt_len:].tolist())
 
-    ours_ids, hf_ids = run_ours(), run_hf()  # warm-up (and the token comparison)
-    assert len(ours_ids) == len(hf_ids) == new_tokens, (len(ours_ids), len(hf_ids))
-    timings: dict[str, list[float]] = {"ours": [], "hf": []}
+    runtimes: dict[str, Callable[[], tuple[int, ...]]] = {"ours": run_ours}
+    if trace:
+        runtimes["trace"] = run_trace
+    if graph:
+        runtimes["graph"] = run_graph
+    runtimes["hf"] = run_hf
+    timings: dict[str, list[float]] = {name: [] for name in runtimes}
     peaks: dict[str, int] = {"ours_resident": _resident_bytes(ours), "hf_resident": _resident_bytes(hf)}
-    for _ in range(repetitions):
-        for name, fn in (("ours", run_ours), ("hf", run_hf)):
-            if target.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(target)
-            _sync(target)
-            start = time.perf_counter()
-            fn()
-            _sync(target)
-            timings[name].append(new_tokens / (time.perf_counter() - start))
-            if target.type == "cuda":
-                key = f"{name}_peak_allocated"
-                peaks[key] = max(peaks.get(key, 0), torch.cuda.max_memory_allocated(target))
-    weight_bytes = decode_weight_bytes(ours)
-    bandwidth = measure_read_bandwidth(weight_bytes, target, dtype, ours.config.hidden_size)
+    with _threads(threads) as num_threads, trace_dir:
+        ids = {name: fn() for name, fn in runtimes.items()}  # warm-up (and the token comparison)
+        assert all(len(v) == new_tokens for v in ids.values()), {k: len(v) for k, v in ids.items()}
+        for _ in range(repetitions):
+            for name, fn in runtimes.items():
+                if target.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(target)
+                _sync(target)
+                start = time.perf_counter()
+                fn()
+                _sync(target)
+                timings[name].append(new_tokens / (time.perf_counter() - start))
+                if target.type == "cuda":
+                    key = f"{name}_peak_allocated"
+                    peaks[key] = max(peaks.get(key, 0), torch.cuda.max_memory_allocated(target))
+        weight_bytes = decode_weight_bytes(ours)
+        bandwidth = measure_read_bandwidth(weight_bytes, target, dtype, ours.config.hidden_size)
+    c = ours.config
+    slots = prompt_len + new_tokens + 1 if cache == "static" else prompt_len + new_tokens - 1
+    peaks["ours_cache"] = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * slots * dtype.itemsize
     peaks["process_peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return BenchResult(
         device=str(target),
@@ -255,10 +351,15 @@ def run_benchmark(
         repetitions=repetitions,
         ours_tokens_per_s=tuple(timings["ours"]),
         hf_tokens_per_s=tuple(timings["hf"]),
-        same_tokens=ours_ids == hf_ids,
+        same_tokens=ids["ours"] == ids["hf"],
         decode_weight_bytes=weight_bytes,
         bandwidth_bytes_per_s=bandwidth,
         peak_memory=peaks,
+        trace_tokens_per_s=tuple(timings.get("trace", ())),
+        graph_tokens_per_s=tuple(timings.get("graph", ())),
+        same_tokens_graph=(ids["graph"] == ids["ours"]) if graph else None,
+        threads=num_threads,
+        cache=cache,
     )
 
 
@@ -267,20 +368,30 @@ def format_result(result: BenchResult) -> str:
     mib = 1024 * 1024
     bw = ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in result.bandwidth_bytes_per_s.items())
     peak = result.peak_memory
-    device_peak = (
-        f"; peak allocated during runs: ours {peak['ours_peak_allocated'] / mib:.1f} MiB, HF {peak['hf_peak_allocated'] / mib:.1f} MiB"
-        if "ours_peak_allocated" in peak
-        else ""
-    )
+
+    def runs(label: str, values: tuple[float, ...]) -> str:
+        return f"{label:<48}{statistics.median(values):8.2f} tok/s   (runs: {', '.join(f'{x:.1f}' for x in values)})"
+
+    device_peak = "; ".join(f"{k.removesuffix('_peak_allocated')} {v / mib:.1f} MiB" for k, v in peak.items() if k.endswith("_peak_allocated"))
     lines = [
         f"greedy decode, batch 1, {result.prompt_len}-token prompt, {result.new_tokens} new tokens, {result.dtype} on {result.device}, "
-        f"median of {result.repetitions}",
-        f"ours: {result.ours_median:8.2f} tok/s   (runs: {', '.join(f'{x:.1f}' for x in result.ours_tokens_per_s)})",
-        f"HF:   {result.hf_median:8.2f} tok/s   (runs: {', '.join(f'{x:.1f}' for x in result.hf_tokens_per_s)})",
+        f"{result.threads} thread(s), median of {result.repetitions} alternating runs",
+        runs(f"ours (RequestRunner, {result.cache} cache, no trace):", result.ours_tokens_per_s),
+    ]
+    if result.trace_tokens_per_s:
+        lines.append(f"{runs('ours + event trace (file):', result.trace_tokens_per_s)}   "
+                     f"trace overhead {100 * result.trace_overhead:+.1f}% of generation time (paired median)")
+    if result.graph_tokens_per_s:
+        lines.append(f"{runs('ours, captured-graph decode:', result.graph_tokens_per_s)}   same tokens: {result.same_tokens_graph}; "
+                     f"graph / HF {result.graph_ratio:.2f}x")
+    lines += [
+        runs("HF transformers generate:", result.hf_tokens_per_s),
         f"ratio ours / HF: {result.ratio:.3f} (medians), {result.ratio_best:.3f} (best runs)   same tokens: {result.same_tokens}",
         f"weights read per decode token: {result.decode_weight_bytes / mib:.1f} MiB; read bandwidth: {bw}",
-        f"memory-bandwidth bound: {result.bound_tokens_per_s:.2f} tok/s; ours at {100 * result.fraction_of_bound:.1f}% of it",
-        f"memory: weights+buffers ours {peak['ours_resident'] / mib:.1f} MiB, HF {peak['hf_resident'] / mib:.1f} MiB; "
-        f"process peak RSS {peak['process_peak_rss'] / mib:.0f} MiB (both models){device_peak}",
+        f"memory-bandwidth bound: {result.bound_tokens_per_s:.2f} tok/s; ours at {100 * result.fraction_of_bound:.1f}% of it "
+        f"(best run {100 * result.fraction_of_bound_best:.1f}%)",
+        f"memory: weights+buffers ours {peak['ours_resident'] / mib:.1f} MiB (+ K/V cache {peak['ours_cache'] / mib:.1f} MiB), "
+        f"HF {peak['hf_resident'] / mib:.1f} MiB; process peak RSS {peak['process_peak_rss'] / mib:.0f} MiB (both models)"
+        + (f"; peak allocated during runs: {device_peak}" if device_peak else ""),
     ]
     return "\n".join(lines)

@@ -7,6 +7,7 @@ projection reuse and retained state").
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -56,3 +57,20 @@ def test_measure_read_bandwidth_reports_both_methods():
     figures = measure_read_bandwidth(1 << 20, torch.device("cpu"), torch.float32, hidden_size=64, repetitions=2)
     assert set(figures) == {"sum", "gemv"}
     assert all(value > 0 for value in figures.values())
+
+
+def test_trace_overhead_is_the_paired_median_and_graph_ratio_uses_the_hf_median():
+    """Each repetition's traced run is compared with the untraced run of the same repetition."""
+    result = BenchResult(
+        device="cpu", dtype="float32", prompt_len=32, new_tokens=128, repetitions=3,
+        ours_tokens_per_s=(10.0, 20.0, 12.0), hf_tokens_per_s=(8.0, 9.0, 10.0), same_tokens=True,
+        decode_weight_bytes=1_000_000, bandwidth_bytes_per_s={"sum": 2e7},
+        peak_memory={"ours_resident": 1, "hf_resident": 2, "process_peak_rss": 3, "ours_cache": 4},
+        trace_tokens_per_s=(9.0, 20.0, 12.0), graph_tokens_per_s=(90.0, 80.0, 100.0), same_tokens_graph=True, threads=1,
+    )
+    # Per-repetition time ratios 10/9, 20/20, 12/12 -> overheads 11.1%, 0, 0: the median is 0 (a burst does not count).
+    assert result.trace_overhead == pytest.approx(0.0)
+    assert result.graph_ratio == pytest.approx(90.0 / 9.0)
+    payload = result.to_json()
+    assert payload["trace_overhead"] == pytest.approx(0.0) and payload["threads"] == 1 and payload["ratio_graph_over_hf"] == pytest.approx(10.0)
+    assert BenchResult(**{**attrs.asdict(result), "trace_tokens_per_s": ()}).trace_overhead is None

@@ -1,8 +1,9 @@
-"""``decodespec bench``: greedy decode tokens/s of our decoder vs HF transformers, and the bound.
+"""``decodespec bench``: greedy decode tokens/s of our runtime vs HF transformers, and the bound.
 
-Prints each runtime's median tokens/s, their ratio (ours / HF), peak memory, the
-memory-bandwidth bound (weight bytes per decode token / measured read bandwidth) and our
-fraction of it; ``--json`` prints the same as one JSON object.  See
+Prints each runtime's median tokens/s (ours: the RequestRunner with a static cache; ours with
+the event trace, and its overhead; on CUDA the captured-graph decode), the ratio ours / HF, peak
+memory, the memory-bandwidth bound (weight bytes per decode token / measured read bandwidth)
+and our fraction of it; ``--json`` prints the same as one JSON object.  See
 :mod:`decodespec.impl.bench`.
 
 Exit codes: 0 success, 2 invalid input, 3 SmolLM2 or HF transformers not installed.
@@ -29,6 +30,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (default 32)")
     parser.add_argument("--new-tokens", type=int, default=128, help="generated tokens per run (default 128)")
     parser.add_argument("--repetitions", type=int, default=5, help="timed runs per runtime after warm-up (default 5)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads for every runtime (default: torch's; use 1 on a shared CPU)")
+    parser.add_argument("--cache", choices=("static", "dynamic"), default="static", help="our cache family (default static)")
+    parser.add_argument("--no-trace", action="store_true", help="do not time the runtime writing its event trace")
+    parser.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the captured-graph decode path (default: on CUDA)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -43,8 +50,9 @@ def run(args: argparse.Namespace) -> int:
     if not hf_available():
         print(json.dumps({"error": {"code": "missing_peer", "message": HF_SKIP_REASON}}), file=sys.stderr)
         return 3
-    if min(args.prompt_len, args.new_tokens, args.repetitions) < 1:
-        print(json.dumps({"error": {"code": "bad_argument", "message": "--prompt-len, --new-tokens and --repetitions must be >= 1"}}), file=sys.stderr)
+    if min(args.prompt_len, args.new_tokens, args.repetitions, 1 if args.threads is None else args.threads) < 1:
+        print(json.dumps({"error": {"code": "bad_argument", "message": "--prompt-len, --new-tokens, --repetitions and --threads must be >= 1"}}),
+              file=sys.stderr)
         return 2
     from decodespec.impl.bench import format_result, run_benchmark
 
@@ -55,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
             prompt_len=args.prompt_len,
             new_tokens=args.new_tokens,
             repetitions=args.repetitions,
+            threads=args.threads,
+            cache=args.cache,
+            trace=not args.no_trace,
+            graph=args.graph,
         )
     except DecodeSpecError as exc:
         print(json.dumps({"error": exc.to_json()}), file=sys.stderr)
