@@ -134,6 +134,33 @@ def test_processor_rows_are_renormalised_unlike_hfs(smollm2_model, smollm2_token
         assert torch.logsumexp(log.rows.double(), dim=-1).abs().max() < 1e-4
 
 
+@requires_smollm2
+@requires_hf
+@pytest.mark.smollm2
+@pytest.mark.hf
+def test_cli_beams_are_hfs_sequences_and_sequence_scores(smollm2_model, smollm2_tokenizer, hf_smollm2, capsys, monkeypatch):
+    """decodespec generate --chat --num-beams 4 --length-penalty 1 --early-stopping true --json: the
+    best hypothesis and every beam (ids and HF's sequence score) are HF's num_return_sequences=4
+    output (the loaded models are the session's, so only the command path runs here)."""
+    import json
+
+    from decodespec.checks.cli import main
+    from decodespec.checks.commands import generate as command
+
+    monkeypatch.setattr(command, "_load", lambda *a, **k: (smollm2_model, smollm2_tokenizer))
+    assert main(["generate", "--chat", "--prompt", QUESTIONS[2], "--device", "cpu", "--num-beams", "4", "--max-new-tokens",
+                 str(G), "--length-penalty", "1.0", "--early-stopping", "true", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    prompt = chat_ids(smollm2_tokenizer, QUESTIONS[2])
+    assert payload["prompt_ids"] == list(prompt)
+    out = hf_beams(hf_smollm2, prompt, 4, length_penalty=1.0, early_stopping=True)
+    assert len(payload["beams"]) == 4 and payload["output_ids"] == payload["beams"][0]["output_ids"]
+    for row, score, beam in zip(out.sequences.tolist(), out.sequences_scores.tolist(), payload["beams"]):
+        assert strip_fill(row[len(prompt):]) == strip_fill(beam["output_ids"])
+        assert abs(score - beam["score"]) <= SCORE_TOL
+    assert payload["text"] == smollm2_tokenizer.decode(strip_fill(payload["output_ids"]))
+
+
 # --------------------------------------------------------------------------------------------
 # The expectations file is well formed and every entry points at real evidence.
 # --------------------------------------------------------------------------------------------

@@ -39,6 +39,18 @@ default; ``--do-sample`` selects the multinomial family with ``--temperature`` (
 branch), ``--top-k``, ``--top-p`` and ``--min-p``; ``--repetition-penalty`` applies in both
 families; ``--order`` picks the transform order preset.
 
+Beam search (M3.10 0x05, M3.8 0x0F; :class:`decodespec.impl.beam.BeamRunner`): ``--num-beams K``
+selects the beam family with ``--length-penalty A`` (default 1.0, HF's) and ``--early-stopping
+{true,false,never,exact}`` (HF's three settings under ``BeamParams.hf_compatible``, or the spec's
+normative exact bound; default ``false``, HF's).  A beam-family ``--request`` envelope runs the
+same way.  ``--json`` then prints the best hypothesis as ``output_ids``, ``text``, ``logprobs``,
+``score`` (HF's sequence score: sum of logprobs / length**alpha), ``sum_logprobs``,
+``finish_reason`` and ``triggers``, and under ``beams`` every kept completed hypothesis with its
+``output_ids``, ``text``, ``score``, ``sum_logprobs``, ``length``, ``finish_reason``, ``triggers``,
+``ancestry``, ``logprobs`` and ``branch_hash``; plus ``stop``, ``num_beams`` and ``beam_params``.
+Refused with ``runtime.beam_unsupported`` (exit 2): ``--do-sample`` (beam sampling is not
+modelled), ``--stream``, ``--stop``, ``--json-mode``, ``--repair``, snapshots and ``--resume``.
+
 Exit codes: 0 success, 2 invalid input (typed ``Rejection``/``ResourceLimit``, printed as JSON
 on stderr), 3 the model file is not installed.
 
@@ -108,6 +120,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--stream", action="store_true",
                         help="print text chunks as they pass the stream commit horizon (with --json: one JSON line per chunk, "
                         "then the result object)")
+    parser.add_argument("--num-beams", type=int, default=None, metavar="K",
+                        help="beam search with K live beams (the beam family; refused with --do-sample, --stream, snapshots)")
+    parser.add_argument("--length-penalty", type=float, default=None, metavar="A",
+                        help="beam length penalty alpha: score / |y|**alpha (default 1.0, HF's)")
+    parser.add_argument("--early-stopping", choices=("true", "false", "never", "exact"), default=None,
+                        help="beam termination: HF's true / false (default) / never, or the spec's exact bound")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     return parser
 
@@ -129,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"error": {"code": "runtime.invalid_request", "path": "$.prompt",
                                     "message": "give --prompt, --request FILE or --resume FILE"}}), file=sys.stderr)
         return 2
+    refused = _beam_refusal(args)
+    if refused is not None:
+        print(json.dumps({"error": refused}), file=sys.stderr)
+        return 2
     sink = None
     try:
         device = resolve_device(args.device)
@@ -140,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
         if args.request or snapshot is None:
             request = _admitted_request(args, model, tokenizer)
         sink = FileSink(args.trace) if args.trace else None
+        if request is not None and request.policy.family.value == "beam":
+            return _run_beams(args, model, tokenizer, request, sink, info)
         streamed = (request if request is not None else snapshot.request).stream
         on_chunk = _chunk_printer(args.json) if streamed else None
         if snapshot is not None:
@@ -179,6 +203,42 @@ def _chunk_printer(as_json: bool):
         sys.stdout.flush()
 
     return deliver
+
+
+def _beam_refusal(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The typed error for beam flags combined with what the beam runtime cannot honour, or ``None``."""
+    if getattr(args, "num_beams", None) is None:
+        return None
+    for flag, given in (("--do-sample", args.do_sample), ("--stream", getattr(args, "stream", False)),
+                        ("--snapshot", args.snapshot), ("--snapshot-at", args.snapshot_at is not None), ("--resume", args.resume)):
+        if given:
+            return {"code": "runtime.beam_unsupported", "path": "$.policy.num_beams",
+                    "message": f"--num-beams cannot be combined with {flag}: beam search here is deterministic, "
+                               "returns whole hypotheses at the end and keeps no resumable state"}
+    return None
+
+
+def _run_beams(args: argparse.Namespace, model, tokenizer, request, sink, info: dict[str, Any]) -> int:
+    """Run a beam-family request with :class:`decodespec.impl.beam.BeamRunner` and print the result.
+
+    Raises:
+        DecodeSpecError: ``runtime.beam_unsupported`` (snapshots; and what the runner refuses).
+    """
+    from decodespec.impl.beam import BEAM_UNSUPPORTED, BeamRunner
+    from decodespec.spec.errors import Rejection
+
+    if args.snapshot or args.snapshot_at is not None:
+        raise Rejection(BEAM_UNSUPPORTED, "a beam search keeps no resumable snapshot", "$.snapshot")
+    runner = BeamRunner(model, request, sink=sink, tokenizer=tokenizer, runtime_info=info).run()
+    result = runner.result()
+    if args.json:
+        payload = result.to_json()
+        payload.update(model=args.model, device=info["device"], dtype=args.dtype, attention=args.attention, seed=request.seed,
+                       identity=request.identity, policy=runner.policy.to_json(), cache=request.cache, suspended=False)
+        print(json.dumps(payload, ensure_ascii=False))
+    else:
+        print("" if result.best is None else result.best.text)
+    return 0
 
 
 def _admitted_request(args: argparse.Namespace, model, tokenizer):
@@ -326,7 +386,16 @@ def policy_json(args: argparse.Namespace) -> dict:
         transforms.append({"name": "top_p", "p": args.top_p})
     if args.min_p is not None:
         transforms.append({"name": "min_p", "p": args.min_p})
-    return {"family": "multinomial" if args.do_sample else "greedy", "order": args.order, "transforms": transforms}
+    policy: dict[str, Any] = {"family": "multinomial" if args.do_sample else "greedy", "order": args.order, "transforms": transforms}
+    # Beam flags (kept outside the beam family too, so that the policy rejects them there).
+    if getattr(args, "num_beams", None) is not None:
+        policy["family"] = "beam"
+        policy["num_beams"] = args.num_beams
+    if getattr(args, "length_penalty", None) is not None:
+        policy["length_penalty"] = args.length_penalty
+    if getattr(args, "early_stopping", None) is not None:
+        policy["early_stopping"] = args.early_stopping
+    return policy
 
 
 def _load(name: str, dtype, device, attention: str):
