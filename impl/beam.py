@@ -504,14 +504,9 @@ class BeamRunner:
         ranks = range(len(tokens))
         live_ranks = [i for i in ranks if tokens[i] not in eos][:k]
         done_ranks = [i for i in ranks if i < k and tokens[i] in eos]
-        child_ranks, discarded = [], []
-        for i in live_ranks:
-            if not at_cap:
-                child_ranks.append(i)
-            elif params.length_cap_rule is LengthCapRule.CLOSE_LIVE or i < k:
-                done_ranks.append(i)
-            else:
-                discarded.append(i)
+        child_ranks = [] if at_cap else live_ranks
+        if at_cap:  # the cap closes every live child (normative) or only ranks < K (HF; the rest are dropped)
+            done_ranks += [i for i in live_ranks if params.length_cap_rule is LengthCapRule.CLOSE_LIVE or i < k]
         done_ranks.sort()
 
         expanded = self.live_branches()
@@ -609,11 +604,14 @@ class BeamRunner:
         return bound <= threshold
 
     def _reorder(self, parents: list[int]) -> None:
-        """Apply one parent map to every cache layer and every branch lane (fork before append)."""
+        """Apply the parent map to every cache layer: child row ``r`` becomes parent row ``parents[r]``.
+
+        The branch lanes were gathered by the same map in :meth:`decide` (each child record is its
+        parent's, then its token is appended); the cache ledger (C, P) stays the parent's and the
+        child's token is pending input for the next call (fork before append).
+        """
         if self.cache is not None:
             self.cache.reorder_cache(torch.tensor(parents, dtype=torch.long))  # [n'] parent row of each child row
-        # The lanes travel with the child records built by ``fork`` (each copied from its parent);
-        # the cache ledger (C, P) is the parent's, the child's token stays pending.
 
     def _emit_finish(self) -> None:
         if self.sink is None:
