@@ -59,7 +59,7 @@ from decodespec.spec.stop import StopConfig, align_output, reference_stream, ste
 from decodespec.spec.transitions import MACHINE, NOT_ENABLED, Machine, expected_report, expected_start
 
 from .adapters import Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record
-from .ladder import FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, Tolerance, Verdict, compare, tolerance_for
+from .ladder import FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, Tolerance, Verdict, compare, compare_rows, tolerance_for
 
 __all__ = [
     "LockStep",
@@ -420,7 +420,8 @@ class SpecSide:
 
     def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
         """The output bytes of each id (``b""`` for special tokens)."""
-        special = frozenset(getattr(self.tokenizer, "special_ids", ()))
+        # Declared choice (docs/design.md section 2): EOS ids never contribute text, like special tokens.
+        special = frozenset(getattr(self.tokenizer, "special_ids", ())) | frozenset(self.config.eos_ids)
         return [b"" if t in special else self.tokenizer.token_bytes(t) for t in ids]
 
     def view(self, state: RequestState) -> RequestView:
@@ -491,7 +492,10 @@ class LockStep:
         machine: The spec machine (default the specification's).
 
     Attributes:
+        config: The initial case config (a ``reuse`` action changes the spec side's, not this).
         records: One :class:`StepRecord` per step (``reset`` first).
+        observations: The full observation after each record.
+        observation: The latest observation.
     """
 
     def __init__(self, adapter: Adapter, config: CaseConfig, *, runtime: str | None = None, tolerance: Tolerance | None = None,
@@ -506,6 +510,8 @@ class LockStep:
         self.reference = reference or reference_for(config.model)
         self.spec = SpecSide(config, self.reference, load_tokenizer(config.model), machine)
         self.records: list[StepRecord] = []
+        #: The full observation after each record (arrays included), ``None`` where none was made.
+        self.observations: list[Observation | None] = []
         self.observation: Observation | None = None
         self.resume_reference: Observation | None = None
         self._snapshot_count = 0
@@ -579,7 +585,10 @@ class LockStep:
             resume = None
             if act["op"] == "restore" and act["corrupt"] is None:
                 resume = self.spec.snapshots[act["snapshot"]].observation
-            verdict = compare(self._expected(obs, tuple(checks), resume=resume), obs, layers=self.layers)
+            # A decision inside the action that already failed happened before the final state:
+            # report it first (it carries its own layer, TENSOR before DECISION).
+            early = [c.verdict for c in checks if c.verdict.result == FAILED and c.verdict.layer in self.layers]
+            verdict = early[0] if early else compare(self._expected(obs, tuple(checks), resume=resume), obs, layers=self.layers)
         return self._record(act, runtime, spec, obs, verdict or Verdict(PASSED))
 
     def finish_against(self, uninterrupted: Observation) -> Verdict:
@@ -590,6 +599,7 @@ class LockStep:
         record = StepRecord(len(self.records), {"op": "compare_resume"}, {"status": "ok", "data": {}}, {"status": "ok"},
                             self.observation.summary(), verdict, _spec_state_json(self.spec.state))
         self.records.append(record)
+        self.observations.append(self.observation)
         return verdict
 
     # -- internals -------------------------------------------------------------------------
@@ -599,6 +609,7 @@ class LockStep:
         record = StepRecord(index, action, runtime, spec, None if obs is None else obs.summary(),
                             attrs.evolve(verdict, step=index) if not verdict.passed else verdict, _spec_state_json(self.spec.state))
         self.records.append(record)
+        self.observations.append(obs)
         return record
 
     def _agreement(self, spec: dict[str, Any], runtime: dict[str, Any]) -> Verdict | None:
@@ -678,6 +689,12 @@ class LockStep:
         cand_token = None
         own_row = obs.score_row is not None and obs.score_output_count == index
         if own_row:
+            cmp = compare_rows(ref_raw, obs.score_row, self.tolerance.logit)
+            if not cmp.within:
+                checks.append(DecisionCheck(index, Verdict(
+                    FAILED, "TENSOR", "ladder.TENSOR", "score_row.linf", f"<= {self.tolerance.logit}", cmp.linf,
+                    f"output {index}: the runtime decided on a score row {cmp.linf:.3g} away from the reference row of the same "
+                    f"prefix (epsilon {self.tolerance.logit:.3g})")))
             cand_row = ScoreRow.create(obs.score_row, row_id=score.score_id)
             try:
                 cand_processed = processed_row(cand_row, s.policy, s.policy_state, view)
@@ -785,7 +802,6 @@ class LockStep:
             if act["max_new_tokens"] is not None:
                 changes["max_new_tokens"] = act["max_new_tokens"]
             s.admit(s.config.evolve(**changes))
-            self.config = s.config
         else:  # pragma: no cover - check_action knows every op
             raise AssertionError(op)
 

@@ -273,7 +273,7 @@ class CaseConfig:
         eos_ids: The termination EOS set.
         stop_strings: Stop strings (matched on output bytes).
         include_stop_str: Whether a matched stop string stays in the returned text.
-        alignment: Output alignment ``token`` / ``text`` / ``span``.
+        alignment: Output alignment ``token`` (the envelope's default) / ``text`` / ``span``.
         structured: ``"none"`` or ``"json"``.
         stream: Whether the output streams (chunks; ``stream_fail`` applies).
         cache: ``"none"``, ``"dynamic"`` or ``"static"``.
@@ -300,7 +300,7 @@ class CaseConfig:
     eos_ids: tuple[int, ...] = attrs.field(default=(), converter=lambda v: tuple(sorted(int(i) for i in v)))
     stop_strings: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     include_stop_str: bool = False
-    alignment: str = "text"
+    alignment: str = "token"
     structured: str = "none"
     stream: bool = False
     cache: str = "dynamic"

@@ -5,15 +5,15 @@ one for one where the runner has the method (``launch``, ``complete``, ``decide`
 ``cancel``, ``stream_failure``, ``recover``, ``repair``, ``snapshot``, ``restore``) and as short
 loops over :meth:`RequestRunner.step` for ``step`` and ``run``; it never decides anything
 itself.  Typed errors the runner raises become ``rejected`` results (the runner validates
-before it mutates, so a rejected action changed nothing).
+before it mutates, so a rejected action changed nothing).  Text triggers, the returned text and
+stream chunks come from the runner's own output observer
+(:class:`~decodespec.impl.output.OutputObserver`, built from the tokenizer).
 
 Environment actions the runner takes from a declared :class:`~decodespec.impl.faults.FaultPlan`
 are added to its plan when they happen: a ``fault`` on the in-flight call appends
 ``DeviceFault(call_id, layer)`` (the forward raises at that layer when the call completes) or
 ``MissingLane(call_id, layer)`` (the open cache call is re-opened, before any row is written,
-with that layer's write dropped).  Text triggers, the returned text and stream chunks come
-from :class:`~decodespec.impl.stream.Streamer` (the runtime's stop/stream component), wrapped as
-the runner's :class:`~decodespec.impl.runtime.CommitObserver`.
+with that layer's write dropped).
 
 Observation extras the runner does not keep are recorded by the adapter as they happen: the
 latest exposed score row (kept after its decision is committed), the latest launched call,
@@ -38,14 +38,11 @@ import torch
 
 from decodespec.impl.faults import DeviceFault, FaultPlan, MissingLane
 from decodespec.impl.policy import process_scores
-from decodespec.impl.runtime import CommitObservation, RequestRunner, RuntimeRequest
-from decodespec.impl.stream import Streamer
-from decodespec.spec.actions import TEXT_TRIGGERS
-from decodespec.spec.enums import CallKind, FinishReason
+from decodespec.impl.runtime import RequestRunner, RuntimeRequest
+from decodespec.spec.enums import CallKind
 from decodespec.spec.errors import DecodeSpecError, Rejection
 from decodespec.spec.policy import RequestView, policy_config_from_json
 from decodespec.spec.state import Phase
-from decodespec.spec.stop import StopConfig
 from decodespec.spec.transitions import NOT_ENABLED
 
 from . import (
@@ -60,7 +57,7 @@ from . import (
     required_capabilities,
 )
 
-__all__ = ["IMPL_CAPABILITIES", "ImplAdapter", "StreamObserver", "available", "create", "load_model", "load_tokenizer",
+__all__ = ["IMPL_CAPABILITIES", "ImplAdapter", "available", "create", "load_model", "load_tokenizer",
            "model_window", "runtime_request"]
 
 #: What our runtime supports (beams run in their own loop, not through this adapter).
@@ -140,51 +137,9 @@ def runtime_request(config: CaseConfig) -> RuntimeRequest:
         stream=config.stream,
         stop_strings=config.stop_strings,
         structured=config.structured,
+        include_stop_str=config.include_stop_str,
+        alignment=config.alignment,
     )
-
-
-class StreamObserver:
-    """The runner's :class:`~decodespec.impl.runtime.CommitObserver` over the runtime's :class:`Streamer`.
-
-    Each committed token is pushed to the streamer; its text triggers (``stop_string``,
-    ``structured``, ``structured_error``) go back to the runner, which fires EOS, ``length`` and
-    ``context_length`` itself.  :meth:`finish` closes the stream for a finish the runner decided
-    outside a commit (cancel, timeout, device or stream error, G = 0).
-    """
-
-    def __init__(self, tokenizer: Any, config: StopConfig):
-        self.tokenizer = tokenizer
-        self.config = config
-        self.streamer = Streamer(tokenizer, config)
-        self.committed: list[tuple[int, float]] = []
-
-    def observe(self, token_id: int, logprob: float, output_index: int) -> CommitObservation:
-        """Push the committed token; report its text triggers."""
-        self.committed.append((token_id, logprob))
-        self.streamer.push(token_id, logprob)
-        return CommitObservation(text_triggers=frozenset(self.streamer.last_triggers) & TEXT_TRIGGERS)
-
-    def finish(self, reason: FinishReason) -> None:
-        """Close an open stream with a finish decided outside a commit (final flush, except after ``stream_error``)."""
-        if not self.streamer.finished:
-            self.streamer.finish(reason)
-
-    def snapshot_state(self) -> dict[str, Any]:
-        """The committed tokens and logprobs (the streamer is rebuilt from them on restore)."""
-        return {"committed": [[t, lp] for t, lp in self.committed]}
-
-    def restore_state(self, state: Mapping[str, Any]) -> None:
-        """Rebuild the streamer by pushing the committed tokens again (it is deterministic)."""
-        self.streamer = Streamer(self.tokenizer, self.config)
-        self.committed = []
-        for token_id, logprob in state["committed"]:
-            self.observe(int(token_id), float(logprob), len(self.committed))
-
-    @property
-    def text(self) -> str:
-        """The returned text when finished, else the decode of every committed byte."""
-        s = self.streamer
-        return s.output.text if s.output is not None else s.detokenizer.text()
 
 
 @attrs.frozen(eq=False)
@@ -213,7 +168,6 @@ class ImplAdapter:
         self.cache_factory = cache_factory
         self.config: CaseConfig | None = None
         self.runner: RequestRunner | None = None
-        self.observer: StreamObserver | None = None
         self.extras = _Extras()
         self.snapshots: dict[str, tuple[Any, _Extras, CaseConfig]] = {}
         self._faulted: set[int] = set()
@@ -241,25 +195,12 @@ class ImplAdapter:
         request = runtime_request(config)
         if cache is None and self.cache_factory is not None and request.cache != "none":
             cache = self.cache_factory(request, model)
-        observer = self._observer(config, model)
-        runner = self.runner_cls(model, request, cache=cache, observer=observer, tokenizer=load_tokenizer(config.model),
+        runner = self.runner_cls(model, request, cache=cache, tokenizer=load_tokenizer(config.model),
                                  runtime_info={"device": config.device, "dtype": config.dtype, "attention": config.attention})
         runner.admit()
-        self.config, self.runner, self.observer = config, runner, observer
+        self.config, self.runner = config, runner
         self.extras = _Extras()
         self._faulted = set()
-        self._sync_stream()
-
-    def _observer(self, config: CaseConfig, model: Any) -> StreamObserver:
-        window = int(model.config.max_position_embeddings)
-        caps = [window] + [c for c in (config.context_cap,) if c is not None]
-        if config.cache == "static":
-            caps.append(config.static_capacity or min(config.prompt_len + config.max_new_tokens + 1, window))
-        stop = StopConfig(max_new_tokens=config.max_new_tokens, eos_ids=frozenset(config.eos_ids), min_new_tokens=config.min_new_tokens,
-                          prompt_len=config.prompt_len, max_context_len=min(caps), stop_strings=config.stop_strings,
-                          include_stop_str=config.include_stop_str, alignment=config.alignment,
-                          json_completion=config.structured == "json")
-        return StreamObserver(load_tokenizer(config.model), stop)
 
     def apply(self, action: Mapping[str, Any]) -> ApplyResult:
         """Apply one action (see the module docstring); typed refusals become ``rejected``."""
@@ -273,9 +214,6 @@ class ImplAdapter:
             data = getattr(self, "_op_" + act["op"])(act)
         except DecodeSpecError as exc:
             return ApplyResult.rejected(exc.code, exc.message)
-        finally:
-            if self.runner is not None:
-                self._sync_stream()
         return ApplyResult.accepted(data)
 
     def observe(self) -> Observation:
@@ -308,8 +246,8 @@ class ImplAdapter:
             score_output_count=None if score is None else score[2],
             support_ids=None if probe is None else probe[0],
             support_probs=None if probe is None else probe[1],
-            text=self.observer.text if self.observer is not None else None,
-            chunks=[c.to_json() for c in self.observer.streamer.chunks] if self.observer is not None and self.config.stream else None,
+            text=self._text(),
+            chunks=[c.to_json() for c in r.observer.chunks] if self.config.stream else None,
             cache_committed=0 if cache is None else cache.committed_length,
             cache_physical=0 if cache is None else (cache.reserved_length if hasattr(cache, "reserved_length") else max(cache.layer_lengths())),
             call=call,
@@ -333,13 +271,10 @@ class ImplAdapter:
         # per layer [2, H_kv, P, D] -> [layers, 2, H_kv, P, D]
         return torch.stack([torch.stack((k[0], v[0])) for k, v in tensors]).detach().to("cpu", torch.float32).numpy()
 
-    def _sync_stream(self) -> None:
-        r = self.runner
-        if self.observer is not None and r.phase is Phase.FINISHED and r.finish_reason is not None:
-            reason = r.finish_reason
-            if reason in (FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR, FinishReason.STREAM_ERROR) \
-                    or (reason is FinishReason.LENGTH and r.output_count == 0):
-                self.observer.finish(reason)
+    def _text(self) -> str:
+        observer = self.runner.observer
+        output = observer.output if self.runner.phase is Phase.FINISHED else None
+        return output.text if output is not None else observer.text_so_far()
 
     def _record_call(self) -> None:
         call = self.runner.in_flight
@@ -494,12 +429,10 @@ class ImplAdapter:
             snapshot = attrs.evolve(snapshot, record=corrupt_record(snapshot.record, act["corrupt"]))
         config = self.config
         model = load_model(config.model, config.dtype, config.device, config.attention)
-        observer = self._observer(config, model)
         # The current request as the runner admitted it (static capacity resolved): a snapshot of
         # another request (e.g. before a reuse) is refused with snapshot.identity_mismatch.
-        runner = self.runner_cls.restore(model, snapshot, self.runner.request, observer=observer,
-                                         tokenizer=load_tokenizer(config.model))
-        self.runner, self.observer, self.extras = runner, observer, extras
+        runner = self.runner_cls.restore(model, snapshot, self.runner.request, tokenizer=load_tokenizer(config.model))
+        self.runner, self.extras = runner, extras
         self._faulted = set()
         return {}
 

@@ -1,0 +1,561 @@
+"""The gate's case table: the SmolLM2 correctness matrix, the boundary cases and adversarial interleavings.
+
+One table (:func:`cases_for`) serves every runtime: ``pytest checks/`` and ``decodespec check``
+run it for ``--runtime`` / ``--model``, and the peer engineer's matrix files import it for HF
+and llama.cpp.  A :class:`Case` is one of:
+
+* ``lockstep``: one config and a list of contract actions driven in lock step with the spec
+  (:class:`~decodespec.checks.lockstep.LockStep`);
+* ``pair``: two configs driven with the same actions, each in lock step, and then compared
+  with each other step by step (the correctness matrix's "A versus B": ids, frontiers, cache
+  lengths, score rows and K/V rows within twice the declared tolerance -- both sides are within
+  epsilon of the same reference);
+* ``resume``: an uninterrupted run versus the same request snapshotted after ``resume_at``
+  actions, restored and continued (RESUME: ``Continue(Restore(S), n) == Continue(S, n)``);
+* ``custom``: a runtime-specific procedure (padded batches, beam width 1), registered per
+  runtime in :data:`CUSTOM` (a runtime without one skips the case with that reason).
+
+:func:`run_case` returns a :class:`CaseResult` (``pass`` / ``fail`` / ``deviation`` /
+``undecided`` / ``skip``, the ladder layer, rule and check, expected, actual, a message and, for
+a lock-step failure, the replayable trace).  A failure that a runtime's expectations file
+(``checks/expectations/<runtime>.toml``, :func:`load_expectations`) documents is reported as
+``deviation``; :func:`unused_expectations` lists documented deviations of the cases that ran and
+did not occur (a fixed deviation must be removed from the file).
+
+Source: M3.10 "Correctness matrix", "Boundary cases" (prompt shapes and adversarial state
+transitions), 0x0B failure lab; research/formal-anchors-survey.md 4 (conformance suites and
+expectation files: test262 / JSON-Schema-Test-Suite / Bowtie).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import tomllib
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import attrs
+import numpy as np
+
+from decodespec.spec.errors import DecodeSpecError
+
+from .adapters import CORRUPTIONS, AdapterUnavailable, CaseConfig, Observation
+from .ladder import FAILED, PASSED, UNDECIDED, Expected, Tolerance, Verdict, compare, greedy_comparator, tolerance_for
+from .lockstep import LockStep, reference_for
+from .traces import make_trace, open_runtime
+
+__all__ = [
+    "CUSTOM",
+    "Case",
+    "CaseResult",
+    "EXPECTATIONS_DIR",
+    "Expectation",
+    "cases_for",
+    "load_expectations",
+    "prompt_ids",
+    "report_line",
+    "run_case",
+    "unused_expectations",
+]
+
+EXPECTATIONS_DIR = Path(__file__).resolve().parent / "expectations"
+_M = "M3.10 Correctness matrix"
+_B = "M3.10 Boundary cases"
+
+
+def _steps(n: int) -> tuple[dict[str, Any], ...]:
+    return tuple({"op": "step"} for _ in range(n))
+
+
+@attrs.frozen
+class Case:
+    """One gate case (see the module docstring).
+
+    Attributes:
+        id: Stable id, ``matrix.*``, ``boundary.*`` or ``adversarial.*``.
+        kind: ``lockstep``, ``pair``, ``resume`` or ``custom``.
+        description: One sentence.
+        section: The seed section it checks.
+        config: The case config (the first side of a pair).
+        actions: Contract actions after the reset.
+        other: The second config of a pair.
+        compare: What a pair compares: ``ids``, ``frontier``, ``cache``, ``logits``, ``kv``,
+            ``rng``, ``text``.
+        resume_at: For ``resume``: how many actions run before the snapshot.
+        form: For ``resume``: the snapshot form.
+        requires: Capabilities the runtime must declare.
+    """
+
+    id: str
+    kind: str
+    description: str
+    section: str
+    config: CaseConfig
+    actions: tuple[dict[str, Any], ...] = ()
+    other: CaseConfig | None = None
+    compare: tuple[str, ...] = ("ids", "frontier", "logits")
+    resume_at: int = 0
+    form: str = "pending_suffix"
+    requires: frozenset[str] = frozenset()
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts.
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=32)
+def prompt_ids(model: str, text: str, *, chat: bool = True) -> tuple[int, ...]:
+    """Token ids of ``text``: BOS + UTF-8 bytes on tiny; a bare chat turn (or plain text) on SmolLM2."""
+    if model == "tiny":
+        return (1,) + tuple(b + 3 for b in text.encode("utf-8"))
+    from .adapters.impl import load_tokenizer
+
+    tok = load_tokenizer(model)
+    return tuple(tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n" if chat else text))
+
+
+def _greedy_continuation(model: str, prompt: Sequence[int], n: int) -> list[int]:
+    """The reference's greedy continuation (lowest id on ties), used to aim stop strings at real output."""
+    ref = reference_for(model)
+    out: list[int] = []
+    for _ in range(n):
+        row = ref.row(tuple(prompt) + tuple(out))
+        out.append(int(np.argmax(row)))
+    return out
+
+
+def _spanning_stop(model: str, prompt: Sequence[int], n: int) -> tuple[str, str]:
+    """``(stop, longer)``: a 2-character stop string spanning two ASCII output tokens, and a 3-character one sharing its prefix."""
+    from .adapters.impl import load_tokenizer
+
+    tok = load_tokenizer(model)
+    ids = _greedy_continuation(model, prompt, n)
+    pieces = [tok.token_bytes(t) if t not in getattr(tok, "special_ids", ()) and t != 2 else b"" for t in ids]
+    for i in range(len(pieces) - 2):
+        a, b, c = pieces[i], pieces[i + 1], pieces[i + 2]
+        if a and b and a.isascii() and b.isascii() and a[-1:].strip() and b[:1].strip():
+            stop = (a[-1:] + b[:1]).decode()
+            longer = stop + ((b[1:2] or c[:1]) or b"?").decode("ascii", errors="replace")
+            return stop, longer
+    return "e", "ea"
+
+
+# --------------------------------------------------------------------------------------------
+# The table.
+# --------------------------------------------------------------------------------------------
+
+SAMPLED = {"family": "multinomial", "transforms": [{"name": "temperature", "temperature": 0.8}, {"name": "top_k", "k": 40}]}
+
+
+@functools.lru_cache(maxsize=4)
+def cases_for(model: str) -> tuple[Case, ...]:
+    """Every gate case on ``model`` (``tiny`` or ``smollm2``), in a stable order."""
+    tiny = model == "tiny"
+    g = 6 if tiny else 5
+    hello = prompt_ids(model, "Hello there")
+    short = prompt_ids(model, "Hi")
+    base = CaseConfig(model=model, prompt_ids=hello, max_new_tokens=g, eos_ids=[2], seed=11)
+    static = base.evolve(cache="static")
+    cases: list[Case] = []
+
+    def add(*args: Any, **kwargs: Any) -> None:
+        cases.append(Case(*args, **kwargs))
+
+    # -- correctness matrix -------------------------------------------------------------------
+    add("matrix.no_cache_vs_dynamic", "pair", "No cache versus dynamic cache: logits at every step.", _M,
+        base.evolve(cache="none"), _steps(g), other=base, compare=("ids", "logits"), requires=frozenset({"cache:none", "cache:dynamic"}))
+    add("matrix.dynamic_vs_static", "pair", "Dynamic versus static cache: logits, token ids, cache lengths.", _M,
+        base, _steps(g), other=static, compare=("ids", "frontier", "cache", "logits"), requires=frozenset({"cache:dynamic", "cache:static"}))
+    add("matrix.oneshot_vs_chunked", "pair", "One-shot versus chunked prefill: last-row logits and cache tensors.", _M + "; 0x0A",
+        base, _steps(2), other=base.evolve(prefill_chunk=3), compare=("ids", "frontier", "cache", "logits", "kv"), requires=frozenset({"prefill_chunk"}))
+    add("matrix.static_chunked_prefill", "lockstep", "Chunked prefill into a static cache, chunk by chunk.", _M + "; 0x0A",
+        static.evolve(prefill_chunk=2), tuple({"op": "prefill", "chunk": 2} for _ in range((len(hello) + 1) // 2)) + _steps(2),
+        requires=frozenset({"prefill_chunk", "cache:static"}))
+    add("matrix.eager_vs_sdpa", "pair", "Eager versus optimized (SDPA) attention: logits under tolerance.", _M,
+        base, _steps(g), other=base.evolve(attention="eager"), compare=("ids", "logits"))
+    add("matrix.seeded_replay", "pair", "Fixed-seed sampled replay: token path and RNG counter.", _M + "; M3.8 RNG",
+        base.evolve(policy=SAMPLED), _steps(g), other=base.evolve(policy=SAMPLED), compare=("ids", "rng", "logits"),
+        requires=frozenset({"sampling"}))
+    add("matrix.sampled_lockstep", "lockstep", "Sampled decoding: the spec replays every draw (policy rows, draw count, RNG counter).",
+        _M + "; M3.8 0x0E", base.evolve(policy=SAMPLED, seed=3), tuple(_steps(g)), requires=frozenset({"sampling"}))
+    for form in ("pending_suffix", "repaired"):
+        add(f"matrix.resume_{form}", "resume", f"Resume from a {form} snapshot equals the uninterrupted run.", _M + "; 0x0B resumable snapshot",
+            base.evolve(final_cache="all_outputs" if form == "repaired" else "processed_inputs_only"), ({"op": "run"},),
+            resume_at=2, form=form, requires=frozenset({"snapshot"}))
+    add("matrix.greedy_vs_beam1", "custom", "Greedy reference versus beam width one: tokens and scores.", _M + "; 0x05", base)
+    for side in ("left", "right"):
+        add(f"matrix.padded_batch_{side}", "custom", f"Batch size one versus a {side}-padded batch: per-row logits and token path.",
+            _M + "; 0x07", base)
+
+    # -- boundary cases -------------------------------------------------------------------------
+    one = prompt_ids(model, "")[:1]
+    add("boundary.one_token_prompt", "lockstep", "A one-token prompt (BOS only).", _B, base.evolve(prompt_ids=one), ({"op": "run"},))
+    if tiny:
+        window = 1024
+        longest = tuple((hello * (window // len(hello) + 1))[: window - 1])
+        add("boundary.prompt_at_max_length", "lockstep", "A prompt of window - 1 tokens: one output, then context_length.", _B,
+            base.evolve(prompt_ids=longest, cache="static"), ({"op": "run"},), requires=frozenset({"cache:static"}))
+    else:
+        add("boundary.prompt_at_max_length", "lockstep",
+            "A prompt at the maximum declared length (context cap L + 1): one output, then context_length.", _B,
+            base.evolve(context_cap=len(hello) + 1), ({"op": "run"},))
+    add("boundary.immediate_eos", "lockstep", "EOS forced at the first decision by a logit bias: finish eos, empty text.", _B,
+        base.evolve(policy={"family": "greedy", "transforms": [{"name": "logit_bias", "bias": {"2": 100.0}}]}, stream=True),
+        ({"op": "run"},))
+    add("boundary.min_new_tokens_blocks_eos", "lockstep", "EOS biased up but illegal until min_new_tokens outputs.", _B,
+        base.evolve(policy={"family": "greedy", "transforms": [{"name": "logit_bias", "bias": {"2": 100.0}}]}, min_new_tokens=2),
+        ({"op": "run"},))
+    for branch in ("no_call", "prefill_only", "reject"):
+        add(f"boundary.zero_new_tokens_{branch}", "lockstep", f"Zero allowed new tokens, G=0 branch {branch}.", _B + "; The first-output off-by-one",
+            base.evolve(max_new_tokens=0, zero_new_tokens=branch), () if branch == "reject" else ({"op": "run"},))
+    add("boundary.non_ascii_text", "lockstep", "Non-ASCII prompt and streamed output (UTF-8 holdback in the chunks).", _B,
+        base.evolve(prompt_ids=prompt_ids(model, "héllo ✓ 日本"), stream=True), ({"op": "run"},), requires=frozenset({"stream"}))
+    stop, longer = _spanning_stop(model, hello, g)
+    add("boundary.stop_string_spanning_tokens", "lockstep", f"A stop string ({stop!r}) spanning two output tokens, streamed.", _B,
+        base.evolve(stop_strings=[stop], stream=True, max_new_tokens=g + 4), ({"op": "run"},), requires=frozenset({"stop_strings", "stream"}))
+    add("boundary.stop_patterns_shared_prefix", "lockstep", f"Stop patterns sharing a prefix ({longer!r}, {stop!r}), text alignment.", _B,
+        base.evolve(stop_strings=[longer, stop], alignment="text", max_new_tokens=g + 4), ({"op": "run"},),
+        requires=frozenset({"stop_strings"}))
+    add("boundary.structured_invalid_prefix", "lockstep", "Structured JSON output whose first bytes are not JSON: structured_error.", _B,
+        base.evolve(structured="json"), ({"op": "run"},), requires=frozenset({"structured"}))
+
+    # -- adversarial interleavings ---------------------------------------------------------------
+    add("adversarial.cancel_in_flight", "lockstep", "Cancellation while a decode call is in flight: awaited, ALL_OLD, finish cancelled.",
+        _B + " (stream cancellation while a device call is in flight)", base.evolve(stream=True),
+        ({"op": "step"}, {"op": "launch", "kind": None, "length": None}, {"op": "cancel", "kind": "cancelled"}, {"op": "complete"}),
+        requires=frozenset({"inflight"}))
+    add("adversarial.timeout_after_completion", "lockstep", "Timeout after completion, before the decision: the score is discarded.",
+        _B, base, ({"op": "prefill", "chunk": None}, {"op": "cancel", "kind": "timeout"}))
+    add("adversarial.device_fault_retry", "lockstep", "A device fault in flight: ALL_OLD, quarantine, recover, retry, finish.",
+        _B + " (model call fails before ALL_NEW)", base.evolve(max_retries=1),
+        ({"op": "step"}, {"op": "launch", "kind": None, "length": None}, {"op": "fault", "kind": "device_fault", "layer": 1},
+         {"op": "complete"}, {"op": "recover"}, {"op": "run"}), requires=frozenset({"faults", "inflight"}))
+    add("adversarial.missing_lane", "lockstep", "A missing state lane in flight: ALL_OLD and device_error without retries.", _B, base,
+        ({"op": "launch", "kind": None, "length": None}, {"op": "fault", "kind": "missing_lane", "layer": 2}, {"op": "complete"}),
+        requires=frozenset({"faults", "inflight"}))
+    add("adversarial.duplicate_stale_receipt", "lockstep", "Duplicated and stale decision receipts are refused; the pending one commits once.",
+        "M3.10 0x06 One selection is an output-state transaction", base,
+        ({"op": "step"}, {"op": "commit", "receipt": "receipt-0"}, {"op": "decode"}, {"op": "decide"},
+         {"op": "commit", "receipt": "receipt-0"}, {"op": "commit", "receipt": "receipt-1"}, {"op": "commit", "receipt": "receipt-1"}),
+        requires=frozenset({"decide_commit"}))
+    capacity = len(hello) + g + 2
+    add("adversarial.static_reuse_shorter", "lockstep", "A static cache reused by a shorter request forgets every row.", _B,
+        static.evolve(static_capacity=capacity),
+        ({"op": "run"}, {"op": "reuse", "prompt_ids": list(short), "max_new_tokens": None}, {"op": "run"}),
+        requires=frozenset({"cache:static", "reuse"}))
+    add("adversarial.restore_pending_ahead", "lockstep", "Restore a snapshot whose pending token is ahead of the cache frontier.", _B,
+        base, (*_steps(2), {"op": "snapshot", "form": "pending_suffix", "id": "s0"}, {"op": "run"},
+               {"op": "restore", "snapshot": "s0", "corrupt": None}, {"op": "run"}), requires=frozenset({"snapshot"}))
+    add("adversarial.corrupt_restore", "lockstep", "Corrupted snapshot records are refused and change nothing.",
+        "M3.10 0x0B A completed output is not automatically a resumable snapshot", base,
+        (*_steps(2), {"op": "snapshot", "form": "pending_suffix", "id": "s0"},
+         *({"op": "restore", "snapshot": "s0", "corrupt": c} for c in CORRUPTIONS), {"op": "run"}), requires=frozenset({"snapshot"}))
+    add("adversarial.stream_failure", "lockstep", "A streamer failure between calls closes with stream_error; committed tokens stay.", _B,
+        base.evolve(stream=True), (*_steps(2), {"op": "stream_fail"}), requires=frozenset({"stream"}))
+    add("adversarial.repair_after_finish", "lockstep", "The append/repair call processes the final token after finish.",
+        "M3.10 The first-output off-by-one", base.evolve(final_cache="all_outputs"),
+        (*_steps(g), {"op": "snapshot", "form": "repaired", "id": "r"}), requires=frozenset({"snapshot"}))
+    return tuple(cases)
+
+
+# --------------------------------------------------------------------------------------------
+# Expectations (accepted deviations).
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Expectation:
+    """One documented, accepted deviation of a runtime (a ``[[deviation]]`` table).
+
+    Matching fields (each optional; an absent field matches anything): ``case`` (a glob over
+    case ids, e.g. ``"matrix.*"``), ``layer``, ``check``, ``rule`` (the verdict's ladder rule or the
+    spec rule the refusal names), ``op`` (the action at the failing step).  Every other field
+    (``reason``, ``source``, ``test``, ...) is documentation.
+    """
+
+    id: str
+    reason: str
+    case: str | None = None
+    layer: str | None = None
+    check: str | None = None
+    rule: str | None = None
+    op: str | None = None
+    fields: dict[str, Any] = attrs.field(factory=dict, eq=False)
+
+    def matches(self, case_id: str, verdict: Verdict, action: Mapping[str, Any] | None = None) -> bool:
+        """Whether this deviation explains ``verdict`` of case ``case_id``."""
+        if self.case is not None and not fnmatch.fnmatchcase(case_id, self.case):
+            return False
+        if self.layer is not None and verdict.layer != self.layer:
+            return False
+        if self.check is not None and verdict.check != self.check:
+            return False
+        if self.rule is not None and self.rule not in (verdict.rule, str(verdict.expected), str(verdict.actual)) \
+                and self.rule not in (verdict.message or ""):
+            return False
+        if self.op is not None and (action or {}).get("op") != self.op:
+            return False
+        return True
+
+
+def load_expectations(runtime: str, directory: Path | None = None) -> tuple[Expectation, ...]:
+    """The documented deviations of ``runtime`` (``<directory>/<runtime>.toml``; none when absent).
+
+    Raises:
+        ValueError: a file that is not TOML or a ``[[deviation]]`` without ``id`` / ``reason``.
+    """
+    path = (directory or EXPECTATIONS_DIR) / f"{runtime.split(':', 1)[0]}.toml"
+    if not path.is_file():
+        return ()
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
+    out = []
+    for index, entry in enumerate(data.get("deviation", [])):
+        if "id" not in entry or "reason" not in entry:
+            raise ValueError(f"{path}: deviation {index} needs 'id' and 'reason'")
+        out.append(Expectation(id=entry["id"], reason=entry["reason"], case=entry.get("case"), layer=entry.get("layer"),
+                               check=entry.get("check"), rule=entry.get("ladder_rule", entry.get("rule")) if entry.get("case") or
+                               entry.get("layer") or entry.get("check") or entry.get("op") else entry.get("ladder_rule"),
+                               op=entry.get("op"), fields=dict(entry)))
+    return tuple(out)
+
+
+def unused_expectations(expectations: Sequence[Expectation], results: Sequence["CaseResult"]) -> list[Expectation]:
+    """Deviations bound to a case (``case`` field) that ran without producing them (they no longer occur)."""
+    used = {r.deviation for r in results if r.deviation}
+    ran = [r.case for r in results if r.result != "skip"]
+    return [e for e in expectations if e.case is not None and e.id not in used and any(fnmatch.fnmatchcase(c, e.case) for c in ran)]
+
+
+# --------------------------------------------------------------------------------------------
+# Running a case.
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class CaseResult:
+    """The outcome of one case on one runtime (one line of a report).
+
+    Attributes:
+        case: Case id.
+        runtime: Runtime name.
+        model: Model name.
+        result: ``pass``, ``fail``, ``deviation``, ``undecided`` or ``skip``.
+        verdict: The ladder verdict behind it.
+        deviation: The id of the expectation that explains a failure, or ``None``.
+        reason: Skip reason, or the deviation's documented reason.
+        trace: The replayable trace of a failing lock-step run, or ``None``.
+    """
+
+    case: str
+    runtime: str
+    model: str
+    result: str
+    verdict: Verdict
+    deviation: str | None = None
+    reason: str = ""
+    trace: dict[str, Any] | None = attrs.field(default=None, repr=False)
+
+
+def report_line(result: CaseResult) -> dict[str, Any]:
+    """One report line: ``case``, ``runtime``, ``model``, ``result``, ``layer``, ``rule``, ``check``, ``expected``, ``actual``, ``message``."""
+    v = result.verdict.to_json()
+    out = {"case": result.case, "runtime": result.runtime, "model": result.model, "result": result.result, "layer": v["layer"],
+           "rule": v["rule"], "check": v["check"], "expected": v["expected"], "actual": v["actual"], "message": v["message"]}
+    if result.deviation:
+        out["deviation"] = result.deviation
+    if result.reason:
+        out["reason"] = result.reason
+    return out
+
+
+def _drive(adapter, config: CaseConfig, actions: Sequence[Mapping[str, Any]], runtime: str) -> LockStep:
+    ls = LockStep(adapter, config, runtime=runtime)
+    ls.reset()
+    for action in actions:
+        if ls.failed:
+            break
+        ls.apply(action)
+    return ls
+
+
+def _pair_verdict(a: LockStep, b: LockStep, fields: Sequence[str], tol: Tolerance) -> Verdict:
+    """Compare the two runs' observations step by step (within twice the tolerance: both are within it of the reference)."""
+    pair_tol = Tolerance(logit=2 * tol.logit, kv=2 * tol.kv, prob=2 * tol.prob, logprob=2 * tol.logprob)
+    for index, (oa, ob) in enumerate(zip(a.observations, b.observations)):
+        if oa is None or ob is None:
+            continue
+        exp = Expected(
+            tolerance=pair_tol,
+            output_ids=oa.output_ids if "ids" in fields else None,
+            frontier=oa.frontier if "frontier" in fields else None,
+            cache_committed=oa.cache_committed if "cache" in fields else None,
+            rng_counter=oa.rng_counter if "rng" in fields else None,
+            score_row=oa.score_row if "logits" in fields and oa.score_output_count == ob.score_output_count else None,
+            cache_probe=oa.cache_probe if "kv" in fields else None,
+            text=oa.text if "text" in fields else None,
+        )
+        verdict = compare(exp, ob, layers=("STATE", "TENSOR", "SEQUENCE"))
+        if not verdict.passed:
+            return attrs.evolve(verdict, step=index, message=f"pair comparison at step {index}: {verdict.message}")
+    return Verdict(PASSED)
+
+
+#: ``(case id, runtime) -> procedure(case, runtime) -> Verdict`` for ``custom`` cases.
+CUSTOM: dict[tuple[str, str], Callable[[Case, str], Verdict]] = {}
+
+
+def run_case(case: Case, runtime: str, *, adapter_factory: Callable[[], Any] | None = None,
+             expectations: Sequence[Expectation] = ()) -> CaseResult:
+    """Run one case on ``runtime`` and classify the outcome (see the module docstring)."""
+    model = case.config.model
+
+    def done(verdict: Verdict, *, trace: dict | None = None, action: Mapping[str, Any] | None = None) -> CaseResult:
+        if verdict.result == FAILED:
+            for e in expectations:
+                if e.matches(case.id, verdict, action):
+                    return CaseResult(case.id, runtime, model, "deviation", verdict, e.id, e.reason, trace)
+            return CaseResult(case.id, runtime, model, "fail", verdict, trace=trace)
+        return CaseResult(case.id, runtime, model, "undecided" if verdict.result == UNDECIDED else "pass", verdict)
+
+    def skip(reason: str) -> CaseResult:
+        return CaseResult(case.id, runtime, model, "skip", Verdict(PASSED, message=reason), reason=reason)
+
+    if case.kind == "custom":
+        fn = CUSTOM.get((case.id, runtime.split(":", 1)[0]))
+        if fn is None:
+            return skip(f"no {case.id} procedure for runtime {runtime}")
+        return done(fn(case, runtime))
+    open_one = adapter_factory or (lambda: open_runtime(runtime, model))
+    try:
+        adapter = open_one()
+    except AdapterUnavailable as exc:
+        return skip(str(exc))
+    try:
+        missing = case.requires - adapter.capabilities()
+        if missing:
+            return skip(f"{runtime} does not declare {sorted(missing)}")
+        runs: list[LockStep] = []
+        configs = [case.config] + ([case.other] if case.other is not None else [])
+        for config in configs:
+            ls = LockStep(adapter, config, runtime=runtime)
+            if case.kind == "resume":
+                ls = _resume_run(ls, case)
+            else:
+                ls.reset()
+                for action in case.actions:
+                    if ls.failed:
+                        break
+                    ls.apply(action)
+            runs.append(ls)
+            if ls.verdict.result == FAILED:
+                bad = ls.verdict
+                action = ls.records[bad.step].action if bad.step is not None and bad.step < len(ls.records) else None
+                trace = make_trace(runtime=runtime, config=config, records=ls.records, verdict=bad, tolerance=ls.tolerance,
+                                   description=f"{case.id}: {case.description}", spec_refs=[case.id])
+                return done(bad, trace=trace, action=action)
+        verdict = Verdict(PASSED)
+        if case.kind == "pair":
+            verdict = _pair_verdict(runs[0], runs[1], case.compare, runs[0].tolerance)
+        undecided = [ls.verdict for ls in runs if ls.verdict.result == UNDECIDED]
+        if verdict.passed and undecided:
+            verdict = undecided[0]
+        return done(verdict)
+    except DecodeSpecError as exc:
+        return done(Verdict(FAILED, "STATE", "ladder.STATE", "harness", None, exc.code, f"the case could not run: {exc.message}"))
+    finally:
+        adapter.close()
+
+
+def _resume_run(ls: LockStep, case: Case) -> LockStep:
+    """Uninterrupted run, then the same request with a snapshot after ``resume_at`` steps, restored and run; RESUME at the end."""
+    ls.reset()
+    ls.apply({"op": "run"})
+    uninterrupted = ls.observation
+    if ls.failed:
+        return ls
+    ls.reset()
+    for action in _steps(case.resume_at):
+        ls.apply(action)
+    ls.apply({"op": "snapshot", "form": case.form, "id": "resume"})
+    ls.apply({"op": "run"})
+    ls.apply({"op": "restore", "snapshot": "resume", "corrupt": None})
+    ls.apply({"op": "run"})
+    if not ls.failed:
+        ls.finish_against(uninterrupted)
+    return ls
+
+
+# --------------------------------------------------------------------------------------------
+# Custom procedures of our runtime.
+# --------------------------------------------------------------------------------------------
+
+
+def _row_path_verdict(model: str, prompt: Sequence[int], ids: Sequence[int], rows: Sequence[Any], tol: Tolerance) -> Verdict:
+    """Each decision of a greedy path: its row against the reference row of the same prefix, then the seed's comparator."""
+    ref = reference_for(model)
+    undecided = None
+    for index, (token, row) in enumerate(zip(ids, rows)):
+        verdict = greedy_comparator(ref.row(tuple(prompt) + tuple(ids[:index])), np.asarray(row, dtype=np.float32), tol.logit,
+                                    candidate_id=int(token))
+        if verdict.result == FAILED:
+            return attrs.evolve(verdict, message=f"output {index}: {verdict.message}")
+        undecided = undecided or (verdict if verdict.result == UNDECIDED else None)
+    return undecided or Verdict(PASSED)
+
+
+def _impl_padded_batch(case: Case, runtime: str) -> Verdict:
+    from decodespec.impl.batch import batch_generate
+
+    from .adapters.impl import load_model
+
+    config = case.config
+    side = case.id.rsplit("_", 1)[-1]
+    model = load_model(config.model, config.dtype, config.device, config.attention)
+    tol = tolerance_for(runtime, config.model, config.dtype)
+    prompts = [config.prompt_ids, prompt_ids(config.model, "Hi"), prompt_ids(config.model, "héllo ✓ 日本")]
+    batch = batch_generate(model, prompts, max_new_tokens=config.max_new_tokens, eos_token_ids=config.eos_ids, padding_side=side,
+                           return_scores=True)
+    assert batch.scores is not None
+    for b, (prompt, row) in enumerate(zip(prompts, batch.rows)):
+        verdict = _row_path_verdict(config.model, prompt, row.output_ids, batch.scores[b], tol)
+        if not verdict.passed:
+            return attrs.evolve(verdict, message=f"batch row {b} ({side} padding): {verdict.message}")
+        single = _drive(open_runtime(runtime, config.model), config.evolve(prompt_ids=prompt), [{"op": "run"}], runtime)
+        if single.verdict.result == FAILED:
+            return single.verdict
+        if tuple(single.observation.output_ids) != tuple(row.output_ids):
+            return Verdict(FAILED, "STATE", "ladder.STATE", "batch.output_ids", list(single.observation.output_ids), list(row.output_ids),
+                           f"batch row {b} ({side} padding) and the batch-size-one run select different token paths")
+    return Verdict(PASSED)
+
+
+def _impl_beam_width_one(case: Case, runtime: str) -> Verdict:
+    from decodespec.impl.beam import beam_generate
+    from decodespec.spec.beam import BeamParams
+
+    from .adapters.impl import load_model
+
+    config = case.config
+    model = load_model(config.model, config.dtype, config.device, config.attention)
+    tol = tolerance_for(runtime, config.model, config.dtype)
+    greedy = _drive(open_runtime(runtime, config.model), config, [{"op": "run"}], runtime)
+    if greedy.verdict.result == FAILED:
+        return greedy.verdict
+    obs = greedy.observation
+    result = beam_generate(model, config.prompt_ids, BeamParams.hf_compatible(1, config.max_new_tokens, config.eos_ids))
+    best = result.best
+    if best is None or tuple(best.output_ids) != tuple(obs.output_ids):
+        return Verdict(FAILED, "DECISION", "ladder.DECISION", "beam.tokens", list(obs.output_ids), None if best is None else list(best.output_ids),
+                       "beam width one selects another token path than greedy decoding")
+    total = float(sum(obs.logprobs))
+    if not abs(best.score - total) <= tol.logprob * max(1, len(obs.logprobs)):
+        return Verdict(FAILED, "DECISION", "ladder.DECISION", "beam.score", total, best.score,
+                       "the width-one beam score is not the sum of the greedy logprobs")
+    return Verdict(PASSED)
+
+
+CUSTOM[("matrix.padded_batch_left", "impl")] = _impl_padded_batch
+CUSTOM[("matrix.padded_batch_right", "impl")] = _impl_padded_batch
+CUSTOM[("matrix.greedy_vs_beam1", "impl")] = _impl_beam_width_one

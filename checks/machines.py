@@ -1,0 +1,344 @@
+"""Hypothesis stateful machines: the spec and a runtime adapter in lock step under adversarial interleavings.
+
+:func:`machine_for` builds a :class:`~hypothesis.stateful.RuleBasedStateMachine` for one
+(runtime, model, cache family); :func:`run_machine` runs it with the active settings profile
+(:func:`machine_settings`).  Every rule applies one contract action
+(:mod:`decodespec.checks.adapters`) to both sides through :class:`~decodespec.checks.lockstep.LockStep`,
+which requires them to agree on accept / reject and judges the observation with the ladder
+(STATE, TENSOR on the latest score row and the committed K/V rows, POLICY, DECISION,
+SEQUENCE, RESUME after a restore).  A failed verdict fails the rule at once (Hypothesis then
+shrinks and prints the failing program); the spec's own invariants
+(:func:`decodespec.spec.invariants.violated`) are checked after every step.
+
+Rules (preconditions read the spec state through the spec's ``enabled`` / the controller's due
+call, so a rule is drawn only where its action is meaningful; ``wild`` draws any simple op in
+any state, so refusals are exercised too):
+
+* the controller: ``prefill`` (a chunk or the rest), ``decode``, ``launch`` / ``complete`` (an
+  in-flight window), ``decide``, ``commit``, ``step``, ``run``, ``repair``, ``recover``;
+* the environment: ``cancel`` / timeout before launch, in flight, after completion and after
+  the decision; ``fault`` (device fault or missing state lane) in flight; a duplicated or stale
+  receipt (``commit_receipt``); a streamer failure; static-cache reuse by a shorter request
+  (``reuse``); snapshots of both forms at any step and ``restore`` (a pending-suffix snapshot
+  restores a pending token ahead of the cache frontier), also of deliberately corrupted
+  records that must be refused;
+* ``stutter``: re-observe and compare (always enabled, so a terminal state never raises
+  ``InvalidDefinition``).
+
+A failing run writes its shrunk counterexample as a ``decodespec.trace`` ITF file
+(:mod:`decodespec.checks.traces`) into ``$DECODESPEC_TRACE_DIR`` (default ``traces/failures/``)
+when Hypothesis replays the final, minimal example.
+
+:func:`beam_machine` is the beam case: scripted score rows through the spec's beam search
+(:mod:`decodespec.spec.beam`) force a duplicated parent while another parent completes with EOS
+in the same step, checked against the brute-force oracle.
+
+Source: M3.10 "Boundary cases" (adversarial state transitions); /work/shared/DESIGN.md
+("Adversarial environment actions the machines must generate"); research/formal-anchors-survey.md
+2 (API, profiles, stutter rule, ``is_final`` export).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import hypothesis
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.control import current_build_context
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+from decodespec.spec.actions import Fault, Recover, StreamFailure
+from decodespec.spec.enums import CallKind
+from decodespec.spec.invariants import violated
+from decodespec.spec.state import Phase, interrupt_point, repair_outstanding
+
+from .adapters import CORRUPTIONS, Adapter, CaseConfig
+from .ladder import FAILED
+from .lockstep import LockStep, due_call
+from .traces import make_trace, open_runtime, write_trace
+
+__all__ = ["GateMachine", "PROMPT_TEXTS", "SAMPLED_POLICY", "machine_for", "machine_settings", "prompts_for", "run_machine"]
+
+#: The multinomial policy the machines draw (temperature 0.8, top-k 40: one draw per decision).
+SAMPLED_POLICY = {"family": "multinomial", "transforms": [{"name": "temperature", "temperature": 0.8}, {"name": "top_k", "k": 40}]}
+#: Prompt texts (tiny: BOS + UTF-8 bytes; SmolLM2: a bare chat turn).  The first is one token on tiny.
+PROMPT_TEXTS = ("", "Hi", "The cat sat", "héllo ✓")
+#: Budgets per profile and model: (max_examples, stateful_step_count).
+BUDGETS = {
+    "fast": {"tiny": (60, 15), "smollm2": (4, 8)},
+    "ci": {"tiny": (60, 15), "smollm2": (4, 8)},
+    "full": {"tiny": (400, 30), "smollm2": (40, 20)},
+}
+#: Ops ``wild`` draws in any state (each needs no argument).
+_SIMPLE_OPS = ("decode", "launch", "complete", "decide", "commit", "step", "recover", "repair", "stream_fail")
+
+
+@functools.lru_cache(maxsize=4)
+def prompts_for(model: str) -> tuple[tuple[int, ...], ...]:
+    """The machines' prompt pool of ``model`` (shortest first is a one-token prompt on tiny)."""
+    if model == "tiny":
+        return tuple((1,) + tuple(b + 3 for b in text.encode("utf-8")) for text in PROMPT_TEXTS)
+    from .adapters.impl import load_tokenizer
+
+    tok = load_tokenizer(model)
+    return tuple(tuple(tok.encode(f"<|im_start|>user\n{text or 'Yes?'}<|im_end|>\n<|im_start|>assistant\n")) for text in PROMPT_TEXTS)
+
+
+def machine_settings(model: str, **overrides: Any) -> settings:
+    """Settings for a machine on ``model`` under the active profile (``fast``, ``full`` or CI's ``ci``).
+
+    The budget comes from :data:`BUDGETS`; everything else (derandomization, database) from the
+    active profile, so ``CI=true`` stays derandomized with no example database.
+    """
+    name = settings.get_current_profile_name()
+    key = "full" if name == "full" else ("ci" if name.startswith("ci") else "fast")
+    examples, steps = BUDGETS[key][model]
+    values = dict(max_examples=examples, stateful_step_count=steps, deadline=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    values.update(overrides)
+    return settings(**values)
+
+
+class GateMachine(RuleBasedStateMachine):
+    """Lock-step machine (configure it through :func:`machine_for`)."""
+
+    runtime = "impl"
+    model = "tiny"
+    cache = "dynamic"
+    adapter_factory: Callable[[], Adapter] | None = None
+    max_new_tokens = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ls: LockStep | None = None
+        self.adapter: Adapter | None = None
+        self.caps: frozenset[str] = frozenset()
+        self.handles: list[str] = []
+
+    # -- the case ----------------------------------------------------------------------------
+    @initialize(
+        prompt=st.integers(0, len(PROMPT_TEXTS) - 1),
+        sampled=st.booleans(),
+        max_new_tokens=st.integers(1, 4),
+        chunk=st.sampled_from([None, 1, 2, 3]),
+        stream=st.booleans(),
+        retries=st.integers(0, 1),
+        repair=st.booleans(),
+        min_new=st.integers(0, 1),
+    )
+    def start(self, prompt: int, sampled: bool, max_new_tokens: int, chunk: int | None, stream: bool, retries: int,
+              repair: bool, min_new: int) -> None:
+        prompts = prompts_for(self.model)
+        cached = self.cache != "none"
+        config = CaseConfig(
+            model=self.model,
+            prompt_ids=prompts[prompt],
+            policy=SAMPLED_POLICY if sampled else {"family": "greedy"},
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min(min_new, max_new_tokens),
+            eos_ids=[2],
+            stream=stream,
+            cache=self.cache,
+            static_capacity=max(len(p) for p in prompts) + self.max_new_tokens + 2 if self.cache == "static" else None,
+            prefill_chunk=chunk if cached else None,
+            final_cache="all_outputs" if repair and cached else "processed_inputs_only",
+            max_retries=retries,
+            seed=prompt + 7,
+        )
+        self.adapter = self.adapter_factory() if self.adapter_factory is not None else open_runtime(self.runtime, self.model)
+        self.caps = self.adapter.capabilities()
+        if sampled and "sampling" not in self.caps:
+            config = config.evolve(policy={"family": "greedy"})
+        self.ls = LockStep(self.adapter, config, runtime=self.runtime)
+        self._judge(self.ls.reset())
+
+    # -- helpers -------------------------------------------------------------------------------
+    @property
+    def state(self):
+        return self.ls.spec.state
+
+    @property
+    def params(self):
+        return self.ls.spec.params
+
+    def _enabled(self, action) -> bool:
+        return self.ls.spec.machine.enabled(self.params, self.state, action)
+
+    def _due(self) -> CallKind | None:
+        due = due_call(self.params, self.state)
+        return None if due is None else due[0]
+
+    def _judge(self, record) -> None:
+        if record.verdict.result == FAILED:
+            v = record.verdict
+            raise AssertionError(f"{v.rule} {v.check} at step {v.step} ({record.action}): {v.message} "
+                                 f"[expected {v.expected!r}, observed {v.actual!r}]")
+
+    def _do(self, action: dict[str, Any]) -> None:
+        self._judge(self.ls.apply(action))
+
+    def _has(self, *caps: str) -> bool:
+        return self.ls is not None and set(caps) <= self.caps
+
+    def _open(self) -> bool:
+        return self.ls is not None and self.state.phase is not Phase.REJECTED
+
+    # -- controller rules ------------------------------------------------------------------------
+    @precondition(lambda self: self._open() and self._due() is CallKind.PREFILL)
+    @rule(chunk=st.one_of(st.none(), st.integers(1, 3)))
+    def prefill(self, chunk: int | None) -> None:
+        if chunk is not None and not self._has("prefill_chunk"):
+            chunk = None
+        self._do({"op": "prefill", "chunk": chunk})
+
+    @precondition(lambda self: self._open() and self._due() is CallKind.DECODE)
+    @rule()
+    def decode(self) -> None:
+        self._do({"op": "decode"})
+
+    @precondition(lambda self: self._has("inflight") and self._due() is not None)
+    @rule()
+    def launch(self) -> None:
+        self._do({"op": "launch"})
+
+    @precondition(lambda self: self._has("inflight") and self.state.in_flight is not None)
+    @rule()
+    def complete(self) -> None:
+        self._do({"op": "complete"})
+
+    @precondition(lambda self: self._has("decide_commit") and self.state.phase is Phase.SCORED)
+    @rule()
+    def decide(self) -> None:
+        self._do({"op": "decide"})
+
+    @precondition(lambda self: self._has("decide_commit") and self.state.phase is Phase.DECIDED)
+    @rule()
+    def commit(self) -> None:
+        self._do({"op": "commit", "receipt": None})
+
+    @precondition(lambda self: self._has("decide_commit") and bool(self.state.issued))
+    @rule(n=st.integers(0, 8))
+    def commit_receipt(self, n: int) -> None:
+        """A duplicated (already consumed), stale (discarded) or the pending receipt, by id."""
+        self._do({"op": "commit", "receipt": f"receipt-{n % (len(self.state.issued) + 1)}"})
+
+    @precondition(lambda self: self._open() and self.state.phase is not Phase.FINISHED)
+    @rule()
+    def step(self) -> None:
+        self._do({"op": "step"})
+
+    @precondition(lambda self: self._open() and self.state.phase is not Phase.FINISHED)
+    @rule()
+    def run(self) -> None:
+        self._do({"op": "run"})
+
+    @precondition(lambda self: self._open() and repair_outstanding(self.params, self.state) and not self.state.quarantined
+                  and self.state.in_flight is None)
+    @rule()
+    def repair(self) -> None:
+        self._do({"op": "repair"})
+
+    @precondition(lambda self: self._has("faults") and self._enabled(Recover()))
+    @rule()
+    def recover(self) -> None:
+        self._do({"op": "recover"})
+
+    # -- environment rules -----------------------------------------------------------------------
+    @precondition(lambda self: self._open() and interrupt_point(self.state) is not None)
+    @rule(kind=st.sampled_from(["cancelled", "timeout"]))
+    def cancel(self, kind: str) -> None:
+        self._do({"op": "cancel", "kind": kind})
+
+    @precondition(lambda self: self._has("stream") and self._open() and self._enabled(StreamFailure()))
+    @rule()
+    def stream_fail(self) -> None:
+        self._do({"op": "stream_fail"})
+
+    @precondition(lambda self: self._has("faults", "inflight") and self._enabled(Fault("device_fault")))
+    @rule(kind=st.sampled_from(["device_fault", "missing_lane"]), layer=st.integers(0, 3))
+    def fault(self, kind: str, layer: int) -> None:
+        if kind == "missing_lane" and not self._enabled(Fault("missing_lane")):
+            kind = "device_fault"
+        self._do({"op": "fault", "kind": kind, "layer": layer})
+
+    @precondition(lambda self: self._has("snapshot") and self._open())
+    @rule(form=st.sampled_from(["pending_suffix", "repaired"]))
+    def snapshot(self, form: str) -> None:
+        handle = f"s{len(self.handles)}"
+        record = self.ls.apply({"op": "snapshot", "form": form, "id": handle})
+        self._judge(record)
+        if record.runtime["status"] == "ok":
+            self.handles.append(handle)
+
+    @precondition(lambda self: self._has("snapshot") and bool(self.handles))
+    @rule(index=st.integers(0, 7), corrupt=st.one_of(st.none(), st.sampled_from(CORRUPTIONS)))
+    def restore(self, index: int, corrupt: str | None) -> None:
+        self._do({"op": "restore", "snapshot": self.handles[index % len(self.handles)], "corrupt": corrupt})
+
+    @precondition(lambda self: self._has("reuse") and self.params.cached and self.state.phase is Phase.FINISHED)
+    @rule(prompt=st.integers(0, len(PROMPT_TEXTS) - 1))
+    def reuse(self, prompt: int) -> None:
+        """After finish, the same cache object serves a new request whose prompt is no longer than the current one."""
+        prompts = [p for p in prompts_for(self.model) if len(p) <= self.params.prompt_len] or [prompts_for(self.model)[0]]
+        self._do({"op": "reuse", "prompt_ids": list(prompts[prompt % len(prompts)])})
+
+    @precondition(lambda self: self.ls is not None)
+    @rule(op=st.sampled_from(_SIMPLE_OPS))
+    def wild(self, op: str) -> None:
+        """Any simple op in any state: both sides must agree on accept / reject."""
+        from .adapters import OP_CAPABILITIES
+
+        if OP_CAPABILITIES[op] <= self.caps:
+            self._do({"op": op})
+
+    @precondition(lambda self: self.ls is not None)
+    @rule()
+    def stutter(self) -> None:
+        """Observe again: nothing changes (keeps terminal states productive)."""
+        obs = self.adapter.observe()
+        assert obs.summary() == self.ls.observation.summary(), "observing changed the observation"
+
+    # -- invariants and teardown ---------------------------------------------------------------
+    @invariant()
+    def spec_invariants(self) -> None:
+        if self.ls is not None:
+            broken = violated(self.params, self.state)
+            assert not broken, f"spec invariants violated: {broken}"
+
+    def teardown(self) -> None:
+        if self.ls is not None and self.ls.failed:
+            try:
+                final = current_build_context().is_final
+            except Exception:  # noqa: BLE001 - outside a Hypothesis test (a pasted program)
+                final = True
+            if final:
+                trace = make_trace(runtime=self.runtime, config=self.ls.config, records=self.ls.records, verdict=self.ls.verdict,
+                                   tolerance=self.ls.tolerance, description=f"shrunk counterexample of {type(self).__name__}",
+                                   generator={"tool": "hypothesis", "version": hypothesis.__version__, "shrunk": True})
+                path = write_trace(trace)
+                print(f"decodespec: counterexample trace written to {path}")
+        if self.adapter is not None:
+            self.adapter.close()
+
+
+def machine_for(runtime: str = "impl", model: str = "tiny", cache: str = "dynamic", *,
+                adapter_factory: Callable[[], Adapter] | None = None) -> type[GateMachine]:
+    """A :class:`GateMachine` subclass for one runtime, model and cache family.
+
+    Args:
+        runtime: Runtime name (``impl``, ``hf``, ``llamacpp``, ``stdio:CMD``, a broken one).
+        model: ``tiny`` or ``smollm2``.
+        cache: ``none``, ``dynamic`` or ``static``.
+        adapter_factory: Build the adapter this way instead of opening ``runtime``.
+    """
+    name = f"Gate_{runtime}_{model}_{cache}".replace(":", "_").replace(".", "_").replace("/", "_").replace(" ", "_")
+    return type(name, (GateMachine,), {"runtime": runtime, "model": model, "cache": cache, "adapter_factory": adapter_factory})
+
+
+def run_machine(runtime: str = "impl", model: str = "tiny", cache: str = "dynamic", *,
+                adapter_factory: Callable[[], Adapter] | None = None, **overrides: Any) -> None:
+    """Run the machine of (runtime, model, cache) under :func:`machine_settings` (``overrides`` win)."""
+    factory = machine_for(runtime, model, cache, adapter_factory=adapter_factory)
+    run_state_machine_as_test(factory, settings=machine_settings(model, **overrides))

@@ -1,0 +1,283 @@
+"""Replayable conformance traces: ITF files of lock-step runs (``decodespec.trace``, version 1).
+
+A trace is an ITF trace (Apalache ADR-015, :mod:`decodespec.checks.itf`) whose ``#meta`` holds
+everything a replay needs, as plain JSON:
+
+* ``format: "decodespec.trace"``, ``format_version`` (:data:`TRACE_FORMAT_VERSION`);
+* ``runtime`` (``impl``, ``hf``, ``llamacpp``, ``stdio:CMD`` or a registered broken runtime,
+  :data:`RUNTIMES`), ``model``, ``seed`` (the Hypothesis seed, when generated), ``config`` (the
+  :class:`~decodespec.checks.adapters.CaseConfig` JSON), ``tolerance``;
+* ``actions``: the contract actions after the implicit ``reset`` (step 0);
+* ``verdict``: the **expected verdict** -- ``passed``, or ``failed`` / ``undecided`` with its
+  ladder ``layer``, ``rule`` and ``check``, the ``step`` it was found at, expected, actual and
+  the message;
+* ``description``, ``features`` (the ops used), ``spec_refs`` (rule ids), ``generator``.
+
+``vars`` / ``states`` record each step as ITF values for trace viewers: ``action``, the
+``runtime`` and ``spec`` results, the ``observation`` summary, the spec ``state`` and the step
+``verdict`` (ITF has no floats or nulls: floats are written as decimal strings, ``None`` as
+Quint's ``None`` variant).  Replay reads only ``#meta``.
+
+:func:`replay` re-runs the actions against the spec and the named runtime and reports whether
+the run's verdict reproduces the recorded one (same result, layer and rule).
+
+Versioning (test262 style, traces/README.md): a change in how traces are *interpreted* --
+the meaning of an action or an observation field, the ladder's layers or order, a tolerance --
+bumps :data:`TRACE_FORMAT_VERSION`; a replay refuses another version.
+
+Source: research/formal-anchors-survey.md 2.6 (export the shrunk example when ``is_final``),
+4.3 (test262 versioning), 5.1 (ITF and project conventions); docs/design.md section 11.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import attrs
+
+from decodespec.spec.errors import Rejection, register_code
+
+from . import itf
+from .adapters import Adapter, CaseConfig, open_adapter
+from .ladder import Verdict
+
+__all__ = [
+    "RUNTIMES",
+    "TRACE_FORMAT",
+    "TRACE_FORMAT_VERSION",
+    "TRACE_INVALID",
+    "ReplayResult",
+    "default_trace_dir",
+    "load_trace",
+    "make_trace",
+    "open_runtime",
+    "record",
+    "replay",
+    "trace_file_name",
+    "write_trace",
+]
+
+TRACE_FORMAT = "decodespec.trace"
+#: Bump when the interpretation of a trace changes (see the module docstring).
+TRACE_FORMAT_VERSION = 1
+TRACE_INVALID = register_code(
+    "trace.invalid_conformance_trace", "rejection", "traces/README.md (decodespec.trace)",
+    "A conformance trace file is not an ITF decodespec.trace of this format version, or its #meta lacks a field.")
+_VARS = ("action", "runtime", "spec", "observation", "state", "verdict")
+
+#: Named runtimes beyond :func:`~decodespec.checks.adapters.open_adapter`'s (deliberately broken
+#: runtimes register here, e.g. :mod:`decodespec.checks.broken`): name -> adapter factory.
+RUNTIMES: dict[str, Callable[[], Adapter]] = {}
+
+
+def open_runtime(name: str, model: str | None = None) -> Adapter:
+    """The adapter of runtime ``name`` (a registered one first, else :func:`open_adapter`).
+
+    Raises:
+        AdapterUnavailable: the runtime is not installed here.
+        Rejection: ``adapter.unsupported`` for an unknown name.
+    """
+    if name not in RUNTIMES:
+        try:
+            import decodespec.checks.broken  # noqa: F401  (registers the broken runtimes)
+        except ModuleNotFoundError:  # pragma: no cover
+            pass
+    if name in RUNTIMES:
+        return RUNTIMES[name]()
+    return open_adapter(name, model=model)
+
+
+def default_trace_dir() -> Path:
+    """``$DECODESPEC_TRACE_DIR``, else ``traces/failures`` of the repository (git-ignored)."""
+    env = os.environ.get("DECODESPEC_TRACE_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / "traces" / "failures"
+
+
+def _itf_value(value: Any) -> Any:
+    """A JSON value made ITF-encodable: floats as decimal strings (ITF has no floats)."""
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {str(k): _itf_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_itf_value(v) for v in value]
+    return value
+
+
+def make_trace(
+    *,
+    runtime: str,
+    config: CaseConfig,
+    records: Sequence[Any],
+    verdict: Verdict,
+    tolerance: Any = None,
+    description: str = "",
+    seed: Any = None,
+    generator: Mapping[str, Any] | None = None,
+    spec_refs: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Build a ``decodespec.trace`` ITF trace from lock-step records (:class:`~decodespec.checks.lockstep.StepRecord`).
+
+    ``records[0]`` is the reset step; the actions are the rest.
+    """
+    actions = [dict(r.action) for r in records[1:] if r.action.get("op") != "compare_resume"]
+    states = []
+    for r in records:
+        states.append({
+            "action": _itf_value(r.action if r.index else {"op": "reset"}),
+            "runtime": _itf_value(r.runtime),
+            "spec": _itf_value(r.spec),
+            "observation": _itf_value(r.observation or {}),
+            "state": _itf_value(r.spec_state or {}),
+            "verdict": _itf_value(r.verdict.to_json()),
+        })
+    refs = list(dict.fromkeys([*spec_refs, *([verdict.rule] if verdict.rule else [])]))
+    meta = {
+        "format": TRACE_FORMAT,
+        "format_version": TRACE_FORMAT_VERSION,
+        "format-description": "https://apalache-mc.org/docs/adr/015adr-trace.html",
+        "source": "checks/lockstep.py",
+        "description": description,
+        "runtime": runtime,
+        "model": config.model,
+        "seed": seed,
+        "config": config.to_json(),
+        "tolerance": None if tolerance is None else attrs.asdict(tolerance),
+        "actions": actions,
+        "features": sorted({a["op"] for a in actions}),
+        "spec_refs": refs,
+        "verdict": verdict.to_json(),
+        "generator": dict(generator or {"tool": "decodespec"}),
+    }
+    return itf.make_trace(list(_VARS), states, meta=meta)
+
+
+def record(runtime: str, config: CaseConfig, actions: Sequence[Mapping[str, Any]], *, adapter: Adapter | None = None,
+           description: str = "", stop_at_failure: bool = True, **meta: Any) -> dict[str, Any]:
+    """Run ``actions`` in lock step on ``runtime`` and return the trace (its verdict is the run's).
+
+    Args:
+        runtime: Runtime name (recorded; used to open the adapter unless ``adapter`` is given).
+        config: The case.
+        actions: Contract actions after the reset.
+        adapter: An adapter to use instead of opening ``runtime``.
+        description: One sentence for ``#meta``.
+        stop_at_failure: Stop after the first failed step (the trace ends there).
+        **meta: ``seed``, ``generator``, ``spec_refs`` for :func:`make_trace`.
+    """
+    from .lockstep import LockStep
+
+    adapter = adapter or open_runtime(runtime, config.model)
+    ls = LockStep(adapter, config, runtime=runtime)
+    ls.reset()
+    for action in actions:
+        if stop_at_failure and ls.failed:
+            break
+        ls.apply(action)
+    return make_trace(runtime=runtime, config=config, records=ls.records, verdict=ls.verdict, tolerance=ls.tolerance,
+                      description=description, **meta)
+
+
+def trace_file_name(trace: Mapping[str, Any]) -> str:
+    """``<runtime>-<model>-<result>[-<layer>]-<hash12>.itf.json`` (the hash of the meta's config and actions)."""
+    meta = trace["#meta"]
+    digest = hashlib.sha256(json.dumps([meta["config"], meta["actions"]], sort_keys=True).encode()).hexdigest()[:12]
+    verdict = meta["verdict"]
+    parts = [meta["runtime"].replace(":", "_").replace("/", "_"), meta["model"], verdict["result"]]
+    if verdict.get("layer"):
+        parts.append(verdict["layer"])
+    return "-".join(parts + [digest]) + ".itf.json"
+
+
+def write_trace(trace: Mapping[str, Any], directory: str | Path | None = None, name: str | None = None) -> Path:
+    """Write ``trace`` (validated ITF) into ``directory`` (default :func:`default_trace_dir`); return the path."""
+    directory = Path(directory) if directory is not None else default_trace_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    return itf.write_trace(directory / (name or trace_file_name(trace)), trace)
+
+
+def load_trace(path: str | Path) -> dict[str, Any]:
+    """Read and check a ``decodespec.trace`` file.
+
+    Raises:
+        Rejection: ``trace.invalid_conformance_trace`` for a non-ITF file, another format or
+            version, or a ``#meta`` without the replay fields.
+    """
+    try:
+        trace = itf.read_trace(path)
+    except (OSError, itf.ItfError) as exc:
+        raise Rejection(TRACE_INVALID, f"{path}: {exc}", "$") from None
+    meta = trace.get("#meta", {})
+    if meta.get("format") != TRACE_FORMAT:
+        raise Rejection(TRACE_INVALID, f"{path}: format {meta.get('format')!r} is not {TRACE_FORMAT!r}", "$.#meta.format")
+    if meta.get("format_version") != TRACE_FORMAT_VERSION:
+        raise Rejection(TRACE_INVALID, f"{path}: format_version {meta.get('format_version')!r}; this replay reads "
+                        f"version {TRACE_FORMAT_VERSION} (traces/README.md)", "$.#meta.format_version")
+    for key in ("runtime", "config", "actions", "verdict"):
+        if key not in meta:
+            raise Rejection(TRACE_INVALID, f"{path}: #meta lacks {key!r}", f"$.#meta.{key}")
+    return trace
+
+
+@attrs.frozen
+class ReplayResult:
+    """The outcome of :func:`replay`.
+
+    Attributes:
+        reproduced: Whether the run's verdict has the recorded result, layer and rule.
+        expected: The recorded verdict.
+        actual: The replayed run's verdict.
+        runtime: The runtime replayed against.
+        steps: Steps replayed (reset included).
+    """
+
+    reproduced: bool
+    expected: Verdict
+    actual: Verdict
+    runtime: str
+    steps: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The result as JSON."""
+        return {"reproduced": self.reproduced, "runtime": self.runtime, "steps": self.steps,
+                "expected": self.expected.to_json(), "actual": self.actual.to_json()}
+
+
+def replay(trace: Mapping[str, Any], *, runtime: str | None = None, adapter: Adapter | None = None) -> ReplayResult:
+    """Re-run a trace's actions against the spec and a runtime; compare the verdict with the recorded one.
+
+    Args:
+        trace: A loaded trace (:func:`load_trace`).
+        runtime: Runtime to replay against (default the recorded one).
+        adapter: An adapter to use instead of opening the runtime.
+
+    Raises:
+        Rejection: ``adapter.invalid_config`` / ``adapter.invalid_action`` for a malformed
+            config or action.
+        AdapterUnavailable: the runtime is not installed here.
+    """
+    from .lockstep import LockStep
+
+    meta = trace["#meta"]
+    name = runtime or meta["runtime"]
+    config = CaseConfig.from_json(meta["config"])
+    adapter = adapter or open_runtime(name, config.model)
+    try:
+        ls = LockStep(adapter, config, runtime=name)
+        ls.reset()
+        for action in meta["actions"]:
+            if ls.failed:
+                break
+            ls.apply(action)
+        expected = Verdict.from_json(meta["verdict"])
+        actual = ls.verdict
+        return ReplayResult(expected.same_outcome(actual), expected, actual, name, len(ls.records))
+    finally:
+        adapter.close()
