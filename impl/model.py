@@ -56,8 +56,11 @@ __all__ = [
     "LlamaRotaryEmbedding",
     "Linear",
     "apply_rotary_pos_emb",
+    "FusedWeight",
     "build_attention_mask",
+    "project",
     "rotate_half",
+    "rotate_heads",
 ]
 
 INVALID_MODEL_INPUT = register_code(
@@ -163,6 +166,20 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     return q_embed, k_embed
 
 
+def rotate_heads(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rotary_pos_emb` for query and key heads in one pass: ``x * cos + swap_halves(x) * signed_sin``.
+
+    ``signed_sin = cat(-sin[:D/2], sin[D/2:])``, so ``swap_halves(x) * signed_sin`` equals
+    ``rotate_half(x) * sin`` element for element (a sign moved between two factors changes no
+    bit), with one rotation for all ``H + H_kv`` heads instead of one per tensor.
+
+    Shapes: ``x [B, T, N, D]`` (N heads), ``cos``/``signed_sin`` ``[B, T, 1, D]`` -> ``[B, T, N, D]``.
+    """
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [B, T, N, D]
+    return x * cos + swapped * signed_sin
+
+
 def build_attention_mask(
     cache_position: torch.Tensor,
     key_positions: torch.Tensor,
@@ -249,22 +266,76 @@ def sdpa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 _ATTENTION = {"eager": eager_attention, "sdpa": sdpa_attention}
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` (no bias) whose single-row call uses ``torch.mv``.
+def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` without bias; a single row goes through ``torch.mv``.
 
     A batch-1 decode step multiplies one row by every weight matrix.  On the CPU the GEMV
     kernel behind ``torch.mv`` streams bfloat16 weights about 1.4x faster than the GEMM path of
     ``F.linear`` (measured: 15 vs 10 GB/s) and returns the same values (float32 and bfloat16
-    logits of SmolLM2 are bitwise equal either way); every other call is ``F.linear``.  State
-    dict names and module hooks are those of ``nn.Linear``.
+    logits of SmolLM2 are bitwise equal either way); every other call is ``F.linear``.
+
+    Shapes: ``x [..., in]``, ``weight [out, in]`` -> ``[..., out]``.
+    """
+    if x.numel() == weight.shape[1]:
+        return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])  # [..., out]
+    return F.linear(x, weight)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose bias-free call is :func:`project` (single rows through ``torch.mv``).
+
+    State dict names and module hooks are those of ``nn.Linear``.
 
     Shapes: ``[..., in_features] -> [..., out_features]``.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None and x.numel() == self.in_features:
-            return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], self.out_features)  # [..., out]
+        if self.bias is None:
+            return project(x, self.weight)
         return F.linear(x, self.weight, self.bias)
+
+
+class FusedWeight:
+    """One ``[sum(out_i), in]`` matrix whose row blocks *are* the weights of several bias-free linears.
+
+    Fusing ``q_proj``/``k_proj``/``v_proj`` (and ``gate_proj``/``up_proj``) turns three (two) GEMVs
+    of a decode step into one over the same bytes.  The state dict is unchanged: each module's
+    ``weight`` Parameter keeps its name and shape and becomes a view into the fused storage
+    (``param.data = fused[rows]``), so loading (``load_state_dict`` copies in place) and in-place
+    initialisation write the fused matrix too, and no byte is stored twice.  :meth:`get` returns
+    the fused matrix only while every module's weight still is that view (a replaced Parameter,
+    e.g. ``load_state_dict(assign=True)``, makes it return ``None`` and the caller projects
+    separately, which is always correct); :func:`refuse` re-establishes the views after a device
+    or dtype move.  The row products are bitwise those of the separate matrices (tested).
+    """
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.linears = linears
+        self.weight: torch.Tensor | None = None
+        self._ptrs: tuple[int, ...] = ()
+        self.refuse()
+
+    def refuse(self) -> None:
+        """(Re)build the fused matrix from the modules' current weights and point them at its rows."""
+        weights = [lin.weight for lin in self.linears]
+        if weights[0].device.type == "meta" or len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
+            self.weight, self._ptrs = None, ()
+            return
+        with torch.no_grad():
+            fused = torch.cat([w.detach() for w in weights], dim=0)  # [sum(out_i), in]
+            start = 0
+            for lin in self.linears:
+                rows = lin.weight.shape[0]
+                lin.weight.data = fused[start:start + rows]
+                start += rows
+        self.weight = fused
+        self._ptrs = tuple(lin.weight.data_ptr() for lin in self.linears)
+
+    def get(self) -> torch.Tensor | None:
+        """The fused matrix, or ``None`` when some module's weight no longer is its view."""
+        if self.weight is None or tuple(lin.weight.data_ptr() for lin in self.linears) != self._ptrs:
+            return None
+        return self.weight
 
 
 class LlamaAttention(nn.Module):
@@ -287,23 +358,36 @@ class LlamaAttention(nn.Module):
         self.k_proj = Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
         self.v_proj = Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=False)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.qkv = FusedWeight([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        signed_sin: torch.Tensor,
         mask: torch.Tensor | None,
         past_key_values,
         cache_position: torch.Tensor,
     ) -> torch.Tensor:
-        """Shapes: ``hidden_states [B, T, d_model]``, ``cos``/``sin [B, 1, T, D]``,
-        ``mask [B|1, 1, T, S_k]`` -> ``[B, T, d_model]``."""
+        """Shapes: ``hidden_states [B, T, d_model]``, ``cos``/``signed_sin [B, T, 1, D]`` (:func:`rotate_heads`),
+        ``mask [B|1, 1, T, S_k]`` -> ``[B, T, d_model]``.
+
+        With the fused ``qkv`` matrix one projection yields query, key and value rows, and one
+        rotation covers the ``H + H_kv`` query and key heads; otherwise each projection runs alone.
+        """
         batch, q_len, _ = hidden_states.shape
-        query = self.q_proj(hidden_states).view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        key = self.k_proj(hidden_states).view(batch, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
-        value = self.v_proj(hidden_states).view(batch, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        heads, kv_heads, dim = self.num_heads, self.num_key_value_heads, self.head_dim
+        fused = self.qkv.get()
+        if fused is not None:
+            qkv = project(hidden_states, fused)  # [B, T, (H + 2 H_kv) * D]
+            rotated = rotate_heads(qkv[..., : (heads + kv_heads) * dim].view(batch, q_len, heads + kv_heads, dim), cos, signed_sin)  # [B, T, H + H_kv, D]
+            query = rotated[:, :, :heads].transpose(1, 2)  # [B, H, T, D]
+            key = rotated[:, :, heads:].transpose(1, 2)  # [B, H_kv, T, D]
+            value = qkv[..., (heads + kv_heads) * dim:].view(batch, q_len, kv_heads, dim).transpose(1, 2)  # [B, H_kv, T, D]
+        else:
+            query = rotate_heads(self.q_proj(hidden_states).view(batch, q_len, heads, dim), cos, signed_sin).transpose(1, 2)  # [B, H, T, D]
+            key = rotate_heads(self.k_proj(hidden_states).view(batch, q_len, kv_heads, dim), cos, signed_sin).transpose(1, 2)  # [B, H_kv, T, D]
+            value = self.v_proj(hidden_states).view(batch, q_len, kv_heads, dim).transpose(1, 2)  # [B, H_kv, T, D]
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx, cache_position)  # [B, H_kv, S_k, D]
         out = _ATTENTION[self.attn_implementation](query, key, value, mask, self.scaling, self.num_key_value_groups)  # [B, T, H, D]
@@ -321,9 +405,14 @@ class LlamaMLP(nn.Module):
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up = FusedWeight([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        fused = self.gate_up.get()
+        if fused is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, fused).chunk(2, dim=-1)  # [..., F] each, one GEMV
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -372,10 +461,12 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, position_ids, cache_position, mask, past_key_values) -> torch.Tensor:
         """Shapes: ``input_ids int64[B, T]``, ``position_ids int64[B, T]`` -> ``[B, T, d_model]``."""
         hidden_states = self.embed_tokens(input_ids)  # [B, T, d_model]
-        cos, sin = self.rotary_emb(position_ids)  # [B, 1, T, D] each, float32 tables
-        cos, sin = cos.to(hidden_states.dtype), sin.to(hidden_states.dtype)
+        cos, sin = self.rotary_emb(position_ids)  # [B, 1, T, D] each, tables in the model dtype
+        cos, sin = cos.to(hidden_states.dtype).transpose(1, 2), sin.to(hidden_states.dtype).transpose(1, 2)  # [B, T, 1, D]
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # [B, T, 1, D] (rotate_heads)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, sin, mask, past_key_values, cache_position)
+            hidden_states = layer(hidden_states, cos, signed_sin, mask, past_key_values, cache_position)
         return self.norm(hidden_states)
 
 
@@ -401,6 +492,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.eval()
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: D401 - nn.Module hook
+        """After a device/dtype move (``.to``, ``to_empty``), point the projections at fused matrices again."""
+        result = super()._apply(fn, recurse)
+        self.refuse_projections()
+        return result
+
+    def refuse_projections(self) -> None:
+        """(Re)build every layer's fused ``qkv`` and ``gate_up`` matrices (:class:`FusedWeight`)."""
+        for layer in self.model.layers:
+            layer.self_attn.qkv.refuse()
+            layer.mlp.gate_up.refuse()
 
     # -- properties -------------------------------------------------------------------------
     def tie_weights(self) -> None:
