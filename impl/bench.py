@@ -95,6 +95,10 @@ class BenchResult:
         same_tokens_graph: Whether the graph path generated our ids (``None``: not run).
         threads: Intra-op threads of every runtime (``torch.get_num_threads()`` during the runs).
         cache: Our cache family (``"static"`` or ``"dynamic"``).
+        cpu_tokens_per_s: With one thread on the CPU: per runtime (``ours``, ``trace``,
+            ``graph``, ``hf``), ``new_tokens / process CPU seconds`` of each timed run.  CPU time
+            does not count the time the process waited for a core, so on a shared machine these
+            ratios compare the work each runtime does (memory-bandwidth contention still shows).
     """
 
     device: str
@@ -113,6 +117,7 @@ class BenchResult:
     same_tokens_graph: bool | None = None
     threads: int | None = None
     cache: str = "static"
+    cpu_tokens_per_s: dict[str, tuple[float, ...]] = attrs.field(factory=dict)
 
     @property
     def ours_median(self) -> float:
@@ -156,6 +161,21 @@ class BenchResult:
         return statistics.median(plain / traced - 1.0 for plain, traced in zip(self.ours_tokens_per_s, self.trace_tokens_per_s))
 
     @property
+    def trace_overhead_cpu(self) -> float | None:
+        """:attr:`trace_overhead` from CPU times (``None`` without CPU-time figures)."""
+        cpu = self.cpu_tokens_per_s
+        if "trace" not in cpu:
+            return None
+        return statistics.median(plain / traced - 1.0 for plain, traced in zip(cpu["ours"], cpu["trace"]))
+
+    @property
+    def cpu_ratio(self) -> float | None:
+        """Ours / HF median CPU-time tokens per second (``None`` without CPU-time figures)."""
+        if not self.cpu_tokens_per_s:
+            return None
+        return statistics.median(self.cpu_tokens_per_s["ours"]) / statistics.median(self.cpu_tokens_per_s["hf"])
+
+    @property
     def graph_ratio(self) -> float | None:
         """Captured-graph path / HF median tokens per second (``None``: not timed)."""
         return statistics.median(self.graph_tokens_per_s) / self.hf_median if self.graph_tokens_per_s else None
@@ -165,6 +185,7 @@ class BenchResult:
         out = attrs.asdict(self)
         for name in ("ours_tokens_per_s", "hf_tokens_per_s", "trace_tokens_per_s", "graph_tokens_per_s"):
             out[name] = list(getattr(self, name))
+        out["cpu_tokens_per_s"] = {k: list(v) for k, v in self.cpu_tokens_per_s.items()}
         out.update(
             ours_median_tokens_per_s=self.ours_median,
             hf_median_tokens_per_s=self.hf_median,
@@ -175,6 +196,8 @@ class BenchResult:
             ours_best_fraction_of_bound=self.fraction_of_bound_best,
             trace_overhead=self.trace_overhead,
             ratio_graph_over_hf=self.graph_ratio,
+            cpu_ratio_ours_over_hf=self.cpu_ratio,
+            trace_overhead_cpu=self.trace_overhead_cpu,
         )
         return out
 
@@ -321,6 +344,7 @@ def run_benchmark(
         runtimes["graph"] = run_graph
     runtimes["hf"] = run_hf
     timings: dict[str, list[float]] = {name: [] for name in runtimes}
+    cpu_timings: dict[str, list[float]] = {name: [] for name in runtimes}
     peaks: dict[str, int] = {"ours_resident": _resident_bytes(ours), "hf_resident": _resident_bytes(hf)}
     with _threads(threads) as num_threads, trace_dir:
         ids = {name: fn() for name, fn in runtimes.items()}  # warm-up (and the token comparison)
@@ -330,10 +354,11 @@ def run_benchmark(
                 if target.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(target)
                 _sync(target)
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 fn()
                 _sync(target)
                 timings[name].append(new_tokens / (time.perf_counter() - start))
+                cpu_timings[name].append(new_tokens / max(time.process_time() - cpu_start, 1e-9))
                 if target.type == "cuda":
                     key = f"{name}_peak_allocated"
                     peaks[key] = max(peaks.get(key, 0), torch.cuda.max_memory_allocated(target))
@@ -360,6 +385,7 @@ def run_benchmark(
         same_tokens_graph=(ids["graph"] == ids["ours"]) if graph else None,
         threads=num_threads,
         cache=cache,
+        cpu_tokens_per_s={k: tuple(v) for k, v in cpu_timings.items()} if target.type == "cpu" and num_threads == 1 else {},
     )
 
 
@@ -380,13 +406,21 @@ def format_result(result: BenchResult) -> str:
     ]
     if result.trace_tokens_per_s:
         lines.append(f"{runs('ours + event trace (file):', result.trace_tokens_per_s)}   "
-                     f"trace overhead {100 * result.trace_overhead:+.1f}% of generation time (paired median)")
+                     f"trace overhead {100 * result.trace_overhead:+.1f}% of generation time (paired median"
+                     + (f"; {100 * result.trace_overhead_cpu:+.1f}% in CPU time)" if result.trace_overhead_cpu is not None else ")"))
     if result.graph_tokens_per_s:
         lines.append(f"{runs('ours, captured-graph decode:', result.graph_tokens_per_s)}   same tokens: {result.same_tokens_graph}; "
                      f"graph / HF {result.graph_ratio:.2f}x")
     lines += [
         runs("HF transformers generate:", result.hf_tokens_per_s),
         f"ratio ours / HF: {result.ratio:.3f} (medians), {result.ratio_best:.3f} (best runs)   same tokens: {result.same_tokens}",
+    ]
+    if result.cpu_tokens_per_s:
+        cpu = result.cpu_tokens_per_s
+        lines.append("CPU-time tok/s (1 thread; not counting waits for a core): "
+                     + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in cpu.items())
+                     + f"; ratio ours / HF {result.cpu_ratio:.3f}")
+    lines += [
         f"weights read per decode token: {result.decode_weight_bytes / mib:.1f} MiB; read bandwidth: {bw}",
         f"memory-bandwidth bound: {result.bound_tokens_per_s:.2f} tok/s; ours at {100 * result.fraction_of_bound:.1f}% of it "
         f"(best run {100 * result.fraction_of_bound_best:.1f}%)",

@@ -74,3 +74,6 @@ def test_trace_overhead_is_the_paired_median_and_graph_ratio_uses_the_hf_median(
     payload = result.to_json()
     assert payload["trace_overhead"] == pytest.approx(0.0) and payload["threads"] == 1 and payload["ratio_graph_over_hf"] == pytest.approx(10.0)
     assert BenchResult(**{**attrs.asdict(result), "trace_tokens_per_s": ()}).trace_overhead is None
+    assert result.cpu_ratio is None and result.trace_overhead_cpu is None
+    cpu = BenchResult(**{**attrs.asdict(result), "cpu_tokens_per_s": {"ours": (10.0, 10.0, 10.0), "trace": (9.9, 9.8, 10.0), "hf": (8.0, 8.0, 8.0)}})
+    assert cpu.cpu_ratio == pytest.approx(1.25) and cpu.trace_overhead_cpu == pytest.approx(10.0 / 9.9 - 1.0)
