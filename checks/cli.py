@@ -26,6 +26,8 @@ COMMANDS: dict[str, str] = {
     "validate": "validate",
     "explore": "explore",
     "validate-trace": "validate_trace",
+    "check": "check",
+    "replay": "replay",
 }
 
 

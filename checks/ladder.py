@@ -28,7 +28,8 @@ neither a pass nor a fail.  Every non-passing verdict names its layer, the rule 
 
 Tolerances are declared per model and dtype (:data:`TOLERANCES`; a runtime may declare its
 own entry, e.g. ``("hf", "smollm2", "float32")``): float32 CPU logits 5e-5 (tiny) and 2e-4
-(SmolLM2), K/V 1e-5 / 1e-4 (measured in tests/test_model_cache.py).
+(SmolLM2), K/V 1e-5 / 1e-4 (measured in tests/test_model_cache.py); bfloat16 and float16 from
+measured errors with headroom.
 
 Source: M3.10 "A logit tolerance is not a token-equality proof" (the comparator order and the
 [10,0] vs [100,0] example), "Correctness matrix" (the ladder stops at the first failed layer;
@@ -96,14 +97,17 @@ class Tolerance:
         return cls(logit=logit, kv=kv, prob=2 * logit + 1e-6, logprob=2 * logit + 1e-5)
 
 
-#: ``(runtime or "*", model, dtype) -> Tolerance``.  float32 on the CPU: tests/test_model_cache.py.
+#: ``(runtime or "*", model, dtype) -> Tolerance``.  float32 on the CPU: tests/test_model_cache.py;
+#: bfloat16 logits: tests/test_attention.py ``BF16_TOL``; the rest measured against the float32
+#: reference over teacher-forced greedy paths (max error: tiny bf16 logits 0.27 / K,V 0.062, fp16
+#: 0.026 / 0.0099; SmolLM2 bf16 0.72 / 0.69, fp16 0.080 / 0.21), with about 2x headroom.
 TOLERANCES: dict[tuple[str, str, str], Tolerance] = {
     ("*", "tiny", "float32"): Tolerance.from_logit(5e-5, 1e-5),
     ("*", "smollm2", "float32"): Tolerance.from_logit(2e-4, 1e-4),
-    ("*", "tiny", "bfloat16"): Tolerance.from_logit(0.25, 0.05),
-    ("*", "smollm2", "bfloat16"): Tolerance.from_logit(1.0, 0.25),
-    ("*", "tiny", "float16"): Tolerance.from_logit(0.05, 0.01),
-    ("*", "smollm2", "float16"): Tolerance.from_logit(0.25, 0.05),
+    ("*", "tiny", "bfloat16"): Tolerance.from_logit(0.5, 0.15),
+    ("*", "smollm2", "bfloat16"): Tolerance.from_logit(2.0, 1.5),
+    ("*", "tiny", "float16"): Tolerance.from_logit(0.06, 0.025),
+    ("*", "smollm2", "float16"): Tolerance.from_logit(0.2, 0.5),
 }
 
 

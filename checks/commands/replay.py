@@ -1,0 +1,60 @@
+"""``decodespec replay FILE``: re-run a conformance trace against the spec and a runtime; exit 0 iff its verdict reproduces.
+
+Reads a ``decodespec.trace`` ITF file (:mod:`decodespec.checks.traces`: a shrunk Hypothesis
+counterexample from ``traces/failures/``, a failing gate case, or a corpus file under
+``traces/``), replays its actions in lock step against the spec and the recorded runtime (or
+``--runtime``), and prints ``{"reproduced", "runtime", "steps", "expected", "actual"}`` as JSON.
+A trace may record a pass, a failure at a ladder layer, or an undecided margin; replay
+reproduces it when the result, the layer and the rule are the same.
+
+Exit codes: 0 reproduced, 1 not reproduced, 2 not a readable trace of this format version,
+3 the runtime is not installed here.
+
+Source: research/formal-anchors-survey.md 2.7 (no upstream "replay this trace file" entry point:
+this fills it), 5.1 (ITF).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``replay`` subcommand."""
+    parser = subparsers.add_parser(
+        "replay",
+        help="replay a conformance trace (decodespec.trace ITF) and check that its verdict reproduces",
+        description="Re-run a trace's actions in lock step against the spec and the recorded runtime; exit 0 exactly when "
+        "the recorded verdict (result, ladder layer, rule) reproduces.",
+    )
+    parser.add_argument("files", nargs="+", metavar="FILE", help="trace file(s) (*.itf.json)")
+    parser.add_argument("--runtime", default=None, help="replay against this runtime instead of the recorded one")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Replay every file; print one JSON object per file; return the worst exit code."""
+    from decodespec.checks.adapters import AdapterUnavailable
+    from decodespec.checks.traces import load_trace, replay
+    from decodespec.spec.errors import DecodeSpecError
+
+    worst = 0
+    for path in args.files:
+        try:
+            trace = load_trace(path)
+            result = replay(trace, runtime=args.runtime)
+        except AdapterUnavailable as exc:
+            print(json.dumps({"file": path, "error": {"code": "adapter.unavailable", "message": str(exc)}}), file=sys.stderr)
+            worst = max(worst, 3)
+            continue
+        except DecodeSpecError as exc:
+            print(json.dumps({"file": path, "error": exc.to_json()}), file=sys.stderr)
+            worst = max(worst, 2)
+            continue
+        print(json.dumps({"file": path, **result.to_json()}, ensure_ascii=False))
+        worst = max(worst, 0 if result.reproduced else 1)
+    return worst

