@@ -1,0 +1,33 @@
+"""Every committed trace under traces/ replays to its recorded verdict (the regression corpus).
+
+The corpus holds passes (boundary cases, adversarial interleavings), an undecided margin, the
+failures of deliberately broken runtimes at their ladder layers (``ladder.STATE``,
+``ladder.TENSOR``, ``ladder.DECISION``) and a real discrepancy of our runtime.
+Source: traces/README.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from decodespec.checks.testing import SMOLLM2_SKIP_REASON
+from decodespec.checks.traces import load_trace, replay
+from decodespec.impl.gguf import smollm2_available
+
+CORPUS = sorted((Path(__file__).resolve().parent.parent / "traces").glob("*.json"))
+
+
+def test_the_corpus_covers_every_kind_of_verdict() -> None:
+    verdicts = {(m["verdict"]["result"], m["verdict"]["layer"]) for m in (load_trace(p)["#meta"] for p in CORPUS)}
+    assert {("passed", None), ("undecided", "DECISION"), ("failed", "STATE"), ("failed", "TENSOR"), ("failed", "DECISION")} <= verdicts
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=[p.name for p in CORPUS])
+def test_corpus_trace_reproduces(path: Path) -> None:
+    trace = load_trace(path)
+    if trace["#meta"]["model"] == "smollm2" and not smollm2_available():
+        pytest.skip(SMOLLM2_SKIP_REASON)
+    result = replay(trace)
+    assert result.reproduced, (path.name, result.expected.to_json(), result.actual.to_json())
