@@ -41,7 +41,7 @@ import numpy as np
 
 from decodespec.spec.errors import DecodeSpecError
 
-from .adapters import CORRUPTIONS, AdapterUnavailable, CaseConfig, Observation
+from .adapters import CORRUPTIONS, AdapterUnavailable, CaseConfig
 from .ladder import FAILED, PASSED, UNDECIDED, Expected, Tolerance, Verdict, compare, greedy_comparator, tolerance_for
 from .lockstep import LockStep, reference_for
 from .traces import make_trace, open_runtime

@@ -370,6 +370,15 @@ def _eq(layer: str, check: str, expected: Any, actual: Any, what: str) -> Verdic
     return _fail(layer, check, expected, actual, f"{what}: expected {expected!r}, observed {actual!r}")
 
 
+def _first_difference(layer: str, checks: Sequence[tuple[str, Any, Any, str]]) -> Verdict | None:
+    """The first ``(check, expected, actual, what)`` whose values differ (``None`` on either side: skipped)."""
+    for name, want, got, what in checks:
+        bad = _eq(layer, name, want, got, what)
+        if bad is not None:
+            return bad
+    return None
+
+
 @rule(
     "ladder.STATE",
     title="State equivalence: tokens, frontiers, positions, RNG counter",
@@ -380,18 +389,16 @@ def _eq(layer: str, check: str, expected: Any, actual: Any, what: str) -> Verdic
 )
 def check_state(exp: Expected, obs: Observation) -> Verdict | None:
     """``ladder.STATE``; ``None`` when it passes."""
-    checks = (
+    bad = _first_difference("STATE", (
         ("phase", exp.phase, obs.phase, "phase"),
         ("output_ids", exp.output_ids, obs.output_ids, "committed output ids"),
         ("rng_counter", exp.rng_counter, obs.rng_counter, "RNG counter"),
         ("quarantined", exp.quarantined, obs.quarantined, "quarantine flag"),
         ("generation", exp.generation, obs.generation, "generation"),
         ("cache_committed", exp.cache_committed, obs.cache_committed, "committed cache rows (K frontier)"),
-    )
-    for name, want, got, what in checks:
-        bad = _eq("STATE", name, want, got, what)
-        if bad is not None:
-            return bad
+    ))
+    if bad is not None:
+        return bad
     if exp.frontier is not None and obs.frontier is not None:
         for key, want in exp.frontier.items():
             bad = _eq("STATE", f"frontier.{key}", want, obs.frontier.get(key), f"frontier {key}")
@@ -521,15 +528,13 @@ def check_decision(exp: Expected, obs: Observation) -> Verdict | None:
 )
 def check_sequence(exp: Expected, obs: Observation) -> Verdict | None:
     """``ladder.SEQUENCE``; ``None`` when it passes."""
-    checks = (
+    bad = _first_difference("SEQUENCE", (
         ("finish_reason", exp.finish_reason, obs.finish_reason, "finish reason"),
         ("triggers", None if exp.triggers is None else list(exp.triggers), None if obs.triggers is None else list(obs.triggers), "triggers"),
         ("text", exp.text, obs.text, "text"),
-    )
-    for name, want, got, what in checks:
-        bad = _eq("SEQUENCE", name, want, got, what)
-        if bad is not None:
-            return bad
+    ))
+    if bad is not None:
+        return bad
     if exp.chunks is not None and obs.chunks is not None:
         want, got = [dict(c) for c in exp.chunks], [dict(c) for c in obs.chunks]
         if want != got:

@@ -44,7 +44,7 @@ from typing import Any, Mapping, Sequence
 import attrs
 import numpy as np
 
-from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure
+from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure
 from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag
 from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED
 from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit
@@ -53,12 +53,12 @@ from decodespec.spec.policy.config import Family
 from decodespec.spec.policy.rng import rng_key, uniform
 from decodespec.spec.policy.scores import log_softmax
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
-from decodespec.spec.snapshot import REPAIRED, SNAPSHOT_FORM_UNAVAILABLE, SNAPSHOT_FORMS, SnapshotRecord, take_snapshot
+from decodespec.spec.snapshot import REPAIRED, SnapshotRecord, take_snapshot
 from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, repair_outstanding
 from decodespec.spec.stop import StopConfig, align_output, reference_stream, step_triggers
 from decodespec.spec.transitions import MACHINE, NOT_ENABLED, Machine, expected_report, expected_start
 
-from .adapters import Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record
+from .adapters import Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
 from .ladder import FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, Tolerance, Verdict, compare, compare_rows, tolerance_for
 
 __all__ = [
@@ -760,8 +760,7 @@ class LockStep:
                 break
             moved = True
         if not moved:
-            raise Rejection(NOT_ENABLED, f"no controller action is enabled in phase {s.state.phase.value} (terminal)", "$.op",
-                            details={"rule": "controller", "guard": "the request is not terminal"})
+            raise no_controller_action(s.state.phase.value)
 
     def _spec_apply(self, act: dict[str, Any], obs: Observation, result: ApplyResult, checks: list[DecisionCheck]) -> None:
         s = self.spec
@@ -812,25 +811,21 @@ class LockStep:
             s.pending_logprob = None
 
     def _snapshot(self, form: str, handle: str) -> None:
+        """``Snapshot``; a ``repaired`` snapshot with a pending token first runs the valid append call.
+
+        The append call (decode between calls, repair after finish) runs only where the runtime
+        would run it -- no call in flight, no quarantine; every refusal is then the spec's own
+        ``transition.snapshot`` guard (``snapshot.form_unavailable``).
+        """
         s = self.spec
         state = s.state
-        refuse = lambda why: Rejection(SNAPSHOT_FORM_UNAVAILABLE, why, "$.form")  # noqa: E731
-        if form not in SNAPSHOT_FORMS:
-            raise refuse(f"unknown snapshot form {form!r}")
-        if state.in_flight is not None:
-            raise refuse("a call is in flight")
-        if state.quarantined:
-            raise refuse("the handle is quarantined (recover first)")
-        if state.phase not in (Phase.READY, Phase.SCORED, Phase.FINISHED):
-            raise refuse(f"no snapshot in phase {state.phase.value}")
-        if form == REPAIRED and state.pending_ids:
+        if form == REPAIRED and state.pending_ids and state.in_flight is None and not state.quarantined:
             if state.phase is Phase.READY:
                 self._launch(CallKind.DECODE, None)
+                self._complete()
             elif repair_outstanding(s.params, state):
                 self._launch(CallKind.REPAIR, None)
-            else:
-                raise refuse("the final token is closed unprocessed and no append/repair call is declared")
-            self._complete()
+                self._complete()
         self._step(Snapshot(form))
         record = take_snapshot(s.params, s.state, form)
         s.snapshots[handle] = SpecSnapshot(record, s.policy_state, tuple(s.logprobs), s.last_call, s.last_decision, None)

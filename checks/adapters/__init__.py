@@ -129,6 +129,7 @@ __all__ = [
     "Observation",
     "check_action",
     "corrupt_record",
+    "no_controller_action",
     "open_adapter",
     "required_capabilities",
 ]
@@ -241,6 +242,16 @@ def check_action(action: Any) -> dict[str, Any]:
             raise Rejection(ADAPTER_INVALID_ACTION, f"{name} must be one of {list(allowed)}, got {value!r}", path)
         out[name] = value
     return out
+
+
+def no_controller_action(phase: str) -> Rejection:
+    """The refusal of ``step`` / ``run`` when the controller has nothing left to do (a terminal request).
+
+    ``transition.not_enabled`` with ``details`` naming the pseudo rule ``controller`` and its guard,
+    so the spec side and every adapter refuse it the same way.
+    """
+    return Rejection("transition.not_enabled", f"no controller action is enabled in phase {phase} (terminal)", "$.op",
+                     details={"rule": "controller", "guard": "the request is not terminal"})
 
 
 def required_capabilities(action: Mapping[str, Any], config: "CaseConfig | None" = None) -> frozenset[str]:

@@ -54,6 +54,7 @@ from . import (
     Observation,
     check_action,
     corrupt_record,
+    no_controller_action,
     required_capabilities,
 )
 
@@ -329,8 +330,7 @@ class ImplAdapter:
             elif name == "commit" and until_commit:
                 break
         if not names:
-            raise Rejection(NOT_ENABLED, f"no controller action is enabled in phase {self.runner.phase.value} (terminal)", "$.op",
-                            details={"rule": "controller", "guard": "the request is not terminal"})
+            raise no_controller_action(self.runner.phase.value)
         return names
 
     # -- ops -----------------------------------------------------------------------------
