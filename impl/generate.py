@@ -18,6 +18,11 @@ Declared choices implemented by the controller (docs/design.md section 2):
 * The last committed token is never processed: it is ``CLOSED_UNPROCESSED`` at finish
   (P = L + O - 1, |U| = 1), M3.10 0x08 "The first-output off-by-one".
 
+Stop strings, ``include_stop_str``, the output ``alignment``, structured (JSON) completion and
+streaming (``stream`` / ``on_chunk``) are carried out by the runner's output observer
+(:class:`decodespec.impl.output.OutputObserver`) when ``tokenizer`` has ``token_bytes``; the
+result then follows the alignment contract (M3.10 0x06).
+
 ``cache="none"`` (or ``use_cache=False``) runs the no-cache loop (full recomputation of the
 committed prefix every call), the reference answer the cached families must match (M3.10 0x09).
 

@@ -1103,7 +1103,7 @@ class RequestRunner:
                 output_ids=out.output_ids, text=out.text, logprobs=tuple(out.logprobs or ()), alignment=out.alignment.value,
                 overhang=out.overhang, token_spans=out.token_spans, visible_end=out.visible_end, structured_end=out.structured_end,
                 stop_match=None if match is None else (self.request.stop_strings[match.pattern_idx], match.start, match.end),
-                chunks=tuple(self.observer.chunks), **common)
+                chunks=tuple(getattr(self.observer, "chunks", ())), **common)
         ids = self.output_ids
         if hasattr(self.observer, "text_so_far"):
             text = self.observer.text_so_far()
