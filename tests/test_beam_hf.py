@@ -166,8 +166,17 @@ def test_every_beam_expectation_names_a_rule_a_doc_row_and_an_existing_test():
     """checks/expectations/hf.toml: each beam deviation has an id, a registered rule id, the HF
     source, the spec's answer, the reason, the docs/beam-expectations.md row it refines, and a test
     in this repository that shows it."""
+    from decodespec.checks.cases import load_expectations
+    from decodespec.checks.ladder import Verdict
+
     data = tomllib.loads(EXPECTATIONS.read_text(encoding="utf-8"))
     entries = [e for e in data["deviation"] if e["id"].startswith("hf.beam_")]
+    loaded = {e.id: e for e in load_expectations("hf")}
+    other = Verdict("failed", "DECISION", "ladder.DECISION", "tokens", [1], [2], "a greedy token differs")
+    for e in entries:  # bound to beam cases and their rule: never an explanation for another failure
+        assert e["case"] == "beam.*" and loaded[e["id"]].rule == e["rule"]
+        assert not loaded[e["id"]].matches("matrix.greedy_vs_beam1", other)
+        assert not loaded[e["id"]].matches("beam.search", other)
     assert len(entries) >= 6 and len({e["id"] for e in entries}) == len(entries)
     doc = (ROOT / "docs" / "beam-expectations.md").read_text(encoding="utf-8")
     rows = {int(m) for m in re.findall(r"^\| (\d+) \|", doc, flags=re.M)}
