@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "validate": "validate",
     "explore": "explore",
     "validate-trace": "validate_trace",
+    "mutants": "mutants",
     "check": "check",
     "replay": "replay",
 }

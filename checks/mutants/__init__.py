@@ -1,0 +1,143 @@
+"""The failure lab: named, shape-correct bugs of our runtime that the conformance gate must kill.
+
+Both seeds end with a failure lab of bugs that keep every tensor shape and change the answer
+(M3.10 0x0B "Shape-correct failure lab", M3.8 0x12 "Failure lab").  Each bug is a
+:class:`Mutant`: a named, documented variant of the runtime (:mod:`decodespec.impl`), registered
+as the rule ``mutant.<name>`` (its seed section and a statement of the bug and what it breaks),
+made of :class:`~decodespec.checks.mutants.seams.Patch` values that replace seams of the runtime
+only inside :meth:`Mutant.applied` (a context manager that restores every seam on exit; see
+:mod:`decodespec.checks.mutants.seams`).  Nothing in ``impl/`` imports this package.
+
+The catalogue, by group (:data:`GROUPS`), lives in the modules ``lastpos``, ``selection``,
+``stop``, ``beams``, ``cache``, ``commit``, ``rng``, ``logprob``, ``encdec`` and ``snapshot``.
+:mod:`decodespec.checks.mutants.harness` runs the gate (the case table, then the lock-step
+machines) against a mutant until its first failure; ``decodespec mutants`` is the command line.
+
+Source: M3.10 0x0B; M3.8 0x12; docs/design.md section 4 (``mutant.*`` rules).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Sequence
+
+import attrs
+
+from decodespec.spec.rules import Rule, register
+
+from .seams import Patch, fingerprint, install, oracle_side
+
+__all__ = [
+    "GROUPS",
+    "MUTANTS",
+    "Mutant",
+    "Patch",
+    "all_seams",
+    "get",
+    "mutant",
+    "oracle_side",
+    "seam_fingerprint",
+]
+
+#: Failure-lab groups, in report order.
+GROUPS = (
+    "last-position",
+    "score and selection",
+    "stop and active rows",
+    "beams",
+    "cache and positions",
+    "hidden state",
+    "commit",
+    "rng",
+    "logprob",
+    "encoder-decoder",
+    "snapshot",
+)
+
+#: Every registered mutant, by name (registration order).
+MUTANTS: dict[str, "Mutant"] = {}
+
+
+@attrs.frozen
+class Mutant:
+    """One failure-lab bug.
+
+    Attributes:
+        name: Short name; the rule id is ``mutant.<name>``.
+        group: One of :data:`GROUPS`.
+        title: Short human title.
+        section: Seed section(s), e.g. ``"M3.10 0x0B Last-position bugs; M3.8 0x12 item 21"``.
+        statement: The bug, where it is patched, and what it breaks.
+        patches: The seams it replaces.
+        text: Needs real text (stop strings, UTF-8, padding): also killed on SmolLM2 in the full run.
+        representative: Runs in the CI-sized subset (one per group).
+    """
+
+    name: str
+    group: str = attrs.field(validator=attrs.validators.in_(GROUPS))
+    title: str
+    section: str
+    statement: str
+    patches: tuple[Patch, ...] = attrs.field(converter=tuple)
+    text: bool = False
+    representative: bool = False
+
+    @property
+    def rule_id(self) -> str:
+        """``mutant.<name>``."""
+        return f"mutant.{self.name}"
+
+    @property
+    def seams(self) -> tuple[str, ...]:
+        """The patched seams (``module:qualname`` paths)."""
+        return tuple(dict.fromkeys(p.target for p in self.patches))
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator["Mutant"]:
+        """Install the bug; every seam is restored (the same objects) on exit.
+
+        Raises:
+            decodespec.checks.mutants.seams.SeamMoved: the runtime changed under the mutant.
+        """
+        with install(self.patches, self.name):
+            yield self
+
+
+def mutant(name: str, *, group: str, title: str, section: str, statement: str, text: bool = False,
+           representative: bool = False) -> Callable[[Callable[[], Sequence[Patch]]], Mutant]:
+    """Decorator over a function returning the mutant's patches: registers :class:`Mutant` and the rule ``mutant.<name>``."""
+
+    def deco(fn: Callable[[], Sequence[Patch]]) -> Mutant:
+        if name in MUTANTS:
+            raise AssertionError(f"mutant {name!r} registered twice")
+        m = Mutant(name, group, title, section, statement, tuple(fn()), text, representative)
+        register(Rule(id=m.rule_id, kind="mutant", title=title, section=section, statement=statement, obj=fn))
+        MUTANTS[name] = m
+        return m
+
+    return deco
+
+
+def get(name: str) -> Mutant:
+    """The mutant called ``name`` (with or without the ``mutant.`` prefix).
+
+    Raises:
+        KeyError: no such mutant (the message lists the known names).
+    """
+    key = name.removeprefix("mutant.")
+    if key not in MUTANTS:
+        raise KeyError(f"unknown mutant {name!r}; known: {', '.join(MUTANTS)}")
+    return MUTANTS[key]
+
+
+def all_seams() -> tuple[str, ...]:
+    """Every seam any mutant patches (sorted, unique)."""
+    return tuple(sorted({s for m in MUTANTS.values() for s in m.seams}))
+
+
+def seam_fingerprint() -> dict[str, object]:
+    """:func:`~decodespec.checks.mutants.seams.fingerprint` of :func:`all_seams`."""
+    return fingerprint(all_seams())
+
+
+from . import lastpos, selection, stop, beams, cache, commit, rng, logprob, encdec, snapshot  # noqa: E402,F401,I001  (registration, report order)

@@ -1,0 +1,362 @@
+"""Run the conformance gate against a mutant until its first failure: killed, survived or crashed.
+
+The gate is the gate's own checks, not per-mutant asserts: the case table
+(:func:`decodespec.checks.cases.cases_for`, every case run by
+:func:`~decodespec.checks.cases.run_case` on the ``impl`` runtime), then the Hypothesis lock-step
+machines (:func:`decodespec.checks.machines.machine_for`, one per cache family, the active
+settings profile's budget -- ``fast`` by default -- derandomized, without shrinking), in that
+order.  :func:`run_gate` installs the mutant (:meth:`~decodespec.checks.mutants.Mutant.applied`)
+around the whole run, with the gate's reference computations on the oracle side
+(:data:`ORACLE_ENTRY_POINTS`, :func:`~decodespec.checks.mutants.seams.oracle_side`): the
+reference is the specification, so it runs the original code.
+
+Outcomes (:class:`MutantResult`):
+
+* ``killed``: a gate check failed -- a case result ``fail`` (a documented deviation of the
+  runtime does not count) or a machine verdict ``failed``; ``killed_by`` names the case (or
+  ``machine.<cache>``), the ladder layer, rule and check, the step and the message;
+* ``crashed``: the runtime raised out of the gate (an exception that is not a typed refusal
+  the adapter reports, or a typed error outside the adapter that stops a case): a verdict of the
+  harness, not of the gate; reported separately (a mutant that only crashes is a weak mutant);
+* ``survived``: every check passed -- a gap in the gate;
+* ``seam_moved``: the runtime changed under the mutant (its seam or source edit no longer
+  matches; :class:`~decodespec.checks.mutants.seams.SeamMoved`).
+
+A gate check is only evidence when the unmutated runtime passes it: :func:`calibrate` runs the
+same gate without a mutant and :func:`run_gate` skips what failed there (``excluded``).
+
+Source: M3.10 0x0B, M3.8 0x12 (the failure labs); research/formal-anchors-survey.md 7 (mutants
+killed by the gate); docs/design.md section 9.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Iterator, Sequence
+
+import attrs
+
+from . import MUTANTS, Mutant
+from .seams import Patch, SeamMoved, install, oracle_side
+
+__all__ = [
+    "CACHES",
+    "KILLED",
+    "CRASHED",
+    "ORACLE_ENTRY_POINTS",
+    "SEAM_MOVED",
+    "SURVIVED",
+    "Calibration",
+    "GateCheck",
+    "MutantResult",
+    "calibrate",
+    "gate_checks",
+    "run_gate",
+    "spec_side",
+]
+
+KILLED = "killed"
+SURVIVED = "survived"
+CRASHED = "crashed"
+SEAM_MOVED = "seam_moved"
+#: Cache families the machines run, in order.
+CACHES = ("dynamic", "static", "none")
+
+#: The gate's reference computations (the specification side of every comparison).
+ORACLE_ENTRY_POINTS: tuple[str, ...] = (
+    "decodespec.checks.lockstep:Reference._forward",
+)
+
+
+def _on_oracle_side(original: Callable[..., Any]) -> Callable[..., Any]:
+    def reference(*args: Any, **kwargs: Any) -> Any:
+        with oracle_side():
+            return original(*args, **kwargs)
+
+    return reference
+
+
+@contextlib.contextmanager
+def spec_side() -> Iterator[None]:
+    """Run every gate reference computation (:data:`ORACLE_ENTRY_POINTS`) on the oracle side."""
+    patches = []
+    for target in ORACLE_ENTRY_POINTS:
+        try:
+            patches.append(Patch(target, wrap=_on_oracle_side))
+        except SeamMoved:  # pragma: no cover - a gate module not present
+            continue
+    with install([p for p in patches if _exists(p.target)], "gate reference"):
+        yield
+
+
+def _exists(target: str) -> bool:
+    from .seams import resolve
+
+    try:
+        resolve(target)
+    except SeamMoved:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# The gate as a list of checks.
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class GateCheck:
+    """One unit of the gate: a case of the table or a machine.
+
+    Attributes:
+        id: The case id, or ``machine.<cache>``.
+        kind: ``case`` or ``machine``.
+        model: ``tiny`` or ``smollm2``.
+    """
+
+    id: str
+    kind: str
+    model: str
+
+
+def gate_checks(model: str, *, cases: bool = True, machines: bool = True, only: Sequence[str] = ()) -> tuple[GateCheck, ...]:
+    """The gate's checks on ``model`` in running order (cases, then machines); ``only`` keeps the ids listed (globs)."""
+    import fnmatch
+
+    from ..cases import cases_for
+
+    out: list[GateCheck] = []
+    if cases:
+        out += [GateCheck(c.id, "case", model) for c in cases_for(model)]
+    if machines:
+        out += [GateCheck(f"machine.{cache}", "machine", model) for cache in CACHES]
+    if only:
+        out = [c for c in out if any(fnmatch.fnmatchcase(c.id, pattern) for pattern in only)]
+    return tuple(out)
+
+
+@attrs.frozen
+class Finding:
+    """What one gate check said: ``passed``, ``failed`` (a gate verdict), ``deviation`` or ``crashed``."""
+
+    status: str
+    layer: str | None = None
+    rule: str | None = None
+    check: str | None = None
+    step: int | None = None
+    message: str = ""
+    trace: str | None = None
+
+
+def _case_finding(check: GateCheck) -> Finding:
+    from ..cases import cases_for, load_expectations, run_case
+
+    case = next(c for c in cases_for(check.model) if c.id == check.id)
+    result = run_case(case, "impl", expectations=load_expectations("impl"))
+    v = result.verdict
+    if result.result == "fail" and v.check == "harness":
+        return Finding(CRASHED, v.layer, v.rule, v.check, v.step, v.message)
+    status = {"fail": "failed", "deviation": "deviation"}.get(result.result, "passed")
+    return Finding(status, v.layer, v.rule, v.check, v.step, v.message)
+
+
+def _machine_finding(check: GateCheck, settings_overrides: dict[str, Any]) -> Finding:
+    from hypothesis import Phase
+    from hypothesis.errors import HypothesisException
+
+    from ..machines import machine_for, machine_settings, run_state_machine_as_test
+
+    cache = check.id.split(".", 1)[1]
+    verdicts: list[Any] = []
+    base = machine_for("impl", check.model, cache)
+
+    class Recorded(base):  # type: ignore[misc, valid-type]
+        def _judge(self, record):  # noqa: ANN001 - the machine's own signature
+            if record.verdict.result == "failed":
+                verdicts.append(record.verdict)
+            return super()._judge(record)
+
+    Recorded.__name__ = base.__name__
+    options = dict(derandomize=True, database=None, phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False, print_blob=False)
+    options.update(settings_overrides)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            run_state_machine_as_test(Recorded, settings=machine_settings(check.model, **options))
+    except HypothesisException as exc:
+        return Finding(CRASHED, message=f"{type(exc).__name__}: {exc}")
+    except BaseException as exc:  # noqa: BLE001 - classify every way the run can end
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        trace = next((line.split("written to", 1)[1].strip() for line in out.getvalue().splitlines() if "trace written to" in line), None)
+        if verdicts:
+            v = verdicts[0]
+            return Finding("failed", v.layer, v.rule, v.check, v.step, v.message, trace)
+        return Finding(CRASHED, message=_crash_text(exc))
+    return Finding("passed")
+
+
+def _crash_text(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = next((f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in reversed(frames)), "?")
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} ({where})"[:400]
+
+
+def run_check(check: GateCheck, *, settings_overrides: dict[str, Any] | None = None) -> Finding:
+    """Run one gate check under the current runtime (mutated or not); never raises for the runtime's failures."""
+    try:
+        if check.kind == "case":
+            return _case_finding(check)
+        return _machine_finding(check, dict(settings_overrides or {}))
+    except KeyboardInterrupt:
+        raise
+    except SeamMoved:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the runtime (or the harness) raised out of the gate
+        return Finding(CRASHED, message=_crash_text(exc))
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration and runs.
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Calibration:
+    """The gate on the unmutated runtime: which checks pass (only those are evidence against a mutant).
+
+    Attributes:
+        model: The model.
+        passing: Ids of the checks that passed.
+        failing: ``{id: message}`` of the checks that did not pass without a mutant.
+        seconds: Wall time.
+    """
+
+    model: str
+    passing: tuple[str, ...]
+    failing: dict[str, str]
+    seconds: float
+
+
+@contextlib.contextmanager
+def _trace_dir(directory: str | None) -> Iterator[str]:
+    old = os.environ.get("DECODESPEC_TRACE_DIR")
+    with contextlib.ExitStack() as stack:
+        path = directory or stack.enter_context(tempfile.TemporaryDirectory(prefix="decodespec-mutants-"))
+        os.environ["DECODESPEC_TRACE_DIR"] = path
+        try:
+            yield path
+        finally:
+            if old is None:
+                os.environ.pop("DECODESPEC_TRACE_DIR", None)
+            else:
+                os.environ["DECODESPEC_TRACE_DIR"] = old
+
+
+def calibrate(model: str = "tiny", *, checks: Sequence[GateCheck] | None = None, trace_dir: str | None = None,
+              settings_overrides: dict[str, Any] | None = None) -> Calibration:
+    """Run the gate on the unmutated runtime."""
+    start = time.perf_counter()
+    passing, failing = [], {}
+    with _trace_dir(trace_dir), spec_side():
+        for check in checks if checks is not None else gate_checks(model):
+            finding = run_check(check, settings_overrides=settings_overrides)
+            if finding.status == "passed":
+                passing.append(check.id)
+            else:
+                failing[check.id] = f"{finding.status}: {finding.layer} {finding.check} {finding.message}"[:300]
+    return Calibration(model, tuple(passing), failing, time.perf_counter() - start)
+
+
+@attrs.frozen
+class MutantResult:
+    """The gate's verdict on one mutant.
+
+    Attributes:
+        mutant: The mutant's name.
+        model: The model the gate ran on.
+        outcome: ``killed``, ``survived``, ``crashed`` or ``seam_moved``.
+        killed_by: The check that failed first: ``{"check", "layer", "rule", "ladder_check", "step",
+            "message", "trace"}`` (``None`` unless killed).
+        seconds: Wall time from the start of the run to the verdict (time to kill when killed).
+        checks_run: Gate checks run.
+        crash: The first crash message, when a check crashed (also when another check killed it).
+        excluded: Checks skipped because they fail without the mutant.
+    """
+
+    mutant: str
+    model: str
+    outcome: str
+    killed_by: dict[str, Any] | None
+    seconds: float
+    checks_run: int
+    crash: str | None = None
+    excluded: tuple[str, ...] = ()
+
+    @property
+    def killed(self) -> bool:
+        """Whether a gate check killed the mutant."""
+        return self.outcome == KILLED
+
+    def report_line(self) -> dict[str, Any]:
+        """One ``docs/results/failure-lab.jsonl`` line (see :mod:`decodespec.checks.docs` ``load_results``)."""
+        m = MUTANTS[self.mutant]
+        by = self.killed_by or {}
+        line = {"mutant": m.rule_id, "killed": self.killed, "outcome": self.outcome, "model": self.model, "group": m.group,
+                "section": m.section, "seconds": round(self.seconds, 3), "checks_run": self.checks_run}
+        if self.killed:
+            line["killed_by"] = f"{by.get('check')} / {by.get('rule') or by.get('layer')}"
+            line.update({"case": by.get("check"), "layer": by.get("layer"), "ladder_check": by.get("ladder_check"),
+                         "message": by.get("message")})
+        if self.crash:
+            line["crash"] = self.crash
+        return line
+
+
+def run_gate(mutant: Mutant | str, model: str = "tiny", *, checks: Sequence[GateCheck] | None = None,
+             calibration: Calibration | None = None, trace_dir: str | None = None, stop_at_first: bool = True,
+             settings_overrides: dict[str, Any] | None = None) -> MutantResult:
+    """Run the gate against ``mutant`` until the first failed check (see the module docstring).
+
+    Args:
+        mutant: The :class:`Mutant` or its name.
+        model: ``tiny`` or ``smollm2``.
+        checks: The gate checks to run, in order (default :func:`gate_checks`).
+        calibration: Skip the checks that fail without the mutant.
+        trace_dir: Where machines write counterexample traces (default a temporary folder).
+        stop_at_first: Stop at the first kill (else run every check; the first kill is reported).
+        settings_overrides: Hypothesis settings for the machines (e.g. ``max_examples``).
+    """
+    m = MUTANTS[mutant] if isinstance(mutant, str) else mutant
+    plan = list(checks if checks is not None else gate_checks(model))
+    excluded: tuple[str, ...] = ()
+    if calibration is not None:
+        excluded = tuple(c.id for c in plan if c.id in calibration.failing)
+        plan = [c for c in plan if c.id not in calibration.failing]
+    start = time.perf_counter()
+    crash = None
+    killed_by = None
+    run = 0
+    try:
+        with _trace_dir(trace_dir), spec_side(), m.applied():
+            for check in plan:
+                run += 1
+                finding = run_check(check, settings_overrides=settings_overrides)
+                if finding.status == CRASHED and crash is None:
+                    crash = f"{check.id}: {finding.message}"
+                if finding.status == "failed" and killed_by is None:
+                    killed_by = {"check": check.id, "layer": finding.layer, "rule": finding.rule, "ladder_check": finding.check,
+                                 "step": finding.step, "message": finding.message, "trace": finding.trace,
+                                 "seconds": round(time.perf_counter() - start, 3)}
+                    if stop_at_first:
+                        break
+    except SeamMoved as exc:
+        return MutantResult(m.name, model, SEAM_MOVED, None, time.perf_counter() - start, run, str(exc), excluded)
+    seconds = killed_by["seconds"] if killed_by else time.perf_counter() - start
+    outcome = KILLED if killed_by else (CRASHED if crash else SURVIVED)
+    return MutantResult(m.name, model, outcome, killed_by, seconds, run, crash, excluded)
