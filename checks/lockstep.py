@@ -379,6 +379,8 @@ class SpecSide:
         self.last_call: dict[str, Any] | None = None
         #: The latest decision: (token, reference logprob, draws, processed row (ids, probs) or None).
         self.last_decision: tuple[int, float, int, Any] | None = None
+        #: The latest committed decision (what the latest decision falls back to when a pending one is discarded).
+        self.committed_decision: tuple[int, float, int, Any] | None = None
         self.stop = StopConfig(max_new_tokens=config.max_new_tokens, eos_ids=frozenset(config.eos_ids),
                                min_new_tokens=config.min_new_tokens, prompt_len=config.prompt_len,
                                max_context_len=self.params.context_cap, stop_strings=config.stop_strings,
@@ -637,12 +639,12 @@ class LockStep:
     def _save(self) -> tuple:
         s = self.spec
         return (s.config, s.params, s.policy, s.state, s.policy_state, s.pending_policy_state, list(s.logprobs), s.pending_logprob,
-                s.last_call, s.last_decision, s.stop, dict(s.snapshots))
+                s.last_call, s.last_decision, s.committed_decision, s.stop, dict(s.snapshots))
 
     def _restore(self, saved: tuple) -> None:
         s = self.spec
         (s.config, s.params, s.policy, s.state, s.policy_state, s.pending_policy_state, s.logprobs, s.pending_logprob,
-         s.last_call, s.last_decision, s.stop, s.snapshots) = saved
+         s.last_call, s.last_decision, s.committed_decision, s.stop, s.snapshots) = saved
 
     # -- the spec translation --------------------------------------------------------------
     def _step(self, action: Action) -> None:
@@ -735,6 +737,7 @@ class LockStep:
         s.logprobs.append(s.pending_logprob)
         s.pending_policy_state = None
         s.pending_logprob = None
+        s.committed_decision = s.last_decision
 
     def _controller(self, obs: Observation, checks: list[DecisionCheck], *, until_commit: bool) -> None:
         s = self.spec
@@ -805,10 +808,12 @@ class LockStep:
             raise AssertionError(op)
 
     def _discard_decision(self) -> None:
+        """An interrupt after the decision discards the pending receipt: the latest decision is the last committed one again."""
         s = self.spec
-        if s.state.receipt is None:
+        if s.state.receipt is None and s.pending_logprob is not None:
             s.pending_policy_state = None
             s.pending_logprob = None
+            s.last_decision = s.committed_decision
 
     def _snapshot(self, form: str, handle: str) -> None:
         """``Snapshot``; a ``repaired`` snapshot with a pending token first runs the valid append call.
@@ -843,7 +848,7 @@ class LockStep:
         s.pending_logprob = None
         s.logprobs = list(snap.logprobs)
         s.last_call = snap.last_call
-        s.last_decision = snap.last_decision
+        s.last_decision = s.committed_decision = snap.last_decision
 
     # -- the expected projection -----------------------------------------------------------
     def _expected(self, obs: Observation, checks: tuple[DecisionCheck, ...], *, resume: Observation | None = None) -> Expected:

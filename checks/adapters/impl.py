@@ -148,7 +148,7 @@ class _Extras:
     """What the adapter records beside the runner (restored with a snapshot)."""
 
     score: tuple[str, torch.Tensor, int] | None = None  # (score_id, logits [V] float32 CPU, output_count)
-    probe: tuple[Any, Any] | None = None  # (support ids int64, probs float32)
+    probes: tuple[tuple[str, Any, Any], ...] = ()  # (receipt_id, support ids int64, probs float32) per decision
     call: dict[str, Any] | None = None
 
 
@@ -226,7 +226,7 @@ class ImplAdapter:
         decision = None if latest is None else {"receipt_id": latest.receipt_id, "score_id": latest.score_id, "token_id": latest.token_id,
                                                "logprob": latest.logprob, "draws": latest.draws}
         score = self.extras.score
-        probe = self.extras.probe
+        probe = None if latest is None else next((p[1:] for p in self.extras.probes if p[0] == latest.receipt_id), None)
         cache = r.cache
         call = None
         if self.extras.call is not None:
@@ -288,7 +288,7 @@ class ImplAdapter:
         score = self.runner.score
         if score is not None and (self.extras.score is None or self.extras.score[0] != score.score_id):
             row = score.logits.detach().to("cpu", torch.float32).clone()
-            self.extras = attrs.evolve(self.extras, score=(score.score_id, row, score.output_count), probe=None)
+            self.extras = attrs.evolve(self.extras, score=(score.score_id, row, score.output_count))
 
     def _record_probe(self) -> None:
         r = self.runner
@@ -302,7 +302,9 @@ class ImplAdapter:
         mask = processed.support_mask[0]
         ids = mask.nonzero().squeeze(-1)
         probs = processed.probs[0, ids]
-        self.extras = attrs.evolve(self.extras, probe=(ids.cpu().numpy(), probs.detach().to("cpu", torch.float32).numpy()))
+        probe = (r.decision.receipt_id, ids.cpu().numpy(), probs.detach().to("cpu", torch.float32).numpy())
+        kept = tuple(p for p in self.extras.probes[-1:] if p[0] != probe[0])  # the last committed decision's probe stays
+        self.extras = attrs.evolve(self.extras, probes=kept + (probe,))
 
     def _launch(self, kind: CallKind | None, length: int | None = None):
         call = self.runner.launch(kind, length=length)
