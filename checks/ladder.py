@@ -359,6 +359,8 @@ class Expected:
     triggers: tuple[str, ...] | None = None
     text: str | None = None
     chunks: tuple[dict[str, Any], ...] | None = None
+    returned_ids: tuple[int, ...] | None = None
+    returned_logprobs: tuple[float, ...] | None = None
     beam_tokens: tuple[int, ...] | None = None
     beam_parents: tuple[int, ...] | None = None
     resume: Observation | None = None
@@ -522,9 +524,9 @@ def check_decision(exp: Expected, obs: Observation) -> Verdict | None:
     "ladder.SEQUENCE",
     title="Sequence equivalence: output ids, text, finish reason, stream",
     section="M3.10 Correctness matrix (5. sequence); 0x06 Streaming has a commit horizon",
-    statement="The returned text, the canonical finish reason, every trigger (precedence order) and the delivered "
-    "stream chunks (text, byte and token offsets, final flush) equal the spec's stop/stream reference over the same "
-    "committed tokens.",
+    statement="The returned text, the canonical finish reason, every trigger (precedence order), the delivered "
+    "stream chunks (text, byte and token offsets, final flush) and the returned ids and logprobs under the alignment "
+    "contract (one logprob per returned id) equal the spec's stop/stream reference over the same committed tokens.",
 )
 def check_sequence(exp: Expected, obs: Observation) -> Verdict | None:
     """``ladder.SEQUENCE``; ``None`` when it passes."""
@@ -541,6 +543,19 @@ def check_sequence(exp: Expected, obs: Observation) -> Verdict | None:
             index = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
             return _fail("SEQUENCE", "stream.chunks", want[index] if index < len(want) else None,
                          got[index] if index < len(got) else None, f"stream chunk {index} differs ({len(want)} vs {len(got)} chunks)")
+    return _check_returned(exp, obs)
+
+
+def _check_returned(exp: Expected, obs: Observation) -> Verdict | None:
+    """The returned output's ids and logprobs under the alignment contract (``invariant.output_alignment``)."""
+    if exp.returned_ids is not None and obs.returned_ids is not None and list(exp.returned_ids) != list(obs.returned_ids):
+        return _fail("SEQUENCE", "returned.output_ids", list(exp.returned_ids), list(obs.returned_ids),
+                     "the returned ids are not the committed ids cut by the alignment contract")
+    if exp.returned_logprobs is not None and obs.returned_logprobs is not None:
+        want, got = list(exp.returned_logprobs), list(obs.returned_logprobs)
+        if len(want) != len(got) or any(not abs(a - b) <= exp.tolerance.logprob for a, b in zip(want, got)):
+            return _fail("SEQUENCE", "returned.logprobs", {"count": len(want)}, {"count": len(got), "ids": len(obs.returned_ids or ())},
+                         "the returned logprobs do not line up with the returned ids (one raw logprob per returned token)")
     return None
 
 

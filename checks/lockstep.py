@@ -866,7 +866,7 @@ class LockStep:
         if s.last_call is not None:
             call = {**s.last_call, "in_flight": state.in_flight is not None and state.in_flight.call_id == s.last_call["call_id"]}
         decision = s.last_decision
-        text, chunks = self._text(state)
+        text, chunks, returned = self._text(state)
         return Expected(
             tolerance=self.tolerance,
             phase=state.phase.value,
@@ -891,26 +891,31 @@ class LockStep:
             triggers=tuple(r.value for r in FINISH_PRECEDENCE if r in state.triggers),
             text=text,
             chunks=chunks,
+            returned_ids=returned,
+            returned_logprobs=None if returned is None else tuple(s.logprobs[:len(returned)]),
             resume=resume,
         )
 
-    def _text(self, state: RequestState) -> tuple[str, tuple[dict[str, Any], ...] | None]:
-        """The spec's returned text and delivered chunks (:mod:`decodespec.spec.stop` reference) over the committed ids."""
+    def _text(self, state: RequestState) -> tuple[str, tuple[dict[str, Any], ...] | None, tuple[int, ...] | None]:
+        """The spec's returned text, delivered chunks and, once finished, returned ids (:mod:`decodespec.spec.stop` reference)."""
         s = self.spec
         ids = list(state.output_ids)
         stream = s.config.stream
         if not ids:
-            return "", (() if stream else None)
+            return "", (() if stream else None), (() if state.phase is Phase.FINISHED else None)
         tb = s.token_bytes(ids)
         external = {FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR, FinishReason.STREAM_ERROR}
         flush = None
+        returned = None
         if state.phase is not Phase.FINISHED:
             text = b"".join(tb).decode("utf-8", errors="replace")
         elif state.triggers - external:  # a commit closed the output
             fired, match, structured_end = step_triggers(s.stop, ids, tb)
-            text = align_output(s.stop, ids, tb, None, fired, match, structured_end).text
+            aligned = align_output(s.stop, ids, tb, None, fired, match, structured_end)
+            text, returned = aligned.text, aligned.output_ids
         else:  # closed from outside: everything committed is text; the stream flushes except after stream_error
-            text = align_output(s.stop, ids, tb, None, frozenset(state.triggers)).text
+            aligned = align_output(s.stop, ids, tb, None, frozenset(state.triggers))
+            text, returned = aligned.text, aligned.output_ids
             flush = None if state.finish_reason is FinishReason.STREAM_ERROR else state.finish_reason
         chunks = reference_stream(s.stop, ids, tb, external=flush).chunks if stream else None
-        return text, None if chunks is None else tuple(c.to_json() for c in chunks)
+        return text, None if chunks is None else tuple(c.to_json() for c in chunks), returned

@@ -509,6 +509,9 @@ class Observation:
             or ``None``.
         beam_tokens / beam_parents: Selected ids and their parent beams of the latest beam
             step, or ``None``.
+        returned_ids / returned_logprobs: The returned output once the request is finished, under
+            its alignment contract (a stop cut trims both, ``len(logprobs) == len(ids)``;
+            ``invariant.output_alignment``), or ``None`` while open / not exposed.
 
     Shapes: see each attribute; V the vocabulary size.
     """
@@ -536,6 +539,8 @@ class Observation:
     cache_probe: np.ndarray | None = attrs.field(default=None, converter=_opt_array(np.float32))
     beam_tokens: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_tuple)
     beam_parents: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_tuple)
+    returned_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_tuple)
+    returned_logprobs: tuple[float, ...] | None = attrs.field(default=None, converter=_opt_tuple)
 
     def summary(self) -> dict[str, Any]:
         """The JSON-able, array-free part (what traces record per step; arrays as their shapes)."""

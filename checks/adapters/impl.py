@@ -253,6 +253,7 @@ class ImplAdapter:
             cache_physical=0 if cache is None else (cache.reserved_length if hasattr(cache, "reserved_length") else max(cache.layer_lengths())),
             call=call,
             cache_probe=self._cache_probe(),
+            **self._returned(),
         )
 
     def close(self) -> None:
@@ -271,6 +272,13 @@ class ImplAdapter:
             return None
         # per layer [2, H_kv, P, D] -> [layers, 2, H_kv, P, D]
         return torch.stack([torch.stack((k[0], v[0])) for k, v in tensors]).detach().to("cpu", torch.float32).numpy()
+
+    def _returned(self) -> dict[str, Any]:
+        """``returned_ids`` / ``returned_logprobs`` of the observer's aligned output once finished."""
+        output = self.runner.observer.output if self.runner.phase is Phase.FINISHED else None
+        if output is None:
+            return {}
+        return {"returned_ids": output.output_ids, "returned_logprobs": output.logprobs}
 
     def _text(self) -> str:
         observer = self.runner.observer
