@@ -127,8 +127,9 @@ def _greedy_continuation(model: str, prompt: Sequence[int], n: int) -> list[int]
     return out
 
 
-def _spanning_stop(model: str, prompt: Sequence[int], n: int) -> tuple[str, str]:
-    """``(stop, longer)``: a 2-character stop string spanning two ASCII output tokens, and a 3-character one sharing its prefix."""
+def _spanning_stop(model: str, prompt: Sequence[int], n: int) -> tuple[str, str, int]:
+    """``(stop, longer, i)``: a 2-character stop string spanning output tokens ``i`` and ``i + 1`` (ASCII), and a
+    3-character one sharing its prefix."""
     from .adapters.impl import load_tokenizer
 
     tok = load_tokenizer(model)
@@ -139,8 +140,8 @@ def _spanning_stop(model: str, prompt: Sequence[int], n: int) -> tuple[str, str]
         if a and b and a.isascii() and b.isascii() and a[-1:].strip() and b[:1].strip():
             stop = (a[-1:] + b[:1]).decode()
             longer = stop + ((b[1:2] or c[:1]) or b"?").decode("ascii", errors="replace")
-            return stop, longer
-    return "e", "ea"
+            return stop, longer, i
+    return "e", "ea", 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,6 +149,25 @@ def _spanning_stop(model: str, prompt: Sequence[int], n: int) -> tuple[str, str]
 # --------------------------------------------------------------------------------------------
 
 SAMPLED = {"family": "multinomial", "transforms": [{"name": "temperature", "temperature": 0.8}, {"name": "top_k", "k": 40}]}
+#: Nucleus sampling (the crossing token kept), full-vocabulary repetition penalty, temperature 0 in
+#: a sampling policy (the greedy branch), and three ids tied far above the rest under top-k 2.
+NUCLEUS = {"family": "multinomial", "transforms": [{"name": "temperature", "temperature": 0.7}, {"name": "top_p", "p": 0.9}]}
+PENALTY = {"family": "multinomial", "transforms": [{"name": "repetition_penalty", "penalty": 1.5}, {"name": "temperature", "temperature": 0.9}]}
+TEMPERATURE_ZERO = {"family": "multinomial", "transforms": [{"name": "temperature", "temperature": 0.0}, {"name": "top_k", "k": 5}]}
+TIES = {"family": "multinomial", "transforms": [{"name": "logit_bias", "bias": {"40": 1e30, "41": 1e30, "42": 1e30}}, {"name": "top_k", "k": 2}]}
+
+
+def forced(ids: Sequence[int]) -> dict[str, Any]:
+    """A greedy policy whose constraint automaton allows exactly ``ids`` in order, then nothing (an empty legal set)."""
+    states = {f"s{i}": {str(t): f"s{i + 1}"} for i, t in enumerate(ids)}
+    states[f"s{len(ids)}"] = {}
+    return {"family": "greedy", "transforms": [{"name": "constraint", "automaton": {"initial": "s0", "transitions": states}}]}
+
+
+def output_ids(model: str, text: str) -> tuple[int, ...]:
+    """The ids of ``text`` as output tokens (no BOS): one byte per token on tiny, the tokenizer's pieces on SmolLM2."""
+    ids = prompt_ids(model, text, chat=False)
+    return ids[1:] if model == "tiny" else ids
 
 
 @functools.lru_cache(maxsize=4)
@@ -213,7 +233,7 @@ def cases_for(model: str) -> tuple[Case, ...]:
             base.evolve(max_new_tokens=0, zero_new_tokens=branch), () if branch == "reject" else ({"op": "run"},))
     add("boundary.non_ascii_text", "lockstep", "Non-ASCII prompt and streamed output (UTF-8 holdback in the chunks).", _B,
         base.evolve(prompt_ids=prompt_ids(model, "héllo ✓ 日本"), stream=True), ({"op": "run"},), requires=frozenset({"stream"}))
-    stop, longer = _spanning_stop(model, hello, g)
+    stop, longer, stop_at = _spanning_stop(model, hello, g)
     add("boundary.stop_string_spanning_tokens", "lockstep", f"A stop string ({stop!r}) spanning two output tokens, streamed.", _B,
         base.evolve(stop_strings=[stop], stream=True, max_new_tokens=g + 4), ({"op": "run"},), requires=frozenset({"stop_strings", "stream"}))
     add("boundary.stop_patterns_shared_prefix", "lockstep", f"Stop patterns sharing a prefix ({longer!r}, {stop!r}), text alignment.", _B,
@@ -258,6 +278,35 @@ def cases_for(model: str) -> tuple[Case, ...]:
     add("adversarial.repair_after_finish", "lockstep", "The append/repair call processes the final token after finish.",
         "M3.10 The first-output off-by-one", base.evolve(final_cache="all_outputs"),
         (*_steps(g), {"op": "snapshot", "form": "repaired", "id": "r"}), requires=frozenset({"snapshot"}))
+
+    # -- decoding-policy rows, forced outputs, resume inside a stop string (M3.8; the failure lab) --
+    sampling = frozenset({"sampling"})
+    add("matrix.policy_top_p", "lockstep", "Sampled nucleus (temperature 0.7, top-p 0.9): processed support with the crossing token, draws.",
+        _M + "; M3.8 0x0D top-p", base.evolve(policy=NUCLEUS, seed=5), _steps(g), requires=sampling)
+    add("matrix.policy_repetition_penalty", "lockstep", "Repetition penalty 1.5 over the whole vocabulary: seen ids with negative "
+        "logits are multiplied, positive ones divided.", _M + "; M3.8 0x0C penalties", base.evolve(policy=PENALTY, seed=6), _steps(g),
+        requires=sampling)
+    add("boundary.temperature_zero", "lockstep", "Temperature 0 in a sampling policy: the greedy branch, no RNG draw.",
+        _B + "; M3.8 0x12 item 36", base.evolve(policy=TEMPERATURE_ZERO), _steps(g), requires=sampling)
+    add("boundary.top_k_ties", "lockstep", "Three ids tied far above the rest and top-k 2: exactly k kept, ties to the lower ids.",
+        _B + "; M3.8 0x12 item 40", base.evolve(policy=TIES, seed=7), _steps(2), requires=sampling)
+    empty = forced([40, 2])  # the second decision may only take EOS, which bad_words bans: an empty legal set
+    empty["transforms"].append({"name": "bad_words", "sequences": [[2]]})
+    add("boundary.empty_support", "lockstep", "The legal set empties at the second decision (the constraint allows only EOS, "
+        "bad_words bans it): both sides refuse (policy.empty_support; no fallback declared).", _B + "; M3.8 0x12 item 42",
+        base.evolve(policy=empty), ({"op": "step"}, {"op": "decode"}, {"op": "decide"}), requires=frozenset({"decide_commit"}))
+    doc = output_ids(model, '{"a": {"b": [1, 2]}, "c": "}"}')
+    add("boundary.structured_nested_json", "lockstep", "A forced nested JSON document with a '}' inside a string: structured "
+        "completion only at its last byte.", _B + "; docs/design.md structured completion",
+        base.evolve(policy=forced(doc), structured="json", max_new_tokens=len(doc) + 1), ({"op": "run"},), requires=frozenset({"structured"}))
+    split = output_ids(model, "✓ 日本 🦙")
+    add("boundary.utf8_split_streamed", "lockstep", "Forced multi-byte characters split over output tokens, streamed: chunks end "
+        "only at character boundaries.", _B + "; 0x06 Streaming has a commit horizon",
+        base.evolve(policy=forced(split), stream=True, max_new_tokens=len(split)), ({"op": "run"},), requires=frozenset({"stream"}))
+    add("matrix.resume_inside_stop_string", "resume", f"Resume from a snapshot between the two tokens the stop string {stop!r} spans: "
+        "it still fires and the held-back bytes stay held.", _M + "; 0x0B resumable snapshot; 0x06 Deriving the stream holdback",
+        base.evolve(stop_strings=[stop], stream=True, max_new_tokens=g + 4), ({"op": "run"},), resume_at=stop_at + 1,
+        requires=frozenset({"snapshot", "stop_strings", "stream"}))
     return tuple(cases)
 
 

@@ -350,6 +350,7 @@ class Expected:
     cache_probe: np.ndarray | None = None
     support_ids: np.ndarray | None = None
     support_probs: np.ndarray | None = None
+    support_log_tolerance: float | None = None
     draws: int | None = None
     decision_checks: tuple[DecisionCheck, ...] = ()
     decision_token: int | None = None
@@ -456,8 +457,9 @@ def _worst_index(a: np.ndarray, b: np.ndarray) -> int:
     title="Policy equivalence: processed support, probabilities, draw count",
     section="M3.10 Correctness matrix (3. policy); M3.8 0x0B (local policy trace)",
     statement="The latest decision's processed support (ids) equals the spec policy's processed row computed on the "
-    "runtime's own raw row, its probabilities agree within the declared probability tolerance, and the decision "
-    "consumed the same number of RNG draws.",
+    "runtime's own raw row, its probabilities agree within the declared probability tolerance (and, on the runtime's "
+    "own row, in log space within the logprob tolerance wherever they exceed 1e-30), and the decision consumed the "
+    "same number of RNG draws.",
 )
 def check_policy(exp: Expected, obs: Observation) -> Verdict | None:
     """``ladder.POLICY``; ``None`` when it passes."""
@@ -473,11 +475,43 @@ def check_policy(exp: Expected, obs: Observation) -> Verdict | None:
             if not err <= exp.tolerance.prob:
                 return _fail("POLICY", "support.probs", f"<= {exp.tolerance.prob}", err,
                              f"processed probabilities differ by {err:.3g}")
+            bad = _support_logprobs(exp, obs)
+            if bad is not None:
+                return bad
     if exp.draws is not None and obs.decision is not None and obs.decision.get("draws") is not None:
         bad = _eq("POLICY", "draws", exp.draws, obs.decision.get("draws"), "RNG draws of the latest decision")
         if bad is not None:
             return bad
     return None
+
+
+#: Processed probabilities below this are not compared in log space (float32 keeps ~7 digits down to 1e-38).
+LOG_COMPARE_FLOOR = 1e-30
+
+
+def _support_logprobs(exp: Expected, obs: Observation) -> Verdict | None:
+    """Processed probabilities in log space on the runtime's own row: an absolute tolerance cannot see the tail.
+
+    A transform that reshapes the tail (a penalty on a seen id far below the maximum) moves
+    probabilities of 1e-7 by 1e-7: far inside the absolute tolerance, yet a factor of e^2 in the
+    log.  Both sides processed the same raw row, so the log-probabilities agree to float32
+    rounding; the declared logprob tolerance bounds that.  Compared where either side's
+    probability is at least :data:`LOG_COMPARE_FLOOR`.
+    """
+    if exp.support_log_tolerance is None or exp.support_probs is None or obs.support_probs is None or not exp.support_probs.size:
+        return None
+    want, got = exp.support_probs.astype(np.float64), obs.support_probs.astype(np.float64)
+    keep = (want >= LOG_COMPARE_FLOOR) | (got >= LOG_COMPARE_FLOOR)
+    if not keep.any():
+        return None
+    diff = np.abs(np.log(np.maximum(want[keep], 1e-300)) - np.log(np.maximum(got[keep], 1e-300)))
+    worst = int(np.argmax(diff))
+    if diff[worst] <= exp.support_log_tolerance:
+        return None
+    token = int(exp.support_ids[keep][worst]) if exp.support_ids is not None else None
+    return _fail("POLICY", "support.logprobs", {"id": token, "log_prob": float(np.log(max(want[keep][worst], 1e-300)))},
+                 {"id": token, "log_prob": float(np.log(max(got[keep][worst], 1e-300)))},
+                 f"processed log-probability of id {token} differs by {diff[worst]:.3g} nats on the runtime's own row")
 
 
 @rule(

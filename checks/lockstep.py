@@ -719,7 +719,7 @@ class LockStep:
         support = probe.support
         s.pending_policy_state = after
         s.pending_logprob = float(log_softmax(np.asarray(ref_raw, dtype=np.float64))[token])
-        s.last_decision = (token, s.pending_logprob, draws, (support, probe.probs[support]))
+        s.last_decision = (token, s.pending_logprob, draws, (support, probe.probs[support], cand_processed is not None))
 
     def _commit(self, receipt: str | None, obs: Observation) -> None:
         s = self.spec
@@ -882,6 +882,7 @@ class LockStep:
             cache_probe=cache_probe,
             support_ids=None if decision is None else decision[3][0],
             support_probs=None if decision is None else decision[3][1],
+            support_log_tolerance=self.tolerance.logprob if decision is not None and decision[3][2] else None,
             draws=None if decision is None else decision[2],
             decision_checks=checks,
             decision_token=None if decision is None else decision[0],

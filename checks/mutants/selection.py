@@ -154,12 +154,14 @@ def _top_k_keeps_ties():
 
 
 @mutant(
-    "empty_support_silent_default", group=_G,
-    title="An empty support silently selects id 0",
-    section="M3.8 0x12 item 42 (masking every token to negative infinity: raise or an explicit legal fallback)",
-    statement="impl/policy.py _apply_fallback answers an empty support with token 0 instead of the declared "
-    "refusal (policy.empty_support) or the declared EOS fallback: the runtime decides where the spec refuses. "
-    "STATE fails (the spec rejects the decision, the runtime accepts it).",
+    "empty_support_undeclared_fallback", group=_G,
+    title="An empty support falls back to EOS although the policy declares a refusal",
+    section="M3.8 0x12 item 42 (masking every token to negative infinity: raise or provide an explicit legal fallback)",
+    statement="impl/policy.py _apply_fallback forces an EOS id whenever the support is empty, ignoring the policy's "
+    "declared empty_support = raise and whether a legality transform banned that EOS: the runtime emits a token "
+    "where the spec refuses the decision (policy.empty_support). STATE fails (the spec rejects, the runtime accepts).",
 )
-def _empty_support_silent_default():
-    return [Patch("decodespec.impl.policy:_apply_fallback", edits=[("        if not eos:\n", "        eos = eos or [0]\n        if not eos:\n")])]
+def _empty_support_undeclared_fallback():
+    return [Patch("decodespec.impl.policy:_apply_fallback", edits=[(
+        "eos = [] if config.empty_support is EmptySupport.RAISE else sorted(e for e in set(views[b].eos_ids) if bool(torch.isfinite(legal[b, e])))",
+        "eos = sorted(views[b].eos_ids)")])]
