@@ -95,6 +95,8 @@ class BenchResult:
         same_tokens_graph: Whether the graph path generated our ids (``None``: not run).
         threads: Intra-op threads of every runtime (``torch.get_num_threads()`` during the runs).
         cache: Our cache family (``"static"`` or ``"dynamic"``).
+        bound_runs: The bandwidth bound re-measured right after each repetition's runs (tokens/s),
+            so that each run has a bound measured under the same background load.
         cpu_tokens_per_s: With one thread on the CPU: per runtime (``ours``, ``trace``,
             ``graph``, ``hf``), ``new_tokens / process CPU seconds`` of each timed run.  CPU time
             does not count the time the process waited for a core, so on a shared machine these
@@ -118,6 +120,7 @@ class BenchResult:
     threads: int | None = None
     cache: str = "static"
     cpu_tokens_per_s: dict[str, tuple[float, ...]] = attrs.field(factory=dict)
+    bound_runs: tuple[float, ...] = ()
 
     @property
     def ours_median(self) -> float:
@@ -150,6 +153,13 @@ class BenchResult:
     def fraction_of_bound_best(self) -> float:
         """Our best run as a fraction of the bound."""
         return max(self.ours_tokens_per_s) / self.bound_tokens_per_s
+
+    @property
+    def fraction_of_bound_paired(self) -> float | None:
+        """Median over repetitions of our tokens/s / the bound measured right after (``None`` without :attr:`bound_runs`)."""
+        if not self.bound_runs:
+            return None
+        return statistics.median(ours / bound for ours, bound in zip(self.ours_tokens_per_s, self.bound_runs))
 
     @property
     def trace_overhead(self) -> float | None:
@@ -186,6 +196,7 @@ class BenchResult:
         for name in ("ours_tokens_per_s", "hf_tokens_per_s", "trace_tokens_per_s", "graph_tokens_per_s"):
             out[name] = list(getattr(self, name))
         out["cpu_tokens_per_s"] = {k: list(v) for k, v in self.cpu_tokens_per_s.items()}
+        out["bound_runs"] = list(self.bound_runs)
         out.update(
             ours_median_tokens_per_s=self.ours_median,
             hf_median_tokens_per_s=self.hf_median,
@@ -194,6 +205,7 @@ class BenchResult:
             bound_tokens_per_s=self.bound_tokens_per_s,
             ours_fraction_of_bound=self.fraction_of_bound,
             ours_best_fraction_of_bound=self.fraction_of_bound_best,
+            ours_fraction_of_bound_paired=self.fraction_of_bound_paired,
             trace_overhead=self.trace_overhead,
             ratio_graph_over_hf=self.graph_ratio,
             cpu_ratio_ours_over_hf=self.cpu_ratio,
@@ -345,6 +357,8 @@ def run_benchmark(
     runtimes["hf"] = run_hf
     timings: dict[str, list[float]] = {name: [] for name in runtimes}
     cpu_timings: dict[str, list[float]] = {name: [] for name in runtimes}
+    weight_bytes = decode_weight_bytes(ours)
+    bound_runs: list[float] = []
     peaks: dict[str, int] = {"ours_resident": _resident_bytes(ours), "hf_resident": _resident_bytes(hf)}
     with _threads(threads) as num_threads, trace_dir:
         ids = {name: fn() for name, fn in runtimes.items()}  # warm-up (and the token comparison)
@@ -362,7 +376,8 @@ def run_benchmark(
                 if target.type == "cuda":
                     key = f"{name}_peak_allocated"
                     peaks[key] = max(peaks.get(key, 0), torch.cuda.max_memory_allocated(target))
-        weight_bytes = decode_weight_bytes(ours)
+            now = measure_read_bandwidth(weight_bytes, target, dtype, ours.config.hidden_size, repetitions=1)
+            bound_runs.append(max(now.values()) / weight_bytes)
         bandwidth = measure_read_bandwidth(weight_bytes, target, dtype, ours.config.hidden_size)
     c = ours.config
     slots = prompt_len + new_tokens + 1 if cache == "static" else prompt_len + new_tokens - 1
@@ -386,6 +401,7 @@ def run_benchmark(
         threads=num_threads,
         cache=cache,
         cpu_tokens_per_s={k: tuple(v) for k, v in cpu_timings.items()} if target.type == "cpu" and num_threads == 1 else {},
+        bound_runs=tuple(bound_runs),
     )
 
 
@@ -423,7 +439,9 @@ def format_result(result: BenchResult) -> str:
     lines += [
         f"weights read per decode token: {result.decode_weight_bytes / mib:.1f} MiB; read bandwidth: {bw}",
         f"memory-bandwidth bound: {result.bound_tokens_per_s:.2f} tok/s; ours at {100 * result.fraction_of_bound:.1f}% of it "
-        f"(best run {100 * result.fraction_of_bound_best:.1f}%)",
+        f"(best run {100 * result.fraction_of_bound_best:.1f}%"
+        + (f"; paired with a bound re-measured after each repetition: {100 * result.fraction_of_bound_paired:.1f}%)"
+           if result.bound_runs else ")"),
         f"memory: weights+buffers ours {peak['ours_resident'] / mib:.1f} MiB (+ K/V cache {peak['ours_cache'] / mib:.1f} MiB), "
         f"HF {peak['hf_resident'] / mib:.1f} MiB; process peak RSS {peak['process_peak_rss'] / mib:.0f} MiB (both models)"
         + (f"; peak allocated during runs: {device_peak}" if device_peak else ""),

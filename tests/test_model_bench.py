@@ -77,3 +77,6 @@ def test_trace_overhead_is_the_paired_median_and_graph_ratio_uses_the_hf_median(
     assert result.cpu_ratio is None and result.trace_overhead_cpu is None
     cpu = BenchResult(**{**attrs.asdict(result), "cpu_tokens_per_s": {"ours": (10.0, 10.0, 10.0), "trace": (9.9, 9.8, 10.0), "hf": (8.0, 8.0, 8.0)}})
     assert cpu.cpu_ratio == pytest.approx(1.25) and cpu.trace_overhead_cpu == pytest.approx(10.0 / 9.9 - 1.0)
+    assert result.fraction_of_bound_paired is None
+    paired = BenchResult(**{**attrs.asdict(result), "bound_runs": (20.0, 20.0, 30.0)})
+    assert paired.fraction_of_bound_paired == pytest.approx(0.5)  # 10/20, 20/20, 12/30 -> median 0.5
