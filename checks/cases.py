@@ -307,6 +307,17 @@ def cases_for(model: str) -> tuple[Case, ...]:
         "it still fires and the held-back bytes stay held.", _M + "; 0x0B resumable snapshot; 0x06 Deriving the stream holdback",
         base.evolve(stop_strings=[stop], stream=True, max_new_tokens=g + 4), ({"op": "run"},), resume_at=stop_at + 1,
         requires=frozenset({"snapshot", "stop_strings", "stream"}))
+
+    # -- runtime families outside the request adapter (procedures: checks/families.py and below) --
+    finisher = _greedy_continuation(model, short, 2)[1]  # the short row's second greedy token: it finishes early
+    add("matrix.padded_batch_eos_left", "custom", "A left-padded batch in which one row selects its EOS mid-run: that row stops "
+        "there (no token after logical completion), the others go on, each equal to its unbatched run.",
+        _M + "; 0x06 Stop criteria and active rows; 0x07", base.evolve(eos_ids=[finisher]))
+    add("matrix.beam_lockstep", "custom", "Beam search (K=3, exact termination, a parity constraint automaton): each live beam's row "
+        "is the reference row of its own prefix; the spec's beam_step over the runtime's rows takes the same decisions and "
+        "exports the same branch lanes.", _M + "; 0x05; M3.8 0x0F", base)
+    add("matrix.encdec_cached_vs_uncached", "custom", "Encoder-decoder with a padded source: cached decoding equals the uncached "
+        "reference under the source mask; the fixed lanes never change.", _M + "; 0x01 Architecture-qualified conformance tests", base)
     return tuple(cases)
 
 
@@ -613,3 +624,6 @@ def _impl_beam_width_one(case: Case, runtime: str) -> Verdict:
 CUSTOM[("matrix.padded_batch_left", "impl")] = _impl_padded_batch
 CUSTOM[("matrix.padded_batch_right", "impl")] = _impl_padded_batch
 CUSTOM[("matrix.greedy_vs_beam1", "impl")] = _impl_beam_width_one
+CUSTOM[("matrix.padded_batch_eos_left", "impl")] = _impl_padded_batch
+
+from . import families  # noqa: E402,F401  (registers the beam and encoder-decoder procedures)
