@@ -373,6 +373,8 @@ class BeamMachine(RuleBasedStateMachine):
 
     vocab = 6
     eos = 5
+    #: Steps (over every run) in which a parent was duplicated while another completed with EOS.
+    duplicated_with_eos = 0
 
     def __init__(self) -> None:
         super().__init__()
@@ -406,11 +408,14 @@ class BeamMachine(RuleBasedStateMachine):
         n, k, v = len(before.live), self.params.num_beams, self.vocab
         raw = np.array(data.draw(st.lists(st.lists(st.integers(-40, 0), min_size=v, max_size=v), min_size=n, max_size=n)), dtype=np.float64)
         logits = raw / 4.0
+        order = sorted(range(n), key=lambda j: (-before.live[j].score, j))
+        a, b = (order[0], order[1]) if n >= 2 else (0, 0)
         if force and n >= 2:
-            logits[0, :] = -30.0
-            logits[0, 1], logits[0, 2] = 0.0, -0.01  # two children of parent 0 rank first
-            logits[1, :] = -30.0
-            logits[1, self.eos] = -0.005  # parent 1's EOS ranks between them (< K): it completes
+            logits[:, :] = 0.0  # other parents: uniform rows, below the best parent's two children
+            logits[a, :] = -30.0
+            logits[a, 1], logits[a, 2] = 0.0, -0.01  # the best parent: two children share its mass
+            logits[b, :] = -30.0
+            logits[b, self.eos] = 0.0  # the second parent: its EOS takes all its mass
         rows = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)  # log-softmax per parent row
         after, record = beam_step(self.params, before, rows)
         broken = check_step(self.params, before, record, after)
@@ -431,7 +436,10 @@ class BeamMachine(RuleBasedStateMachine):
         assert verdict.result == PASSED, f"{verdict.rule} {verdict.check}: {verdict.message}"
         assert [(i // v, i % v) for i in done] == spec_done[:len(done)], f"completed EOS candidates differ: {done} vs {spec_done}"
         if force and n >= 2 and len(spec_live) >= 2:
-            assert [p for p, _ in spec_live][:2] == [0, 0], "parent 0 must be duplicated"
+            # The best parent's two children outrank every other live candidate: it is duplicated.
+            assert [p for p, _ in spec_live][:2] == [a, a], f"parent {a} must be duplicated"
+            if (b, self.eos) in spec_done:  # ... while the second parent completes with EOS in the same step
+                BeamMachine.duplicated_with_eos += 1
         self.state = after
         self.steps += 1
 

@@ -22,7 +22,11 @@ def test_tiny_lockstep_machine_passes_on_our_runtime(cache: str) -> None:
 
 def test_beam_machine_duplicated_parents_and_early_eos() -> None:
     """``transition.beam_step`` / ``selector.beam_topk``: the runtime's joint top-K equals the spec's, invariants hold."""
+    from decodespec.checks.machines import BeamMachine
+
+    before = BeamMachine.duplicated_with_eos
     run_beam_machine()
+    assert BeamMachine.duplicated_with_eos > before, "no step duplicated a parent while another parent completed"
 
 
 def test_machine_budgets_follow_the_profile() -> None:
