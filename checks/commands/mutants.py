@@ -6,8 +6,8 @@ default) -- runs with the mutant installed until its first failed check
 (:func:`decodespec.checks.mutants.harness.run_gate`).  The table lists the mutant, its seed
 section, the outcome (``killed`` / ``SURVIVED`` / ``CRASHED`` / ``SEAM MOVED``), the first check
 that killed it with its ladder layer and check, and the time to kill; the summary gives the kill
-rate and the median time to kill.  The gate is calibrated first: a check that fails without any
-mutant is excluded (and listed), since it is no evidence.
+rate and the median time to kill.  A check that fails under a mutant is re-run once without it
+(remembered): if it fails there too it is no evidence, is skipped and listed as excluded.
 
 Options: ``--model tiny|smollm2`` (on SmolLM2 the default set is the mutants that need real
 text: stop strings, UTF-8, padding; ``--all`` runs every one), ``--only NAME ...``, ``--group
@@ -49,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--append", action="store_true", help="append to --report instead of replacing it")
     parser.add_argument("--traces", metavar="DIR", help="keep the machines' counterexample traces here")
     parser.add_argument("--max-examples", type=int, metavar="N", help="machine budget per cache family (default: the profile's)")
-    parser.add_argument("--no-calibrate", action="store_true", help="skip the unmutated calibration run")
+    parser.add_argument("--no-calibrate", action="store_true", help="count a failing check without re-running it unmutated")
     parser.add_argument("--list", action="store_true", help="list the mutants (name, group, section) and exit")
     return parser
 
@@ -86,16 +86,11 @@ def run(args: argparse.Namespace) -> int:
 
             print(f"decodespec mutants: {SMOLLM2_SKIP_REASON}", file=sys.stderr)
             return 3
-    from decodespec.checks.mutants.harness import calibrate, gate_checks, run_gate
+    from decodespec.checks.mutants.harness import Calibration, gate_checks, run_gate
 
     overrides = {} if args.max_examples is None else {"max_examples": args.max_examples}
     checks = gate_checks(args.model)
-    calibration = None
-    if not args.no_calibrate:
-        calibration = calibrate(args.model, checks=checks, trace_dir=args.traces, settings_overrides=overrides)
-        if calibration.failing:
-            for check, why in calibration.failing.items():
-                print(f"decodespec mutants: excluded {check} (fails without a mutant: {why})", file=sys.stderr)
+    calibration = None if args.no_calibrate else Calibration(overrides)
     results = []
     if not args.json:
         print(f"{'mutant':38s} {'section':44s} {'outcome':10s} {'killed by':36s} {'layer / check':32s} {'time':>7s}")
@@ -111,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
             layer = f"{by.get('layer')} {by.get('ladder_check')}" if result.killed else (result.crash or "")[:32]
             print(f"{m.name:38s} {m.section[:44]:44s} {outcome:10s} {str(by.get('check', ''))[:36]:36s} {layer[:32]:32s} "
                   f"{result.seconds:6.2f}s", flush=True)
+    if calibration is not None:
+        for check, why in calibration.failing.items():
+            print(f"decodespec mutants: excluded {check} (fails without a mutant: {why})", file=sys.stderr)
     summary = _summary(results, args.model, calibration)
     if args.report:
         path = Path(args.report)

@@ -139,7 +139,7 @@ def _chunked_prefill_position_reset():
 
 
 @mutant(
-    "final_norm_bypassed", group="hidden state",
+    "final_norm_bypassed", group="hidden state", representative=True,
     title="The head reads the hidden states before the final norm",
     section="M3.8 0x12 item 2 (skipping the final norm expected by a Pre-LN checkpoint)",
     statement="impl/model.py LlamaModel.forward computes the final RMSNorm but returns the un-normalized hidden "

@@ -22,8 +22,10 @@ Outcomes (:class:`MutantResult`):
 * ``seam_moved``: the runtime changed under the mutant (its seam or source edit no longer
   matches; :class:`~decodespec.checks.mutants.seams.SeamMoved`).
 
-A gate check is only evidence when the unmutated runtime passes it: :func:`calibrate` runs the
-same gate without a mutant and :func:`run_gate` skips what failed there (``excluded``).
+A gate check is only evidence when the unmutated runtime passes it: when a check fails under the
+mutant, :class:`Calibration` runs it once without a mutant (remembered for the next mutants) and a
+check that fails there too is skipped (``excluded``), never counted as a kill.  Each check runs
+with the mutant freshly installed and removed around it.
 
 Source: M3.10 0x0B, M3.8 0x12 (the failure labs); research/formal-anchors-survey.md 7 (mutants
 killed by the gate); docs/design.md section 9.
@@ -54,7 +56,6 @@ __all__ = [
     "Calibration",
     "GateCheck",
     "MutantResult",
-    "calibrate",
     "gate_checks",
     "run_gate",
     "spec_side",
@@ -215,21 +216,34 @@ def run_check(check: GateCheck, *, settings_overrides: dict[str, Any] | None = N
 # --------------------------------------------------------------------------------------------
 
 
-@attrs.frozen
 class Calibration:
-    """The gate on the unmutated runtime: which checks pass (only those are evidence against a mutant).
+    """The gate on the unmutated runtime, check by check, computed when first needed and kept.
+
+    A check that fails under a mutant is only evidence when it passes without one; :meth:`passes`
+    runs it once without a mutant (reference on the oracle side) and remembers the finding.
+
+    Args:
+        settings_overrides: Hypothesis settings for the machines (as for the mutant runs).
 
     Attributes:
-        model: The model.
-        passing: Ids of the checks that passed.
-        failing: ``{id: message}`` of the checks that did not pass without a mutant.
-        seconds: Wall time.
+        findings: ``{check id: Finding}`` of the checks run so far.
     """
 
-    model: str
-    passing: tuple[str, ...]
-    failing: dict[str, str]
-    seconds: float
+    def __init__(self, settings_overrides: dict[str, Any] | None = None):
+        self.settings_overrides = dict(settings_overrides or {})
+        self.findings: dict[str, Finding] = {}
+
+    def passes(self, check: GateCheck) -> bool:
+        """Whether ``check`` passes without a mutant (run once, then remembered)."""
+        if check.id not in self.findings:
+            with spec_side():
+                self.findings[check.id] = run_check(check, settings_overrides=self.settings_overrides)
+        return self.findings[check.id].status == "passed"
+
+    @property
+    def failing(self) -> dict[str, str]:
+        """``{check id: why}`` of the checks found failing without a mutant."""
+        return {k: f"{f.status}: {f.layer} {f.check} {f.message}"[:300] for k, f in self.findings.items() if f.status != "passed"}
 
 
 @contextlib.contextmanager
@@ -245,21 +259,6 @@ def _trace_dir(directory: str | None) -> Iterator[str]:
                 os.environ.pop("DECODESPEC_TRACE_DIR", None)
             else:
                 os.environ["DECODESPEC_TRACE_DIR"] = old
-
-
-def calibrate(model: str = "tiny", *, checks: Sequence[GateCheck] | None = None, trace_dir: str | None = None,
-              settings_overrides: dict[str, Any] | None = None) -> Calibration:
-    """Run the gate on the unmutated runtime."""
-    start = time.perf_counter()
-    passing, failing = [], {}
-    with _trace_dir(trace_dir), spec_side():
-        for check in checks if checks is not None else gate_checks(model):
-            finding = run_check(check, settings_overrides=settings_overrides)
-            if finding.status == "passed":
-                passing.append(check.id)
-            else:
-                failing[check.id] = f"{finding.status}: {finding.layer} {finding.check} {finding.message}"[:300]
-    return Calibration(model, tuple(passing), failing, time.perf_counter() - start)
 
 
 @attrs.frozen
@@ -316,36 +315,42 @@ def run_gate(mutant: Mutant | str, model: str = "tiny", *, checks: Sequence[Gate
         mutant: The :class:`Mutant` or its name.
         model: ``tiny`` or ``smollm2``.
         checks: The gate checks to run, in order (default :func:`gate_checks`).
-        calibration: Skip the checks that fail without the mutant.
+        calibration: Confirms each failing check without the mutant (``None``: every failure counts).
         trace_dir: Where machines write counterexample traces (default a temporary folder).
         stop_at_first: Stop at the first kill (else run every check; the first kill is reported).
         settings_overrides: Hypothesis settings for the machines (e.g. ``max_examples``).
     """
     m = MUTANTS[mutant] if isinstance(mutant, str) else mutant
     plan = list(checks if checks is not None else gate_checks(model))
-    excluded: tuple[str, ...] = ()
-    if calibration is not None:
-        excluded = tuple(c.id for c in plan if c.id in calibration.failing)
-        plan = [c for c in plan if c.id not in calibration.failing]
+    excluded: list[str] = []
     start = time.perf_counter()
     crash = None
     killed_by = None
     run = 0
+    calibrating = 0.0  # time spent running checks without the mutant (not part of the time to kill)
     try:
-        with _trace_dir(trace_dir), spec_side(), m.applied():
+        with _trace_dir(trace_dir):
             for check in plan:
                 run += 1
-                finding = run_check(check, settings_overrides=settings_overrides)
+                with spec_side(), m.applied():
+                    finding = run_check(check, settings_overrides=settings_overrides)
                 if finding.status == CRASHED and crash is None:
                     crash = f"{check.id}: {finding.message}"
-                if finding.status == "failed" and killed_by is None:
-                    killed_by = {"check": check.id, "layer": finding.layer, "rule": finding.rule, "ladder_check": finding.check,
-                                 "step": finding.step, "message": finding.message, "trace": finding.trace,
-                                 "seconds": round(time.perf_counter() - start, 3)}
-                    if stop_at_first:
-                        break
+                if finding.status != "failed" or killed_by is not None:
+                    continue
+                found_at = time.perf_counter() - start - calibrating
+                before = time.perf_counter()
+                passes = calibration is None or calibration.passes(check)
+                calibrating += time.perf_counter() - before
+                if not passes:
+                    excluded.append(check.id)  # fails without the mutant too: no evidence
+                    continue
+                killed_by = {"check": check.id, "layer": finding.layer, "rule": finding.rule, "ladder_check": finding.check,
+                             "step": finding.step, "message": finding.message, "trace": finding.trace, "seconds": round(found_at, 3)}
+                if stop_at_first:
+                    break
     except SeamMoved as exc:
-        return MutantResult(m.name, model, SEAM_MOVED, None, time.perf_counter() - start, run, str(exc), excluded)
-    seconds = killed_by["seconds"] if killed_by else time.perf_counter() - start
+        return MutantResult(m.name, model, SEAM_MOVED, None, time.perf_counter() - start, run, str(exc), tuple(excluded))
+    seconds = killed_by["seconds"] if killed_by else time.perf_counter() - start - calibrating
     outcome = KILLED if killed_by else (CRASHED if crash else SURVIVED)
-    return MutantResult(m.name, model, outcome, killed_by, seconds, run, crash, excluded)
+    return MutantResult(m.name, model, outcome, killed_by, seconds, run, crash, tuple(excluded))
