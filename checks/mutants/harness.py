@@ -167,9 +167,12 @@ def _machine_finding(check: GateCheck, settings_overrides: dict[str, Any]) -> Fi
 
     class Recorded(base):  # type: ignore[misc, valid-type]
         def _judge(self, record):  # noqa: ANN001 - the machine's own signature
-            if record.verdict.result == "failed":
+            try:
+                return super()._judge(record)
+            except AssertionError:  # a failed verdict the expectations do not document
                 verdicts.append(record.verdict)
-            return super()._judge(record)
+                raise
+
 
     Recorded.__name__ = base.__name__
     options = dict(derandomize=True, database=None, phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False, print_blob=False)
@@ -298,7 +301,7 @@ class MutantResult:
         line = {"mutant": m.rule_id, "killed": self.killed, "outcome": self.outcome, "model": self.model, "group": m.group,
                 "section": m.section, "seconds": round(self.seconds, 3), "checks_run": self.checks_run}
         if self.killed:
-            line["killed_by"] = f"{by.get('check')} / {by.get('rule') or by.get('layer')}"
+            line["killed_by"] = f"{self.model}: {by.get('check')} ({by.get('rule') or by.get('layer')} {by.get('ladder_check')})"
             line.update({"case": by.get("check"), "layer": by.get("layer"), "ladder_check": by.get("ladder_check"),
                          "message": by.get("message")})
         if self.crash:
