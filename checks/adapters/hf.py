@@ -34,9 +34,11 @@ reuse (HF's ``Cache.reset()``), snapshots (a deep copy of HF's cache: HF resumes
 ``past_key_values``; there is no RNG or processor state to save) and stop strings (SmolLM2).
 HF cannot honour: transforms it has no processor for (frequency / presence penalty, top-n-sigma,
 Mirostat, a finite-state constraint), vLLM's output-only history, ``empty_support =
-fallback_eos``, temperature 0 in the sampling family (``TemperatureLogitsWarper`` raises), beams
-in the step-wise path, streams, structured completion; those are refused with
-``adapter.unsupported`` at reset.
+fallback_eos``, temperature 0 in the sampling family (``TemperatureLogitsWarper`` raises),
+``max_new_tokens = 0`` (``GenerationConfig.validate`` raises), beams in the step-wise path,
+structured completion, stop strings on the tiny model (no HF tokenizer); those are refused with
+``adapter.unsupported`` at reset.  A streamed request runs with its chunks not exposed (HF's
+``TextStreamer`` has no offsets to report).
 
 Source: transformers 5.24.0 ``generation/utils.py`` (``_sample`` 3123-3300, ``_prefill``
 4283-4420, ``prepare_inputs_for_generation`` 667-800, ``_get_logits_processor`` 1416-1663,
@@ -58,9 +60,9 @@ from decodespec.spec.enums import FinishReason
 from decodespec.spec.policy.config import EmptySupport, Family, policy_config_from_json
 
 from . import CaseConfig
-from .peer import PeerAdapter, PeerDecision, unsupported
+from .peer import PeerAdapter, PeerDecision, main_value, unsupported
 
-__all__ = ["HF_CAPABILITIES", "HFEngine", "available", "create", "generation_config", "generate_sequence", "hf_model", "hf_tiny",
+__all__ = ["HF_CAPABILITIES", "HFEngine", "adopt_model", "available", "create", "generation_config", "generate_sequence", "hf_model", "hf_tiny",
            "hf_tokenizer"]
 
 #: What the step-wise HF adapter declares.
@@ -68,17 +70,10 @@ HF_CAPABILITIES = frozenset({
     "cache:none", "cache:dynamic", "cache:static", "prefill_chunk", "decide_commit", "inflight", "sampling", "logits",
     "policy_rows", "cache_probe", "reuse", "snapshot", "stop_strings",
 })
-#: Policy transform -> the ``GenerationConfig`` field HF builds its processor from.
+#: Policy transform -> the ``GenerationConfig`` field HF builds its processor from (its one parameter).
 _HF_FIELDS = {
-    "temperature": ("temperature", "temperature"),
-    "top_k": ("top_k", "k"),
-    "top_p": ("top_p", "p"),
-    "min_p": ("min_p", "p"),
-    "typical": ("typical_p", "p"),
-    "epsilon": ("epsilon_cutoff", "epsilon"),
-    "eta": ("eta_cutoff", "epsilon"),
-    "repetition_penalty": ("repetition_penalty", "penalty"),
-    "no_repeat_ngram": ("no_repeat_ngram_size", "n"),
+    "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical": "typical_p",
+    "epsilon": "epsilon_cutoff", "eta": "eta_cutoff", "repetition_penalty": "repetition_penalty", "no_repeat_ngram": "no_repeat_ngram_size",
 }
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -95,13 +90,28 @@ def create(**options: Any) -> PeerAdapter:
     return PeerAdapter(HFEngine(), "hf")
 
 
-@functools.lru_cache(maxsize=4)
+#: HF models loaded (or adopted) in this process: ``(name, dtype, device, attention) -> model``.
+_LOADED: dict[tuple[str, str, str, str], Any] = {}
+
+
+def adopt_model(model: Any, name: str, dtype: str = "float32", device: str = "cpu", attention: str = "sdpa") -> None:
+    """Use an HF model this process already loaded (e.g. a test session's) instead of loading another copy."""
+    _LOADED[(name, dtype, device, attention)] = model
+
+
 def hf_model(name: str, dtype: str = "float32", device: str = "cpu", attention: str = "sdpa"):
     """The shared HF ``LlamaForCausalLM`` of model ``name`` (loaded once per process, eval mode).
 
     Raises:
         Rejection: ``model.file_missing`` when SmolLM2 is not installed.
     """
+    key = (name, dtype, device, attention)
+    if key not in _LOADED:
+        _LOADED[key] = _load_model(*key)
+    return _LOADED[key]
+
+
+def _load_model(name: str, dtype: str, device: str, attention: str):
     import torch
 
     if name == "tiny":
@@ -190,8 +200,7 @@ def generation_config(config: CaseConfig, *, max_length: int | None = None):
         if any(key == "history" and value != "prompt_and_output" for key, value in transform.params):
             raise unsupported(f"HF's {name} reads the prompt and the output; it has no output-only history", path)
         if name in _HF_FIELDS:
-            field, param = _HF_FIELDS[name]
-            fields[field] = transform.get(param)
+            fields[_HF_FIELDS[name]] = main_value(transform)
         elif name == "bad_words":
             fields["bad_words_ids"] = [list(seq) for seq in transform.get("sequences")]
         elif name == "logit_bias":
@@ -206,8 +215,11 @@ def generation_config(config: CaseConfig, *, max_length: int | None = None):
         raise unsupported("HF refuses temperature 0 when sampling (TemperatureLogitsWarper needs T > 0); "
                           "the spec takes the greedy branch", "$.policy.transforms")
     eos = list(config.eos_ids)
-    return GenerationConfig(max_new_tokens=config.max_new_tokens, max_length=max_length, eos_token_id=eos or None,
-                            pad_token_id=eos[0] if eos else 0, stop_strings=list(config.stop_strings) or None, **fields)
+    try:
+        return GenerationConfig(max_new_tokens=config.max_new_tokens, max_length=max_length, eos_token_id=eos or None,
+                                pad_token_id=eos[0] if eos else 0, stop_strings=list(config.stop_strings) or None, **fields)
+    except ValueError as exc:  # GenerationConfig.validate(): e.g. max_new_tokens = 0
+        raise unsupported(f"HF refuses the generation config: {exc}", "$") from None
 
 
 class HFEngine:
@@ -238,7 +250,7 @@ class HFEngine:
         model = hf_model(config.model, config.dtype, config.device, config.attention)
         L, G = config.prompt_len, config.max_new_tokens
         gen = generation_config(config, max_length=min(L + G, context_cap))
-        tokenizer = hf_tokenizer(config.model)
+        tokenizer = hf_tokenizer(config.model) if config.stop_strings else None  # StopStringCriteria needs it now
         device = model.device
         model._prepare_special_tokens(gen, True, device=device)
         ones = torch.ones((1, L), dtype=torch.long, device=device)
@@ -261,7 +273,7 @@ class HFEngine:
 
             cache = StaticCache(config=model.config, max_cache_len=capacity)
         self.model, self.config, self.generation, self.processors, self.criteria = model, config, gen, processors, criteria
-        self.tokenizer, self.cache, self.context_cap = tokenizer, cache, context_cap
+        self.cache, self.context_cap = cache, context_cap
         if config.seed is not None and gen.do_sample:
             torch.manual_seed(config.seed)  # HF's convention: the global RNG (transformers.set_seed)
 
@@ -300,7 +312,7 @@ class HFEngine:
             kwargs["cache"] = self.cache
         inputs = model.prepare_inputs_for_generation(ids, next_sequence_length=length if use_cache else None,
                                                      is_first_iteration=start == 0, **kwargs)
-        with torch.inference_mode():
+        with torch.no_grad():  # generate() is @torch.no_grad(); an inference-mode cache could not be reset later
             out = model(**inputs, return_dict=True)
         if use_cache:
             self.cache = out.cache
@@ -319,7 +331,7 @@ class HFEngine:
         device = self.model.device
         ids = torch.tensor([sequence], dtype=torch.long, device=device)  # [1, L + O]
         logits = torch.tensor(row, dtype=torch.float32, device=device)[None]  # [1, V]
-        with torch.inference_mode():
+        with torch.no_grad():
             scores = self.processors(ids, logits)  # [1, V]
             probs = torch.nn.functional.softmax(scores, dim=-1)  # [1, V]
             if self.generation.do_sample:
@@ -356,9 +368,8 @@ class HFEngine:
 
     def text(self, output_ids: list[int]) -> str | None:
         """``tokenizer.decode(output_ids)`` (HF returns what it generated; a stop string stays in)."""
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode(output_ids)
+        tokenizer = hf_tokenizer(self.config.model)  # loaded on first use (the GGUF vocabulary conversion is slow)
+        return None if tokenizer is None else tokenizer.decode(output_ids)
 
     def cache_probe(self, processed: int) -> np.ndarray | None:
         """HF's cached K (after RoPE) and V rows ``[layers, 2, H_kv, P, D]`` (float32)."""
@@ -398,6 +409,8 @@ class HFEngine:
             state = {**state, "output_ids": list(state["output_ids"])[:-1], "pending_ids": ()}
         elif corruption in ("processed_plus_one", "repaired_with_pending") and blob is not None:
             for layer in blob.layers:
+                if not getattr(layer, "is_initialized", False):
+                    continue  # nothing written yet: no row to relabel
                 if hasattr(layer, "max_cache_len"):
                     layer.cumulative_length.add_(1)
                 else:
@@ -407,13 +420,14 @@ class HFEngine:
 
 
 def generate_sequence(config: CaseConfig, *, num_beams: int = 1, length_penalty: float = 1.0,
-                      early_stopping: bool | str = False) -> dict[str, Any]:
+                      early_stopping: bool | str = False, text: bool = True) -> dict[str, Any]:
     """One ``model.generate(...)`` call for ``config`` (the SEQUENCE-level path).
 
     Args:
         config: The case (greedy or multinomial policy; cache ``none`` / ``dynamic`` / ``static``).
         num_beams: ``generate(num_beams=...)`` (with ``num_return_sequences=num_beams``).
         length_penalty / early_stopping: HF's beam parameters.
+        text: Decode the first sequence with HF's tokenizer (``text`` is ``None`` otherwise).
 
     Returns:
         ``{"output_ids": [[...], ...], "logits": float32[steps, V] (first sequence), "scores":
@@ -438,8 +452,9 @@ def generate_sequence(config: CaseConfig, *, num_beams: int = 1, length_penalty:
     ids = torch.tensor([list(config.prompt_ids)], dtype=torch.long, device=model.device)
     if config.seed is not None and gen.do_sample:
         torch.manual_seed(config.seed)
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen, tokenizer=hf_tokenizer(config.model))
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen,
+                             tokenizer=hf_tokenizer(config.model) if config.stop_strings else None)
     L = config.prompt_len
     rows = []
     fill = gen.pad_token_id
@@ -450,7 +465,7 @@ def generate_sequence(config: CaseConfig, *, num_beams: int = 1, length_penalty:
                 new.pop()
         rows.append(new)
     logits = torch.stack([step[0] for step in out.logits]).float().cpu().numpy() if out.logits else np.zeros((0, 0), np.float32)
-    tok = hf_tokenizer(config.model)
+    tok = hf_tokenizer(config.model) if text else None
     first = rows[0]
     text_ids = first[:-1] if first and first[-1] in config.eos_ids else first
     return {

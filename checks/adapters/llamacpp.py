@@ -39,10 +39,12 @@ Capabilities: no-cache / dynamic cache, chunked prefill, decide / commit, launch
 sampling, raw logits, processed rows, reuse, snapshots (pending-suffix form).  Refused with
 ``adapter.unsupported``: the tiny model (no GGUF), a static cache (llama.cpp's KV cells are
 allocated once per context, not per request), transforms without a llama-cpp-python sampler
-(logit bias, bad words, no-repeat n-gram, epsilon, eta, top-n-sigma through ``_init_sampler``, a
-finite-state constraint), ``min_new_tokens`` (no such llama.cpp parameter), an output-only
-repetition-penalty history other than llama.cpp's window, streams, stop strings, structured
-completion, an empty EOS set (llama-cpp-python always stops on EOG).
+(bad words, no-repeat n-gram, epsilon, eta, top-n-sigma through ``_init_sampler``, a
+finite-state constraint; a logit bias is llama-cpp-python's own ``logit_bias`` processor at the
+head of the chain), a repetition penalty over the prompt (llama-cpp-python's window holds only
+the accepted output tokens), ``min_new_tokens`` (no such llama.cpp parameter), stop strings, structured completion, an
+empty EOS set (llama-cpp-python always stops on EOG).  A streamed request runs with its chunks
+not exposed.
 
 Source: llama-cpp-python 0.3.36 ``llama_cpp/llama.py`` (``Llama.eval``, ``_init_sampler``,
 ``sample``, ``_create_completion`` stop tests, ``save_state`` / ``load_state``, ``reset``),
@@ -66,10 +68,10 @@ from decodespec.spec.enums import FinishReason
 from decodespec.spec.policy.config import EmptySupport, Family, policy_config_from_json
 
 from . import CaseConfig
-from .peer import PeerAdapter, PeerDecision, unsupported
+from .peer import PeerAdapter, PeerDecision, main_value, register_tolerances, unsupported
 
 __all__ = ["LLAMACPP_CAPABILITIES", "LLAMACPP_SKIP_REASON", "LlamaCppEngine", "N_CTX", "available", "create", "llama",
-           "sampler_params"]
+           "last_row", "logit_bias_processor", "logit_drift", "sampler_params"]
 
 LLAMACPP_SKIP_REASON = ("llama-cpp-python not installed: pip install 'decodespec[llamacpp]' "
                         "(CMAKE_ARGS=-DGGML_NATIVE=OFF; see .ci/setup --with-llamacpp)")
@@ -80,16 +82,10 @@ LLAMACPP_CAPABILITIES = frozenset({
 })
 #: The context the adapter creates (positions; the adapter's model window).
 N_CTX = 2048
-#: ``_init_sampler`` keyword -> (policy transform, its parameter).
+#: Policy transform -> the ``Llama._init_sampler`` keyword of its sampler (its one parameter).
 _SAMPLER_FIELDS = {
-    "temp": ("temperature", "temperature"),
-    "top_k": ("top_k", "k"),
-    "top_p": ("top_p", "p"),
-    "min_p": ("min_p", "p"),
-    "typical_p": ("typical", "p"),
-    "repeat_penalty": ("repetition_penalty", "penalty"),
-    "frequency_penalty": ("frequency_penalty", "penalty"),
-    "presence_penalty": ("presence_penalty", "penalty"),
+    "temperature": "temp", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical": "typical_p",
+    "repetition_penalty": "repeat_penalty", "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
 }
 #: Neutral values: each sampler in ``_init_sampler``'s chain is then a no-op.
 _NEUTRAL = {"temp": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0,
@@ -107,19 +103,108 @@ def available() -> str | None:
 
 
 def create(**options: Any) -> PeerAdapter:
-    """The llama.cpp adapter (``options`` are ignored: the case config names the model)."""
+    """The llama.cpp adapter (``options`` are ignored: the case config names the model).
+
+    Its declared tolerances (``checks/expectations/llamacpp.toml``, ``[tolerance.smollm2.float32]``)
+    are registered with the ladder first.
+    """
+    register_tolerances("llamacpp")
     return PeerAdapter(LlamaCppEngine(), "llamacpp")
 
 
 @functools.lru_cache(maxsize=1)
 def llama():
     """The shared ``Llama`` context on the SmolLM2 GGUF file (created once per process)."""
+    import atexit
+
     import llama_cpp
 
     from decodespec.impl.gguf import smollm2_path
 
-    return llama_cpp.Llama(model_path=str(smollm2_path()), n_ctx=N_CTX, n_batch=512, n_ubatch=512, n_threads=1,
-                           n_threads_batch=1, logits_all=False, seed=0, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(smollm2_path()), n_ctx=N_CTX, n_batch=512, n_ubatch=512, n_threads=1,
+                          n_threads_batch=1, logits_all=False, seed=0, verbose=False)
+    atexit.register(llm.close)  # free the context before interpreter teardown unloads the bindings
+    return llm
+
+
+def last_row(llm: Any) -> np.ndarray:
+    """``llama_get_logits_ith(ctx, -1)``: the raw logits of the last decoded row, copied (``float32[V]``)."""
+    import llama_cpp
+
+    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).astype(np.float32, copy=True)
+
+
+def logit_drift(prompts: list[list[int]], steps: int, *, cache: str = "dynamic") -> dict[str, Any]:
+    """Measure llama.cpp's raw rows against the float32 reference along the reference's greedy path.
+
+    Both runtimes are teacher-forced with the reference's greedy id (lowest id on ties), so every
+    row conditions on the same prefix.  Reference rows are the lock-step driver's no-cache
+    float32 forward (:class:`decodespec.checks.lockstep.Reference`).
+
+    Args:
+        prompts: Token-id prompts.
+        steps: Decision rows per prompt.
+        cache: ``"dynamic"`` (llama.cpp's KV, one row per decode) or ``"none"`` (the whole
+            prefix re-evaluated every row).
+
+    Returns:
+        ``{"linf": [...], "margin": [...], "flips": [{"prompt", "step", "ref", "cand",
+        "margin", "linf"}], "rows": n}``: per row the L-infinity distance and the reference
+        top-1 minus top-2 margin; a flip is a row whose greedy ids differ.
+
+    Units: logits.
+    """
+    from decodespec.checks.lockstep import reference_for
+
+    reference = reference_for("smollm2")
+    llm = llama()
+    out: dict[str, Any] = {"linf": [], "margin": [], "flips": [], "rows": 0}
+    for index, prompt in enumerate(prompts):
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        sequence = list(prompt)
+        llm.eval(sequence)
+        for step in range(steps):
+            if cache == "none":
+                llm.reset()
+                llm._ctx.kv_cache_clear()
+                llm.eval(sequence)
+            cand = last_row(llm).astype(np.float64)
+            ref = reference.row(sequence).astype(np.float64)
+            top2 = np.sort(ref)[-2:]
+            ref_id, cand_id = int(np.argmax(ref)), int(np.argmax(cand))
+            linf = float(np.max(np.abs(ref - cand)))
+            out["linf"].append(linf)
+            out["margin"].append(float(top2[1] - top2[0]))
+            if ref_id != cand_id:
+                out["flips"].append({"prompt": index, "step": step, "ref": ref_id, "cand": cand_id,
+                                     "margin": float(top2[1] - top2[0]), "linf": linf})
+            sequence.append(ref_id)
+            if cache != "none":
+                llm.eval([ref_id])
+        out["rows"] += steps
+    llm.reset()
+    llm._ctx.kv_cache_clear()
+    return out
+
+
+def logit_bias_processor(bias: dict[int, float]) -> Any:
+    """The ``LogitsProcessorList`` llama-cpp-python's ``_create_completion`` builds for ``logit_bias``.
+
+    ``_init_sampler`` wraps it as a custom sampler at the head of the chain (llama.cpp's common
+    chain also applies ``logit_bias`` first).  Source: llama-cpp-python ``llama.py``
+    ``_create_completion`` (``logit_bias_processor``).
+    """
+    from llama_cpp import LogitsProcessorList
+
+    def processor(input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        new_scores = np.copy(scores)
+        for token_id, value in bias.items():
+            new_scores[token_id] = value + scores[token_id]
+        return new_scores
+
+    return LogitsProcessorList([processor])
 
 
 def sampler_params(config: CaseConfig) -> dict[str, Any]:
@@ -135,14 +220,17 @@ def sampler_params(config: CaseConfig) -> dict[str, Any]:
     if policy.empty_support is not EmptySupport.RAISE:
         raise unsupported("llama.cpp has no EOS fallback for an empty support", "$.policy.empty_support")
     params = dict(_NEUTRAL)
-    by_name = {name: kw for kw, (name, _) in _SAMPLER_FIELDS.items()}
     for index, transform in enumerate(policy.transforms):
         path = f"$.policy.transforms[{index}]"
-        if transform.name in by_name:
-            kw = by_name[transform.name]
-            params[kw] = transform.get(_SAMPLER_FIELDS[kw][1])
+        if transform.name == "repetition_penalty" and transform.get("history") != "output":
+            raise unsupported("llama-cpp-python's penalty window holds the accepted output tokens only (the prompt is never "
+                              "accepted): use history 'output'", path)
+        if transform.name in _SAMPLER_FIELDS:
+            params[_SAMPLER_FIELDS[transform.name]] = main_value(transform)
         elif transform.name == "mirostat_v2":
             params.update(mirostat_mode=2, mirostat_tau=transform.get("tau"), mirostat_eta=transform.get("eta"))
+        elif transform.name == "logit_bias":
+            params["logits_processor"] = logit_bias_processor(dict(transform.get("bias")))
         elif transform.name == "min_new_tokens":
             raise unsupported("llama.cpp has no min_new_tokens", path)
         else:
@@ -221,19 +309,13 @@ class LlamaCppEngine:
             llm.reset()
             llm._ctx.kv_cache_clear()
             llm.eval(sequence[:start + length])
-            row = self._last_row()
+            row = last_row(llm)
             llm.reset()
             llm._ctx.kv_cache_clear()
             return row
         llm.eval(sequence[start:start + length])  # at n_past = llama-cpp-python's n_tokens
-        return self._last_row()
+        return last_row(llm)
 
-    def _last_row(self) -> np.ndarray:
-        import llama_cpp
-
-        vocab = self.llm.n_vocab()
-        ptr = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(vocab,)).astype(np.float32, copy=True)
 
     def rollback(self, processed: int) -> None:
         """``llama_memory_seq_rm(mem, -1, processed, -1)``."""

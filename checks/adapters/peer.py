@@ -10,7 +10,9 @@ call (the peer's own crop), the finish triggers (the peer's own stopping criteri
 them) and the returned text (the peer's own detokenizer).  The controller only keeps what the
 contract needs and a peer does not name: the phase, the receipt ledger (``"receipt-<n>"``, so
 duplicate and stale receipts replay the same way on every runtime), the interrupt point of a
-cancel, and the committed logprobs (``log_softmax`` of the peer's raw row at the committed id).
+cancel, the quarantine of a handle whose call was aborted (the peer's rows are cropped at once;
+the flag only withholds snapshots, as the contract does), and the committed logprobs
+(``log_softmax`` of the peer's raw row at the committed id).
 
 Phases and calls follow the reference controller's declared contract (docs/design.md sections
 5, 6 and 11): READY -> launch -> IN_FLIGHT -> complete -> SCORED (a decision row) or READY (a
@@ -19,7 +21,7 @@ chunk ``[P, P + chunk)``, then one decode row per committed token (the whole pre
 cache), then the repair call when ``final_cache = "all_outputs"``.  A peer call runs at
 ``complete`` (an interrupt that arrives in flight is awaited; the call's rows are then cropped
 away with the peer's own rollback and the request finishes).  Fields a peer has no notion of
-(generation, quarantine flag, RNG counter unless the peer counts draws) are reported as ``None``
+(generation, RNG counter unless the peer counts draws) are reported as ``None``
 (not exposed) rather than invented.
 
 Source: docs/design.md section 11 (adapter contract); M3.10 "Framework names are observations,
@@ -39,6 +41,7 @@ import numpy as np
 from decodespec.spec.enums import FINISH_PRECEDENCE, FinishReason, PendingTag, canonical_finish_reason
 from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED
 from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit
+from decodespec.spec.snapshot import SNAPSHOT_FORM_UNAVAILABLE
 from decodespec.spec.state import InterruptPoint, Phase
 from decodespec.spec.transitions import NOT_ENABLED
 
@@ -53,12 +56,43 @@ from . import (
     required_capabilities,
 )
 
-__all__ = ["PeerAdapter", "PeerDecision", "PeerEngine", "log_softmax_at", "unsupported"]
+__all__ = ["PeerAdapter", "PeerDecision", "PeerEngine", "log_softmax_at", "main_value", "register_tolerances", "unsupported"]
 
 
 def unsupported(message: str, path: str = "$") -> Rejection:
     """``adapter.unsupported``: the peer cannot honour this part of the case."""
     return Rejection(ADAPTER_UNSUPPORTED, message, path)
+
+
+def register_tolerances(runtime: str) -> dict[tuple[str, str, str], Any]:
+    """Declare ``runtime``'s tolerances to the ladder from its expectations file.
+
+    Reads the ``[tolerance.<model>.<dtype>]`` tables (``logit``, ``kv``: epsilon on raw logits and
+    on committed K/V rows) of ``checks/expectations/<runtime>.toml`` into
+    :data:`decodespec.checks.ladder.TOLERANCES` under ``(runtime, model, dtype)``; the derived
+    probability and logprob tolerances follow :meth:`~decodespec.checks.ladder.Tolerance.from_logit`.
+
+    Returns:
+        The entries registered.
+    """
+    import tomllib
+    from pathlib import Path
+
+    from decodespec.checks.ladder import TOLERANCES, Tolerance
+
+    path = Path(__file__).resolve().parent.parent / "expectations" / f"{runtime}.toml"
+    if not path.is_file():
+        return {}
+    tables = tomllib.loads(path.read_text(encoding="utf-8")).get("tolerance", {})
+    added = {(runtime, model, dtype): Tolerance.from_logit(float(t["logit"]), float(t["kv"]))
+             for model, by_dtype in tables.items() for dtype, t in by_dtype.items()}
+    TOLERANCES.update(added)
+    return added
+
+
+def main_value(transform: Any) -> Any:
+    """The value of a transform's first catalog parameter (the one a peer's processor or sampler takes)."""
+    return transform.params[0][1]
 
 
 def log_softmax_at(row: np.ndarray, token_id: int) -> float:
@@ -167,13 +201,14 @@ class _Call:
     decision_row: bool
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class _Pending:
     receipt_id: str
     score_id: str
     token_id: int
     logprob: float
     draws: int | None
+    probe: tuple[np.ndarray, np.ndarray] | None = None  # (support ids, probabilities) of the peer's processed row
 
 
 class PeerAdapter:
@@ -214,8 +249,6 @@ class PeerAdapter:
             raise unsupported(f"{self.name} has no {config.cache!r} cache family", "$.cache")
         if config.prefill_chunk is not None and "prefill_chunk" not in self.capabilities():
             raise unsupported(f"{self.name} does not prefill in chunks through this adapter", "$.prefill_chunk")
-        if config.stream and "stream" not in self.capabilities():
-            raise unsupported(f"{self.name} exposes no stream chunks through this adapter", "$.stream")
         if config.stop_strings and "stop_strings" not in self.capabilities():
             raise unsupported(f"{self.name} matches no stop strings through this adapter", "$.stop_strings")
         if config.structured != "none" and "structured" not in self.capabilities():
@@ -243,11 +276,12 @@ class PeerAdapter:
         self.uncached_processed = 0
         self.in_flight: _Call | None = None
         self.interrupts: set[FinishReason] = set()
+        self.quarantined = False
         self.score: tuple[str, np.ndarray, int] | None = None  # (score_id, row, output_count)
         self.latest_score: tuple[str, np.ndarray, int] | None = None
         self.decision: _Pending | None = None
-        self.latest_decision: _Pending | None = None
-        self.probe: tuple[np.ndarray, np.ndarray] | None = None
+        self.latest_decision: _Pending | None = None  # the pending one, else the last committed one
+        self.last_committed: _Pending | None = None
         self.consumed: list[str] = []
         self.num_issued = 0
         self.num_scores = 0
@@ -282,7 +316,7 @@ class PeerAdapter:
         """The observable projection (peer-owned values where the peer has them; ``None`` where it has no notion)."""
         if self.config is None:
             raise Rejection(ADAPTER_PROTOCOL, "reset(config) must come before observe()", "$")
-        latest = self.decision or self.latest_decision
+        latest = self.latest_decision
         score = self.latest_score
         cached = self.config.cache != "none"
         processed = self.engine.processed() if cached else self.uncached_processed
@@ -299,14 +333,14 @@ class PeerAdapter:
             triggers=[t.value for t in FINISH_PRECEDENCE if t in self.triggers],
             rng_counter=None,
             generation=None,
-            quarantined=None,
+            quarantined=self.quarantined,
             decision=None if latest is None else {"receipt_id": latest.receipt_id, "score_id": latest.score_id,
                                                   "token_id": latest.token_id, "logprob": latest.logprob, "draws": latest.draws},
             score_row=None if score is None else score[1],
             score_id=None if score is None else score[0],
             score_output_count=None if score is None else score[2],
-            support_ids=None if self.probe is None else self.probe[0],
-            support_probs=None if self.probe is None else self.probe[1],
+            support_ids=None if latest is None or latest.probe is None else latest.probe[0],
+            support_probs=None if latest is None or latest.probe is None else latest.probe[1],
             text=self.engine.text(self._text_ids()),
             chunks=None,
             cache_committed=processed if cached else 0,
@@ -342,6 +376,7 @@ class PeerAdapter:
                                                FinishReason.STREAM_ERROR))
 
     def _next_call(self) -> tuple[str, int, int] | None:
+        """The due call ``(kind, start, length)``, or ``None``."""
         c = self.config
         if self.in_flight is not None:
             return None
@@ -414,9 +449,11 @@ class PeerAdapter:
         row = self.engine.forward(self._sequence(), call.start, call.length)
         self.in_flight = None
         if self.interrupts:
-            # ALL_OLD: the awaited call's rows are dropped with the peer's own rollback.
+            # ALL_OLD: the awaited call's rows are dropped with the peer's own rollback; the
+            # controller keeps the handle quarantined (no snapshot of it) as the contract says.
             if cached:
                 self.engine.rollback(before)
+                self.quarantined = True
             self._finish(set(self.interrupts))
             return {"selection": "ALL_OLD", "reason": canonical_finish_reason(self.interrupts).value}
         end = call.start + call.length
@@ -437,7 +474,6 @@ class PeerAdapter:
         row.setflags(write=False)
         self.score = (f"score-{self.num_scores}", row, len(self.output_ids))
         self.latest_score = self.score
-        self.probe = None
         self.phase = Phase.SCORED
         return {"selection": "ALL_NEW", "reason": None}
 
@@ -465,11 +501,13 @@ class PeerAdapter:
         self._require(self.phase is Phase.SCORED and self.score is not None, "transition.decide", "phase == SCORED")
         score_id, row, _ = self.score
         made = self.engine.decide(row, self._sequence(), len(self.output_ids))
-        pending = _Pending(f"receipt-{self.num_issued}", score_id, int(made.token_id), log_softmax_at(row, int(made.token_id)), made.draws)
+        probe = None
+        if made.support_ids is not None:
+            probe = (np.asarray(made.support_ids, dtype=np.int64), np.asarray(made.support_probs, dtype=np.float32))
+        pending = _Pending(f"receipt-{self.num_issued}", score_id, int(made.token_id), log_softmax_at(row, int(made.token_id)),
+                           made.draws, probe)
         self.num_issued += 1
         self.decision = self.latest_decision = pending
-        if made.support_ids is not None:
-            self.probe = (np.asarray(made.support_ids, dtype=np.int64), np.asarray(made.support_probs, dtype=np.float32))
         self.phase = Phase.DECIDED
         return {"receipt_id": pending.receipt_id, "token_id": pending.token_id, "logprob": pending.logprob, "draws": pending.draws}
 
@@ -484,6 +522,7 @@ class PeerAdapter:
         self.output_ids.append(token)
         self.logprobs.append(pending.logprob)
         self.consumed.append(pending.receipt_id)
+        self.last_committed = pending
         self.decision = None
         self.score = None
         self.pending_ids = (token,)
@@ -541,15 +580,28 @@ class PeerAdapter:
             return {"at": at.value}
         self.score = None
         self.decision = None
+        self.latest_decision = self.last_committed  # a discarded receipt is no decision
         self._finish({reason})
         return {"at": at.value}
 
     def _op_snapshot(self, act: dict[str, Any]) -> dict[str, Any]:
         form = act["form"]
-        if form != "pending_suffix":
-            raise unsupported(f"{self.name} snapshots its retained state only (no repaired form)", "$.form")
-        self._require(self.phase in (Phase.READY, Phase.FINISHED) and self.in_flight is None, "transition.snapshot",
-                      "phase READY or FINISHED, no call in flight")
+        if form == "repaired" and self.pending_ids and self.in_flight is None:
+            # The valid append call of the pending token: the ordinary decode between calls, the
+            # promised repair call after finish (its row is discarded); the peer's state then holds U.
+            if self.phase is Phase.READY:
+                self._launch("decode", None)
+                self._complete()
+            elif self._repair_owed():
+                self._launch("repair", None)
+                self._complete()
+        phases = (Phase.READY, Phase.FINISHED) if form == "pending_suffix" else (Phase.READY, Phase.SCORED, Phase.FINISHED)
+        why = ("a call is in flight" if self.in_flight is not None else
+               "the handle is quarantined (an aborted call)" if self.quarantined else
+               f"no {form} snapshot in phase {self.phase.value}" if self.phase not in phases else
+               "a token is still pending (no append call ran)" if form == "repaired" and self.pending_ids else None)
+        if why is not None:
+            raise Rejection(SNAPSHOT_FORM_UNAVAILABLE, why, "$.form")
         handle = act["id"] or f"snapshot-{len(self.snapshots)}"
         state = {k: getattr(self, k) for k in _SNAPSHOT_FIELDS}
         state = {k: (list(v) if isinstance(v, list) else set(v) if isinstance(v, set) else v) for k, v in state.items()}
@@ -604,6 +656,7 @@ class PeerAdapter:
 #: Controller fields a snapshot keeps beside the peer's own state.
 _SNAPSHOT_FIELDS = (
     "phase", "output_ids", "logprobs", "pending_ids", "pending_tag", "uncached_processed", "score", "latest_score", "decision",
-    "latest_decision", "probe", "consumed", "num_issued", "num_scores", "num_calls", "last_call", "finish_reason", "triggers",
+    "latest_decision", "last_committed", "consumed", "quarantined", "num_issued", "num_scores", "num_calls", "last_call",
+    "finish_reason", "triggers",
     "context_cap",
 )
