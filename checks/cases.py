@@ -307,6 +307,9 @@ def cases_for(model: str) -> tuple[Case, ...]:
         "it still fires and the held-back bytes stay held.", _M + "; 0x0B resumable snapshot; 0x06 Deriving the stream holdback",
         base.evolve(stop_strings=[stop], stream=True, max_new_tokens=g + 4), ({"op": "run"},), resume_at=stop_at + 1,
         requires=frozenset({"snapshot", "stop_strings", "stream"}))
+    add("matrix.resume_sampled", "resume", "Resume a sampled request from a pending-suffix snapshot: the RNG counter and the draws "
+        "continue where they stopped.", _M + "; 0x0B resumable snapshot; M3.8 0x0B request-owned randomness",
+        base.evolve(policy=SAMPLED, seed=4), ({"op": "run"},), resume_at=2, requires=frozenset({"snapshot", "sampling"}))
 
     # -- runtime families outside the request adapter (procedures: checks/families.py and below) --
     finisher = _greedy_continuation(model, short, 2)[1]  # the short row's second greedy token: it finishes early
