@@ -30,8 +30,10 @@ errors, registered in :mod:`decodespec.spec.snapshot`): the file shape
 the snapshot is re-admitted and must hash to the same identity), the cache family, ABI,
 capacity and tensor layout (``snapshot.abi_mismatch``), ``P + |U| = L + O`` and exactly P cached
 rows (``snapshot.frontier_invalid``), the pending suffix against the declared form
-(``snapshot.pending_invalid``), and the ledger: one logprob and one receipt per output, the RNG
-counter equal to the draws consumed (``snapshot.ledger_invalid``).  Restoring and continuing
+(``snapshot.pending_invalid``), and the ledger (``snapshot.ledger_invalid``): one logprob and one
+receipt per output, the RNG counter equal to the draws consumed, score rows and finish state
+consistent, and the call counters against P (processed rows need a model call and a generation
+>= 1; the spec's check "finish state, bounds and counters are consistent").  Restoring and continuing
 gives the same tokens and logprobs as never stopping (tests/test_snapshot*.py).
 
 Source: M3.10 0x0B "A completed output is not automatically a resumable snapshot", "Immutable
@@ -49,7 +51,7 @@ from typing import Any, Sequence
 import attrs
 import torch
 
-from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection
+from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
 from decodespec.spec.errors import DecodeSpecError, Rejection
 from decodespec.spec.policy.config import policy_config_from_json
 from decodespec.spec.policy.state import PolicyState
@@ -409,7 +411,9 @@ def _check(snapshot: RuntimeSnapshot, model, request) -> None:
     if rec.phase not in allowed:
         raise _refuse(SNAPSHOT_PENDING_INVALID, f"a {rec.form} snapshot cannot be in phase {rec.phase.value}", "$.state.phase")
     # frontiers
-    in_prefill = not outputs and not pending and rec.processed < prompt_len
+    # before any output, P stops at 0 or (chunked prefill into a cache) between chunks
+    chunked = request.cached and request.prefill_chunk is not None
+    in_prefill = not outputs and not pending and (rec.processed == 0 or (chunked and 0 < rec.processed < prompt_len))
     if not (rec.processed + len(pending) == prompt_len + len(outputs) or in_prefill) or rec.processed < 0:
         raise _refuse(SNAPSHOT_FRONTIER_INVALID, f"P {rec.processed} + |U| {len(pending)} != L {prompt_len} + O {len(outputs)}", "$.state.processed")
     if rec.phase is Phase.READY and not in_prefill and len(pending) != 1:
@@ -420,23 +424,90 @@ def _check(snapshot: RuntimeSnapshot, model, request) -> None:
         rows = {k.shape[2] for k, _ in snapshot.tensors or ()} | {v.shape[2] for _, v in snapshot.tensors or ()}
         if (rows or {0}) != {rec.processed} or rec.lanes != expected_lanes:
             raise _refuse(SNAPSHOT_FRONTIER_INVALID, f"the cache holds {sorted(rows)} rows and lanes {rec.lanes}; P is {rec.processed}", "$.cache")
-    # ledger
+    _check_ledger(snapshot, model, request)
+
+
+def _check_ledger(snapshot: RuntimeSnapshot, model, request) -> None:
+    """The ledger checks (``snapshot.ledger_invalid``): receipts, score rows, finish state, bounds, call counters.
+
+    The same facts as the spec's restore checks "receipts line up with the outputs and the RNG
+    counter", "score rows line up with the receipts and the phase" and "finish state, bounds and
+    counters are consistent" (``spec/snapshot.py`` ``RESTORE_CHECKS``), written over the runner's
+    own bookkeeping: one logprob and one receipt per output, receipt ids unique and issued, each
+    receipt's RNG counter continuing the previous one's draws; every consumed receipt's score row
+    taken at O = its index, P = L + its index; a consumable score exactly in SCORED, at the
+    record's generation and frontiers; a finish reason exactly in FINISHED, the highest-precedence
+    trigger; EOS only as the last output; and the counters: P > 0 needs a model call under a
+    generation >= 1, each score row its own generation, retries within ``max_retries``.
+
+    Source: M3.10 0x06 "One selection is an output-state transaction", 0x0B "Immutable identity
+    versus mutable request state".
+    """
+    rec = snapshot.record
+    prompt_len = len(request.prompt_ids)
+    outputs = rec.output_ids
+    vocab_size = model.config.vocab_size
+    # receipts
     if not (len(snapshot.logprobs) == len(outputs) == len(rec.consumed)):
         raise _refuse(SNAPSHOT_LEDGER_INVALID, f"{len(outputs)} outputs, {len(snapshot.logprobs)} logprobs, {len(rec.consumed)} receipts", "$.logprobs")
     if any(c.token_id != t for c, t in zip(rec.consumed, outputs)) or any(not lp <= 1e-6 for lp in snapshot.logprobs):
         raise _refuse(SNAPSHOT_LEDGER_INVALID, "receipts or logprobs do not line up with the outputs", "$.state.consumed")
-    draws = sum(c.draws for c in rec.consumed)
-    if rec.rng_counter != request.rng_counter_start + draws or snapshot.policy_state.rng_counter != rec.rng_counter:
+    receipt_ids = [c.receipt_id for c in rec.consumed]
+    if len(set(receipt_ids)) != len(receipt_ids) or len(set(rec.issued)) != len(rec.issued) or not set(receipt_ids) <= set(rec.issued):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, "consumed receipts must be distinct and issued, issued receipts distinct", "$.state.issued")
+    counter = request.rng_counter_start
+    for index, c in enumerate(rec.consumed):
+        if c.rng_counter_before != counter or not 0 <= c.draws <= request.max_draws():
+            raise _refuse(SNAPSHOT_LEDGER_INVALID, f"receipt {index} starts at RNG counter {c.rng_counter_before} with {c.draws} draws; "
+                          f"expected counter {counter} and 0..{request.max_draws()} draws", f"$.state.consumed[{index}]")
+        counter += c.draws
+    if rec.rng_counter != counter or snapshot.policy_state.rng_counter != rec.rng_counter:
         raise _refuse(SNAPSHOT_LEDGER_INVALID, f"RNG counter {rec.rng_counter} / policy {snapshot.policy_state.rng_counter} != start "
-                      f"{request.rng_counter_start} + {draws} draws", "$.state.rng_counter")
+                      f"{request.rng_counter_start} + {counter - request.rng_counter_start} draws", "$.state.rng_counter")
+    # score rows
+    rows = {s.score_id: s for s in rec.scores}
+    if len(rows) != len(rec.scores):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, "score ids repeat", "$.state.scores")
+    for index, c in enumerate(rec.consumed):
+        row = rows.get(c.score_id)
+        if row is None or row.output_count != index or row.processed != prompt_len + index:
+            raise _refuse(SNAPSHOT_LEDGER_INVALID, f"receipt {index} was not decided on a score row taken at O = {index}, "
+                          f"P = {prompt_len + index}", f"$.state.consumed[{index}].score_id")
     if (rec.score is not None) != (rec.phase is Phase.SCORED) or (rec.score is not None) != (snapshot.score_logits is not None):
         raise _refuse(SNAPSHOT_LEDGER_INVALID, "a score row exists exactly in SCORED", "$.score")
-    if snapshot.score_logits is not None and tuple(snapshot.score_logits.shape) != (model.config.vocab_size,):
-        raise _refuse(SNAPSHOT_ABI_MISMATCH, f"score row {tuple(snapshot.score_logits.shape)} is not [V = {model.config.vocab_size}]", "$.score")
+    if rec.score is not None and (rows.get(rec.score.score_id) != rec.score or rec.score.generation != rec.generation
+                                  or rec.score.processed != rec.processed or rec.score.output_count != len(outputs)):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, f"the consumable score {rec.score} is not the record's own row at generation "
+                      f"{rec.generation}, P {rec.processed}, O {len(outputs)}", "$.state.score")
+    if snapshot.score_logits is not None and tuple(snapshot.score_logits.shape) != (vocab_size,):
+        raise _refuse(SNAPSHOT_ABI_MISMATCH, f"score row {tuple(snapshot.score_logits.shape)} is not [V = {vocab_size}]", "$.score")
+    # finish state
     if (rec.phase is Phase.FINISHED) != (rec.finish_reason is not None):
         raise _refuse(SNAPSHOT_LEDGER_INVALID, "a finish reason exists exactly in FINISHED", "$.state.finish_reason")
-    if len(outputs) > request.max_new_tokens or any(not 0 <= t < model.config.vocab_size for t in outputs):
-        raise _refuse(SNAPSHOT_LEDGER_INVALID, "outputs beyond max_new_tokens or the vocabulary", "$.state.output_ids")
+    if rec.phase is Phase.FINISHED and (not rec.triggers or rec.finish_reason is not canonical_finish_reason(rec.triggers)):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, f"finish reason {rec.finish_reason} is not the first of the triggers "
+                      f"{sorted(t.value for t in rec.triggers)} under the finish precedence", "$.state.triggers")
+    if rec.phase is not Phase.FINISHED and rec.triggers:
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, "finish triggers recorded before the request finished", "$.state.triggers")
+    eos_at = [i for i, t in enumerate(outputs) if t in request.eos_ids]
+    if eos_at and (eos_at != [len(outputs) - 1] or rec.phase is not Phase.FINISHED or eos_at[0] < request.min_new_tokens):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, f"EOS at output positions {eos_at}: only the last output of a finished request, "
+                      f"at or after min_new_tokens {request.min_new_tokens}", "$.state.output_ids")
+    # bounds
+    context_cap = min(c for c in (model.config.max_position_embeddings, request.context_cap, snapshot.capacity) if c is not None)
+    if len(outputs) > request.max_new_tokens or prompt_len + len(outputs) > context_cap or any(not 0 <= t < vocab_size for t in outputs):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, f"outputs beyond max_new_tokens {request.max_new_tokens}, the context cap {context_cap} "
+                      f"or the vocabulary", "$.state.output_ids")
+    # call counters against P (the runtime counts every launch and advances the generation on every ALL_NEW)
+    if rec.num_calls < 0 or rec.generation < 0 or not 0 <= rec.num_retries <= request.max_retries:
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, f"counters out of range: {rec.num_calls} calls, generation {rec.generation}, "
+                      f"{rec.num_retries} retries (max_retries {request.max_retries})", "$.state.num_calls")
+    if rec.processed > 0 and (rec.num_calls < 1 or rec.generation < 1):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, f"P = {rec.processed} rows processed after {rec.num_calls} model calls at generation "
+                      f"{rec.generation}", "$.state.num_calls")
+    if rec.generation < len(rec.scores):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, f"{len(rec.scores)} score rows under generation {rec.generation} (each ALL_NEW call "
+                      f"advances it)", "$.state.generation")
 
 
 def restore_runner(cls, model, snapshot: RuntimeSnapshot, request=None, **kwargs: Any):

@@ -2,7 +2,8 @@
 
 The corpus holds passes (boundary cases, adversarial interleavings), an undecided margin, the
 failures of deliberately broken runtimes at their ladder layers (``ladder.STATE``,
-``ladder.TENSOR``, ``ladder.DECISION``) and a real discrepancy of our runtime.
+``ladder.TENSOR``, ``ladder.DECISION``) and the regression of a fixed discrepancy of our runtime
+(``adversarial-restore-counters-mismatch``).
 Source: traces/README.md.
 """
 
