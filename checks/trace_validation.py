@@ -62,13 +62,23 @@ from decodespec.spec.stop import (
 )
 from decodespec.spec.transitions import MACHINE, Machine, completion_reason
 
-__all__ = ["TRACE_INVALID", "TraceVerdict", "params_from_header", "stop_config_from_header", "token_bytes_of", "validate_trace"]
+__all__ = ["TRACE_INVALID", "TRACE_UNSUPPORTED", "TraceVerdict", "params_from_header", "stop_config_from_header", "token_bytes_of", "validate_trace"]
 
 TRACE_INVALID = register_code(
     "trace.invalid_header",
     "rejection",
     "docs/design.md section 6 (decodespec.events.v1)",
     "The trace's first line is not a request header whose params build the spec's RequestParams.",
+)
+
+TRACE_UNSUPPORTED = register_code(
+    "trace.unsupported",
+    "rejection",
+    "docs/design.md section 6 (decodespec.events.v1)",
+    "The trace is a runtime trace of a procedure trace validation does not replay: a beam search (its request "
+    "header carries 'beam', the BeamParams, or a policy of family 'beam'; its steps are beam_step events). The spec's "
+    "transition.beam_step needs every live beam's score row, which the trace does not record; the beam runtime is "
+    "checked against the spec by replaying its rows (tests/test_beam_runtime.py) and in lock step by the gate.",
 )
 
 #: Events that check the current state without a spec action.
@@ -537,6 +547,29 @@ def _parse(index: int, raw: str | dict[str, Any]) -> dict[str, Any]:
     return rec
 
 
+def unsupported_trace(header: str | dict[str, Any]) -> str | None:
+    """Why the trace whose first line is ``header`` cannot be validated, or ``None``.
+
+    A beam-search header (written by :class:`decodespec.impl.beam.BeamRunner`: a ``beam`` object,
+    the ``BeamParams`` JSON, instead of ``params``, or a ``policy`` of family ``beam``) is
+    unsupported: its ``beam_step`` events record each step's parents, tokens and scores but not the
+    ``[n, V]`` score rows the spec's ``transition.beam_step`` selects from, so no spec state can be
+    replayed from it.  Anything else (even a malformed header) is left to :func:`validate_trace`.
+    """
+    try:
+        rec = json.loads(header) if isinstance(header, str) else header
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(rec, dict) or rec.get("event") != "request":
+        return None
+    policy = rec.get("policy")
+    if "beam" in rec or (isinstance(policy, dict) and policy.get("family") == "beam"):
+        return ("a beam-search trace (transition.beam_step) cannot be validated: its beam_step events do not record the "
+                "score rows the spec's beam procedure selects from; trace validation replays single-path request traces "
+                "(decodespec generate without --num-beams)")
+    return None
+
+
 def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = MACHINE,
                    token_bytes: Callable[[int], bytes] | None = None) -> TraceVerdict:
     """Accept or reject an event trace against the spec (see the module docstring).
@@ -550,8 +583,15 @@ def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = 
 
     Returns:
         The :class:`TraceVerdict`; never raises for a bad trace.
+
+    Raises:
+        Rejection: ``trace.unsupported`` for a beam-search trace (see :func:`unsupported_trace`),
+            before any line is judged.
     """
     items = list(lines)
+    unsupported = unsupported_trace(items[0]) if items else None
+    if unsupported is not None:
+        raise Rejection(TRACE_UNSUPPORTED, unsupported, "$[0]", details={"feature": "beam"})
     replay: _Replay | None = None
     candidates: set[RequestState] = set()
     last_event = None

@@ -10,7 +10,10 @@ its ``seq`` and ``event``, and the ``reason`` (the failing guard or the disagree
 stop-oracle checks (``auto``: the model named in the header's ``runtime``; ``none``: structure
 only).
 
-Exit codes: 0 accepted, 1 rejected, 2 the file (or the named tokenizer) cannot be read.
+Exit codes: 0 accepted, 1 rejected, 2 the file (or the named tokenizer) cannot be read, or the
+trace is of a procedure trace validation does not replay (``trace.unsupported``: a beam-search
+trace, whose ``beam_step`` events do not record the score rows the spec's beam step needs); the
+error is printed to stderr as ``{"error": {"code", "path", "message", ...}}``.
 
 Source: docs/design.md section 6.
 """
@@ -30,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "validate-trace",
         help="check a runtime event trace (decodespec.events.v1) against the spec state machine",
         description="Replay an event trace written by `decodespec generate --trace FILE` against the spec's transitions, "
-        "keeping every candidate spec state per line; print the verdict as JSON (exit 0 accepted, 1 rejected).",
+        "keeping every candidate spec state per line; print the verdict as JSON (exit 0 accepted, 1 rejected, 2 unreadable "
+        "or unsupported: beam-search traces).",
     )
     parser.add_argument("file", help="the NDJSON trace file")
     parser.add_argument("--tokenizer", choices=("auto", "smollm2", "tiny", "none"), default="auto",
@@ -55,7 +59,11 @@ def run(args: argparse.Namespace) -> int:
     except DecodeSpecError as exc:
         print(json.dumps({"error": exc.to_json()}), file=sys.stderr)
         return 2
-    verdict = validate_trace(lines, token_bytes=token_bytes)
+    try:
+        verdict = validate_trace(lines, token_bytes=token_bytes)
+    except DecodeSpecError as exc:  # trace.unsupported
+        print(json.dumps({"error": exc.to_json()}), file=sys.stderr)
+        return 2
     print(json.dumps(verdict.to_json(), ensure_ascii=False))
     return 0 if verdict.accepted else 1
 
