@@ -3,7 +3,8 @@
 :func:`explore` enumerates every state reachable from the initial state of one
 :class:`~decodespec.spec.state.RequestParams` under the environment's full action alphabet:
 controller actions (admit, launch every legal prefill chunk / decode / repair, decide every
-token with every allowed draw count, commit with every declared text trigger, recover) and
+token with every allowed draw count, commit with every declared text trigger, with and without
+a failure of the commit's own delivery, recover) and
 adversarial environment actions (cancel and timeout at every point, streamer failure, device
 fault and missing-lane faults, completion reports with a missing lane, a stale generation, a
 failed compute stage or a wrong decision row, duplicate and stale receipts, stale scores, a
@@ -113,12 +114,14 @@ class ExploreBounds:
         final_cache: ``processed_inputs_only`` or ``all_outputs`` (enables repair).
         max_retries: Failed calls that may be retried after recovery.
         max_draws: Draws per decision (0 greedy, 1 multinomial).
-        stream: Streamed output (enables streamer failure).
+        stream: Streamed output (enables streamer failure, between calls and at a commit:
+            ``Commit(stream_failed=True)``, M3.10 0x06 stream commit horizon).
         stop_strings / structured: Enable the matcher's text triggers at commit.
         interrupts: Generate cancel and timeout actions.
         faults: Generate faults and failing completion reports.
         adversarial: Generate actions that must be rejected (duplicate / stale receipts,
-            stale scores, reset cache positions, corrupted snapshot records).
+            stale scores, reset cache positions, corrupted snapshot records, a commit's stream
+            failure in a request without a stream).
         snapshots: Take both snapshot forms wherever a state admits them and restore each
             record into a fresh request (it must give back the state).
     """
@@ -246,6 +249,8 @@ def candidate_actions(params: RequestParams, state: RequestState, bounds: Explor
         assert state.receipt is not None
         for triggers in _text_trigger_sets(params):
             yield Commit(state.receipt.receipt_id, triggers)
+            if params.stream or bounds.adversarial:  # the commit's own delivery fails (refused without a stream)
+                yield Commit(state.receipt.receipt_id, triggers, stream_failed=True)
     if bounds.snapshots and phase in (Phase.READY, Phase.SCORED, Phase.FINISHED):
         for form in SNAPSHOT_FORMS:
             yield Snapshot(form)
