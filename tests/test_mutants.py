@@ -6,7 +6,7 @@ source edit still applies, that the normal path holds exactly the same objects a
 same bits after every mutant, that the gate's reference stays on the oracle side while a mutant
 is installed, that the harness tells a crash from a kill, and that one representative mutant per
 group is killed by the gate's own checks on the tiny model (each in seconds; ``decodespec
-mutants`` runs all of them, README "Failure lab").
+mutants`` runs all of them, README "The failure lab").
 
 Representatives: mutant.right_padding_last_column, mutant.argmax_over_time,
 mutant.batch_rows_expand_after_eos, mutant.beam_parents_not_gathered,
