@@ -104,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
             by = result.killed_by or {}
             outcome = result.outcome if result.killed else result.outcome.upper().replace("_", " ")
             layer = f"{by.get('layer')} {by.get('ladder_check')}" if result.killed else (result.crash or "")[:32]
-            section = m.section.split(" (")[0].split(";")[0]
+            head = m.section.split(";")[0]  # the primary seed section, without its gloss unless it is a bare id
+            section = head.split(" (")[0] if len(head.split(" (")[0].split()) > 2 else head
             print(f"{m.name:38s} {section[:44]:44s} {outcome:10s} {str(by.get('check', ''))[:36]:36s} {layer[:32]:32s} "
                   f"{result.seconds:6.2f}s", flush=True)
     if calibration is not None:
