@@ -13,17 +13,23 @@ from pathlib import Path
 
 import pytest
 
-from decodespec.checks.adapters import AdapterUnavailable
+from decodespec.checks.adapters import AdapterUnavailable, required_capabilities
 from decodespec.checks.testing import SMOLLM2_SKIP_REASON
-from decodespec.checks.traces import load_trace, replay
+from decodespec.checks.traces import load_trace, open_runtime, replay
 from decodespec.impl.gguf import smollm2_available
 
 CORPUS = sorted((Path(__file__).resolve().parent.parent / "traces").glob("*.json"))
 
 
 @pytest.mark.parametrize("path", CORPUS, ids=[p.name for p in CORPUS])
-def test_corpus_trace(path: Path, gate_runtime: str) -> None:
-    """Replay one corpus trace (``ladder.*`` verdicts) against the gate's runtime."""
+def test_corpus_trace(path: Path, gate_runtime: str, gate_expectations) -> None:
+    """Replay one corpus trace (``ladder.*`` verdicts) against the gate's runtime.
+
+    A passed trace replayed on another runtime skips when its actions need a capability the
+    runtime does not declare, and names the documented deviation (``checks/expectations``) that
+    explains its failure there (the file name is the case id: ``boundary-stop-string-x`` is
+    ``boundary.stop_string_x``).
+    """
     trace = load_trace(path)
     meta = trace["#meta"]
     if meta["model"] == "smollm2" and not smollm2_available():
@@ -37,8 +43,20 @@ def test_corpus_trace(path: Path, gate_runtime: str) -> None:
     else:
         pytest.skip(f"records a {meta['verdict']['result']} verdict of runtime {recorded}")
     try:
-        result = replay(trace, runtime=runtime)
+        adapter = open_runtime(runtime, meta["model"])
     except AdapterUnavailable as exc:
         pytest.skip(str(exc))
+    missing = set().union(*(required_capabilities(a) for a in meta["actions"])) - adapter.capabilities()
+    if missing:  # as run_case skips a case whose requirements the runtime does not declare
+        adapter.close()
+        pytest.skip(f"{runtime} does not declare {sorted(missing)}")
+    result = replay(trace, runtime=runtime, adapter=adapter)
+    if runtime != recorded and not result.reproduced:
+        step = result.actual.step
+        action = meta["actions"][step - 1] if step and step <= len(meta["actions"]) else None
+        case_id = path.name.removesuffix(".itf.json").replace("-", ".", 1).replace("-", "_")
+        for e in gate_expectations:
+            if e.matches(case_id, result.actual, action):
+                pytest.skip(f"documented deviation {e.id} of {runtime}: {e.reason}")
     assert result.reproduced, (f"{path.name}: recorded {result.expected.to_json()} but replay on {runtime} gave "
                                f"{result.actual.to_json()}")

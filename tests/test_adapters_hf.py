@@ -251,3 +251,24 @@ def test_smollm2_step_wise_greedy_is_hfs_generate(adapter, hf_smollm2):
         rows.append(adapter.latest_score[1])
     assert adapter.output_ids == want["output_ids"][0] == [7042, 30, 198, 198]  # " Paris.\n\n"
     assert np.array_equal(np.stack(rows), want["logits"])
+
+
+def test_a_forced_constraint_is_hfs_prefix_allowed_tokens_fn(adapter):
+    """policy constraint -> generate(prefix_allowed_tokens_fn=...): step-wise and generate both emit exactly the forced ids;
+    an id without a transition leaves HF an empty allowed list, which is the spec's policy.empty_support."""
+    from decodespec.checks.adapters.hf import constraint_fn, generate_sequence
+    from decodespec.checks.cases import forced
+    from decodespec.spec.policy.codes import EMPTY_SUPPORT
+
+    config = tiny(policy=forced([77, 78, 79]), max_new_tokens=3)
+    allowed = constraint_fn(config)
+    ids = torch.tensor(list(PROMPT) + [77, 78])
+    assert allowed(0, ids[:len(PROMPT)]) == [77] and allowed(0, ids) == [79] and allowed(0, torch.tensor([*PROMPT, 5])) == []
+    assert constraint_fn(tiny()) is None
+    assert list(run(adapter, config).output_ids) == [77, 78, 79] == generate_sequence(config)["output_ids"][0]
+    adapter.reset(tiny(policy=forced([77]), max_new_tokens=3))
+    assert adapter.apply({"op": "step"}).ok
+    assert adapter.apply({"op": "decode"}).ok
+    refused = adapter.apply({"op": "decide"})
+    assert not refused.ok and refused.code == EMPTY_SUPPORT
+    assert list(adapter.observe().output_ids) == [77]

@@ -32,8 +32,10 @@ body), separate decide / commit, launch / complete (the forward runs at ``comple
 raw logits, processed rows, committed K/V rows (HF's cache tensors, keys after RoPE), static-cache
 reuse (HF's ``Cache.reset()``), snapshots (a deep copy of HF's cache: HF resumes from
 ``past_key_values``; there is no RNG or processor state to save) and stop strings (SmolLM2).
+A finite-state constraint becomes HF's ``prefix_allowed_tokens_fn`` (:func:`constraint_fn`); HF's
+"unsatisfiable constraint" error is the spec's ``policy.empty_support``.
 HF cannot honour: transforms it has no processor for (frequency / presence penalty, top-n-sigma,
-Mirostat, a finite-state constraint), vLLM's output-only history, ``empty_support =
+Mirostat), vLLM's output-only history, ``empty_support =
 fallback_eos``, temperature 0 in the sampling family (``TemperatureLogitsWarper`` raises),
 ``max_new_tokens = 0`` (``GenerationConfig.validate`` raises), beams in the step-wise path,
 structured completion, stop strings on the tiny model (no HF tokenizer); those are refused with
@@ -51,18 +53,20 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 from typing import Any
 
 import numpy as np
 
 from decodespec.spec.enums import FinishReason
+from decodespec.spec.errors import Rejection
+from decodespec.spec.policy.codes import EMPTY_SUPPORT
 from decodespec.spec.policy.config import EmptySupport, Family, policy_config_from_json
 
 from . import CaseConfig
 from .peer import PeerAdapter, PeerDecision, main_value, unsupported
 
-__all__ = ["HF_CAPABILITIES", "HFEngine", "adopt_model", "available", "create", "generation_config", "generate_sequence", "hf_model", "hf_tiny",
+__all__ = ["HF_CAPABILITIES", "HFEngine", "adopt_model", "available", "batch_generate", "constraint_fn", "create",
+           "register_custom_cases", "generation_config", "generate_sequence", "hf_model", "hf_tiny",
            "hf_tokenizer"]
 
 #: What the step-wise HF adapter declares.
@@ -86,7 +90,11 @@ def available() -> str | None:
 
 
 def create(**options: Any) -> PeerAdapter:
-    """The step-wise HF adapter (``options`` are ignored: the case config names model, dtype, device)."""
+    """The step-wise HF adapter (``options`` are ignored: the case config names model, dtype, device).
+
+    Also registers HF's procedures for the table's custom cases (:func:`register_custom_cases`).
+    """
+    register_custom_cases()
     return PeerAdapter(HFEngine(), "hf")
 
 
@@ -192,7 +200,8 @@ def generation_config(config: CaseConfig, *, max_length: int | None = None):
         raise unsupported("beams run through generate_sequence(num_beams=...), not the step-wise adapter", "$.policy.family")
     if policy.empty_support is not EmptySupport.RAISE:
         raise unsupported("HF has no EOS fallback for an empty support", "$.policy.empty_support")
-    fields: dict[str, Any] = {"do_sample": policy.family is Family.MULTINOMIAL, "num_beams": 1, "top_k": None, "top_p": None,
+    fields: dict[str, Any] = {"do_sample": policy.family is Family.MULTINOMIAL, "num_beams": 1, "num_return_sequences": 1,
+                              "top_k": None, "top_p": None,
                               "temperature": None}
     for index, transform in enumerate(policy.transforms):
         path = f"$.policy.transforms[{index}]"
@@ -207,6 +216,8 @@ def generation_config(config: CaseConfig, *, max_length: int | None = None):
             fields["sequence_bias"] = {(token,): bias for token, bias in transform.get("bias")}
         elif name == "min_new_tokens":
             fields["min_new_tokens"] = config.min_new_tokens or None
+        elif name == "constraint":
+            pass  # not a GenerationConfig field: HF takes it as generate(prefix_allowed_tokens_fn=...), see constraint_fn
         else:
             raise unsupported(f"HF has no logits processor for the {name!r} transform", path)
     if config.min_new_tokens:
@@ -220,6 +231,33 @@ def generation_config(config: CaseConfig, *, max_length: int | None = None):
                                 pad_token_id=eos[0] if eos else 0, stop_strings=list(config.stop_strings) or None, **fields)
     except ValueError as exc:  # GenerationConfig.validate(): e.g. max_new_tokens = 0
         raise unsupported(f"HF refuses the generation config: {exc}", "$") from None
+
+
+def constraint_fn(config: CaseConfig):
+    """HF's ``prefix_allowed_tokens_fn`` for the policy's constraint automaton, or ``None`` without one.
+
+    The automaton reads the output ids (the ids after the L prompt ids of HF's ``input_ids``) from
+    its initial state; the allowed ids are the transitions of the state reached (none past an
+    id without a transition).  HF builds ``PrefixConstrainedLogitsProcessor`` from it.
+
+    Source: transformers 5.24.0 ``generation/logits_process.py`` ``PrefixConstrainedLogitsProcessor``.
+    """
+    constraint = policy_config_from_json(config.policy).find("constraint")
+    if constraint is None:
+        return None
+    automaton = constraint.get("automaton")
+    edges = {state: dict(pairs) for state, pairs in automaton.transitions}
+    prompt_len = config.prompt_len
+
+    def allowed(batch_id: int, input_ids: Any) -> list[int]:
+        state: str | None = automaton.initial
+        for token in input_ids[prompt_len:].tolist():
+            state = edges.get(state, {}).get(int(token))
+            if state is None:
+                return []
+        return sorted(edges.get(state, {}))
+
+    return allowed
 
 
 class HFEngine:
@@ -254,7 +292,8 @@ class HFEngine:
         device = model.device
         model._prepare_special_tokens(gen, True, device=device)
         ones = torch.ones((1, L), dtype=torch.long, device=device)
-        processors = model._get_logits_processor(gen, input_ids_seq_length=L, device=device, model_kwargs={"attention_mask": ones})
+        processors = model._get_logits_processor(gen, input_ids_seq_length=L, device=device, model_kwargs={"attention_mask": ones},
+                                                  prefix_allowed_tokens_fn=constraint_fn(config))
         criteria = model._get_stopping_criteria(gen, StoppingCriteriaList(), tokenizer)
         if config.cache == "static":
             capacity = config.static_capacity or min(L + G + 1, int(model.config.max_position_embeddings))
@@ -332,7 +371,13 @@ class HFEngine:
         ids = torch.tensor([sequence], dtype=torch.long, device=device)  # [1, L + O]
         logits = torch.tensor(row, dtype=torch.float32, device=device)[None]  # [1, V]
         with torch.no_grad():
-            scores = self.processors(ids, logits)  # [1, V]
+            try:
+                scores = self.processors(ids, logits)  # [1, V]
+            except ValueError as exc:
+                if "empty list" not in str(exc):
+                    raise
+                # PrefixConstrainedLogitsProcessor: "the constraint is unsatisfiable" (nothing selected).
+                raise Rejection(EMPTY_SUPPORT, f"HF: {exc}", "$.policy") from None
             probs = torch.nn.functional.softmax(scores, dim=-1)  # [1, V]
             if self.generation.do_sample:
                 token = int(torch.multinomial(probs, num_samples=1)[0, 0])
@@ -454,7 +499,8 @@ def generate_sequence(config: CaseConfig, *, num_beams: int = 1, length_penalty:
         torch.manual_seed(config.seed)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen,
-                             tokenizer=hf_tokenizer(config.model) if config.stop_strings else None)
+                             tokenizer=hf_tokenizer(config.model) if config.stop_strings else None,
+                             prefix_allowed_tokens_fn=constraint_fn(config))
     L = config.prompt_len
     rows = []
     fill = gen.pad_token_id
@@ -476,3 +522,96 @@ def generate_sequence(config: CaseConfig, *, num_beams: int = 1, length_penalty:
         "text": None if tok is None else tok.decode(text_ids),
     }
 
+
+
+# --------------------------------------------------------------------------------------------
+# Custom gate procedures (checks/cases.py CUSTOM): HF's batched and width-one generate paths.
+# --------------------------------------------------------------------------------------------
+
+
+def batch_generate(config: CaseConfig, prompts: list[tuple[int, ...]], padding_side: str) -> list[tuple[list[int], np.ndarray]]:
+    """One batched greedy ``model.generate`` over padded ``prompts``: per row its generated ids (through the first EOS) and rows.
+
+    Pads are the model's ``pad_token_id`` (masked out by ``attention_mask``); HF computes the
+    positions of a left-padded row from its mask.
+
+    Shapes: each row's logits ``float32[steps, V]``.
+    """
+    import torch
+
+    model = hf_model(config.model, config.dtype, config.device, config.attention)
+    width = max(len(p) for p in prompts)
+    pad = int(model.config.pad_token_id or 0)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)  # [B, L_max]
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, L_max]
+    for b, prompt in enumerate(prompts):
+        cols = slice(width - len(prompt), width) if padding_side == "left" else slice(0, len(prompt))
+        ids[b, cols] = torch.tensor(prompt)
+        mask[b, cols] = 1
+    gen = generation_config(config)
+    gen.return_dict_in_generate, gen.output_logits = True, True
+    with torch.no_grad():
+        out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), generation_config=gen,
+                             prefix_allowed_tokens_fn=constraint_fn(config))
+    logits = torch.stack(out.logits, dim=1).float().cpu().numpy()  # [B, steps, V]
+    rows = []
+    for b in range(len(prompts)):
+        new = out.sequences[b, width:].tolist()
+        end = next((i + 1 for i, t in enumerate(new) if t in config.eos_ids), len(new))
+        rows.append((new[:end], logits[b, :end]))
+    return rows
+
+
+def _padded_batch(case: Any, runtime: str) -> Any:
+    """``matrix.padded_batch_*``: every row of HF's padded batch against the reference path and HF's batch-size-one run."""
+    import attrs
+
+    from decodespec.checks.cases import _drive, _row_path_verdict, prompt_ids
+    from decodespec.checks.ladder import FAILED, PASSED, Verdict, tolerance_for
+    from decodespec.checks.traces import open_runtime
+
+    config = case.config
+    side = "left" if "left" in case.id else "right"
+    tol = tolerance_for(runtime, config.model, config.dtype)
+    prompts = [config.prompt_ids, prompt_ids(config.model, "Hi"), prompt_ids(config.model, "héllo ✓ 日本")]
+    for b, (prompt, (ids, rows)) in enumerate(zip(prompts, batch_generate(config, prompts, side))):
+        verdict = _row_path_verdict(config.model, prompt, ids, rows, tol)
+        if not verdict.passed:
+            return attrs.evolve(verdict, message=f"HF batch row {b} ({side} padding): {verdict.message}")
+        single = _drive(open_runtime(runtime, config.model), config.evolve(prompt_ids=prompt), [{"op": "run"}], runtime)
+        if single.verdict.result == FAILED:
+            return single.verdict
+        if list(single.observation.output_ids) != ids:
+            return Verdict(FAILED, "STATE", "ladder.STATE", "batch.output_ids", list(single.observation.output_ids), ids,
+                           f"HF batch row {b} ({side} padding) and HF's batch-size-one run select different token paths")
+    return Verdict(PASSED)
+
+
+def _beam_width_one(case: Any, runtime: str) -> Any:
+    """``matrix.greedy_vs_beam1``: ``generate(num_beams=1)`` (HF dispatches it to greedy search) equals the lock-step greedy run."""
+    from decodespec.checks.cases import _drive
+    from decodespec.checks.ladder import FAILED, PASSED, Verdict
+    from decodespec.checks.traces import open_runtime
+
+    config = case.config
+    greedy = _drive(open_runtime(runtime, config.model), config, [{"op": "run"}], runtime)
+    if greedy.verdict.result == FAILED:
+        return greedy.verdict
+    beam = generate_sequence(config, num_beams=1, text=False)
+    ids = beam["output_ids"][0]
+    if ids != list(greedy.observation.output_ids):
+        return Verdict(FAILED, "DECISION", "ladder.DECISION", "beam.tokens", list(greedy.observation.output_ids), ids,
+                       "HF generate(num_beams=1) selects another token path than the step-wise greedy run")
+    if not np.array_equal(beam["logits"][-1], greedy.observation.score_row):
+        return Verdict(FAILED, "TENSOR", "ladder.TENSOR", "beam.score_row", "equal rows", "different rows",
+                       "HF generate(num_beams=1) decided its last token on another row than the step-wise run")
+    return Verdict(PASSED)
+
+
+def register_custom_cases() -> None:
+    """Register HF's procedures for the table's ``custom`` cases (padded batches, beam width one)."""
+    from decodespec.checks.cases import CUSTOM
+
+    for side in ("left", "right"):
+        CUSTOM[(f"matrix.padded_batch_{side}", "hf")] = _padded_batch
+    CUSTOM[("matrix.greedy_vs_beam1", "hf")] = _beam_width_one
