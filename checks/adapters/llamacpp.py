@@ -74,7 +74,7 @@ __all__ = ["LLAMACPP_CAPABILITIES", "LLAMACPP_SKIP_REASON", "LlamaCppEngine", "N
            "last_row", "logit_bias_processor", "logit_drift", "sampler_params"]
 
 LLAMACPP_SKIP_REASON = ("llama-cpp-python not installed: pip install 'decodespec[llamacpp]' "
-                        "(CMAKE_ARGS=-DGGML_NATIVE=OFF; see .ci/setup --with-llamacpp)")
+                        "(CMAKE_ARGS=-DGGML_NATIVE=OFF; DECODESPEC_LLAMACPP=1 .ci/setup builds it)")
 #: What the llama.cpp adapter declares.
 LLAMACPP_CAPABILITIES = frozenset({
     "cache:none", "cache:dynamic", "prefill_chunk", "decide_commit", "inflight", "sampling", "logits", "policy_rows", "reuse",
