@@ -44,12 +44,23 @@ def only_hf(gate_runtime: str) -> None:
 
 
 def _first_tie_rank(model: str, prompt: tuple[int, ...]) -> int:
-    """k such that the k-th and (k+1)-th largest reference scores of the first row are equal."""
-    from decodespec.checks.lockstep import reference_for
+    """k such that the k-th and (k+1)-th largest scores of HF's own first row are equal (float32).
 
-    ranked = np.sort(reference_for(model).row(prompt))[::-1]
+    HF's row, not the reference row: the two agree within the tolerance, not bit for bit, so a
+    tie of one need not be a tie of the other; the ladder judges the policy on the runtime's own row.
+    """
+    from decodespec.checks.adapters.hf import create
+
+    adapter = create()
+    try:
+        adapter.reset(CaseConfig(model=model, prompt_ids=prompt, max_new_tokens=1, eos_ids=[2]))
+        assert adapter.apply({"op": "prefill", "chunk": None}).ok
+        row = adapter.observe().score_row  # float32[V]
+    finally:
+        adapter.close()
+    ranked = np.sort(row)[::-1]
     ties = np.nonzero(ranked[:-1] == ranked[1:])[0]
-    assert ties.size, "no exact tie in the first row"
+    assert ties.size, "no exact tie in HF's first row"
     return int(ties[0]) + 1
 
 
@@ -61,10 +72,12 @@ def peer_cases(model: str) -> tuple[Case, ...]:
     if model == "smollm2":
         k = _first_tie_rank(model, hello)
         cases.append(Case("peer.hf.top_k_tie", "lockstep",
-                          f"top-k with k = {k}, where the k-th and (k+1)-th scores of the first row are equal: exactly k ids survive.",
+                          f"top-k with k = {k}, where the k-th and (k+1)-th scores of HF's first row are equal: exactly k ids "
+                          "survive (temperature 0.05 first, HF's order, so that both sides draw the top id whatever the RNG and "
+                          "the support is what differs).",
                           "M3.8 0x0D top-k; docs/design.md section 7 (tie rule)",
-                          base.evolve(policy={"family": "multinomial", "order": "hf", "transforms": [{"name": "top_k", "k": k}]},
-                                      max_new_tokens=1),
+                          base.evolve(policy={"family": "multinomial", "order": "hf", "transforms": [
+                              {"name": "temperature", "temperature": 0.05}, {"name": "top_k", "k": k}]}, max_new_tokens=1),
                           ({"op": "step"},), requires=frozenset({"sampling", "policy_rows"})))
     return tuple(cases)
 
