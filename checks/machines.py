@@ -64,11 +64,11 @@ from decodespec.spec.state import Phase, interrupt_point, repair_outstanding
 
 from .adapters import CORRUPTIONS, Adapter, CaseConfig
 from .cases import load_expectations
-from .ladder import FAILED, PASSED, Expected, Tolerance, compare
+from .ladder import FAILED, PASSED, Expected, Tolerance, Verdict, compare
 from .lockstep import LockStep, due_call
 from .traces import make_trace, open_runtime, write_trace
 
-__all__ = ["BeamMachine", "GateMachine", "PROMPT_TEXTS", "run_beam_machine", "SAMPLED_POLICY", "machine_for", "machine_settings", "prompts_for", "run_machine"]
+__all__ = ["BeamMachine", "GateMachine", "PROMPT_TEXTS", "machine_failure", "run_beam_machine", "SAMPLED_POLICY", "machine_for", "machine_settings", "prompts_for", "run_machine"]
 
 #: The multinomial policy the machines draw (temperature 0.8, top-k 40: one draw per decision).
 SAMPLED_POLICY = {"family": "multinomial", "transforms": [{"name": "temperature", "temperature": 0.8}, {"name": "top_k", "k": 40}]}
@@ -118,6 +118,9 @@ class GateMachine(RuleBasedStateMachine):
     cache = "dynamic"
     adapter_factory: Callable[[], Adapter] | None = None
     max_new_tokens = 4
+    #: ``(deviation id, verdict)`` of every documented deviation any example of this class hit
+    #: (:func:`machine_for` gives each class its own list; :func:`run_machine` returns it).
+    seen_deviations: list[tuple[str, Any]] = []
 
     def __init__(self) -> None:
         super().__init__()
@@ -190,6 +193,7 @@ class GateMachine(RuleBasedStateMachine):
                     # A documented deviation: reported, and the lock step ends here (the two sides
                     # no longer describe the same request).
                     self.deviations.append((expectation.id, v))
+                    type(self).seen_deviations.append((expectation.id, v))
                     print(f"decodespec: expected deviation {expectation.id} at step {v.step}: {v.message}")
                     self.diverged = True
                     return
@@ -322,7 +326,9 @@ class GateMachine(RuleBasedStateMachine):
         if self.ls is None:
             return
         obs = self.adapter.observe()
-        assert obs.summary() == self.ls.observation.summary(), "observing changed the observation"
+        # After a refused reset the harness holds no observation: observing twice must agree.
+        before = self.ls.observation if self.ls.observation is not None else self.adapter.observe()
+        assert obs.summary() == before.summary(), "observing changed the observation"
 
     # -- invariants and teardown ---------------------------------------------------------------
     @invariant()
@@ -332,7 +338,7 @@ class GateMachine(RuleBasedStateMachine):
             assert not broken, f"spec invariants violated: {broken}"
 
     def teardown(self) -> None:
-        if self.ls is not None and self.ls.failed:
+        if self.ls is not None and self.ls.failed and not self.diverged:  # a documented deviation is no counterexample
             try:
                 final = current_build_context().is_final
             except Exception:  # noqa: BLE001 - outside a Hypothesis test (a pasted program)
@@ -358,14 +364,41 @@ def machine_for(runtime: str = "impl", model: str = "tiny", cache: str = "dynami
         adapter_factory: Build the adapter this way instead of opening ``runtime``.
     """
     name = f"Gate_{runtime}_{model}_{cache}".replace(":", "_").replace(".", "_").replace("/", "_").replace(" ", "_")
-    return type(name, (GateMachine,), {"runtime": runtime, "model": model, "cache": cache, "adapter_factory": adapter_factory})
+    return type(name, (GateMachine,), {"runtime": runtime, "model": model, "cache": cache, "adapter_factory": adapter_factory,
+                                       "seen_deviations": []})
 
 
 def run_machine(runtime: str = "impl", model: str = "tiny", cache: str = "dynamic", *,
-                adapter_factory: Callable[[], Adapter] | None = None, **overrides: Any) -> None:
-    """Run the machine of (runtime, model, cache) under :func:`machine_settings` (``overrides`` win)."""
+                adapter_factory: Callable[[], Adapter] | None = None, **overrides: Any) -> list[tuple[str, Any]]:
+    """Run the machine of (runtime, model, cache) under :func:`machine_settings` (``overrides`` win).
+
+    Returns:
+        ``(deviation id, verdict)`` of each documented deviation an example hit (in order; empty
+        when none did), so the gate reports the machine as ``deviation`` rather than ``pass``.
+
+    Raises:
+        AssertionError: a failed verdict or a broken invariant (Hypothesis' shrunk example);
+            any other exception of the adapter or the harness propagates unchanged.
+    """
     factory = machine_for(runtime, model, cache, adapter_factory=adapter_factory)
     run_state_machine_as_test(factory, settings=machine_settings(model, **overrides))
+    return list(factory.seen_deviations)
+
+
+def machine_failure(exc: BaseException) -> tuple[str, Verdict]:
+    """``(result, verdict)`` of a machine that raised: ``fail`` for a ladder verdict or a broken invariant
+    (an AssertionError, layer from its ``ladder.<LAYER>`` prefix, else STATE), ``error`` for any other
+    exception of the adapter or the harness (layer STATE, check ``harness``, actual the error code or type)."""
+    if isinstance(exc, BaseExceptionGroup):  # Hypothesis reports several distinct failures as a group
+        exc = exc.exceptions[0]
+    message = (str(exc).splitlines() or [type(exc).__name__])[0]
+    if isinstance(exc, AssertionError):
+        head = message.split(" ", 2)
+        layer = head[0].split(".", 1)[1] if head[0].startswith("ladder.") else "STATE"
+        check = head[1] if head[0].startswith("ladder.") and len(head) > 1 else "invariant"
+        return "fail", Verdict(FAILED, layer, f"ladder.{layer}", check, None, None, message)
+    code = getattr(exc, "code", None) or type(exc).__name__
+    return "error", Verdict(FAILED, "STATE", "ladder.STATE", "harness", None, code, f"the machine crashed: {message}")
 
 
 class BeamMachine(RuleBasedStateMachine):

@@ -17,14 +17,14 @@ import pytest
 
 from decodespec.checks.adapters import AdapterUnavailable
 from decodespec.checks.cases import CaseResult
-from decodespec.checks.ladder import FAILED, Verdict
-from decodespec.checks.machines import run_beam_machine, run_machine
+from decodespec.checks.ladder import Verdict
+from decodespec.checks.machines import machine_failure, run_beam_machine, run_machine
 from decodespec.checks.traces import open_runtime
 
 
 @pytest.mark.parametrize("model", ["tiny", "gate"])
 @pytest.mark.parametrize("cache", ["none", "dynamic", "static"])
-def test_lockstep_machine(cache: str, model: str, gate_runtime: str, gate_model: str, gate_report) -> None:
+def test_lockstep_machine(cache: str, model: str, gate_runtime: str, gate_model: str, gate_report, gate_expectations) -> None:
     """The lock-step machine of (runtime, model, cache) finds no failed ladder verdict and no broken invariant."""
     if model == "gate" and gate_model == "tiny":
         pytest.skip("the gate's model is tiny (covered by the tiny machine)")
@@ -39,10 +39,16 @@ def test_lockstep_machine(cache: str, model: str, gate_runtime: str, gate_model:
         pytest.skip(f"{gate_runtime} does not declare cache:{cache}")
     case = f"machine.{cache}"
     try:
-        run_machine(gate_runtime, model, cache)
-    except AssertionError as exc:
-        gate_report.add(CaseResult(case, gate_runtime, model, "fail", Verdict(FAILED, message=str(exc).splitlines()[0])))
+        deviations = run_machine(gate_runtime, model, cache)
+    except Exception as exc:  # noqa: BLE001 - every crash becomes a report line, then fails the test
+        gate_report.add(CaseResult(case, gate_runtime, model, *machine_failure(exc)))
         raise
+    if deviations:
+        ids = sorted({d for d, _ in deviations})
+        reasons = {e.id: e.reason for e in gate_expectations}
+        gate_report.add(CaseResult(case, gate_runtime, model, "deviation", deviations[0][1], ", ".join(ids),
+                                   " | ".join(reasons.get(d, "") for d in ids)))
+        return
     gate_report.add(CaseResult(case, gate_runtime, model, "pass", Verdict("passed")))
 
 

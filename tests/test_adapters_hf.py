@@ -194,6 +194,25 @@ def test_policies_hf_cannot_honour_are_refused(adapter, policy, path):
     assert err.value.code == ADAPTER_UNSUPPORTED and err.value.path == path
 
 
+def test_a_refused_reset_observes_rejected_and_refuses_every_action(adapter):
+    """transition.admit refused (peer.py): observe() reports phase 'rejected' with nothing built, every action is
+    refused with transition.not_enabled and changes nothing, and the next reset admits a request again."""
+    from decodespec.spec.transitions import NOT_ENABLED
+
+    run(adapter, tiny())  # a finished request before the refused one: none of it may show through
+    with pytest.raises(Rejection) as err:
+        adapter.reset(tiny(policy={"family": "multinomial", "transforms": [{"name": "top_n_sigma", "n": 1.0}]}))
+    assert err.value.code == ADAPTER_UNSUPPORTED
+    obs = adapter.observe()
+    assert obs.phase == "rejected" and obs.output_ids == () and obs.finish_reason is None
+    assert obs.frontier is None and obs.score_row is None and obs.cache_committed is None  # nothing was built
+    for op in ({"op": "step"}, {"op": "run"}, {"op": "snapshot", "form": "pending_suffix", "id": "s"}):
+        result = adapter.apply(op)
+        assert not result.ok and result.code == NOT_ENABLED, (op, result)
+        assert adapter.observe().summary() == obs.summary()
+    adapter.reset(tiny())
+    assert adapter.observe().phase == "ready"
+
 def test_generation_config_maps_each_transform_to_its_hf_field():
     """The GenerationConfig fields _get_logits_processor reads, one per transform."""
     from decodespec.checks.adapters.hf import generation_config

@@ -29,6 +29,33 @@ def test_beam_machine_duplicated_parents_and_early_eos() -> None:
     assert BeamMachine.duplicated_with_eos > before, "no step duplicated a parent while another parent completed"
 
 
+def test_a_machine_on_a_refused_config_reports_the_documented_deviation() -> None:
+    """llama.cpp has no tiny GGUF: every reset is refused (adapter.unsupported).  The machine observes the refused
+    request (phase 'rejected', peer.py) instead of crashing and returns the documented deviation it hit."""
+    from decodespec.checks.adapters.llamacpp import LLAMACPP_SKIP_REASON
+
+    pytest.importorskip("llama_cpp", reason=LLAMACPP_SKIP_REASON)
+    deviations = run_machine("llamacpp", "tiny", "none", max_examples=5, database=None)
+    assert deviations and {d for d, _ in deviations} == {"llamacpp.machine_unsupported_config"}
+    assert all(v.check == "accept_reject" and v.step == 0 for _, v in deviations)
+
+
+def test_a_machine_crash_becomes_an_error_line_and_a_verdict_a_fail_line() -> None:
+    """The gate's report: an exception of the adapter or the harness is result 'error' (check harness, its code);
+    a failed ladder verdict is 'fail' at its layer (checks/test_machines.py writes both to --report)."""
+    from decodespec.checks.machines import machine_failure
+    from decodespec.spec.errors import Rejection
+
+    result, verdict = machine_failure(Rejection("adapter.protocol", "reset(config) must come before observe()", "$"))
+    assert (result, verdict.layer, verdict.check, verdict.actual) == ("error", "STATE", "harness", "adapter.protocol")
+    assert "reset(config) must come before observe()" in verdict.message
+    result, verdict = machine_failure(ValueError("could not broadcast"))
+    assert (result, verdict.actual) == ("error", "ValueError")
+    result, verdict = machine_failure(AssertionError("ladder.DECISION decision.selected_id at step 3 ({'op': 'step'}): ..."))
+    assert (result, verdict.layer, verdict.rule, verdict.check) == ("fail", "DECISION", "ladder.DECISION", "decision.selected_id")
+    result, verdict = machine_failure(ExceptionGroup("two bugs", [AssertionError("spec invariants violated: [...]"), ValueError("x")]))
+    assert (result, verdict.layer, verdict.check) == ("fail", "STATE", "invariant")
+
 def test_machine_budgets_follow_the_profile() -> None:
     s = machine_settings("tiny")
     assert (s.max_examples, s.stateful_step_count) in {BUDGETS[k]["tiny"] for k in BUDGETS}

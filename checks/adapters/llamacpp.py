@@ -379,15 +379,19 @@ class LlamaCppEngine:
     def corrupt(self, blob: Any, state: dict[str, Any], corruption: str) -> tuple[Any, dict[str, Any]]:
         """Corrupt the ``LlamaState`` field that stands for the record's field (llama-cpp-python checks none).
 
-        ``processed_plus_one`` / ``repaired_with_pending``: ``n_tokens + 1``; ``pending_dropped``:
-        the pending id is removed from the caller's ids; ``rng_counter``: the state's ``seed``
-        + 1; ``identity``: the state has no identity (restored unchanged).
+        ``processed_plus_one`` / ``repaired_with_pending``: ``n_tokens + 1`` (with one more zero
+        score row, so that the ``LlamaState`` stays self-consistent -- ``load_state`` copies
+        ``scores`` into ``n_tokens`` rows -- and only its claimed frontier disagrees with the
+        memory bytes it carries); ``pending_dropped``: the pending id is removed from the caller's
+        ids; ``rng_counter``: the state's ``seed`` + 1; ``identity``: the state has no identity
+        (restored unchanged).
         """
         import copy
 
         blob = copy.copy(blob)
         if corruption in ("processed_plus_one", "repaired_with_pending"):
             blob.n_tokens += 1
+            blob.scores = np.concatenate([blob.scores, np.zeros((1,) + blob.scores.shape[1:], dtype=blob.scores.dtype)])
         elif corruption == "pending_dropped" and state.get("pending_ids"):
             state = {**state, "output_ids": list(state["output_ids"])[:-1], "pending_ids": ()}
         elif corruption == "rng_counter":

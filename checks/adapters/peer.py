@@ -223,6 +223,8 @@ class PeerAdapter:
         self.engine = engine
         self.name = name
         self.config: CaseConfig | None = None
+        #: The config of a refused ``reset`` (nothing admitted); ``None`` once a reset admits a request.
+        self.refused: CaseConfig | None = None
         self.snapshots: dict[str, tuple[Any, dict[str, Any], CaseConfig]] = {}
 
     # -- contract ------------------------------------------------------------------------
@@ -239,8 +241,18 @@ class PeerAdapter:
                 ``envelope.zero_new_tokens_rejected`` for G = 0 under ``reject``;
                 ``runtime.invalid_request``-like refusals of the peer.
             ResourceLimit: the prompt does not fit the model window.
+
+        A refused reset admits nothing and drops the previous request: :meth:`observe` then reports
+        phase ``rejected`` (no output, no frontier) and every action is refused with
+        ``transition.not_enabled`` (the spec's answer in a state with no admitted request) until a
+        reset admits one.
         """
-        self._admit(config, reuse=False)
+        try:
+            self._admit(config, reuse=False)
+        except DecodeSpecError:
+            self.config, self.refused = None, config
+            raise
+        self.refused = None
 
     def _admit(self, config: CaseConfig, *, reuse: bool) -> None:
         if config.num_beams != 1 or config.policy.get("family") == "beam":
@@ -305,6 +317,9 @@ class PeerAdapter:
             missing = required_capabilities(act) - self.capabilities()
             if missing:
                 raise unsupported(f"op {act['op']!r} needs {sorted(missing)}", "$.op")
+            if self.config is None and self.refused is not None:
+                raise Rejection(NOT_ENABLED, "the request was refused at admission: no action is enabled", "$.op",
+                                details={"rule": "transition.admit", "guard": "a request was admitted"})
             if self.config is None:
                 raise Rejection(ADAPTER_PROTOCOL, "reset(config) must come before any action", "$")
             data = getattr(self, "_op_" + act["op"])(act)
@@ -313,7 +328,16 @@ class PeerAdapter:
         return ApplyResult.accepted(data)
 
     def observe(self) -> Observation:
-        """The observable projection (peer-owned values where the peer has them; ``None`` where it has no notion)."""
+        """The observable projection (peer-owned values where the peer has them; ``None`` where it has no notion).
+
+        After a refused :meth:`reset`: phase ``rejected``, no outputs, no triggers, every other
+        field not exposed (nothing was built).
+
+        Raises:
+            Rejection: ``adapter.protocol`` before any ``reset``.
+        """
+        if self.config is None and self.refused is not None:
+            return Observation(phase=Phase.REJECTED.value)
         if self.config is None:
             raise Rejection(ADAPTER_PROTOCOL, "reset(config) must come before observe()", "$")
         latest = self.latest_decision
@@ -351,7 +375,7 @@ class PeerAdapter:
 
     def close(self) -> None:
         """Drop the request and the stored snapshots."""
-        self.config = None
+        self.config = self.refused = None
         self.snapshots.clear()
 
     # -- state helpers -------------------------------------------------------------------
