@@ -32,6 +32,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -43,7 +44,7 @@ from decodespec.spec.errors import DecodeSpecError
 
 from .adapters import CORRUPTIONS, AdapterUnavailable, CaseConfig
 from .ladder import FAILED, PASSED, UNDECIDED, Expected, Tolerance, Verdict, compare, greedy_comparator, tolerance_for
-from .lockstep import LockStep, reference_for
+from .lockstep import LockStep, ReferenceDecision, judge_decision, reference_for
 from .traces import make_trace, open_runtime
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "Expectation",
     "cases_for",
     "load_expectations",
+    "pair_divergence_verdict",
     "prompt_ids",
     "report_line",
     "run_case",
@@ -449,11 +451,27 @@ def _drive(adapter, config: CaseConfig, actions: Sequence[Mapping[str, Any]], ru
 
 
 def _pair_verdict(a: LockStep, b: LockStep, fields: Sequence[str], tol: Tolerance) -> Verdict:
-    """Compare the two runs' observations step by step (within twice the tolerance: both are within it of the reference)."""
+    """Compare the two runs' observations step by step (within twice the tolerance: both are within it of the reference).
+
+    Where the two token paths diverge (first differing output ``k``), the steps up to the shared
+    prefix are compared as usual and the divergence itself is judged by the margin rule
+    (:func:`pair_divergence_verdict`): ``undecided`` when the reference margin of the shared prefix
+    cannot decide between the two ids, ``failed`` only when it rules one of them out.  Later steps
+    condition on different prefixes and are not compared.
+
+    Source: M3.10 "A logit tolerance is not a token-equality proof" (issue 8: "Greedy token
+    equality is only claimed from a logit tolerance when the reference margin exceeds 2 epsilon;
+    otherwise the report says the margin was too small to decide"), "Correctness matrix".
+    """
     pair_tol = Tolerance(logit=2 * tol.logit, kv=2 * tol.kv, prob=2 * tol.prob, logprob=2 * tol.logprob)
+    final_a, final_b = _final_ids(a), _final_ids(b)
+    shared = _common_prefix(final_a, final_b)
+    diverged = shared < min(len(final_a), len(final_b))
     for index, (oa, ob) in enumerate(zip(a.observations, b.observations)):
         if oa is None or ob is None:
             continue
+        if diverged and max(len(oa.output_ids), len(ob.output_ids)) > shared:
+            break
         exp = Expected(
             tolerance=pair_tol,
             output_ids=oa.output_ids if "ids" in fields else None,
@@ -467,7 +485,64 @@ def _pair_verdict(a: LockStep, b: LockStep, fields: Sequence[str], tol: Toleranc
         verdict = compare(exp, ob, layers=("STATE", "TENSOR", "SEQUENCE"))
         if not verdict.passed:
             return attrs.evolve(verdict, step=index, message=f"pair comparison at step {index}: {verdict.message}")
-    return Verdict(PASSED)
+    if not diverged:
+        return Verdict(PASSED)
+    prefix = tuple(a.config.prompt_ids) + final_a[:shared]
+    ref = a.reference_decisions.get(prefix) or b.reference_decisions.get(prefix)
+    if ref is None:
+        return Verdict(FAILED, "STATE", "ladder.STATE", "output_ids", list(final_a), list(final_b),
+                       f"the two paths diverge at output {shared} ({final_a[shared]} vs {final_b[shared]}) and the spec made no "
+                       "reference decision on the shared prefix to judge it by")
+    return pair_divergence_verdict(ref, final_a[shared], final_b[shared], tol)
+
+
+def _final_ids(ls: LockStep) -> tuple[int, ...]:
+    obs = next((o for o in reversed(ls.observations) if o is not None), None)
+    return () if obs is None else tuple(obs.output_ids)
+
+
+def _common_prefix(x: Sequence[int], y: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    return n
+
+
+def pair_divergence_verdict(ref: ReferenceDecision, token_a: int, token_b: int, tol: Tolerance) -> Verdict:
+    """Judge two runtime paths that select ``token_a`` and ``token_b`` after the same committed prefix.
+
+    Each path's id is judged against the spec's decision on the reference row of that prefix
+    (:func:`~decodespec.checks.lockstep.judge_decision`, epsilon ``tol.logit``: each path is
+    within epsilon of the reference).  A path the reference margin rules out fails the pair (its
+    verdict, DECISION layer); otherwise the tolerance cannot decide between the two ids and the
+    pair is ``undecided`` (check ``pair.margin``; greedy: both ids within 2 epsilon of the
+    reference maximum, so the reference margin is at most 2 epsilon).
+
+    Args:
+        ref: The spec's decision on the shared prefix (:attr:`LockStep.reference_decisions`).
+        token_a / token_b: The two paths' ids at output ``ref.output_index`` (different).
+        tol: The runtime's declared tolerance.
+
+    Returns:
+        ``failed`` (``decision.selected_id`` / ``decision.draw`` / ``decision.support``) or
+        ``undecided`` (``pair.margin``), never ``passed`` for two different ids.
+
+    Source: M3.10 "A logit tolerance is not a token-equality proof"; issue 8.
+    """
+    k = ref.output_index
+    for side, token in (("A", token_a), ("B", token_b)):
+        verdict = judge_decision(policy=ref.policy, ref_values=ref.values, ref_token=ref.token, runtime_token=int(token), tolerance=tol,
+                                 greedy=ref.greedy, ref_probs=ref.probs, u=ref.u, output_index=k)
+        if verdict.result == FAILED:
+            return attrs.evolve(verdict, message=f"pair: the paths diverge at output {k} ({token_a} vs {token_b}); path {side}: "
+                                                 f"{verdict.message}")
+    finite = np.sort(ref.values[np.isfinite(ref.values)])
+    margin = float(finite[-1] - finite[-2]) if finite.size > 1 else math.inf
+    what = (f"the reference margin {margin:.3g} <= 2 epsilon = {2 * tol.logit:.3g}" if ref.greedy else
+            f"the uniform {ref.u:.6g} lies within the tolerance of both ids' CDF intervals")
+    return Verdict(UNDECIDED, "DECISION", "ladder.DECISION", "pair.margin", int(token_a), int(token_b),
+                   f"pair: the paths diverge at output {k} ({token_a} vs {token_b}) where {what}: the tolerance cannot decide "
+                   f"between them (the reference selects {ref.token})")
 
 
 #: ``(case id, runtime) -> procedure(case, runtime) -> Verdict`` for ``custom`` cases.

@@ -64,6 +64,7 @@ from .ladder import FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, 
 __all__ = [
     "LockStep",
     "Reference",
+    "ReferenceDecision",
     "SpecSide",
     "StepRecord",
     "admission_refusal",
@@ -482,6 +483,29 @@ _STATE_FIELDS = ("phase", "output_ids", "logprobs", "frontier", "finish_reason",
                  "quarantined", "decision", "score_id", "text", "chunks", "cache_committed", "call")
 
 
+@attrs.frozen(eq=False)
+class ReferenceDecision:
+    """The spec's decision on the reference row of one committed prefix (what a pair comparison judges a divergence by).
+
+    Attributes:
+        output_index: O of the decision.
+        token: The spec policy's id on the reference row (before any adoption of the runtime's id).
+        values: ``float64[V]`` the processed reference row (selector input; ``-inf`` outside the support).
+        probs: ``float64[V]`` its processed probabilities.
+        u: The decision's uniform (multinomial), else ``None``.
+        greedy: Whether the selector is greedy (family greedy or temperature 0).
+        policy: The request's policy.
+    """
+
+    output_index: int
+    token: int
+    values: np.ndarray
+    probs: np.ndarray
+    u: float | None
+    greedy: bool
+    policy: PolicyConfig
+
+
 class LockStep:
     """Drive ``adapter`` and the spec with the same actions and judge every step with the ladder.
 
@@ -498,6 +522,8 @@ class LockStep:
         records: One :class:`StepRecord` per step (``reset`` first).
         observations: The full observation after each record.
         observation: The latest observation.
+        reference_decisions: ``prompt_ids + output_ids[:O] -> ReferenceDecision`` of every decision
+            the spec made (keyed by the committed prefix it conditions on).
     """
 
     def __init__(self, adapter: Adapter, config: CaseConfig, *, runtime: str | None = None, tolerance: Tolerance | None = None,
@@ -516,6 +542,7 @@ class LockStep:
         self.observations: list[Observation | None] = []
         self.observation: Observation | None = None
         self.resume_reference: Observation | None = None
+        self.reference_decisions: dict[tuple[int, ...], ReferenceDecision] = {}
         self._snapshot_count = 0
 
     # -- public ----------------------------------------------------------------------------
@@ -687,6 +714,9 @@ class LockStep:
         receipt, after = decide(ref_row, s.policy, s.policy_state, view)
         ref_processed = processed_row(ref_row, s.policy, s.policy_state, view)
         token, draws = receipt.selected_id, receipt.draws
+        u = None if s.greedy() else uniform(rng_key(s.params.identity, s.config.seed), view.step, 0)
+        self.reference_decisions[tuple(s.sequence)] = ReferenceDecision(index, token, ref_processed.values, ref_processed.probs, u,
+                                                                        s.greedy(), s.policy)
         cand_processed = None
         cand_token = None
         own_row = obs.score_row is not None and obs.score_output_count == index
@@ -704,9 +734,6 @@ class LockStep:
             except DecodeSpecError:
                 cand_processed = cand_token = None
         if runtime_token is not None and runtime_token != token:
-            u = None
-            if not s.greedy():
-                u = uniform(rng_key(s.params.identity, s.config.seed), view.step, 0)
             verdict = judge_decision(policy=s.policy, ref_values=ref_processed.values, ref_token=token, runtime_token=runtime_token,
                                      tolerance=self.tolerance, greedy=s.greedy(), cand_token=cand_token,
                                      ref_probs=ref_processed.probs, u=u, output_index=index)

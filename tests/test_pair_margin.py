@@ -1,0 +1,119 @@
+"""Pair comparisons of the case table apply the margin rule where two runtime paths diverge (issue 8).
+
+``matrix.*`` pair cases (no cache versus dynamic cache, eager versus SDPA ...) run the same
+request down two runtime paths, each in lock step with the spec, then compare the two runs.
+Where their token ids diverge, the divergence is judged against the spec's decision on the
+reference row of the shared prefix: ``undecided`` when the reference margin is at most
+2 epsilon (``ladder.DECISION``, check ``pair.margin``), ``failed`` only when the margin rules one
+of the ids out.  Synthetic rows, no model.
+
+Source: M3.10 "A logit tolerance is not a token-equality proof"; checks/cases.py
+``_pair_verdict`` / ``pair_divergence_verdict``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from decodespec.checks.adapters import CaseConfig, Observation
+from decodespec.checks.cases import _pair_verdict, pair_divergence_verdict
+from decodespec.checks.ladder import FAILED, PASSED, UNDECIDED, Tolerance
+from decodespec.checks.lockstep import ReferenceDecision
+from decodespec.spec.policy import policy_config_from_json
+
+V = 16
+PROMPT = (1, 4, 9)
+EPS = 0.1
+TOL = Tolerance.from_logit(EPS, 0.1)
+GREEDY = policy_config_from_json({"family": "greedy"})
+
+
+def _row(top: int, second: int, gap: float) -> np.ndarray:
+    row = np.linspace(-5.0, -3.0, V)
+    row[top], row[second] = 2.0, 2.0 - gap
+    return row
+
+
+def _greedy_ref(index: int, row: np.ndarray) -> ReferenceDecision:
+    probs = np.exp(row - row.max())
+    return ReferenceDecision(index, int(np.argmax(row)), row, probs / probs.sum(), None, True, GREEDY)
+
+
+def _run(ids: tuple[int, ...], rows: list[np.ndarray], refs: dict) -> SimpleNamespace:
+    """A lock-step run's record: reset, then one observation per committed token (the row it decided on)."""
+    observations = [Observation(phase="ready", output_ids=())]
+    for n in range(1, len(ids) + 1):
+        observations.append(Observation(phase="ready", output_ids=ids[:n], score_row=rows[n - 1].astype(np.float32),
+                                        score_output_count=n - 1))
+    return SimpleNamespace(config=CaseConfig(model="tiny", prompt_ids=PROMPT, max_new_tokens=len(ids)), observations=observations,
+                           reference_decisions=refs)
+
+
+def _pair(gap: float, *, row_b_shift: float = 0.0):
+    """Two paths sharing output 0 (id 3), then diverging at output 1: A takes 5, B takes 7; reference margin ``gap``."""
+    row0 = _row(3, 8, 1.0)
+    row1 = _row(5, 7, gap)
+    refs = {PROMPT: _greedy_ref(0, row0), PROMPT + (3,): _greedy_ref(1, row1)}
+    a = _run((3, 5, 11), [row0, row1, _row(11, 2, 1.0)], refs)
+    b = _run((3, 7, 12), [row0 + row_b_shift, row1 + row_b_shift, _row(12, 2, 1.0)], refs)
+    return a, b
+
+
+def test_divergence_at_a_near_tie_is_undecided() -> None:
+    """ladder.DECISION: ids diverge where the reference margin 0.05 <= 2 epsilon = 0.2: undecided, not failed."""
+    a, b = _pair(0.05)
+    verdict = _pair_verdict(a, b, ("ids", "logits"), TOL)
+    assert verdict.result == UNDECIDED, verdict
+    assert (verdict.layer, verdict.check, verdict.expected, verdict.actual) == ("DECISION", "pair.margin", 5, 7)
+    assert "output 1" in verdict.message and "2 epsilon" in verdict.message
+
+
+def test_divergence_at_a_wide_margin_fails() -> None:
+    """ladder.DECISION: the reference margin 1.0 > 2 epsilon guarantees id 5; path B's 7 fails the pair."""
+    a, b = _pair(1.0)
+    verdict = _pair_verdict(a, b, ("ids", "logits"), TOL)
+    assert verdict.result == FAILED
+    assert (verdict.layer, verdict.check, verdict.expected, verdict.actual) == ("DECISION", "decision.selected_id", 5, 7)
+    assert "path B" in verdict.message
+
+
+def test_rows_of_the_shared_prefix_are_still_compared() -> None:
+    """ladder.TENSOR: a near tie does not excuse rows of the shared prefix more than 2 epsilon apart."""
+    a, b = _pair(0.05, row_b_shift=0.5)
+    verdict = _pair_verdict(a, b, ("ids", "logits"), TOL)
+    assert verdict.result == FAILED and verdict.layer == "TENSOR", verdict
+    assert verdict.step == 1  # the first row (output 0), before the divergence
+
+
+def test_identical_paths_pass_and_rows_after_a_divergence_are_not_compared() -> None:
+    """Same ids: passed.  After a divergence the rows condition on different prefixes (here 11 vs 12 rows): ignored."""
+    a, _ = _pair(0.05)
+    assert _pair_verdict(a, a, ("ids", "logits"), TOL).result == PASSED
+    a, b = _pair(0.05)
+    b.observations[-1] = Observation(phase="ready", output_ids=(3, 7, 12), score_row=np.full(V, 50.0, np.float32), score_output_count=2)
+    assert _pair_verdict(a, b, ("ids", "logits"), TOL).result == UNDECIDED
+
+
+def test_a_path_outside_two_epsilon_fails_even_when_the_top_two_are_tied() -> None:
+    """Greedy: B's id 9 is 1.0 below the maximum although ids 5 and 7 tie: the reference rules it out."""
+    row = _row(5, 7, 0.0)
+    row[9] = 1.0
+    ref = _greedy_ref(0, row)
+    assert pair_divergence_verdict(ref, 7, 5, TOL).result == UNDECIDED
+    verdict = pair_divergence_verdict(ref, 5, 9, TOL)
+    assert verdict.result == FAILED and verdict.check == "decision.selected_id"
+
+
+def test_sampled_divergence_uses_the_draw_margin() -> None:
+    """selector.multinomial: a divergence is undecided only when the uniform lies within the tolerance of both ids' intervals."""
+    policy = policy_config_from_json({"family": "multinomial", "transforms": [{"name": "temperature", "temperature": 1.0}]})
+    probs = np.zeros(V)
+    probs[[4, 5, 6]] = [0.3, 0.4, 0.3]
+    values = np.where(probs > 0, np.log(np.where(probs > 0, probs, 1.0)), -np.inf)
+    near = ReferenceDecision(0, 4, values, probs, 0.299, False, policy)  # inside 4's interval [0, 0.3), 0.001 from 5's
+    assert pair_divergence_verdict(near, 4, 5, TOL).result == UNDECIDED
+    far = ReferenceDecision(0, 5, values, probs, 0.45, False, policy)
+    verdict = pair_divergence_verdict(far, 5, 6, TOL)  # 0.45 is 0.25 from 6's interval [0.7, 1.0) > 2 epsilon / T = 0.2
+    assert verdict.result == FAILED and verdict.check == "decision.draw"
