@@ -60,6 +60,7 @@ import functools
 import hashlib
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -373,15 +374,32 @@ def _pairs_hook(pairs: list[tuple[str, Any]]) -> Any:
     return out
 
 
+class _Invalid:
+    """Marker left by a parse hook where a number literal cannot be admitted (the path is found later)."""
+
+    def __init__(self, code: str, message: str):
+        self.code = code
+        self.message = message
+
+
 def _reject_constant(name: str) -> Any:
-    raise Rejection(NON_FINITE, f"the literal {name} is not a finite JSON number")
+    return _Invalid(NON_FINITE, f"the literal {name} is not a finite JSON number")
 
 
-def _parse_float(text: str) -> float:
+def _parse_float(text: str) -> Any:
     value = float(text)
     if value in (float("inf"), float("-inf")):
-        raise Rejection(NON_FINITE, f"the number {text} overflows to infinity")
+        return _Invalid(NON_FINITE, f"the number {text} overflows to infinity")
     return value
+
+
+def _parse_int(text: str) -> Any:
+    digits = len(text.lstrip("-"))
+    limit = sys.get_int_max_str_digits() or digits
+    if digits > limit:  # Python refuses to convert it (and the conversion is quadratic); no envelope integer is near
+        return _Invalid(INVALID_JSON, f"integer literal too large: {digits} digits (every envelope integer is at most "
+                                      f"{MAX_SAFE_INT}, 16 digits)")
+    return int(text)
 
 
 def _json_path(parts: Any) -> str:
@@ -395,6 +413,8 @@ def _scan(value: Any, path: str) -> None:
     """Find duplicate-key markers and lone surrogates, depth first, in document order."""
     if isinstance(value, _Duplicate):
         raise Rejection(DUPLICATE_KEY, f"key {value.key!r} appears twice in one object", f"{path}.{value.key}")
+    if isinstance(value, _Invalid):
+        raise Rejection(value.code, value.message, path)
     if isinstance(value, str):
         if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
             raise Rejection(INVALID_UTF8, "a string escapes a lone UTF-16 surrogate", path)
@@ -437,11 +457,10 @@ def parse_raw(raw: bytes) -> Any:
         raise ResourceLimit(TOO_DEEP, f"nesting depth {deepest} > {MAX_NESTING_DEPTH}", "$",
                             {"limit": MAX_NESTING_DEPTH, "actual": deepest})
     try:
-        value = json.loads(text, object_pairs_hook=_pairs_hook, parse_constant=_reject_constant, parse_float=_parse_float)
+        value = json.loads(text, object_pairs_hook=_pairs_hook, parse_constant=_reject_constant, parse_float=_parse_float,
+                           parse_int=_parse_int)
     except json.JSONDecodeError as exc:
         raise Rejection(INVALID_JSON, f"{exc.msg} at line {exc.lineno} column {exc.colno}", "$") from None
-    except ValueError as exc:  # e.g. an integer literal longer than Python's digit limit
-        raise Rejection(INVALID_JSON, str(exc), "$") from None
     _scan(value, "$")
     return value
 
@@ -474,10 +493,56 @@ _KEYWORD_CODES = {
 }
 
 
+def _discriminated(error: jsonschema.ValidationError) -> jsonschema.ValidationError:
+    """The error inside the ``oneOf`` branch whose ``name`` const the instance matches (a policy transform).
+
+    ``best_match`` cannot choose between branches that fail equally deep (``top_p`` and ``min_p``
+    both have a ``p``), so it reports the whole object; the transform's ``name`` selects the
+    branch, and that branch's own error (``p`` out of range) is the one to report.
+    """
+    if error.validator not in ("oneOf", "anyOf") or not error.context:
+        return error
+    wrong_name = {e.schema_path[0] for e in error.context if list(e.relative_path) == ["name"] and e.validator == "const"}
+    kept = [e for e in error.context if e.schema_path[0] not in wrong_name]
+    if not kept or not wrong_name:
+        return error
+    return _discriminated(jsonschema.exceptions.best_match(kept))
+
+
+def _range_error(error: jsonschema.ValidationError, path: str) -> Rejection:
+    """``envelope.out_of_range`` naming the field (``top_p.p``) and its declared range."""
+    schema = error.schema
+    lo = (f"[{schema['minimum']}" if "minimum" in schema
+          else f"({schema['exclusiveMinimum']}" if "exclusiveMinimum" in schema else "(-inf")
+    hi = (f"{schema['maximum']}]" if "maximum" in schema
+          else f"{schema['exclusiveMaximum']})" if "exclusiveMaximum" in schema else "inf)")
+    owner = _owner_name(error)
+    field = error.absolute_path[-1] if error.absolute_path else None
+    name = (owner if owner == field else f"{owner}.{field}") if owner and field is not None else path.removeprefix("$.")
+    return Rejection(OUT_OF_RANGE, f"{name} = {error.instance!r} is outside its range {lo}, {hi}", path)
+
+
+def _owner_name(error: jsonschema.ValidationError) -> str | None:
+    """The ``name`` of the transform object holding the offending field, if any."""
+    node: Any = error
+    while node is not None:
+        if isinstance(node.instance, dict) and isinstance(node.instance.get("name"), str) and node.instance is not error.instance:
+            return node.instance["name"]
+        node = node.parent
+    return None
+
+
 def _schema_error(error: jsonschema.ValidationError) -> Rejection:
+    error = _discriminated(error)
     path = _json_path(error.absolute_path)
     keyword = str(error.validator)
     instance = error.instance
+    if keyword in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        return _range_error(error, path)
+    if keyword == "oneOf" and isinstance(instance, dict) and isinstance(instance.get("name"), str):
+        known = sorted(b["properties"]["name"]["const"] for b in error.validator_value if "name" in b.get("properties", {}))
+        if instance["name"] not in known:
+            return Rejection(INVALID_VALUE, f"unknown transform name {instance['name']!r}; known: {', '.join(known)}", f"{path}.name")
     if keyword in ("additionalProperties", "unevaluatedProperties") and isinstance(instance, dict):
         allowed = set(error.schema.get("properties", {}))
         extra = sorted(k for k in instance if k not in allowed)

@@ -95,7 +95,13 @@ STRUCTURAL = [
     ("envelope.invalid_string", "$.artifact.checkpoint_sha256", edit("artifact.checkpoint_sha256", "sha256:XYZ")),
     ("envelope.invalid_string", "$.annotations", edit("annotations", {"Bad Key": "x"})),
     ("envelope.duplicate_item", "$.termination.eos_ids", edit("termination.eos_ids", [2, 2])),
-    ("envelope.schema_violation", "$.policy.transforms[0]", edit("policy.transforms.0", {"name": "top_k", "k": 5, "extra": 1})),
+    ("envelope.unknown_field", "$.policy.transforms[0].extra", edit("policy.transforms.0", {"name": "top_k", "k": 5, "extra": 1})),
+    ("envelope.schema_violation", "$.policy.transforms[0]", edit("policy.transforms.0", {"k": 5})),
+    ("envelope.invalid_value", "$.policy.transforms[0].name", edit("policy.transforms.0", {"name": "nosuch"})),
+    ("envelope.out_of_range", "$.policy.transforms[0].p", edit("policy.transforms.0", {"name": "top_p", "p": 1.5})),
+    ("envelope.out_of_range", "$.policy.transforms[0].p", edit("policy.transforms.0", {"name": "min_p", "p": 2})),
+    ("envelope.out_of_range", "$.policy.transforms[0].temperature", edit("policy.transforms.0", {"name": "temperature", "temperature": -1})),
+    ("envelope.out_of_range", "$.policy.transforms[0].penalty", edit("policy.transforms.0", {"name": "repetition_penalty", "penalty": 0})),
 ]
 
 # Checks on the raw bytes, before any object is built (not expressible in JSON Schema).
@@ -177,6 +183,31 @@ def test_raw_byte_rejections(code: str, raw: bytes) -> None:
     err = reject(raw)
     assert err.code == code, err
     assert isinstance(err, ResourceLimit) == (ERROR_CODES[code].kind == "resource_limit")
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"-Infinity", b"1e999"])
+def test_non_finite_number_path_names_the_field(literal: bytes) -> None:
+    err = reject(_sub(b'"temperature": 0.7', b'"temperature": ' + literal))
+    assert (err.code, err.path) == ("envelope.non_finite_number", "$.policy.transforms[0].temperature")
+
+
+def test_huge_integer_literal_is_a_clear_error_at_its_field() -> None:
+    err = reject(_sub(b'"seed": 42', b'"seed": 4' + b"2" * 5000))
+    assert (err.code, err.path) == ("envelope.invalid_json", "$.rng.seed")
+    assert "integer literal too large: 5001 digits" in err.message and "set_int_max_str_digits" not in err.message
+
+
+@pytest.mark.parametrize("transform, text", [
+    ({"name": "top_p", "p": 1.5}, "top_p.p = 1.5 is outside its range (0.0, 1.0]"),
+    ({"name": "min_p", "p": 2}, "min_p.p = 2 is outside its range [0.0, 1.0]"),
+    ({"name": "temperature", "temperature": -1}, "temperature = -1 is outside its range [0.0, inf)"),
+    ({"name": "repetition_penalty", "penalty": 0}, "repetition_penalty.penalty = 0 is outside its range (0.0, inf)"),
+    ({"name": "top_k", "k": 0}, "top_k.k = 0 is outside its range [1, inf)"),
+])
+def test_policy_range_errors_name_the_field_and_its_range(transform: dict, text: str) -> None:
+    """The transform's ``name`` selects its oneOf branch, so the range error wins over 'not valid under any'."""
+    err = reject(dumps(edit("policy.transforms.0", transform)(tiny())))
+    assert err.code == "envelope.out_of_range" and err.message == text, err
 
 
 def test_duplicate_key_path_names_the_nested_key() -> None:
