@@ -16,7 +16,9 @@ Options:
   selects Hypothesis' built-in ``ci`` profile: derandomized, no example database).
 * ``--mutant NAME``: install a failure-lab mutant (:mod:`decodespec.checks.mutants`) for the
   whole session, the gate's reference computations on the oracle side: the gate must fail
-  (``decodespec mutants`` runs every mutant and records which check killed it).
+  (``decodespec mutants`` runs every mutant and records which check killed it).  Failure
+  traces written under it record the mutant (``#meta.mutant``) and ``decodespec replay``
+  installs it again.
 
 Fixtures for the gate's test modules (and the peer matrix files): ``gate_runtime``,
 ``gate_model``, ``gate_expectations``, ``gate_report`` (``add(CaseResult)``).

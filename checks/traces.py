@@ -8,6 +8,10 @@ everything a replay needs, as plain JSON:
   :data:`RUNTIMES`), ``model``, ``seed`` (the Hypothesis seed, when generated), ``config`` (the
   :class:`~decodespec.checks.adapters.CaseConfig` JSON), ``tolerance``;
 * ``actions``: the contract actions after the implicit ``reset`` (step 0);
+* ``mutant`` (optional): the failure-lab mutant (``mutant.<name>``, :mod:`decodespec.checks.mutants`)
+  installed when the trace was recorded (``pytest checks/ --mutant NAME``, ``decodespec
+  mutants``); absent when none was.  :func:`replay` installs it again (with the gate's reference
+  on the oracle side, as the gate does), so a mutant's failure trace reproduces;
 * ``verdict``: the **expected verdict** -- ``passed``, or ``failed`` / ``undecided`` with its
   ladder ``layer``, ``rule`` and ``check``, the ``step`` it was found at, expected, actual and
   the message;
@@ -32,9 +36,11 @@ Source: research/formal-anchors-survey.md 2.6 (export the shrunk example when ``
 from __future__ import annotations
 
 import hashlib
+import contextlib
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -54,7 +60,9 @@ __all__ = [
     "ReplayResult",
     "default_trace_dir",
     "load_trace",
+    "installed_mutant",
     "make_trace",
+    "mutant_installed",
     "open_runtime",
     "record",
     "replay",
@@ -100,6 +108,41 @@ def default_trace_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "traces" / "failures"
 
 
+def installed_mutant() -> str | None:
+    """The failure-lab mutant installed now (``mutant.<name>``), else ``None``.
+
+    No mutant can be installed unless :mod:`decodespec.checks.mutants` was imported, so this
+    does not import it.
+    """
+    mutants = sys.modules.get("decodespec.checks.mutants")
+    return mutants.active() if mutants is not None else None
+
+
+@contextlib.contextmanager
+def mutant_installed(name: str | None) -> Any:
+    """Install the failure-lab mutant ``name`` (and the gate's reference on the oracle side) for the block.
+
+    Does nothing for ``None`` or when ``name`` is already the installed mutant (a replay inside
+    ``pytest checks/ --mutant NAME``).
+
+    Raises:
+        Rejection: ``trace.invalid_conformance_trace`` for an unknown mutant name.
+        decodespec.checks.mutants.seams.SeamMoved: the runtime changed under the mutant.
+    """
+    if name is None or name == installed_mutant():
+        yield
+        return
+    from .mutants import get
+    from .mutants.harness import spec_side
+
+    try:
+        chosen = get(name)
+    except KeyError as exc:
+        raise Rejection(TRACE_INVALID, f"#meta.mutant: {exc.args[0]}", "$.#meta.mutant") from None
+    with spec_side(), chosen.applied():
+        yield
+
+
 def _itf_value(value: Any) -> Any:
     """A JSON value made ITF-encodable: floats as decimal strings (ITF has no floats)."""
     if isinstance(value, float):
@@ -122,10 +165,13 @@ def make_trace(
     seed: Any = None,
     generator: Mapping[str, Any] | None = None,
     spec_refs: Sequence[str] = (),
+    mutant: str | None = None,
 ) -> dict[str, Any]:
     """Build a ``decodespec.trace`` ITF trace from lock-step records (:class:`~decodespec.checks.lockstep.StepRecord`).
 
-    ``records[0]`` is the reset step; the actions are the rest.
+    ``records[0]`` is the reset step; the actions are the rest.  ``mutant`` (default: the
+    failure-lab mutant installed now, :func:`installed_mutant`) is recorded as ``#meta.mutant``
+    when there is one.
     """
     actions = [dict(r.action) for r in records[1:] if r.action.get("op") != "compare_resume"]
     states = []
@@ -156,6 +202,9 @@ def make_trace(
         "verdict": verdict.to_json(),
         "generator": dict(generator or {"tool": "decodespec"}),
     }
+    mutant = mutant or installed_mutant()
+    if mutant:
+        meta["mutant"] = mutant
     return itf.make_trace(list(_VARS), states, meta=meta)
 
 
@@ -186,11 +235,12 @@ def record(runtime: str, config: CaseConfig, actions: Sequence[Mapping[str, Any]
 
 
 def trace_file_name(trace: Mapping[str, Any]) -> str:
-    """``<runtime>-<model>-<result>[-<layer>]-<hash12>.itf.json`` (the hash of the meta's config and actions)."""
+    """``<runtime>[-<mutant>]-<model>-<result>[-<layer>]-<hash12>.itf.json`` (the hash of the meta's config and actions)."""
     meta = trace["#meta"]
     digest = hashlib.sha256(json.dumps([meta["config"], meta["actions"]], sort_keys=True).encode()).hexdigest()[:12]
     verdict = meta["verdict"]
-    parts = [meta["runtime"].replace(":", "_").replace("/", "_"), meta["model"], verdict["result"]]
+    parts = [meta["runtime"].replace(":", "_").replace("/", "_"), *([meta["mutant"]] if meta.get("mutant") else []),
+             meta["model"], verdict["result"]]
     if verdict.get("layer"):
         parts.append(verdict["layer"])
     return "-".join(parts + [digest]) + ".itf.json"
@@ -208,7 +258,7 @@ def load_trace(path: str | Path) -> dict[str, Any]:
 
     Raises:
         Rejection: ``trace.invalid_conformance_trace`` for a non-ITF file, another format or
-            version, or a ``#meta`` without the replay fields.
+            version, a ``#meta`` without the replay fields, or a ``mutant`` that is not a string.
     """
     try:
         trace = itf.read_trace(path)
@@ -223,6 +273,8 @@ def load_trace(path: str | Path) -> dict[str, Any]:
     for key in ("runtime", "config", "actions", "verdict"):
         if key not in meta:
             raise Rejection(TRACE_INVALID, f"{path}: #meta lacks {key!r}", f"$.#meta.{key}")
+    if meta.get("mutant") is not None and not isinstance(meta["mutant"], str):
+        raise Rejection(TRACE_INVALID, f"{path}: #meta.mutant {meta['mutant']!r} is not a mutant name", "$.#meta.mutant")
     return trace
 
 
@@ -236,6 +288,7 @@ class ReplayResult:
         actual: The replayed run's verdict.
         runtime: The runtime replayed against.
         steps: Steps replayed (reset included).
+        mutant: The failure-lab mutant installed for the replay (the trace's ``#meta.mutant``), else ``None``.
     """
 
     reproduced: bool
@@ -243,15 +296,23 @@ class ReplayResult:
     actual: Verdict
     runtime: str
     steps: int
+    mutant: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The result as JSON."""
-        return {"reproduced": self.reproduced, "runtime": self.runtime, "steps": self.steps,
-                "expected": self.expected.to_json(), "actual": self.actual.to_json()}
+        """The result as JSON (``mutant`` only when one was installed)."""
+        out = {"reproduced": self.reproduced, "runtime": self.runtime, "steps": self.steps,
+               "expected": self.expected.to_json(), "actual": self.actual.to_json()}
+        if self.mutant:
+            out["mutant"] = self.mutant
+        return out
 
 
 def replay(trace: Mapping[str, Any], *, runtime: str | None = None, adapter: Adapter | None = None) -> ReplayResult:
     """Re-run a trace's actions against the spec and a runtime; compare the verdict with the recorded one.
+
+    When the trace records a failure-lab mutant (``#meta.mutant``) it is installed for the
+    replay, with the gate's reference on the oracle side, as ``pytest checks/ --mutant NAME``
+    does (:func:`mutant_installed`).
 
     Args:
         trace: A loaded trace (:func:`load_trace`).
@@ -260,7 +321,7 @@ def replay(trace: Mapping[str, Any], *, runtime: str | None = None, adapter: Ada
 
     Raises:
         Rejection: ``adapter.invalid_config`` / ``adapter.invalid_action`` for a malformed
-            config or action.
+            config or action; ``trace.invalid_conformance_trace`` for an unknown mutant.
         AdapterUnavailable: the runtime is not installed here.
     """
     from .lockstep import LockStep
@@ -268,16 +329,18 @@ def replay(trace: Mapping[str, Any], *, runtime: str | None = None, adapter: Ada
     meta = trace["#meta"]
     name = runtime or meta["runtime"]
     config = CaseConfig.from_json(meta["config"])
-    adapter = adapter or open_runtime(name, config.model)
-    try:
-        ls = LockStep(adapter, config, runtime=name)
-        ls.reset()
-        for action in meta["actions"]:
-            if ls.failed:
-                break
-            ls.apply(action)
-        expected = Verdict.from_json(meta["verdict"])
-        actual = ls.verdict
-        return ReplayResult(expected.same_outcome(actual), expected, actual, name, len(ls.records))
-    finally:
-        adapter.close()
+    mutant = meta.get("mutant") or None
+    with mutant_installed(mutant):
+        adapter = adapter or open_runtime(name, config.model)
+        try:
+            ls = LockStep(adapter, config, runtime=name)
+            ls.reset()
+            for action in meta["actions"]:
+                if ls.failed:
+                    break
+                ls.apply(action)
+            expected = Verdict.from_json(meta["verdict"])
+            actual = ls.verdict
+            return ReplayResult(expected.same_outcome(actual), expected, actual, name, len(ls.records), mutant)
+        finally:
+            adapter.close()

@@ -5,7 +5,9 @@ counterexample from ``traces/failures/``, a failing gate case, or a corpus file 
 ``traces/``), replays its actions in lock step against the spec and the recorded runtime (or
 ``--runtime``), and prints ``{"reproduced", "runtime", "steps", "expected", "actual"}`` as JSON.
 A trace may record a pass, a failure at a ladder layer, or an undecided margin; replay
-reproduces it when the result, the layer and the rule are the same.
+reproduces it when the result, the layer and the rule are the same.  A trace recorded under a
+failure-lab mutant (``#meta.mutant``, written by ``pytest checks/ --mutant NAME``) is replayed
+with that mutant installed again; the command says so on stderr and the JSON carries ``mutant``.
 
 Exit codes: 0 reproduced, 1 not reproduced, 2 not a readable trace of this format version,
 3 the runtime is not installed here.
@@ -29,7 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "replay",
         help="replay a conformance trace (decodespec.trace ITF) and check that its verdict reproduces",
         description="Re-run a trace's actions in lock step against the spec and the recorded runtime; exit 0 exactly when "
-        "the recorded verdict (result, ladder layer, rule) reproduces.",
+        "the recorded verdict (result, ladder layer, rule) reproduces. A trace recorded under a failure-lab mutant "
+        "(#meta.mutant) is replayed with that mutant installed.",
     )
     parser.add_argument("files", nargs="+", metavar="FILE", help="trace file(s) (*.itf.json)")
     parser.add_argument("--runtime", default=None, help="replay against this runtime instead of the recorded one")
@@ -46,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
     for path in args.files:
         try:
             trace = load_trace(path)
+            mutant = trace["#meta"].get("mutant")
+            if mutant:
+                print(f"decodespec replay: {path}: installing failure-lab mutant {mutant} (recorded in #meta.mutant)",
+                      file=sys.stderr)
             result = replay(trace, runtime=args.runtime)
         except AdapterUnavailable as exc:
             print(json.dumps({"file": path, "error": {"code": "adapter.unavailable", "message": str(exc)}}), file=sys.stderr)

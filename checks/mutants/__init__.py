@@ -32,6 +32,7 @@ __all__ = [
     "MUTANTS",
     "Mutant",
     "Patch",
+    "active",
     "all_seams",
     "get",
     "mutant",
@@ -56,6 +57,9 @@ GROUPS = (
 
 #: Every registered mutant, by name (registration order).
 MUTANTS: dict[str, "Mutant"] = {}
+
+#: Names of the mutants installed now (:meth:`Mutant.applied`), outermost first.
+_ACTIVE: list[str] = []
 
 
 @attrs.frozen
@@ -100,7 +104,11 @@ class Mutant:
             decodespec.checks.mutants.seams.SeamMoved: the runtime changed under the mutant.
         """
         with install(self.patches, self.name):
-            yield self
+            _ACTIVE.append(self.name)
+            try:
+                yield self
+            finally:
+                _ACTIVE.remove(self.name)
 
 
 def mutant(name: str, *, group: str, title: str, section: str, statement: str, text: bool = False,
@@ -128,6 +136,15 @@ def get(name: str) -> Mutant:
     if key not in MUTANTS:
         raise KeyError(f"unknown mutant {name!r}; known: {', '.join(MUTANTS)}")
     return MUTANTS[key]
+
+
+def active() -> str | None:
+    """The rule id (``mutant.<name>``) of the innermost mutant installed now, else ``None``.
+
+    Conformance traces record it (``#meta.mutant``, :func:`decodespec.checks.traces.make_trace`)
+    so that ``decodespec replay`` re-installs the bug the trace was recorded under.
+    """
+    return f"mutant.{_ACTIVE[-1]}" if _ACTIVE else None
 
 
 def all_seams() -> tuple[str, ...]:
