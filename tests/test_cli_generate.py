@@ -54,7 +54,7 @@ def test_tiny_json_has_the_contract_keys(capsys):
     "argv, code",
     [
         (["--max-new-tokens", "-1"], "envelope.out_of_range"),  # the flags become an envelope, admitted first
-        (["--dtype", "float64"], "runtime.invalid_device"),
+        (["--dtype", "float64"], "runtime.invalid_dtype"),
         (["--device", "tpu"], "runtime.invalid_device"),
     ],
 )

@@ -162,6 +162,16 @@ def test_config_from_metadata_needs_the_llama_keys():
     assert "qwen2" in info.value.message
 
 
+def test_dtype_by_name_and_unsupported_dtypes(tmp_path, tiny_model):
+    """``dtype`` takes a torch dtype or its name; anything else is ``runtime.invalid_dtype`` before loading."""
+    path = write_llama_gguf(tmp_path / "dt.gguf", tiny_model)
+    assert load_llama_gguf(path, dtype="bfloat16", device="cpu").dtype == torch.bfloat16
+    for bad in (torch.int8, "int8", "cpu"):
+        with pytest.raises(Rejection) as info:
+            load_llama_gguf(path, dtype=bad, device="cpu")
+        assert info.value.code == "runtime.invalid_dtype" and info.value.path == "$.runtime.compute_dtype"
+
+
 def test_unknown_device_is_rejected(tmp_path, tiny_model):
     path = write_llama_gguf(tmp_path / "dev.gguf", tiny_model)
     with pytest.raises(Rejection) as info:

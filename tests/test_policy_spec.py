@@ -402,6 +402,18 @@ def test_malformed_rows_are_rejected():
         assert info.value.code == "policy.invalid_row"
 
 
+def test_directly_built_rows_are_checked_like_create():
+    """policy.invalid_row: a ScoreRow built without ``create`` (2-D values, positive log-probabilities)
+    is refused typed at construction, so ``decide`` never sees it (no raw IndexError)."""
+    for values, kind in (([[0.0, 1.0]], ScoreKind.LOGITS), ([0.5, -0.2], ScoreKind.LOGPROBS), ([1.0], "scores")):
+        with pytest.raises(Rejection) as info:
+            ScoreRow(kind=kind, values=values, vocab_hash="", row_id="")
+        assert info.value.code == "policy.invalid_row"
+    with pytest.raises(Rejection) as info:
+        ScoreRow.create([0.5, -0.2], kind="logprobs")
+    assert info.value.message.startswith("a log-probability row has values <= 0; index 0")
+
+
 def test_score_kind_mismatch_is_never_a_silent_conversion():
     """policy.score_kind_mismatch: a logit warper over probabilities, a beam over probabilities (failure lab 0x12 item 10)."""
     probs = row([0.25, 0.75], ScoreKind.PROBS)

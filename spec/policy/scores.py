@@ -45,9 +45,36 @@ class ScoreKind(str, enum.Enum):
 
 
 def _frozen_array(values: Any) -> np.ndarray:
-    arr = np.array(values, dtype=np.float64, copy=True)
+    try:
+        arr = np.array(values, dtype=np.float64, copy=True)
+    except (TypeError, ValueError) as exc:
+        raise Rejection(codes.INVALID_ROW, f"a score row holds real numbers: {exc}", "$.row.values") from None
     arr.setflags(write=False)
     return arr
+
+
+def _score_kind(kind: Any) -> "ScoreKind":
+    try:
+        return ScoreKind(kind)
+    except ValueError:
+        raise Rejection(codes.INVALID_ROW, f"unknown score kind {kind!r}", "$.row.kind") from None
+
+
+def _check_row(kind: "ScoreKind", arr: np.ndarray) -> None:
+    """The row checks of :meth:`ScoreRow.create`, run on every construction (direct ones too)."""
+    if arr.ndim != 1 or arr.shape[0] == 0:
+        raise Rejection(codes.INVALID_ROW, f"a score row is one non-empty vocabulary axis, got shape {arr.shape}", "$.row.values")
+    check_scores(arr, "$.row.values")
+    if kind is ScoreKind.PROBS:
+        if np.isinf(arr).any() or (arr < 0).any() or (arr > 1).any() or abs(float(arr.sum()) - 1.0) > NORMALIZATION_TOLERANCE:
+            raise Rejection(codes.INVALID_ROW, "a probability row needs values in [0, 1] summing to one", "$.row.values")
+    elif kind is ScoreKind.LOGPROBS:
+        if (arr > NORMALIZATION_TOLERANCE).any():
+            first = int(np.flatnonzero(arr > NORMALIZATION_TOLERANCE)[0])
+            raise Rejection(codes.INVALID_ROW, f"a log-probability row has values <= 0; index {first} holds {float(arr[first])!r}",
+                            "$.row.values", {"first_index": first})
+        if not np.isfinite(arr).any() or abs(_logsumexp(arr)) > NORMALIZATION_TOLERANCE:
+            raise Rejection(codes.INVALID_ROW, "a log-probability row needs logsumexp = 0", "$.row.values")
 
 
 @attrs.frozen(eq=False)
@@ -61,16 +88,20 @@ class ScoreRow:
         row_id: The score identity assigned by the runtime (the ``score_id`` of the
             ``call_completed`` event that exposed this row).
 
-    Use :meth:`create` to build a validated row.
+    Every construction validates the row (the checks of :meth:`create`), so a row that reaches
+    :func:`decodespec.spec.policy.decide` is one non-empty ``[V]`` axis consistent with its kind.
 
     Shapes:
         values: ``[V]``.
     """
 
-    kind: ScoreKind
+    kind: ScoreKind = attrs.field(converter=_score_kind)
     values: np.ndarray = attrs.field(converter=_frozen_array)
     vocab_hash: str
     row_id: str
+
+    def __attrs_post_init__(self) -> None:
+        _check_row(self.kind, self.values)
 
     @property
     def vocab_size(self) -> int:
@@ -92,21 +123,7 @@ class ScoreRow:
                 ``policy.nan_scores`` (NaN), ``policy.infinite_scores`` (+inf, or -inf in a
                 probability row).
         """
-        try:
-            kind = ScoreKind(kind)
-        except ValueError:
-            raise Rejection(codes.INVALID_ROW, f"unknown score kind {kind!r}", "$.row.kind") from None
-        arr = np.asarray(values, dtype=np.float64)
-        if arr.ndim != 1 or arr.shape[0] == 0:
-            raise Rejection(codes.INVALID_ROW, f"a score row is one non-empty vocabulary axis, got shape {arr.shape}", "$.row.values")
-        check_scores(arr, "$.row.values")
-        if kind is ScoreKind.PROBS:
-            if np.isinf(arr).any() or (arr < 0).any() or (arr > 1).any() or abs(float(arr.sum()) - 1.0) > NORMALIZATION_TOLERANCE:
-                raise Rejection(codes.INVALID_ROW, "a probability row needs values in [0, 1] summing to one", "$.row.values")
-        elif kind is ScoreKind.LOGPROBS:
-            if not np.isfinite(arr).any() or abs(_logsumexp(arr)) > NORMALIZATION_TOLERANCE:
-                raise Rejection(codes.INVALID_ROW, "a log-probability row needs logsumexp = 0", "$.row.values")
-        return cls(kind=kind, values=arr, vocab_hash=vocab_hash, row_id=row_id)
+        return cls(kind=kind, values=values, vocab_hash=vocab_hash, row_id=row_id)
 
 
 def check_scores(values: np.ndarray, path: str) -> None:
