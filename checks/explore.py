@@ -56,7 +56,7 @@ from decodespec.spec.actions import (
     action_label,
 )
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag
-from decodespec.spec.errors import ERROR_CODES, DecodeSpecError
+from decodespec.spec.errors import ERROR_CODES, DecodeSpecError, Rejection, register_code
 from decodespec.spec.profiles import PROFILES, profile_named
 from decodespec.spec.snapshot import SNAPSHOT_FORMS, SnapshotRecord, take_snapshot
 from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, is_terminal
@@ -67,7 +67,9 @@ from . import itf
 __all__ = [
     "CORRUPT_RESTORED",
     "DEADLOCK",
+    "EXPLORE_INVALID_BOUNDS",
     "ExploreBounds",
+    "InvalidBounds",
     "RESTORE_MISMATCH",
     "ExploreResult",
     "Violation",
@@ -85,6 +87,19 @@ UNTYPED_REJECTION = "explore.untyped_rejection"
 RESTORE_MISMATCH = "explore.restore_mismatch"
 #: Pseudo rule id reported when a corrupted snapshot record is restored instead of refused.
 CORRUPT_RESTORED = "explore.corrupt_snapshot_restored"
+EXPLORE_INVALID_BOUNDS = register_code(
+    "explore.invalid_bounds", "rejection", "checks/explore.py ExploreBounds; M3.10 immutable request envelope",
+    "Explorer bounds outside the small scope or describing no admissible request (unknown profile or cache "
+    "family, V < 2, L < 1, G < 0, min_new_tokens outside [0, G], a non-positive prefill chunk or source length, "
+    "negative retries or draws, a capacity or context cap without room for the prompt and one output, a "
+    "prefix-LM prefix outside [1, L] or larger than the prefill chunk).")
+
+
+class InvalidBounds(Rejection, ValueError):
+    """``explore.invalid_bounds``: a :class:`~decodespec.spec.errors.Rejection` that is also a
+    ``ValueError`` (what :func:`params_for_bounds` raised before the code existed)."""
+
+
 #: Actions that are observations: they never count as the controller's progress.
 _OBSERVATIONS = (Snapshot,)
 #: Actions that only the environment takes to end or break a request; a state whose only
@@ -153,30 +168,62 @@ class ExploreBounds:
 def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
     """The request parameters of a small-scope configuration.
 
+    Every bound is checked before anything is explored: bounds that describe no admissible
+    request would otherwise show up as spec violations (a deadlock, a type or bound invariant)
+    of a request the envelope refuses at admission.  The checks mirror the envelope's
+    (``envelope.min_exceeds_max``, ``envelope.context_exceeded``, ``envelope.visibility_incompatible``,
+    ``envelope.empty_prompt``; M3.10 "Immutable request envelope and canonical identity").
+
     Raises:
-        ValueError: for bounds outside the small scope (unknown profile or cache family,
-            V < 2, L < 1, capacity below L).
+        InvalidBounds: ``explore.invalid_bounds`` (path ``$.<field>``; a ``Rejection`` and a ``ValueError``) for bounds outside the small
+            scope: an unknown profile or cache family; V < 2, L < 1, G < 0; ``min_new_tokens``
+            outside [0, G]; a prefill chunk, capacity, context cap or (encoder-decoder) source
+            length below 1; negative ``max_retries`` or ``max_draws``; a capacity or context cap
+            without room for the prompt plus one output (when G >= 1); a prefix-LM prefix
+            outside [1, L] or larger than a (cached) prefill chunk.
     """
+
+    def refuse(field: str, message: str) -> InvalidBounds:
+        return InvalidBounds(EXPLORE_INVALID_BOUNDS, message, f"$.{field}")
+
     if bounds.profile not in PROFILES:
-        raise ValueError(f"unknown profile {bounds.profile!r}; choose one of {sorted(PROFILES)}")
+        raise refuse("profile", f"unknown profile {bounds.profile!r}; choose one of {sorted(PROFILES)}")
     if bounds.cache not in ("none", "dynamic", "static"):
-        raise ValueError(f"unknown cache family {bounds.cache!r}")
-    if bounds.vocab < 2 or bounds.prompt_len < 1 or bounds.max_new_tokens < 0:
-        raise ValueError("need vocab >= 2, prompt_len >= 1, max_new_tokens >= 0")
+        raise refuse("cache", f"unknown cache family {bounds.cache!r}; choose none, dynamic or static")
+    for field, least in (("vocab", 2), ("prompt_len", 1), ("max_new_tokens", 0), ("min_new_tokens", 0),
+                         ("max_retries", 0), ("max_draws", 0)):
+        if getattr(bounds, field) < least:
+            raise refuse(field, f"{field} {getattr(bounds, field)} must be >= {least}")
+    for field in ("prefill_chunk", "capacity", "context_cap"):
+        value = getattr(bounds, field)
+        if value is not None and value < 1:
+            raise refuse(field, f"{field} {value} must be >= 1 (or unset)")
+    if bounds.min_new_tokens > bounds.max_new_tokens:
+        raise refuse("min_new_tokens", f"min_new_tokens {bounds.min_new_tokens} exceeds max_new_tokens "
+                     f"{bounds.max_new_tokens} (the envelope refuses it: envelope.min_exceeds_max)")
     profile = profile_named(bounds.profile)
+    if profile.source_indexed and bounds.source_len < 1:
+        raise refuse("source_len", f"source_len {bounds.source_len} must be >= 1 for {bounds.profile} "
+                     "(the envelope refuses an empty source: envelope.empty_prompt)")
+    needed = bounds.prompt_len + (1 if bounds.max_new_tokens else 0)
     capacity = None
     if bounds.cache == "static":
         capacity = bounds.capacity if bounds.capacity is not None else bounds.prompt_len + bounds.max_new_tokens
-        if capacity < bounds.prompt_len + (1 if bounds.max_new_tokens else 0):
-            raise ValueError(f"capacity {capacity} leaves no room after the {bounds.prompt_len}-token prompt")
+        if capacity < needed:
+            raise refuse("capacity", f"capacity {capacity} leaves no room after the {bounds.prompt_len}-token prompt "
+                         f"(need >= {needed}: envelope.context_exceeded)")
+    if bounds.context_cap is not None and bounds.context_cap < needed:
+        raise refuse("context_cap", f"context_cap {bounds.context_cap} leaves no room after the {bounds.prompt_len}-token "
+                     f"prompt (need >= {needed}: envelope.context_exceeded)")
     caps = [c for c in (capacity, bounds.context_cap) if c is not None]
     prefix = None
     if bounds.profile == "prefix_lm":
         prefix = bounds.prefix_length if bounds.prefix_length is not None else bounds.prompt_len
         if not 1 <= prefix <= bounds.prompt_len:
-            raise ValueError(f"prefix_length {prefix} must lie in [1, {bounds.prompt_len}]")
+            raise refuse("prefix_length", f"prefix_length {prefix} must lie in [1, {bounds.prompt_len}]")
         if bounds.cache != "none" and bounds.prefill_chunk is not None and bounds.prefill_chunk < prefix:
-            raise ValueError(f"prefill_chunk {bounds.prefill_chunk} cannot hold the {prefix}-token prefix")
+            raise refuse("prefill_chunk", f"prefill_chunk {bounds.prefill_chunk} cannot hold the {prefix}-token prefix "
+                         f"(the prefix is prefilled in one chunk): use a chunk >= {prefix}, 'none', or a shorter prefix_length")
     return RequestParams(
         identity="sha256:" + "0" * 64,
         prompt_len=bounds.prompt_len,

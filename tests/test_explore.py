@@ -20,6 +20,7 @@ from decodespec.checks.explore import DEADLOCK, UNTYPED_REJECTION, ExploreBounds
 from decodespec.spec import transitions as T
 from decodespec.spec.actions import Admit, Commit, Complete, Decide, Launch
 from decodespec.spec.enums import PendingTag
+from decodespec.spec.errors import Rejection
 from decodespec.spec.profiles import PROFILES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,8 +150,9 @@ def test_branches_and_profiles_are_explorable(bounds: ExploreBounds) -> None:
 def test_params_for_bounds_refuses_out_of_scope_bounds() -> None:
     for bad in (ExploreBounds(profile="rnn"), ExploreBounds(cache="paged"), ExploreBounds(vocab=1),
                 ExploreBounds(cache="static", capacity=2), ExploreBounds(profile="prefix_lm", prefix_length=3, prefill_chunk=2)):
-        with pytest.raises(ValueError):
+        with pytest.raises(Rejection) as err:
             params_for_bounds(bad)
+        assert err.value.code == "explore.invalid_bounds"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -78,3 +78,61 @@ def test_an_unknown_or_malformed_mutant_is_a_typed_refusal(mutant_trace, tmp_pat
         assert main(["replay", str(path)]) == 2
         error = json.loads(capsys.readouterr().err.splitlines()[-1])["error"]
         assert error["code"] == "trace.invalid_conformance_trace" and "mutant" in error["message"]
+
+
+# ---- finding 4: explore refuses bounds that describe no admissible request, before exploring -----------------------
+
+
+@pytest.mark.parametrize(("argv", "path"), [
+    (["--prefill-chunk", "0"], "$.prefill_chunk"),
+    (["--draws", "-1"], "$.max_draws"),
+    (["--max-retries", "-1"], "$.max_retries"),
+    (["--context-cap", "0"], "$.context_cap"),
+    (["--context-cap", "3"], "$.context_cap"),  # L = 3 fills it: no room for the first output
+    (["--vocab", "1"], "$.vocab"),
+    (["--min-new-tokens", "5"], "$.min_new_tokens"),  # G = 3 (generate: envelope.min_exceeds_max)
+    (["--min-new-tokens", "-1"], "$.min_new_tokens"),
+    (["--cache", "static", "--capacity", "0"], "$.capacity"),
+    (["--profile", "encoder_decoder", "--source-len", "0"], "$.source_len"),
+    (["--profile", "prefix_lm", "--prefill-chunk", "2"], "$.prefill_chunk"),  # cannot hold the 3-token prefix
+    (["--profile", "prefix_lm", "--prefix-length", "4"], "$.prefix_length"),
+])
+def test_explore_refuses_invalid_bounds_with_exit_2_and_writes_nothing(argv, path, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["explore", *argv]) == 2
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and report["error"]["code"] == "explore.invalid_bounds"
+    assert report["error"]["path"] == path and "states" not in report
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_explore_bounds_at_the_edge_are_explored(tmp_path, monkeypatch, capsys) -> None:
+    """The least admissible values pass: C = L + 1, min_new_tokens = G, G = 0 with C = L, prefix_lm by default."""
+    monkeypatch.chdir(tmp_path)
+    quiet = ["--no-adversarial", "--no-faults", "--no-interrupts"]
+    for argv in (["--context-cap", "4"], ["--min-new-tokens", "3"], ["--max-new-tokens", "0", "--context-cap", "3"],
+                 ["--profile", "prefix_lm"], ["--profile", "prefix_lm", "--prefill-chunk", "none"]):
+        assert main(["explore", *argv, *quiet]) == 0, argv
+        report = json.loads(capsys.readouterr().out)
+        assert report["ok"] is True and report["states"] > 1, argv
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_explore_prefix_lm_default_chunk_holds_the_prefix() -> None:
+    """Without --prefill-chunk a prefix_lm profile gets a chunk that holds its prefix (rule: explore bounds)."""
+    from decodespec.checks.commands.explore import _prefill_chunk
+    from decodespec.checks.cli import build_parser
+
+    parser = build_parser()
+    assert _prefill_chunk(parser.parse_args(["explore", "--profile", "prefix_lm"]), 2) == 3
+    assert _prefill_chunk(parser.parse_args(["explore", "--profile", "prefix_lm", "--prefix-length", "1"]), 2) == 2
+    assert _prefill_chunk(parser.parse_args(["explore", "--profile", "prefix_lm", "--prefill-chunk", "none"]), 2) is None
+    assert _prefill_chunk(parser.parse_args(["explore"]), 2) == 2
+    assert _prefill_chunk(parser.parse_args(["explore", "--prefill-chunk", "5"]), 2) == 5
+
+
+def test_explore_help_gives_the_itf_out_default(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["explore", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--itf-out" in text and "default ./counterexample.itf.json" in text
