@@ -10,10 +10,26 @@ field the line states (frontiers, generation, selection, score id, receipt id, R
 triggers, finish reason ...) agrees with the spec's successor.  Observation events (``finish``,
 ``quarantine``, ``stream``) check the state without moving it.
 
-A trace is accepted when every line is consumed and the request ends terminal, or suspended
-right after a ``snapshot`` event; otherwise :class:`TraceVerdict` names the first unmatched line
-(1-based ``line`` and its ``seq``), its event, and the reason (the failing guard clause, or the
-field that disagreed and both values).
+Before any replay, every line must match the published JSON Schema
+``spec/schemas/events.v1.json`` (:data:`EVENTS_SCHEMA_PATH`, Draft 2020-12, validated with
+``jsonschema``): every event has a **closed field set** (an unknown field is refused), the header's
+``format`` is ``decodespec.events.v1``, and nested objects (frontier, params, output, runtime,
+the decision's receipt, the finish's stream report) are closed too.  A ``decision``'s embedded
+M3.8 receipt must be the receipt of that decision: its content hash ``receipt_id`` must match its
+body (:func:`decodespec.spec.policy.receipt.content_id`), and ``selected_id``, ``score_id``,
+``draws``, ``raw_logprob``, the RNG counters, ``step`` (O at decision time) and ``vocab_size``
+must equal the event's fields and the spec state's.
+
+A trace is accepted when every line is consumed and the request ends terminal with a ``finish``
+event after its last state change (a trace that reaches a terminal state but lacks that
+``finish`` is incomplete: the finish is what reports the outcome), or suspended right after a
+``snapshot`` event; a resumed trace of an already finished snapshot (``request``, ``restore``)
+needs no second ``finish``: the original trace reported it and the restored ledger carries it.
+Otherwise :class:`TraceVerdict` names the first unmatched line (1-based ``line`` and its
+``seq``), its event, the refusal ``code`` (``trace.schema``, ``trace.receipt``,
+``trace.incomplete``, ``trace.invalid_header`` or ``trace.mismatch``) and the reason (the
+failing guard clause, the schema error with its JSON path, or the field that disagreed and both
+values).
 
 The stream contract (M3.10 0x06) is checked on every trace: ``stream`` events only in a
 streamed request, numbered from 0, each publishing the bytes right after the previous one
@@ -40,13 +56,18 @@ from __future__ import annotations
 
 import json
 import math
+from functools import lru_cache
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import attrs
+import jsonschema
 
 from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure, action_label
 from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag, Selection
 from decodespec.spec.errors import DecodeSpecError, Rejection, register_code
+from decodespec.spec.policy.config import policy_config_from_json
+from decodespec.spec.policy.receipt import content_id
 from decodespec.spec.profiles import profile_named
 from decodespec.spec.snapshot import SnapshotRecord
 from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, interrupt_point, is_terminal
@@ -62,7 +83,7 @@ from decodespec.spec.stop import (
 )
 from decodespec.spec.transitions import MACHINE, Machine, completion_reason
 
-__all__ = ["TRACE_INVALID", "TRACE_UNSUPPORTED", "TraceVerdict", "params_from_header", "stop_config_from_header", "token_bytes_of", "validate_trace"]
+__all__ = ["EVENTS_SCHEMA_PATH", "TRACE_INCOMPLETE", "TRACE_INVALID", "TRACE_MISMATCH", "TRACE_RECEIPT", "TRACE_SCHEMA", "TRACE_UNSUPPORTED", "TraceVerdict", "params_from_header", "stop_config_from_header", "token_bytes_of", "validate_trace"]
 
 TRACE_INVALID = register_code(
     "trace.invalid_header",
@@ -80,6 +101,43 @@ TRACE_UNSUPPORTED = register_code(
     "transition.beam_step needs every live beam's score row, which the trace does not record; the beam runtime is "
     "checked against the spec by replaying its rows (tests/test_beam_runtime.py) and in lock step by the gate.",
 )
+
+TRACE_SCHEMA = register_code(
+    "trace.schema",
+    "rejection",
+    "docs/design.md section 6 (decodespec.events.v1); spec/schemas/events.v1.json",
+    "A trace line does not match the published event schema spec/schemas/events.v1.json: not a JSON object, "
+    "'v' is not 1, 'seq' is not consecutive from 0, an unknown event, a missing, mistyped or unknown field "
+    "(every event and nested object has a closed field set), or a header whose 'format' is not decodespec.events.v1.",
+)
+
+TRACE_RECEIPT = register_code(
+    "trace.receipt",
+    "rejection",
+    "M3.8 0x0B (the decision receipt); M3.10 0x08; docs/design.md section 6 (decision)",
+    "A decision event's embedded receipt is not the receipt of that decision: its content-hash receipt_id does not "
+    "match its body, or its selected_id, score_id, draws, raw_logprob, RNG counters, step or vocab_size disagree "
+    "with the event's fields or the spec state.",
+)
+
+TRACE_INCOMPLETE = register_code(
+    "trace.incomplete",
+    "rejection",
+    "docs/design.md section 6 (decodespec.events.v1)",
+    "The trace ends before the request is terminal (and not right after a snapshot), or it reaches a terminal state "
+    "without the finish event that reports it.",
+)
+
+TRACE_MISMATCH = register_code(
+    "trace.mismatch",
+    "rejection",
+    "docs/design.md section 6; M3.10 (the request state machine)",
+    "No candidate spec state matches a trace line: the action is not enabled (a guard fails) or a stated field "
+    "disagrees with the spec's successor state or with the stream / stop-oracle contract.",
+)
+
+#: The published JSON Schema of one trace line (Draft 2020-12).
+EVENTS_SCHEMA_PATH = Path(__file__).resolve().parent.parent / "spec" / "schemas" / "events.v1.json"
 
 #: Events that check the current state without a spec action.
 _OBSERVATIONS = ("finish", "quarantine", "stream")
@@ -101,6 +159,9 @@ class TraceVerdict:
         num_candidates: Candidate spec states after the last consumed line.
         final_phase: The phase of the candidates after the last consumed line (``"mixed"`` when
             they differ).
+        code: The refusal's registered code (``trace.schema``, ``trace.receipt``,
+            ``trace.incomplete``, ``trace.invalid_header``, ``trace.mismatch``), or ``None`` when
+            accepted.
     """
 
     accepted: bool
@@ -112,6 +173,7 @@ class TraceVerdict:
     reason: str | None = None
     num_candidates: int = 0
     final_phase: str | None = None
+    code: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The verdict as a JSON object."""
@@ -350,6 +412,7 @@ class _Replay:
         return [(action, check)]
 
     def _on_decision(self, rec, state):
+        self._receipt_check(rec)
         action = Decide(rec["score_id"], int(rec["token_id"]), int(rec["draws"]))
 
         def check(before, after):
@@ -360,9 +423,42 @@ class _Replay:
                 _differs("receipt_id", rec["receipt_id"], after.receipt.receipt_id),
                 _differs("rng_counter_before", rec["rng_counter_before"], before.rng_counter),
                 _differs("rng_counter_after", rec.get("rng_counter_after"), before.rng_counter + int(rec["draws"])),
+                _differs("receipt.step", rec["receipt"]["step"], before.output_count),
             )
 
         return [(action, check)]
+
+    def _receipt_check(self, rec: dict[str, Any]) -> None:
+        """The embedded M3.8 receipt is this decision's: bound to the event's fields and intact.
+
+        (Its ``step`` is checked per candidate state, against O, with the other fields.)
+
+        Raises:
+            _Mismatch: with code ``trace.receipt`` on the first disagreement (independent of the
+                candidate state: no candidate could make a tampered receipt right).
+        """
+        receipt = rec["receipt"]
+        rng = receipt["rng"]
+        why = _first(
+            _differs("receipt.selected_id", receipt["selected_id"], rec["token_id"]),
+            _differs("receipt.score_id", receipt["score_id"], rec["score_id"]),
+            _differs("receipt.draws", receipt["draws"], rec["draws"]),
+            _differs("receipt.raw_logprob", receipt["raw_logprob"], rec["logprob"]),
+            _differs("receipt.rng.counter_before", rng["counter_before"], rec["rng_counter_before"]),
+            _differs("receipt.rng.counter_after", rng["counter_after"], rec["rng_counter_after"]),
+            _differs("receipt.state_before.rng_counter", receipt["state_before"]["rng_counter"], rec["rng_counter_before"]),
+            _differs("receipt.state_after.rng_counter", receipt["state_after"]["rng_counter"], rec["rng_counter_after"]),
+            _differs("len(receipt.rng.addresses)", len(rng["addresses"]), rec["draws"]),
+            _differs("receipt.vocab_size", receipt["vocab_size"], self.params.vocab_size),
+        )
+        if why is None:
+            body = {k: v for k, v in receipt.items() if k != "receipt_id"}
+            digest = content_id(body)
+            if digest != receipt["receipt_id"]:
+                why = (f"the receipt's content hash is {digest} but its receipt_id says {receipt['receipt_id']}: "
+                       "the receipt body was altered after it was issued")
+        if why is not None:
+            raise _Mismatch(f"the decision's receipt is not this decision's: {why}", TRACE_RECEIPT)
 
     def _on_commit(self, rec, state):
         triggers = [FinishReason(t) for t in rec["triggers"]]
@@ -527,7 +623,34 @@ class _Replay:
 
 
 class _Mismatch(Exception):
-    pass
+    """A line no candidate matches: ``args[0]`` the reason, :attr:`code` the registered refusal code."""
+
+    def __init__(self, reason: str, code: str = TRACE_MISMATCH):
+        super().__init__(reason)
+        self.code = code
+
+
+@lru_cache(maxsize=1)
+def _events_validator() -> jsonschema.protocols.Validator:
+    schema = json.loads(EVENTS_SCHEMA_PATH.read_text(encoding="utf-8"))
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def schema_error(rec: Any) -> str | None:
+    """Why ``rec`` (one parsed trace line) does not match ``spec/schemas/events.v1.json``, or ``None``.
+
+    The reason names the JSON path of the offending value (``$.receipt.rng``) and the schema's
+    message (an unexpected field, a missing one, a wrong type or constant).  Among several errors
+    the deepest, then first by path, is reported, so the message is stable.
+    """
+    errors = list(_events_validator().iter_errors(rec))
+    if not errors:
+        return None
+    leaves = [e for e in errors if not e.context] or errors
+    err = min(leaves, key=lambda e: (-len(e.absolute_path), [str(p) for p in e.absolute_path], e.message))
+    return f"line does not match spec/schemas/events.v1.json at {err.json_path}: {err.message}"
 
 
 def _parse(index: int, raw: str | dict[str, Any]) -> dict[str, Any]:
@@ -537,13 +660,13 @@ def _parse(index: int, raw: str | dict[str, Any]) -> dict[str, Any]:
         try:
             rec = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise _Mismatch(f"not a JSON object: {exc}") from None
+            raise _Mismatch(f"not a JSON object: {exc}", TRACE_SCHEMA) from None
     if not isinstance(rec, dict):
-        raise _Mismatch("not a JSON object")
+        raise _Mismatch("not a JSON object", TRACE_SCHEMA)
     if rec.get("v") != 1:
-        raise _Mismatch(f"field 'v' is {rec.get('v')!r}, expected 1")
+        raise _Mismatch(f"field 'v' is {rec.get('v')!r}, expected 1", TRACE_SCHEMA)
     if rec.get("seq") != index:
-        raise _Mismatch(f"field 'seq' is {rec.get('seq')!r}, expected {index} (consecutive from 0)")
+        raise _Mismatch(f"field 'seq' is {rec.get('seq')!r}, expected {index} (consecutive from 0)", TRACE_SCHEMA)
     return rec
 
 
@@ -595,15 +718,20 @@ def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = 
     replay: _Replay | None = None
     candidates: set[RequestState] = set()
     last_event = None
+    reported = False  # a finish event (or the restore of a finished snapshot) followed the last state change
     for index, raw in enumerate(items):
         rec: dict[str, Any] = {}
         try:
             rec = _parse(index, raw)
             event = rec.get("event")
+            why = schema_error(rec)
+            if why is not None:
+                raise _Mismatch(why, TRACE_SCHEMA)
             if index == 0:
                 if event != "request":
                     raise _Mismatch(f"the first event must be 'request', got {event!r}")
                 replay = _Replay(rec, machine, token_bytes)
+                policy_config_from_json(rec["policy"])  # Rejection (policy.*) for a policy the runtime could not have run
                 init = initial_state(replay.params)
                 candidates = {init}
                 try:
@@ -643,18 +771,28 @@ def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = 
             candidates = survivors
             replay.accepted(rec, candidates)
             last_event = event
+            if event == "finish" or (event == "restore" and replay.stream.restored_finished):
+                reported = True
+            elif event not in _OBSERVATIONS:
+                reported = False
         except (_Mismatch, DecodeSpecError, KeyError, TypeError, ValueError, AttributeError) as exc:
             reason = exc.args[0] if isinstance(exc, _Mismatch) else (
                 exc.message if isinstance(exc, DecodeSpecError) else f"malformed event: {type(exc).__name__}: {exc}")
+            code = exc.code if isinstance(exc, (_Mismatch, DecodeSpecError)) else TRACE_SCHEMA
+            if isinstance(exc, DecodeSpecError) and not code.startswith("trace."):
+                reason, code = f"{code}: {reason}", TRACE_MISMATCH  # e.g. policy.* / snapshot.* from a field's parser
+            if index == 0 and code == TRACE_MISMATCH:
+                code = TRACE_INVALID
             return TraceVerdict(False, len(items), index, index + 1, rec.get("seq"), rec.get("event"), reason,
-                                len(candidates), _phase(candidates))
+                                len(candidates), _phase(candidates), code)
     if replay is None:
-        return TraceVerdict(False, 0, 0, 1, None, None, "empty trace: no request header", 0, None)
-    ended = any(is_terminal(replay.params, s) for s in candidates) or last_event == "snapshot"
-    if not ended:
-        return TraceVerdict(False, len(items), len(items), len(items) + 1, None, None,
-                            f"the trace ends before the request is terminal (phase {_phase(candidates)}) and not after a snapshot",
-                            len(candidates), _phase(candidates))
+        return TraceVerdict(False, 0, 0, 1, None, None, "empty trace: no request header", 0, None, TRACE_INCOMPLETE)
+    terminal = any(is_terminal(replay.params, s) for s in candidates)
+    if last_event != "snapshot" and not (terminal and reported):
+        why = (f"the request is terminal (phase {_phase(candidates)}) but the trace ends without the finish event that reports it"
+               if terminal else f"the trace ends before the request is terminal (phase {_phase(candidates)}) and not after a snapshot")
+        return TraceVerdict(False, len(items), len(items), len(items) + 1, None, None, why,
+                            len(candidates), _phase(candidates), TRACE_INCOMPLETE)
     return TraceVerdict(True, len(items), len(items), num_candidates=len(candidates), final_phase=_phase(candidates))
 
 

@@ -4,7 +4,13 @@ Reads a ``decodespec.events.v1`` trace (``decodespec generate --trace FILE``), r
 :func:`decodespec.checks.trace_validation.validate_trace` and prints the
 :class:`~decodespec.checks.trace_validation.TraceVerdict` as one JSON object: ``accepted``,
 ``num_lines``, ``consumed``, and for a rejected trace the first unmatched ``line`` (1-based),
-its ``seq`` and ``event``, and the ``reason`` (the failing guard or the disagreeing field).
+its ``seq`` and ``event``, the refusal ``code`` and the ``reason`` (the failing guard, the
+schema error with its JSON path, or the disagreeing field).  Refusal codes: ``trace.schema`` (a
+line outside the published schema ``spec/schemas/events.v1.json``: closed field sets, the header's
+``format``), ``trace.receipt`` (a decision's embedded receipt is not that decision's),
+``trace.incomplete`` (the trace ends before the request is terminal, or without the ``finish``
+event that reports it: ``line`` is then ``num_lines + 1``), ``trace.invalid_header`` and
+``trace.mismatch`` (no spec state matches the line).
 
 ``--tokenizer {auto,smollm2,tiny,none}`` supplies the token bytes for the stream-content and
 stop-oracle checks (``auto``: the model named in the header's ``runtime``; ``none``: structure

@@ -1,0 +1,199 @@
+"""``decodespec validate-trace`` refuses tampered traces and keeps accepting untampered ones.
+
+A new-user trial (finding 6) found four tampered traces accepted with exit 0.  Each test here
+builds a real trace with ``decodespec generate --model tiny --trace FILE``, tampers one line, and
+asserts the refusal: exit 1, the verdict's registered ``code`` and the first unmatched ``line``.
+
+* a header whose ``format`` is not ``decodespec.events.v1`` -> ``trace.schema`` (the published
+  schema ``spec/schemas/events.v1.json`` fixes it as a constant);
+* a ``decision`` whose embedded M3.8 receipt says ``selected_id`` 9 while its ``token_id`` is
+  another id -> ``trace.receipt`` (M3.8 0x0B: the receipt binds the selected id; its content hash
+  binds every other field);
+* an unknown extra field, at the top level or inside a nested object -> ``trace.schema`` (closed
+  field sets);
+* the final ``finish`` event removed -> ``trace.incomplete`` at line ``num_lines + 1`` (a terminal
+  request must be reported by its ``finish`` event).
+
+Source: docs/design.md section 6 (``decodespec.events.v1``); /work/prompts/NU_findings.md item 6.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from decodespec.checks.cli import main
+from decodespec.checks.trace_validation import EVENTS_SCHEMA_PATH, TRACE_INCOMPLETE, TRACE_RECEIPT, TRACE_SCHEMA, validate_trace
+from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection
+from decodespec.spec.state import InterruptPoint
+
+BASE = ["generate", "--model", "tiny", "--prompt", "hi", "--device", "cpu"]
+
+
+def _generate(tmp_path: Path, name: str, *flags: str) -> Path:
+    path = tmp_path / f"{name}.ndjson"
+    assert main([*BASE, "--trace", str(path), *flags]) == 0
+    return path
+
+
+def _verdict(capsys, path: Path, expected_exit: int) -> dict:
+    capsys.readouterr()
+    assert main(["validate-trace", str(path)]) == expected_exit
+    return json.loads(capsys.readouterr().out)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _write(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.fixture(scope="module")
+def greedy_trace(tmp_path_factory) -> Path:
+    return _generate(tmp_path_factory.mktemp("traces"), "greedy", "--max-new-tokens", "4")
+
+
+# -- untampered traces stay accepted ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,flags", [
+    ("greedy", ["--max-new-tokens", "4"]),
+    ("sampled", ["--max-new-tokens", "4", "--do-sample", "--seed", "7", "--top-k", "20"]),
+    ("stop-stream", ["--max-new-tokens", "12", "--stop", "BB", "--stream"]),
+    ("chunked-static", ["--max-new-tokens", "3", "--cache", "static", "--prefill-chunk", "2"]),
+    ("repair", ["--max-new-tokens", "3", "--repair"]),
+])
+def test_untampered_traces_are_accepted(tmp_path, capsys, name, flags):
+    path = _generate(tmp_path, name, *flags)
+    verdict = _verdict(capsys, path, 0)
+    assert verdict["accepted"] is True and verdict["code"] is None and verdict["consumed"] == len(_records(path))
+    if name == "stop-stream":
+        events = [r["event"] for r in _records(path)]
+        assert "stream" in events and _records(path)[-1]["finish_reason"] == "stop_string"
+
+
+def test_snapshot_and_resume_traces_are_accepted(tmp_path, capsys, tiny_model):
+    """Suspend after 2 sampled outputs (``snapshot`` last), resume from the snapshot (``request``, ``restore``, ...).
+
+    Built with the Python API (``RequestRunner`` + ``FileSink``), the traces ``generate --snapshot`` /
+    ``--resume`` write.
+    """
+    from decodespec.impl.events import FileSink
+    from decodespec.impl.runtime import RequestRunner
+
+    from runtime_helpers import request, sampled_policy  # noqa: E402  (tests/ is on sys.path)
+
+    first, second = tmp_path / "first.ndjson", tmp_path / "second.ndjson"
+    with FileSink(first) as sink:
+        snap = RequestRunner(tiny_model, request([1, 104, 105], 5, policy=sampled_policy()), sink=sink).run(max_outputs=2).snapshot("pending_suffix")
+    assert _records(first)[-1]["event"] == "snapshot"
+    assert _verdict(capsys, first, 0)["final_phase"] != "finished"
+    with FileSink(second) as sink:
+        RequestRunner.restore(tiny_model, snap, sink=sink).run()
+    assert [r["event"] for r in _records(second)[:2]] == ["request", "restore"]
+    assert _verdict(capsys, second, 0)["final_phase"] == "finished"
+    # Removing the resumed trace's finish is refused like any other.
+    _write(second, _records(second)[:-1])
+    assert _verdict(capsys, second, 1)["code"] == TRACE_INCOMPLETE
+
+
+# -- the four tamperings of finding 6 ---------------------------------------------------------
+
+
+def test_a_header_with_another_format_is_refused(greedy_trace, tmp_path, capsys):
+    records = _records(greedy_trace)
+    records[0]["format"] = "x"
+    path = tmp_path / "format.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["code"], verdict["line"], verdict["event"]) == (TRACE_SCHEMA, 1, "request")
+    assert "$.format" in verdict["reason"] and "decodespec.events.v1" in verdict["reason"]
+
+
+def test_a_receipt_whose_selected_id_is_not_the_token_is_refused(greedy_trace, tmp_path, capsys):
+    records = _records(greedy_trace)
+    i = [k for k, r in enumerate(records) if r["event"] == "decision"][1]
+    assert records[i]["token_id"] != 9
+    records[i]["receipt"]["selected_id"] = 9
+    path = tmp_path / "receipt.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["code"], verdict["line"], verdict["event"]) == (TRACE_RECEIPT, i + 1, "decision")
+    assert f"'receipt.selected_id' is 9 but the spec says {records[i]['token_id']}" in verdict["reason"]
+
+
+def test_a_receipt_altered_behind_its_content_hash_is_refused(greedy_trace, tmp_path, capsys):
+    records = _records(greedy_trace)
+    i = [k for k, r in enumerate(records) if r["event"] == "decision"][0]
+    records[i]["receipt"]["support_size"] -= 1  # bound by no event field: only the content hash catches it
+    path = tmp_path / "hash.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["code"], verdict["line"]) == (TRACE_RECEIPT, i + 1) and "content hash" in verdict["reason"]
+
+
+@pytest.mark.parametrize("where", ["top", "frontier", "receipt.rng", "params"])
+def test_an_unknown_field_is_refused(greedy_trace, tmp_path, capsys, where):
+    records = _records(greedy_trace)
+    if where == "top":
+        i = [k for k, r in enumerate(records) if r["event"] == "commit"][0]
+        records[i]["note"], path_part = "hi", "$"
+    elif where == "frontier":
+        i = [k for k, r in enumerate(records) if r["event"] == "call_completed"][0]
+        records[i]["frontier_after"]["note"], path_part = 1, "$.frontier_after"
+    elif where == "receipt.rng":
+        i = [k for k, r in enumerate(records) if r["event"] == "decision"][0]
+        records[i]["receipt"]["rng"]["note"], path_part = 1, "$.receipt.rng"
+    else:
+        i = 0
+        records[0]["params"]["note"], path_part = 1, "$.params"
+    path = tmp_path / "extra.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["code"], verdict["line"], verdict["event"]) == (TRACE_SCHEMA, i + 1, records[i]["event"])
+    assert f"at {path_part}:" in verdict["reason"] and "'note' was unexpected" in verdict["reason"]
+
+
+def test_a_trace_without_its_final_finish_is_incomplete(greedy_trace, tmp_path, capsys):
+    records = _records(greedy_trace)
+    assert records[-1]["event"] == "finish"
+    path = tmp_path / "nofinish.ndjson"
+    _write(path, records[:-1])
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["code"], verdict["line"], verdict["consumed"]) == (TRACE_INCOMPLETE, len(records), len(records) - 1)
+    assert verdict["final_phase"] == "finished" and "without the finish event" in verdict["reason"]
+
+
+def test_a_repaired_trace_needs_the_finish_after_its_repair(tmp_path, capsys):
+    """With ``--repair`` the runtime reports ``finish`` again after the repair call; dropping that last one is refused."""
+    path = _generate(tmp_path, "repair", "--max-new-tokens", "3", "--repair")
+    records = _records(path)
+    assert [r["event"] for r in records[-4:]] == ["finish", "call_launched", "call_completed", "finish"]
+    _write(path, records[:-1])
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["code"], verdict["line"]) == (TRACE_INCOMPLETE, len(records))
+
+
+def test_the_python_api_reports_the_same_codes(greedy_trace):
+    lines = greedy_trace.read_text().splitlines()
+    assert validate_trace(lines).accepted
+    assert validate_trace(lines[:-1]).code == TRACE_INCOMPLETE
+    assert validate_trace([]).code == TRACE_INCOMPLETE
+    bad = json.loads(lines[1])
+    bad["kind"] = "warmup"
+    verdict = validate_trace([lines[0], json.dumps(bad), *lines[2:]])
+    assert (verdict.code, verdict.line) == (TRACE_SCHEMA, 2) and "$.kind" in verdict.reason
+
+
+def test_the_schema_enums_are_the_specs():
+    """spec/schemas/events.v1.json spells the spec's enums (spec/enums.py, spec/state.py) exactly."""
+    defs = json.loads(EVENTS_SCHEMA_PATH.read_text())["$defs"]
+    assert set(defs["finish_reason"]["enum"]) == {r.value for r in FinishReason}
+    assert defs["frontier"]["properties"]["pending_tag"]["enum"] == [t.value for t in PendingTag]
+    assert defs["event_call_launched"]["properties"]["kind"]["enum"] == [k.value for k in CallKind]
+    assert defs["event_call_completed"]["properties"]["selection"]["enum"] == [s.value for s in Selection]
+    assert defs["event_cancel"]["properties"]["at"]["enum"] == [p.value for p in InterruptPoint]
