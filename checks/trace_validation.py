@@ -631,11 +631,15 @@ class _Mismatch(Exception):
 
 
 @lru_cache(maxsize=1)
-def _events_validator() -> jsonschema.protocols.Validator:
+def _events_validators() -> dict[str | None, Any]:
+    """The whole schema's validator (key ``None``) and one per event (its ``$defs/event_<name>`` alone: faster, same verdict)."""
     schema = json.loads(EVENTS_SCHEMA_PATH.read_text(encoding="utf-8"))
     cls = jsonschema.validators.validator_for(schema)
     cls.check_schema(schema)
-    return cls(schema)
+    defs = schema["$defs"]
+    per_event: dict[str | None, Any] = {name: cls({"$defs": defs, "$ref": f"#/$defs/event_{name}"}) for name in schema["properties"]["event"]["enum"]}
+    per_event[None] = cls(schema)
+    return per_event
 
 
 def schema_error(rec: Any) -> str | None:
@@ -645,7 +649,9 @@ def schema_error(rec: Any) -> str | None:
     message (an unexpected field, a missing one, a wrong type or constant).  Among several errors
     the deepest, then first by path, is reported, so the message is stable.
     """
-    errors = list(_events_validator().iter_errors(rec))
+    validators = _events_validators()
+    event = rec.get("event") if isinstance(rec, dict) else None
+    errors = list(validators.get(event if isinstance(event, str) else None, validators[None]).iter_errors(rec))
     if not errors:
         return None
     leaves = [e for e in errors if not e.context] or errors
