@@ -13,10 +13,23 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Sequence
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+from decodespec.spec.errors import register_code
+
+__all__ = ["COMMANDS", "IO_ERROR", "build_parser", "main"]
+
+#: A file the command line was given cannot be read, or an output path cannot be written
+#: (missing parent folder, a directory, not writable); checked before any work is done.
+IO_ERROR = register_code(
+    "cli.io_error",
+    "rejection",
+    "docs/design.md section 8 (runtime outputs)",
+    "A file named on the command line cannot be read, or an output path cannot be written (its folder is missing, "
+    "it is a directory, or it is not writable); checked before any work, so nothing is written.",
+)
 
 #: Subcommand name -> module (relative to decodespec.checks.commands), in ``--help`` order.
 COMMANDS: dict[str, str] = {
@@ -52,7 +65,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``decodespec`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        code = int(args._run(args) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (``decodespec generate ... | head``): the Python recipe
+        # (docs.python.org, signal "Note on SIGPIPE") -- point stdout at devnull so that the
+        # interpreter's final flush does not raise again, and exit 1 without a traceback.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # a replaced sys.stdout without a file descriptor
+            pass
+        return 1
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -313,8 +313,10 @@ def load_snapshot(path: str | Path) -> RuntimeSnapshot:
 
     Raises:
         Rejection: ``snapshot.malformed`` for unreadable JSON, a wrong format, a missing field,
-            a missing tensor file or one whose SHA-256 differs from the recorded one.
+            a missing tensor file, one whose SHA-256 differs from the recorded one, or one that
+            is not a readable safetensors file (truncated, with its SHA-256 re-recorded).
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -331,7 +333,11 @@ def load_snapshot(path: str | Path) -> RuntimeSnapshot:
             raise Rejection(SNAPSHOT_MALFORMED, f"tensor file {tensor_path} is missing", "$.cache.tensors")
         if "sha256:" + hashlib.sha256(tensor_path.read_bytes()).hexdigest() != cache["sha256"]:
             raise Rejection(SNAPSHOT_MALFORMED, f"tensor file {tensor_path} differs from the recorded SHA-256", "$.cache.sha256")
-        stored = load_file(str(tensor_path))
+        try:
+            stored = load_file(str(tensor_path))
+        except (SafetensorError, OSError) as exc:  # truncated or corrupt although its SHA-256 was re-recorded
+            raise Rejection(SNAPSHOT_MALFORMED, f"tensor file {tensor_path} is not a readable safetensors file: {exc}",
+                            "$.cache.tensors") from None
         num_layers = int(cache["num_layers"])
         tensors = None
         if num_layers:

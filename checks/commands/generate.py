@@ -139,31 +139,28 @@ def run(args: argparse.Namespace) -> int:
     from decodespec.impl.snapshot import load_snapshot, save_snapshot
     from decodespec.spec.errors import DecodeSpecError
 
-    if args.snapshot_at is not None and not args.snapshot:
-        print(json.dumps({"error": {"code": "runtime.invalid_request", "path": "$.snapshot_at",
-                                    "message": "--snapshot-at needs --snapshot FILE"}}), file=sys.stderr)
-        return 2
-    if not (args.prompt is not None or args.request or args.resume):
-        print(json.dumps({"error": {"code": "runtime.invalid_request", "path": "$.prompt",
-                                    "message": "give --prompt, --request FILE or --resume FILE"}}), file=sys.stderr)
-        return 2
-    refused = _beam_refusal(args)
+    refused = _beam_refusal(args) or _flag_refusal(args)
     if refused is not None:
         print(json.dumps({"error": refused}), file=sys.stderr)
         return 2
     sink = None
+    outputs = _Outputs(args.trace, args.snapshot)
     try:
+        outputs.check()
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype)
+        snapshot = load_snapshot(args.resume) if args.resume else None
         model, tokenizer = _load(args.model, dtype, device, args.attention)
         info = {"device": str(device), "dtype": args.dtype, "attention": args.attention, "model": args.model}
-        snapshot = load_snapshot(args.resume) if args.resume else None
         request = None
         if args.request or snapshot is None:
             request = _admitted_request(args, model, tokenizer)
-        sink = FileSink(args.trace) if args.trace else None
+        sink = FileSink(outputs.trace_temp()) if args.trace else None
         if request is not None and request.policy.family.value == "beam":
-            return _run_beams(args, model, tokenizer, request, sink, info)
+            code = _run_beams(args, model, tokenizer, request, sink, info)
+            sink = _close(sink)
+            outputs.commit(None)
+            return code
         streamed = (request if request is not None else snapshot.request).stream
         on_chunk = _chunk_printer(args.json) if streamed else None
         if snapshot is not None:
@@ -171,15 +168,16 @@ def run(args: argparse.Namespace) -> int:
         else:
             runner = RequestRunner(model, request, sink=sink, tokenizer=tokenizer, runtime_info=info, on_chunk=on_chunk)
         runner.run(max_outputs=args.snapshot_at)
-        if args.snapshot:
-            save_snapshot(runner.snapshot(args.snapshot_form), args.snapshot)
+        snap = runner.snapshot(args.snapshot_form) if args.snapshot else None  # emits the trace's snapshot event
+        sink = _close(sink)
+        outputs.commit(snap)
         result = runner.result()
     except DecodeSpecError as exc:
         print(json.dumps({"error": exc.to_json()}), file=sys.stderr)
         return 3 if exc.code == MODEL_FILE_MISSING else 2
     finally:
-        if sink is not None:
-            sink.close()
+        _close(sink)
+        outputs.discard()
     if args.json:
         payload = result.to_json()
         request = runner.request
@@ -193,6 +191,150 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(result.text)
     return 0
+
+
+#: Flags that describe the request itself: ``--request FILE`` and ``--resume FILE`` carry their own
+#: request, so any of these set to a non-default value conflicts with them (dest -> flag).
+_REQUEST_FLAGS = {
+    "prompt": "--prompt", "chat": "--chat", "max_new_tokens": "--max-new-tokens", "seed": "--seed",
+    "do_sample": "--do-sample", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+    "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "order": "--order", "cache": "--cache",
+    "capacity": "--capacity", "prefill_chunk": "--prefill-chunk", "repair": "--repair", "stop": "--stop",
+    "include_stop": "--include-stop", "align": "--align", "min_new_tokens": "--min-new-tokens",
+    "json_mode": "--json-mode", "stream": "--stream", "num_beams": "--num-beams",
+    "length_penalty": "--length-penalty", "early_stopping": "--early-stopping",
+}
+_DEFAULTS: dict[str, Any] = {"max_new_tokens": 64, "seed": 0, "order": "default", "cache": "dynamic"}
+
+
+def _flag_refusal(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The typed error (``runtime.invalid_request``) for flags that contradict each other, or ``None``.
+
+    Checked before anything is loaded: a request source is missing; ``--request`` with
+    ``--resume``; request flags (:data:`_REQUEST_FLAGS`) set away from their defaults next to
+    ``--request`` / ``--resume`` (they would be ignored); ``--snapshot-at`` without ``--snapshot``
+    or negative; ``--capacity`` without ``--cache static``.
+    """
+
+    def error(path: str, message: str) -> dict[str, Any]:
+        return {"code": "runtime.invalid_request", "path": path, "message": message}
+
+    if not (args.prompt is not None or args.request or args.resume):
+        return error("$.prompt", "give --prompt, --request FILE or --resume FILE")
+    if args.request and args.resume:
+        return error("$.resume", "--request and --resume conflict: a snapshot carries its own request")
+    source = "--resume" if args.resume else "--request" if args.request else None
+    if source is not None:
+        given = [flag for dest, flag in _REQUEST_FLAGS.items()
+                 if getattr(args, dest, None) not in (None, False) and getattr(args, dest) != _DEFAULTS.get(dest)]
+        if given:
+            what = "the snapshot's request" if source == "--resume" else "the envelope FILE"
+            return error("$." + source[2:], f"{', '.join(given)} conflict{'s' if len(given) == 1 else ''} with {source}: "
+                         f"{what} fixes the prompt, policy, termination and cache; drop {'it' if len(given) == 1 else 'them'}")
+    if args.snapshot_at is not None and not args.snapshot:
+        return error("$.snapshot_at", "--snapshot-at needs --snapshot FILE")
+    if args.snapshot_at is not None and args.snapshot_at < 0:
+        return error("$.snapshot_at", f"--snapshot-at {args.snapshot_at}: N counts committed tokens, N >= 0")
+    if args.capacity is not None and args.cache != "static":
+        return error("$.runtime.static_capacity", f"--capacity sizes a static cache; it needs --cache static, not --cache {args.cache}")
+    return None
+
+
+def _close(sink):
+    if sink is not None:
+        sink.close()
+    return None
+
+
+class _Outputs:
+    """The command's output files: checked before any work, written to temporaries, renamed on success.
+
+    ``--trace FILE`` is written to a temporary file next to ``FILE`` and renamed onto it; the
+    snapshot (``FILE`` and ``FILE.safetensors``) is written into a temporary folder next to
+    ``FILE`` and both files are renamed into place (tensors first).  :meth:`discard` removes
+    whatever temporaries remain, so a failed command leaves no partial or orphan file.
+    """
+
+    def __init__(self, trace: str | None, snapshot: str | None):
+        from pathlib import Path
+
+        self.trace = Path(trace) if trace else None
+        self.snapshot = Path(snapshot) if snapshot else None
+        self._temps: list[Path] = []
+        self._trace_temp: Path | None = None
+
+    def check(self) -> None:
+        """Raises ``Rejection`` (``cli.io_error``) for an output path that cannot be written."""
+        import os
+
+        from decodespec.checks.cli import IO_ERROR
+        from decodespec.spec.errors import Rejection
+
+        paths = [("--trace", self.trace)]
+        if self.snapshot is not None:
+            paths += [("--snapshot", self.snapshot), ("--snapshot", self.snapshot.with_name(self.snapshot.name + ".safetensors"))]
+        for flag, path in paths:
+            if path is None:
+                continue
+            parent = path.parent
+            if path.is_dir():
+                raise Rejection(IO_ERROR, f"{flag} {path}: is a directory", "$." + flag[2:])
+            if not parent.is_dir():
+                raise Rejection(IO_ERROR, f"{flag} {path}: the folder {parent} does not exist", "$." + flag[2:])
+            if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+                raise Rejection(IO_ERROR, f"{flag} {path}: not writable", "$." + flag[2:])
+
+    def trace_temp(self):
+        """A fresh temporary path next to the trace file (removed by :meth:`discard` unless committed)."""
+        import os
+        import tempfile
+        from pathlib import Path
+
+        fd, name = tempfile.mkstemp(prefix=f".{self.trace.name}.", suffix=".tmp", dir=self.trace.parent)
+        os.close(fd)
+        self._trace_temp = Path(name)
+        self._temps.append(self._trace_temp)
+        return name
+
+    def commit(self, snapshot) -> None:
+        """Write ``snapshot`` (when given) and move every output into place."""
+        import os
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from decodespec.impl.snapshot import save_snapshot
+
+        if snapshot is not None:
+            folder = Path(tempfile.mkdtemp(prefix=f".{self.snapshot.name}.", dir=self.snapshot.parent))
+            self._temps.append(folder)
+            doc, tensors = save_snapshot(snapshot, folder / self.snapshot.name)
+            os.chmod(tensors, 0o666 & ~_umask())
+            os.replace(tensors, self.snapshot.with_name(tensors.name))
+            os.replace(doc, self.snapshot)
+            shutil.rmtree(folder, ignore_errors=True)
+        if self._trace_temp is not None:
+            os.chmod(self._trace_temp, 0o666 & ~_umask())
+            os.replace(self._trace_temp, self.trace)
+        self._temps.clear()
+
+    def discard(self) -> None:
+        import shutil
+
+        for temp in self._temps:
+            if temp.is_dir():
+                shutil.rmtree(temp, ignore_errors=True)
+            else:
+                temp.unlink(missing_ok=True)
+        self._temps.clear()
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _chunk_printer(as_json: bool):
@@ -246,7 +388,7 @@ def _admitted_request(args: argparse.Namespace, model, tokenizer):
     from pathlib import Path
 
     from decodespec.impl.runtime import RuntimeRequest
-    from decodespec.spec.envelope import validate_request_envelope
+    from decodespec.spec.envelope import EMPTY_PROMPT, validate_request_envelope
     from decodespec.spec.errors import Rejection
 
     if args.request:
@@ -256,7 +398,13 @@ def _admitted_request(args: argparse.Namespace, model, tokenizer):
             raise Rejection("runtime.invalid_request", f"cannot read {args.request}: {exc}", "$.request") from None
     else:
         raw = json.dumps(envelope_from_flags(args, model, tokenizer), ensure_ascii=False).encode("utf-8")
-    admitted, _identity = validate_request_envelope(raw)
+    try:
+        admitted, _identity = validate_request_envelope(raw)
+    except Rejection as exc:
+        if exc.code != EMPTY_PROMPT or args.request:
+            raise
+        raise Rejection(EMPTY_PROMPT, f"an empty prompt needs a declared start state; {_DISPLAY[args.model]} declares none "
+                        "(give a non-empty --prompt, or --chat to wrap it in the chat template)", "$.prompt") from None
     _check_artifact(admitted, args.model, model, tokenizer)
     return RuntimeRequest.from_admitted(admitted)
 
@@ -344,6 +492,7 @@ def _output(args: argparse.Namespace, final_cache: str) -> dict[str, Any]:
     return out
 
 
+_DISPLAY = {"smollm2": "SmolLM2", "tiny": "the tiny model"}
 _RELEASE = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct.Q4_1.gguf", "tiny": "decodespec-tiny-llama-seed0"}
 
 

@@ -72,7 +72,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         chosen = _selected(args)
     except KeyError as exc:
-        print(f"decodespec mutants: {exc.args[0]}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"error": {"code": "runtime.invalid_request", "path": "$.only" if args.only else "$.group",
+                                        "message": str(exc.args[0])}}, ensure_ascii=False))
+        else:
+            print(f"decodespec mutants: {exc.args[0]}", file=sys.stderr)
         return 2
     if args.list:
         for m in chosen:

@@ -2,7 +2,8 @@
 
 Prints ``{"ok": true, "identity": "sha256:<hex>"}`` and exits 0, or prints
 ``{"ok": false, "error": {"code", "path", "message"}}`` and exits 2 (a typed rejection or
-resource limit; see :mod:`decodespec.checks.cli`).  ``--print-schema`` prints the published
+resource limit; ``cli.io_error`` for a file that cannot be read; see :mod:`decodespec.checks.cli`).
+At most ``MAX_ENVELOPE_BYTES + 1`` bytes are read from the file or stdin.  ``--print-schema`` prints the published
 JSON Schema; ``--write-schema`` regenerates ``spec/schemas/request.v1.json`` from the Python
 definition (which embeds the M3.8 policy schema).
 
@@ -43,13 +44,23 @@ def run(args: argparse.Namespace) -> int:
         SCHEMA_PATH.write_text(schema_text(), encoding="utf-8")
         print(json.dumps({"ok": True, "written": str(SCHEMA_PATH)}))
         return 0
+    from decodespec.checks.cli import IO_ERROR
+    from decodespec.spec.envelope import MAX_ENVELOPE_BYTES
+
     if args.file is None:
-        print("decodespec validate: give FILE, --print-schema or --write-schema", file=sys.stderr)
+        print(json.dumps({"ok": False, "error": {"code": "runtime.invalid_request", "path": "$",
+                                                  "message": "give FILE ('-' for stdin), --print-schema or --write-schema"}}))
         return 2
     try:
-        raw = sys.stdin.buffer.read() if str(args.file) == "-" else args.file.read_bytes()
+        # At most one byte past the limit: enough for envelope.too_large, never the whole of /dev/zero.
+        if str(args.file) == "-":
+            raw = sys.stdin.buffer.read(MAX_ENVELOPE_BYTES + 1)
+        else:
+            with args.file.open("rb") as fh:
+                raw = fh.read(MAX_ENVELOPE_BYTES + 1)
     except OSError as exc:
-        print(json.dumps({"ok": False, "error": {"code": "io", "path": "$", "message": str(exc)}}))
+        reason = exc.strerror or str(exc)
+        print(json.dumps({"ok": False, "error": {"code": IO_ERROR, "path": "$", "message": f"cannot read {args.file}: {reason}"}}))
         return 2
     try:
         _, identity = validate_request_envelope(raw)
