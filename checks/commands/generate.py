@@ -51,6 +51,15 @@ same way.  ``--json`` then prints the best hypothesis as ``output_ids``, ``text`
 Refused with ``runtime.beam_unsupported`` (exit 2): ``--do-sample`` (beam sampling is not
 modelled), ``--stream``, ``--stop``, ``--json-mode``, ``--repair``, snapshots and ``--resume``.
 
+Bad input is refused before any work and leaves no file (exit 2, ``runtime.invalid_request``
+unless noted): request flags (prompt, policy, termination, cache, stream and beam flags) set away
+from their defaults next to ``--request`` or ``--resume`` (the file fixes the request; the error
+names the flags), ``--request`` with ``--resume``, ``--snapshot-at`` below 0 or without
+``--snapshot``, ``--capacity`` without ``--cache static``; an output path whose folder is
+missing, which is a directory or is not writable (``cli.io_error``).  The trace and the snapshot
+are written to temporaries next to their paths and renamed into place only when the command
+succeeds.
+
 Exit codes: 0 success, 2 invalid input (typed ``Rejection``/``ResourceLimit``, printed as JSON
 on stderr), 3 the model file is not installed.
 
