@@ -3,7 +3,10 @@
 Options:
 
 * ``--runtime {impl,hf,llamacpp,stdio:CMD}`` (default ``impl``): the runtime under test; a peer
-  that is not installed skips its cases with the reason.
+  that is not installed skips its cases with the reason.  The name is checked, and a
+  ``stdio:CMD`` server's ``start`` handshake tried, before any test runs
+  (:func:`~decodespec.checks.traces.check_runtime`): an unknown name, an empty command or a
+  failed handshake is a ``pytest.UsageError`` (one message, exit 4).
 * ``--model {tiny,smollm2}``: default ``smollm2`` when the GGUF file is installed, else ``tiny``
   (the report header says so).
 * ``--report FILE``: one JSON line per case (``case``, ``runtime``, ``model``, ``result``:
@@ -59,7 +62,22 @@ def _model(config: pytest.Config) -> str:
     return "smollm2" if smollm2_available() else "tiny"
 
 
+def _check_runtime(config: pytest.Config) -> None:
+    from decodespec.checks.traces import RUNTIME_CHECKED_ENV, check_runtime
+    from decodespec.spec.errors import DecodeSpecError
+
+    runtime = config.getoption("--runtime")
+    if os.environ.get(RUNTIME_CHECKED_ENV) == runtime:
+        return
+
+    try:
+        check_runtime(runtime, _model(config))
+    except DecodeSpecError as exc:
+        raise pytest.UsageError(f"--runtime {runtime}: [{exc.code}] {exc.message}") from None
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _check_runtime(config)
     profile = config.getoption("--profile")
     if profile:
         os.environ["DECODESPEC_PROFILE"] = profile

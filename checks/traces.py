@@ -49,15 +49,18 @@ import attrs
 from decodespec.spec.errors import Rejection, register_code
 
 from . import itf
-from .adapters import Adapter, CaseConfig, open_adapter
+from .adapters import Adapter, CaseConfig, open_adapter, parse_runtime
 from .ladder import Verdict
 
 __all__ = [
+    "HANDSHAKE_TIMEOUT",
     "RUNTIMES",
+    "RUNTIME_CHECKED_ENV",
     "TRACE_FORMAT",
     "TRACE_FORMAT_VERSION",
     "TRACE_INVALID",
     "ReplayResult",
+    "check_runtime",
     "default_trace_dir",
     "load_trace",
     "installed_mutant",
@@ -83,6 +86,15 @@ _VARS = ("action", "runtime", "spec", "observation", "state", "verdict")
 RUNTIMES: dict[str, Callable[[], Adapter]] = {}
 
 
+def _register_broken(name: str) -> None:
+    """Import :mod:`decodespec.checks.broken` (it registers the broken runtimes) unless ``name`` is registered."""
+    if name not in RUNTIMES:
+        try:
+            import decodespec.checks.broken  # noqa: F401
+        except ModuleNotFoundError:  # pragma: no cover
+            pass
+
+
 def open_runtime(name: str, model: str | None = None) -> Adapter:
     """The adapter of runtime ``name`` (a registered one first, else :func:`open_adapter`).
 
@@ -90,14 +102,38 @@ def open_runtime(name: str, model: str | None = None) -> Adapter:
         AdapterUnavailable: the runtime is not installed here.
         Rejection: ``adapter.unsupported`` for an unknown name.
     """
-    if name not in RUNTIMES:
-        try:
-            import decodespec.checks.broken  # noqa: F401  (registers the broken runtimes)
-        except ModuleNotFoundError:  # pragma: no cover
-            pass
+    _register_broken(name)
     if name in RUNTIMES:
         return RUNTIMES[name]()
     return open_adapter(name, model=model)
+
+
+#: Seconds :func:`check_runtime` waits for a ``stdio:CMD`` server's ``start`` handshake.
+HANDSHAKE_TIMEOUT = 60.0
+#: Environment variable ``decodespec check`` sets to the runtime it has checked, so that the
+#: gate's conftest does not spawn a ``stdio:CMD`` server a second time for the handshake.
+RUNTIME_CHECKED_ENV = "DECODESPEC_RUNTIME_CHECKED"
+
+
+def check_runtime(name: str, model: str | None = None, *, timeout: float = HANDSHAKE_TIMEOUT) -> None:
+    """Check that ``name`` is a runtime the gate can run, before any case runs.
+
+    A registered runtime (:data:`RUNTIMES`) or ``impl`` / ``hf`` / ``llamacpp`` passes on its
+    name (a peer that is not installed is the gate's skip, not an error); ``stdio:CMD`` needs a
+    non-empty command whose server answers the ``start`` handshake within ``timeout`` seconds
+    (the process is then closed).
+
+    Raises:
+        Rejection: ``adapter.unsupported`` for an unknown name; ``adapter.protocol`` for an
+            empty ``stdio:`` command, one that cannot start, exits, or answers the handshake
+            wrongly or not in time.
+    """
+    _register_broken(name)
+    if name in RUNTIMES:
+        return
+    kind, _ = parse_runtime(name)
+    if kind == "stdio":
+        open_adapter(name, model=model, timeout=timeout).close()
 
 
 def default_trace_dir() -> Path:

@@ -136,3 +136,51 @@ def test_explore_help_gives_the_itf_out_default(capsys) -> None:
         main(["explore", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--itf-out" in text and "default ./counterexample.itf.json" in text
+
+
+# ---- finding 5: check / the gate refuse a runtime they cannot run, before any case -------------------------------
+
+
+@pytest.mark.parametrize(("runtime", "code"), [
+    ("bogus", "adapter.unsupported"),
+    ("impl:x", "adapter.unsupported"),
+    ("stdio:", "adapter.protocol"),  # empty command
+    ("stdio:cat", "adapter.protocol"),  # echoes the start request: a bad handshake
+    ("stdio:/bin/false", "adapter.protocol"),  # exits before answering
+    ("stdio:decodespec-no-such-command", "adapter.protocol"),  # cannot start
+])
+def test_check_refuses_a_runtime_it_cannot_run_with_exit_2(runtime, code, tmp_path, capsys) -> None:
+    report = tmp_path / "report.jsonl"
+    assert main(["check", "--runtime", runtime, "--model", "tiny", "--report", str(report)]) == 2
+    out, err = capsys.readouterr()
+    error = json.loads(err.splitlines()[-1])
+    assert error["runtime"] == runtime and error["error"]["code"] == code and error["error"]["message"]
+    assert out == "" and not report.exists()  # pytest never ran
+
+
+def test_check_runtime_accepts_what_the_gate_can_run() -> None:
+    from decodespec.checks.traces import check_runtime
+
+    for runtime in ("impl", "hf", "llamacpp", "impl.broken.frozen_rng"):  # a missing peer is the gate's skip, not an error
+        check_runtime(runtime, "tiny")
+    check_runtime("stdio:python -m decodespec.checks.stdio_server", "tiny", timeout=120)
+
+
+def test_check_runtime_gives_up_on_a_silent_server() -> None:
+    import time
+
+    from decodespec.checks.traces import check_runtime
+    from decodespec.spec.errors import Rejection
+
+    started = time.monotonic()
+    with pytest.raises(Rejection) as err:
+        check_runtime("stdio:sleep 30", "tiny", timeout=1)
+    assert err.value.code == "adapter.protocol" and "within 1" in err.value.message
+    assert time.monotonic() - started < 8  # the silent process is killed, not waited for
+
+
+def test_pytest_checks_with_a_bogus_runtime_is_one_usage_error() -> None:
+    run = _gate("checks/", "--runtime", "bogus", "--model", "tiny", timeout=120)
+    assert run.returncode == 4, run.stdout[-2000:] + run.stderr[-2000:]  # pytest.ExitCode.USAGE_ERROR
+    assert "--runtime bogus: [adapter.unsupported] unknown runtime 'bogus'" in run.stderr
+    assert "Traceback" not in run.stdout + run.stderr and "passed" not in run.stdout and "failed" not in run.stdout

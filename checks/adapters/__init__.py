@@ -131,6 +131,7 @@ __all__ = [
     "corrupt_record",
     "no_controller_action",
     "open_adapter",
+    "parse_runtime",
     "required_capabilities",
 ]
 
@@ -592,6 +593,21 @@ class AdapterUnavailable(Exception):
     """The named runtime cannot run here (not installed, no model file); the message is the skip reason."""
 
 
+def parse_runtime(runtime: str) -> tuple[str, str]:
+    """``(name, command)`` of a runtime name: ``impl``, ``hf``, ``llamacpp`` (command ``""``) or ``stdio:CMD``.
+
+    Raises:
+        Rejection: ``adapter.unsupported`` for an unknown name or a ``:`` argument to a runtime
+            other than ``stdio``.
+    """
+    name, _, rest = runtime.partition(":")
+    if name != "stdio" and rest:
+        raise Rejection(ADAPTER_UNSUPPORTED, f"only stdio takes a ':' argument, got {runtime!r}", "$.runtime")
+    if name not in ("impl", "hf", "llamacpp", "stdio"):
+        raise Rejection(ADAPTER_UNSUPPORTED, f"unknown runtime {runtime!r}; expected impl, hf, llamacpp or stdio:CMD", "$.runtime")
+    return name, rest
+
+
 def open_adapter(runtime: str, **options: Any) -> Adapter:
     """Create the adapter named ``runtime``: ``impl``, ``hf``, ``llamacpp`` or ``stdio:CMD``.
 
@@ -603,13 +619,9 @@ def open_adapter(runtime: str, **options: Any) -> Adapter:
         AdapterUnavailable: the adapter module or its runtime is not installed (the reason).
         Rejection: ``adapter.unsupported`` for an unknown runtime name.
     """
-    name, _, rest = runtime.partition(":")
+    name, rest = parse_runtime(runtime)
     if name == "stdio":
         options = {"command": rest, **options}
-    elif rest:
-        raise Rejection(ADAPTER_UNSUPPORTED, f"only stdio takes a ':' argument, got {runtime!r}", "$.runtime")
-    if name not in ("impl", "hf", "llamacpp", "stdio"):
-        raise Rejection(ADAPTER_UNSUPPORTED, f"unknown runtime {runtime!r}; expected impl, hf, llamacpp or stdio:CMD", "$.runtime")
     try:
         module = importlib.import_module(f"decodespec.checks.adapters.{name}")
     except ModuleNotFoundError as exc:

@@ -81,7 +81,14 @@ class StdioAdapter:
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         self.seq = 0
-        hello = self._exchange(request("start", version=PROTOCOL_VERSION), seq=None)
+        try:
+            hello = self._exchange(request("start", version=PROTOCOL_VERSION), seq=None)
+        except Rejection:  # no answer in time, a malformed one, or the process exited: never leave it running
+            if self.process.poll() is None:
+                self.process.kill()
+            self.process.wait(timeout=10)
+            self.stderr.close()
+            raise
         impl = hello.get("implementation")
         if not hello.get("ok") or not hello.get("ready") or hello.get("version") != PROTOCOL_VERSION or not isinstance(impl, Mapping):
             self.close()

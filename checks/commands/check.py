@@ -6,8 +6,13 @@ the CLI and ``pytest checks/`` run the same cases, machines and corpus.  Afterwa
 one row per case from the report (result, ladder layer, rule, check, message) and the counts.
 ``--report docs/results/<runtime>.jsonl`` is how the docs' conformance page gets its table.
 
-Exit codes: pytest's (0 every case passed or is a documented deviation, 1 a case failed,
-others: pytest usage or internal errors).
+Before pytest starts, the runtime name is checked and a ``stdio:CMD`` server's ``start``
+handshake is tried (:func:`~decodespec.checks.traces.check_runtime`): an unknown name, an empty
+command, a command that cannot start or exits, or a bad handshake prints
+``{"error": {"code", "path", "message"}}`` on stderr and exits 2 without running anything.
+
+Exit codes: 2 an invalid runtime (above); otherwise pytest's (0 every case passed or is a
+documented deviation, 1 a case failed, others: pytest usage or internal errors).
 
 Source: docs/design.md section 9; research/formal-anchors-survey.md 4.4 (Bowtie ``summary``).
 """
@@ -58,8 +63,19 @@ def summary_table(lines: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run pytest on the gate, then print the summary table."""
+    """Check the runtime, run pytest on the gate, then print the summary table."""
+    import sys
+
     import pytest
+
+    from decodespec.checks.traces import RUNTIME_CHECKED_ENV, check_runtime
+    from decodespec.spec.errors import DecodeSpecError
+
+    try:
+        check_runtime(args.runtime, args.model)
+    except DecodeSpecError as exc:
+        print(json.dumps({"runtime": args.runtime, "error": exc.to_json()}), file=sys.stderr)
+        return 2
 
     checks_dir = Path(__file__).resolve().parent.parent
     report = args.report or os.path.join(tempfile.mkdtemp(prefix="decodespec-check-"), "report.jsonl")
@@ -69,7 +85,15 @@ def run(args: argparse.Namespace) -> int:
     for option, value in (("--model", args.model), ("--profile", args.profile), ("--trace-dir", args.trace_dir), ("-k", args.keyword)):
         if value:
             argv += [option, value]
-    code = int(pytest.main(argv))
+    previous = os.environ.get(RUNTIME_CHECKED_ENV)
+    os.environ[RUNTIME_CHECKED_ENV] = args.runtime
+    try:
+        code = int(pytest.main(argv))
+    finally:
+        if previous is None:
+            os.environ.pop(RUNTIME_CHECKED_ENV, None)
+        else:
+            os.environ[RUNTIME_CHECKED_ENV] = previous
     path = Path(report)
     if path.is_file():
         lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
