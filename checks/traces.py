@@ -12,6 +12,10 @@ everything a replay needs, as plain JSON:
   installed when the trace was recorded (``pytest checks/ --mutant NAME``, ``decodespec
   mutants``); absent when none was.  :func:`replay` installs it again (with the gate's reference
   on the oracle side, as the gate does), so a mutant's failure trace reproduces;
+* ``threads`` (optional): torch's intra-op thread count when the trace was recorded
+  (``torch.get_num_threads()``).  A CPU float32 reduction rounds differently when it is split over
+  another number of threads, so a verdict that rests on bit-exact scores (a natural float32 tie)
+  reproduces only under the recorded count; :func:`replay` sets it for the replay and restores it;
 * ``verdict``: the **expected verdict** -- ``passed``, or ``failed`` / ``undecided`` with its
   ladder ``layer``, ``rule`` and ``check``, the ``step`` it was found at, expected, actual and
   the message;
@@ -64,6 +68,7 @@ __all__ = [
     "default_trace_dir",
     "load_trace",
     "installed_mutant",
+    "intra_op_threads",
     "make_trace",
     "mutant_installed",
     "open_runtime",
@@ -241,7 +246,35 @@ def make_trace(
     mutant = mutant or installed_mutant()
     if mutant:
         meta["mutant"] = mutant
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        meta["threads"] = int(torch.get_num_threads())
     return itf.make_trace(list(_VARS), states, meta=meta)
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int | None) -> Any:
+    """Run the block with torch's intra-op thread count set to ``threads`` (a trace's ``#meta.threads``).
+
+    Does nothing for ``None`` (a trace that does not record it) or when torch is not imported
+    (a runtime in another process).  The previous count is restored on exit.
+
+    Raises:
+        Rejection: ``trace.invalid_conformance_trace`` when ``threads`` is not a positive integer.
+    """
+    if threads is None:
+        yield
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise Rejection(TRACE_INVALID, f"#meta.threads {threads!r} is not a positive thread count", "$.#meta.threads")
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def record(runtime: str, config: CaseConfig, actions: Sequence[Mapping[str, Any]], *, adapter: Adapter | None = None,
@@ -348,7 +381,8 @@ def replay(trace: Mapping[str, Any], *, runtime: str | None = None, adapter: Ada
 
     When the trace records a failure-lab mutant (``#meta.mutant``) it is installed for the
     replay, with the gate's reference on the oracle side, as ``pytest checks/ --mutant NAME``
-    does (:func:`mutant_installed`).
+    does (:func:`mutant_installed`); a recorded intra-op thread count (``#meta.threads``) is set
+    for the replay (:func:`intra_op_threads`).
 
     Args:
         trace: A loaded trace (:func:`load_trace`).
@@ -366,7 +400,7 @@ def replay(trace: Mapping[str, Any], *, runtime: str | None = None, adapter: Ada
     name = runtime or meta["runtime"]
     config = CaseConfig.from_json(meta["config"])
     mutant = meta.get("mutant") or None
-    with mutant_installed(mutant):
+    with mutant_installed(mutant), intra_op_threads(meta.get("threads")):
         adapter = adapter or open_runtime(name, config.model)
         try:
             ls = LockStep(adapter, config, runtime=name)

@@ -184,3 +184,34 @@ def test_pytest_checks_with_a_bogus_runtime_is_one_usage_error() -> None:
     assert run.returncode == 4, run.stdout[-2000:] + run.stderr[-2000:]  # pytest.ExitCode.USAGE_ERROR
     assert "--runtime bogus: [adapter.unsupported] unknown runtime 'bogus'" in run.stderr
     assert "Traceback" not in run.stdout + run.stderr and "passed" not in run.stdout and "failed" not in run.stdout
+
+
+# ---- a recorded intra-op thread count is replayed (CPU float32 rounding depends on it) ---------------------------
+
+
+def test_a_trace_records_torch_threads_and_replay_sets_them_for_the_replay(mutant_trace) -> None:
+    """``#meta.threads``: written by the trace writer, set by replay for the replay only, restored after."""
+    import torch
+
+    from decodespec.checks import traces
+
+    trace = load_trace(mutant_trace)
+    assert trace["#meta"]["threads"] == 1  # the gate subprocess ran with OMP_NUM_THREADS=1
+    seen: list[int] = []
+    before = torch.get_num_threads()
+    with traces.intra_op_threads(before + 1):
+        seen.append(torch.get_num_threads())
+    assert seen == [before + 1] and torch.get_num_threads() == before
+    with traces.intra_op_threads(None):
+        assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("value", [0, -2, True, "2", 1.5])
+def test_a_malformed_thread_count_is_a_typed_refusal(mutant_trace, value) -> None:
+    from decodespec.spec.errors import Rejection
+
+    trace = load_trace(mutant_trace)
+    trace["#meta"]["threads"] = value
+    with pytest.raises(Rejection) as info:
+        replay(trace)
+    assert info.value.code == "trace.invalid_conformance_trace" and info.value.path == "$.#meta.threads"
