@@ -56,6 +56,7 @@ __all__ = [
     "cases_for",
     "load_expectations",
     "pair_divergence_verdict",
+    "path_divergence_verdict",
     "prompt_ids",
     "report_line",
     "run_case",
@@ -545,6 +546,39 @@ def pair_divergence_verdict(ref: ReferenceDecision, token_a: int, token_b: int, 
                    f"between them (the reference selects {ref.token})")
 
 
+def path_divergence_verdict(ls: LockStep, ids: Sequence[int], other: Sequence[int], tol: Tolerance, *, layer: str, check: str,
+                            what: str) -> Verdict:
+    """Judge a token path ``other`` (a batch row, a width-one beam) against the lock-step run ``ls`` whose ids are ``ids``.
+
+    Equal paths pass.  Where they diverge at output ``k`` after a shared prefix, the divergence
+    is judged by the margin rule on the spec's reference decision of that prefix
+    (:func:`pair_divergence_verdict`, from ``ls.reference_decisions``): ``undecided`` when the
+    reference margin cannot decide between the two ids, ``failed`` when it rules ``other``'s id
+    out (at the DECISION layer, the failing id's check).  A path that is a strict prefix of the
+    other (one stopped, the other went on) and a divergence without a reference decision fail at
+    ``layer`` / ``check``.
+
+    Args:
+        ls: The lock-step run (greedy, batch size one) the other path is compared with.
+        ids / other: The two paths' output ids.
+        tol: The runtime's declared tolerance.
+        layer / check: The ladder layer and check named by a failure (``STATE`` / ``batch.output_ids``,
+            ``DECISION`` / ``beam.tokens``).
+        what: The comparison, for messages ("batch row 1 (left padding) and the batch-size-one run").
+
+    Source: M3.10 "A logit tolerance is not a token-equality proof"; issue 8.
+    """
+    ids, other = tuple(int(t) for t in ids), tuple(int(t) for t in other)
+    if ids == other:
+        return Verdict(PASSED)
+    k = _common_prefix(ids, other)
+    ref = ls.reference_decisions.get(tuple(ls.config.prompt_ids) + ids[:k]) if k < min(len(ids), len(other)) else None
+    if ref is None:
+        return Verdict(FAILED, layer, f"ladder.{layer}", check, list(ids), list(other), f"{what} select different token paths")
+    verdict = pair_divergence_verdict(ref, ids[k], other[k], tol)
+    return attrs.evolve(verdict, message=f"{what}: {verdict.message}")
+
+
 #: ``(case id, runtime) -> procedure(case, runtime) -> Verdict`` for ``custom`` cases.
 CUSTOM: dict[tuple[str, str], Callable[[Case, str], Verdict]] = {}
 
@@ -668,9 +702,10 @@ def _impl_padded_batch(case: Case, runtime: str) -> Verdict:
         single = _drive(open_runtime(runtime, config.model), config.evolve(prompt_ids=prompt), [{"op": "run"}], runtime)
         if single.verdict.result == FAILED:
             return single.verdict
-        if tuple(single.observation.output_ids) != tuple(row.output_ids):
-            return Verdict(FAILED, "STATE", "ladder.STATE", "batch.output_ids", list(single.observation.output_ids), list(row.output_ids),
-                           f"batch row {b} ({side} padding) and the batch-size-one run select different token paths")
+        verdict = path_divergence_verdict(single, single.observation.output_ids, row.output_ids, tol, layer="STATE",
+                                          check="batch.output_ids", what=f"batch row {b} ({side} padding) and the batch-size-one run")
+        if not verdict.passed:
+            return verdict
     return Verdict(PASSED)
 
 
@@ -689,9 +724,13 @@ def _impl_beam_width_one(case: Case, runtime: str) -> Verdict:
     obs = greedy.observation
     result = beam_generate(model, config.prompt_ids, BeamParams.hf_compatible(1, config.max_new_tokens, config.eos_ids))
     best = result.best
-    if best is None or tuple(best.output_ids) != tuple(obs.output_ids):
-        return Verdict(FAILED, "DECISION", "ladder.DECISION", "beam.tokens", list(obs.output_ids), None if best is None else list(best.output_ids),
-                       "beam width one selects another token path than greedy decoding")
+    if best is None:
+        return Verdict(FAILED, "DECISION", "ladder.DECISION", "beam.tokens", list(obs.output_ids), None,
+                       "beam width one completes no hypothesis")
+    verdict = path_divergence_verdict(greedy, obs.output_ids, best.output_ids, tol, layer="DECISION", check="beam.tokens",
+                                      what="greedy decoding and beam width one")
+    if not verdict.passed:
+        return verdict
     total = float(sum(obs.logprobs))
     if not abs(best.score - total) <= tol.logprob * max(1, len(obs.logprobs)):
         return Verdict(FAILED, "DECISION", "ladder.DECISION", "beam.score", total, best.score,

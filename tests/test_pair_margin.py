@@ -117,3 +117,36 @@ def test_sampled_divergence_uses_the_draw_margin() -> None:
     far = ReferenceDecision(0, 5, values, probs, 0.45, False, policy)
     verdict = pair_divergence_verdict(far, 5, 6, TOL)  # 0.45 is 0.25 from 6's interval [0.7, 1.0) > 2 epsilon / T = 0.2
     assert verdict.result == FAILED and verdict.check == "decision.draw"
+
+
+# ---- custom procedures (a padded batch row, a width-one beam) against the lock-step run -------------------------
+
+
+def test_a_batch_row_diverging_at_a_near_tie_is_undecided_not_failed() -> None:
+    """``path_divergence_verdict``: the batch row's id at the divergence lies within 2 eps of the reference maximum."""
+    from decodespec.checks.cases import path_divergence_verdict
+
+    run = _pair(0.05)[0]  # reference margin 0.05 <= 2 eps = 0.2 at output 1
+    verdict = path_divergence_verdict(run, (3, 5, 11), (3, 7, 12), TOL, layer="STATE", check="batch.output_ids",
+                                      what="batch row 0 and the batch-size-one run")
+    assert verdict.result == UNDECIDED and verdict.check == "pair.margin"
+    assert verdict.message.startswith("batch row 0 and the batch-size-one run: ")
+
+
+def test_a_batch_row_diverging_at_a_wide_margin_fails_on_its_id() -> None:
+    from decodespec.checks.cases import path_divergence_verdict
+
+    run = _pair(1.0)[0]  # margin 1.0 > 2 eps: id 7 is ruled out
+    verdict = path_divergence_verdict(run, (3, 5, 11), (3, 7, 12), TOL, layer="DECISION", check="beam.tokens",
+                                      what="greedy decoding and beam width one")
+    assert verdict.result == FAILED and verdict.layer == "DECISION" and "path B" in verdict.message
+
+
+def test_equal_paths_pass_and_a_path_running_past_the_other_fails_at_the_named_check() -> None:
+    """A row that goes on after the other stopped (rows expanding after EOS) is no near tie: it fails."""
+    from decodespec.checks.cases import path_divergence_verdict
+
+    run = _pair(0.05)[0]
+    assert path_divergence_verdict(run, (3, 5), (3, 5), TOL, layer="STATE", check="batch.output_ids", what="x").result == PASSED
+    verdict = path_divergence_verdict(run, (3, 5), (3, 5, 11), TOL, layer="STATE", check="batch.output_ids", what="rows")
+    assert (verdict.result, verdict.layer, verdict.check) == (FAILED, "STATE", "batch.output_ids")

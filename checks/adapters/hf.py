@@ -566,7 +566,7 @@ def _padded_batch(case: Any, runtime: str) -> Any:
     """``matrix.padded_batch_*``: every row of HF's padded batch against the reference path and HF's batch-size-one run."""
     import attrs
 
-    from decodespec.checks.cases import _drive, _row_path_verdict, prompt_ids
+    from decodespec.checks.cases import _drive, _row_path_verdict, path_divergence_verdict, prompt_ids
     from decodespec.checks.ladder import FAILED, PASSED, Verdict, tolerance_for
     from decodespec.checks.traces import open_runtime
 
@@ -581,16 +581,17 @@ def _padded_batch(case: Any, runtime: str) -> Any:
         single = _drive(open_runtime(runtime, config.model), config.evolve(prompt_ids=prompt), [{"op": "run"}], runtime)
         if single.verdict.result == FAILED:
             return single.verdict
-        if list(single.observation.output_ids) != ids:
-            return Verdict(FAILED, "STATE", "ladder.STATE", "batch.output_ids", list(single.observation.output_ids), ids,
-                           f"HF batch row {b} ({side} padding) and HF's batch-size-one run select different token paths")
+        verdict = path_divergence_verdict(single, single.observation.output_ids, ids, tol, layer="STATE", check="batch.output_ids",
+                                          what=f"HF batch row {b} ({side} padding) and HF's batch-size-one run")
+        if not verdict.passed:
+            return verdict
     return Verdict(PASSED)
 
 
 def _beam_width_one(case: Any, runtime: str) -> Any:
     """``matrix.greedy_vs_beam1``: ``generate(num_beams=1)`` (HF dispatches it to greedy search) equals the lock-step greedy run."""
-    from decodespec.checks.cases import _drive
-    from decodespec.checks.ladder import FAILED, PASSED, Verdict
+    from decodespec.checks.cases import _drive, path_divergence_verdict
+    from decodespec.checks.ladder import FAILED, PASSED, Verdict, tolerance_for
     from decodespec.checks.traces import open_runtime
 
     config = case.config
@@ -599,9 +600,10 @@ def _beam_width_one(case: Any, runtime: str) -> Any:
         return greedy.verdict
     beam = generate_sequence(config, num_beams=1, text=False)
     ids = beam["output_ids"][0]
-    if ids != list(greedy.observation.output_ids):
-        return Verdict(FAILED, "DECISION", "ladder.DECISION", "beam.tokens", list(greedy.observation.output_ids), ids,
-                       "HF generate(num_beams=1) selects another token path than the step-wise greedy run")
+    verdict = path_divergence_verdict(greedy, greedy.observation.output_ids, ids, tolerance_for(runtime, config.model, config.dtype),
+                                      layer="DECISION", check="beam.tokens", what="HF's step-wise greedy run and generate(num_beams=1)")
+    if not verdict.passed:
+        return verdict
     if not np.array_equal(beam["logits"][-1], greedy.observation.score_row):
         return Verdict(FAILED, "TENSOR", "ladder.TENSOR", "beam.score_row", "equal rows", "different rows",
                        "HF generate(num_beams=1) decided its last token on another row than the step-wise run")
