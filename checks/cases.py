@@ -338,8 +338,9 @@ class Expectation:
 
     Matching fields (each optional; an absent field matches anything): ``case`` (a glob over
     case ids, e.g. ``"matrix.*"``), ``layer``, ``check``, ``rule`` (the verdict's ladder rule or the
-    spec rule the refusal names), ``op`` (the action at the failing step).  Every other field
-    (``reason``, ``source``, ``test``, ...) is documentation.
+    spec rule the refusal names), ``op`` (the action at the failing step), ``model`` (the model the
+    deviation is tied to, e.g. ``"tiny"``: it explains nothing on another model and is not reported
+    unused there).  Every other field (``reason``, ``source``, ``test``, ...) is documentation.
     """
 
     id: str
@@ -350,9 +351,12 @@ class Expectation:
     rule: str | None = None
     op: str | None = None
     fields: dict[str, Any] = attrs.field(factory=dict, eq=False)
+    model: str | None = None
 
-    def matches(self, case_id: str, verdict: Verdict, action: Mapping[str, Any] | None = None) -> bool:
-        """Whether this deviation explains ``verdict`` of case ``case_id``."""
+    def matches(self, case_id: str, verdict: Verdict, action: Mapping[str, Any] | None = None, *, model: str | None = None) -> bool:
+        """Whether this deviation explains ``verdict`` of case ``case_id`` (run on ``model``, when given)."""
+        if self.model is not None and model is not None and model != self.model:
+            return False
         if self.case is not None and not fnmatch.fnmatchcase(case_id, self.case):
             return False
         if self.layer is not None and verdict.layer != self.layer:
@@ -383,7 +387,7 @@ def load_expectations(runtime: str, directory: Path | None = None) -> tuple[Expe
         out.append(Expectation(id=entry["id"], reason=entry["reason"], case=entry.get("case"), layer=entry.get("layer"),
                                check=entry.get("check"), rule=entry.get("ladder_rule", entry.get("rule")) if entry.get("case") or
                                entry.get("layer") or entry.get("check") or entry.get("op") else entry.get("ladder_rule"),
-                               op=entry.get("op"), fields=dict(entry)))
+                               op=entry.get("op"), fields=dict(entry), model=entry.get("model")))
     return tuple(out)
 
 
@@ -394,9 +398,9 @@ def unused_expectations(expectations: Sequence[Expectation], results: Sequence["
     one run proves nothing; its corpus trace (``trace`` field) is what keeps it checked.
     """
     used = {r.deviation for r in results if r.deviation}
-    ran = [r.case for r in results if r.result != "skip"]
+    ran = [(r.case, r.model) for r in results if r.result != "skip"]
     return [e for e in expectations if e.case is not None and not e.case.startswith("machine.") and e.id not in used
-            and any(fnmatch.fnmatchcase(c, e.case) for c in ran)]
+            and any(fnmatch.fnmatchcase(c, e.case) and (e.model is None or m == e.model) for c, m in ran)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -591,7 +595,7 @@ def run_case(case: Case, runtime: str, *, adapter_factory: Callable[[], Any] | N
     def done(verdict: Verdict, *, trace: dict | None = None, action: Mapping[str, Any] | None = None) -> CaseResult:
         if verdict.result == FAILED:
             for e in expectations:
-                if e.matches(case.id, verdict, action):
+                if e.matches(case.id, verdict, action, model=model):
                     return CaseResult(case.id, runtime, model, "deviation", verdict, e.id, e.reason, trace)
             return CaseResult(case.id, runtime, model, "fail", verdict, trace=trace)
         return CaseResult(case.id, runtime, model, "undecided" if verdict.result == UNDECIDED else "pass", verdict)

@@ -189,7 +189,7 @@ class GateMachine(RuleBasedStateMachine):
         if record.verdict.result == FAILED:
             v = record.verdict
             for expectation in self.expectations:
-                if expectation.matches(f"machine.{self.cache}", v, record.action):
+                if expectation.matches(f"machine.{self.cache}", v, record.action, model=self.model):
                     # A documented deviation: reported, and the lock step ends here (the two sides
                     # no longer describe the same request).
                     self.deviations.append((expectation.id, v))

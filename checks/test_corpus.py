@@ -57,7 +57,7 @@ def test_corpus_trace(path: Path, gate_runtime: str, gate_expectations) -> None:
         action = meta["actions"][step - 1] if step and step <= len(meta["actions"]) else None
         case_id = path.name.removesuffix(".itf.json").replace("-", ".", 1).replace("-", "_")
         for e in gate_expectations:
-            if e.matches(case_id, result.actual, action):
+            if e.matches(case_id, result.actual, action, model=meta["model"]):
                 pytest.skip(f"documented deviation {e.id} of {runtime}: {e.reason}")
         if step == 0 and "adapter.unsupported" in str(result.actual.actual):  # the reset: a config outside its capabilities
             pytest.skip(f"{runtime} refuses the trace's config: {result.actual.actual}")

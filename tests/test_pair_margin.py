@@ -150,3 +150,23 @@ def test_equal_paths_pass_and_a_path_running_past_the_other_fails_at_the_named_c
     assert path_divergence_verdict(run, (3, 5), (3, 5), TOL, layer="STATE", check="batch.output_ids", what="x").result == PASSED
     verdict = path_divergence_verdict(run, (3, 5), (3, 5, 11), TOL, layer="STATE", check="batch.output_ids", what="rows")
     assert (verdict.result, verdict.layer, verdict.check) == (FAILED, "STATE", "batch.output_ids")
+
+
+# ---- an expectation tied to one model (checks/expectations/*.toml ``model``) -----------------------------------
+
+
+def test_an_expectation_with_a_model_explains_and_is_missed_only_on_that_model(tmp_path) -> None:
+    """``hf.stop_strings_need_a_tokenizer`` is tiny-only: on SmolLM2 it neither explains a failure nor is reported unused."""
+    from decodespec.checks.cases import CaseResult, load_expectations, unused_expectations
+    from decodespec.checks.ladder import Verdict
+
+    (tmp_path / "peer.toml").write_text('[[deviation]]\nid = "peer.x"\ncase = "boundary.stop_*"\nmodel = "tiny"\nreason = "r"\n')
+    (e,) = load_expectations("peer", tmp_path)
+    failed = Verdict(FAILED, "STATE", "ladder.STATE", "accept_reject", None, None, "refused")
+    assert e.model == "tiny" and e.matches("boundary.stop_one", failed, model="tiny")
+    assert not e.matches("boundary.stop_one", failed, model="smollm2")
+    ran_smollm2 = [CaseResult("boundary.stop_one", "peer", "smollm2", "pass", Verdict(PASSED))]
+    ran_tiny = [CaseResult("boundary.stop_one", "peer", "tiny", "pass", Verdict(PASSED))]
+    assert unused_expectations([e], ran_smollm2) == [] and unused_expectations([e], ran_tiny) == [e]
+    assert load_expectations("hf")  # the shipped file still loads
+    assert {x.id: x.model for x in load_expectations("hf")}["hf.stop_strings_need_a_tokenizer"] == "tiny"
