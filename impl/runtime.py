@@ -82,14 +82,13 @@ import torch
 from decodespec.spec.actions import TEXT_TRIGGERS
 from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
 from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED, AdmittedRequest
-from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit, register_code
+from decodespec.spec.errors import NOT_ENABLED, DecodeSpecError, Rejection, ResourceLimit, register_code
 from decodespec.spec.policy.codes import FAMILY_MISMATCH
 from decodespec.spec.policy.config import Family, Order, PolicyConfig, policy_config_from_json
 from decodespec.spec.policy.receipt import DecisionReceipt
 from decodespec.spec.policy.state import PolicyState, RequestView, initial_policy_state
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
 from decodespec.spec.state import ENVIRONMENT_FAILURES, InterruptPoint, Phase
-from decodespec.spec.transitions import NOT_ENABLED
 
 from .cache import CacheABI, DynamicCache, StaticCache, make_cache
 from .events import EVENTS_FORMAT, EventSink

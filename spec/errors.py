@@ -27,6 +27,7 @@ import attrs
 
 __all__ = [
     "ERROR_CODES",
+    "NOT_ENABLED",
     "ErrorCode",
     "DecodeSpecError",
     "Rejection",
@@ -70,6 +71,15 @@ def register_code(code: str, kind: str, section: str, description: str) -> str:
     assert existing is None or existing == entry, f"error code {code!r} registered twice"
     ERROR_CODES[code] = entry
     return code
+
+
+#: The guard of a transition is false (spec/transitions.py raises it; a runtime refuses with it).
+NOT_ENABLED = register_code(
+    "transition.not_enabled",
+    "rejection",
+    "M3.10 One request as a transition system",
+    "The action's guard is false in this state (the failing guard clause is named); nothing changed.",
+)
 
 
 class DecodeSpecError(Exception):

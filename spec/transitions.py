@@ -61,7 +61,7 @@ from .actions import (
     StreamFailure,
 )
 from .enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
-from .errors import ERROR_CODES, Rejection, ResourceLimit, register_code
+from .errors import ERROR_CODES, NOT_ENABLED, Rejection, ResourceLimit, register_code
 from .positions import CACHE_CAPACITY_EXCEEDED
 from .rules import rule
 from .snapshot import RESTORE_CHECKS, SNAPSHOT_FORM_UNAVAILABLE, form_available, restore_state
@@ -92,12 +92,8 @@ __all__ = [
     "step",
 ]
 
-NOT_ENABLED = register_code(
-    "transition.not_enabled",
-    "rejection",
-    "M3.10 One request as a transition system",
-    "The action's guard is false in this state (the failing guard clause is named); nothing changed.",
-)
+# NOT_ENABLED (``transition.not_enabled``) is registered in .errors, the shared taxonomy, so that a
+# runtime can raise the contract's refusal code without importing the transitions it is judged by.
 
 S = "M3.10 "
 Effect = Callable[[RequestParams, RequestState, Action], RequestState]
