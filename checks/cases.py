@@ -199,6 +199,13 @@ def cases_for(model: str) -> tuple[Case, ...]:
         requires=frozenset({"prefill_chunk", "cache:static"}))
     add("matrix.eager_vs_sdpa", "pair", "Eager versus optimized (SDPA) attention: logits under tolerance.", _M,
         base, _steps(g), other=base.evolve(attention="eager"), compare=("ids", "logits"))
+    native = static.evolve(decode_kernel="native")
+    native_needs = frozenset({"cache:static", "decode_kernel:native"})
+    add("matrix.torch_vs_native_kernel", "pair", "Torch versus the native CPU decode kernel (static cache): logits, ids, frontier, "
+        "cache lengths, K/V rows.", _M + "; 0x09", static, _steps(g), other=native, compare=("ids", "frontier", "cache", "logits", "kv"),
+        requires=native_needs)
+    add("matrix.native_kernel_lockstep", "lockstep", "The native decode kernel judged by the spec at every step (static cache).",
+        _M + "; 0x09", native, tuple(_steps(g)), requires=native_needs)
     add("matrix.seeded_replay", "pair", "Fixed-seed sampled replay: token path and RNG counter.", _M + "; M3.8 RNG",
         base.evolve(policy=SAMPLED), _steps(g), other=base.evolve(policy=SAMPLED), compare=("ids", "rng", "logits"),
         requires=frozenset({"sampling"}))
@@ -256,6 +263,10 @@ def cases_for(model: str) -> tuple[Case, ...]:
         _B + " (model call fails before ALL_NEW)", base.evolve(max_retries=1),
         ({"op": "step"}, {"op": "launch", "kind": None, "length": None}, {"op": "fault", "kind": "device_fault", "layer": 1},
          {"op": "complete"}, {"op": "recover"}, {"op": "run"}), requires=frozenset({"faults", "inflight"}))
+    add("adversarial.native_kernel_device_fault", "lockstep", "A device fault inside a native-kernel decode call (after layer 0): "
+        "ALL_OLD, quarantine, recover, retry, finish.", _B + " (model call fails before ALL_NEW)", native.evolve(max_retries=1),
+        ({"op": "step"}, {"op": "step"}, {"op": "launch", "kind": None, "length": None}, {"op": "fault", "kind": "device_fault", "layer": 1},
+         {"op": "complete"}, {"op": "recover"}, {"op": "run"}), requires=frozenset({"faults", "inflight"}) | native_needs)
     add("adversarial.missing_lane", "lockstep", "A missing state lane in flight: ALL_OLD and device_error without retries.", _B, base,
         ({"op": "launch", "kind": None, "length": None}, {"op": "fault", "kind": "missing_lane", "layer": 2}, {"op": "complete"}),
         requires=frozenset({"faults", "inflight"}))
@@ -693,7 +704,7 @@ def _impl_padded_batch(case: Case, runtime: str) -> Verdict:
 
     config = case.config
     side = case.id.rsplit("_", 1)[-1]
-    model = load_model(config.model, config.dtype, config.device, config.attention)
+    model = load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
     tol = tolerance_for(runtime, config.model, config.dtype)
     prompts = [config.prompt_ids, prompt_ids(config.model, "Hi"), prompt_ids(config.model, "héllo ✓ 日本")]
     batch = batch_generate(model, prompts, max_new_tokens=config.max_new_tokens, eos_token_ids=config.eos_ids, padding_side=side,
@@ -720,7 +731,7 @@ def _impl_beam_width_one(case: Case, runtime: str) -> Verdict:
     from .adapters.impl import load_model
 
     config = case.config
-    model = load_model(config.model, config.dtype, config.device, config.attention)
+    model = load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
     tol = tolerance_for(runtime, config.model, config.dtype)
     greedy = _drive(open_runtime(runtime, config.model), config, [{"op": "run"}], runtime)
     if greedy.verdict.result == FAILED:

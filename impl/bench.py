@@ -11,6 +11,10 @@ HF's ``LlamaForCausalLM`` (from the same GGUF file), then times greedy generatio
 * ``ours_trace``: the same with the ``decodespec.events.v1`` trace written to a file
   (:class:`~decodespec.impl.events.FileSink`); its cost is reported as the paired median of
   ``time(trace) / time(no trace) - 1`` over the repetitions (the event-trace overhead);
+* ``native`` / ``native_trace`` (float32 on the CPU where :mod:`decodespec.impl.native` runs):
+  the same runtime with ``model.set_decode_kernel("native")``, every decode call's layers
+  and ``lm_head`` in the C kernel (prefill stays on the torch path), without and
+  with the event trace;
 * ``ours_graph`` (CUDA only, or when asked): :func:`decodespec.impl.graphs.graph_greedy_generate`,
   the same forward with one decode step captured in a CUDA graph;
 * ``hf``: ``generate(do_sample=False, max_new_tokens=...)``.
@@ -95,10 +99,13 @@ class BenchResult:
         same_tokens_graph: Whether the graph path generated our ids (``None``: not run).
         threads: Intra-op threads of every runtime (``torch.get_num_threads()`` during the runs).
         cache: Our cache family (``"static"`` or ``"dynamic"``).
+        native_tokens_per_s, native_trace_tokens_per_s: Tokens/s of the runtime with the native
+            decode kernel, without and with the event trace (empty: not timed).
+        same_tokens_native: Whether the native kernel generated the torch path's ids (``None``: not run).
         bound_runs: The bandwidth bound re-measured right after each repetition's runs (tokens/s),
             so that each run has a bound measured under the same background load.
         cpu_tokens_per_s: With one thread on the CPU: per runtime (``ours``, ``trace``,
-            ``graph``, ``hf``), ``new_tokens / process CPU seconds`` of each timed run.  CPU time
+            ``native``, ``native_trace``, ``graph``, ``hf``), ``new_tokens / process CPU seconds`` of each timed run.  CPU time
             does not count the time the process waited for a core, so on a shared machine these
             ratios compare the work each runtime does (memory-bandwidth contention still shows).
     """
@@ -121,6 +128,9 @@ class BenchResult:
     cache: str = "static"
     cpu_tokens_per_s: dict[str, tuple[float, ...]] = attrs.field(factory=dict)
     bound_runs: tuple[float, ...] = ()
+    native_tokens_per_s: tuple[float, ...] = ()
+    native_trace_tokens_per_s: tuple[float, ...] = ()
+    same_tokens_native: bool | None = None
 
     @property
     def ours_median(self) -> float:
@@ -186,6 +196,35 @@ class BenchResult:
         return statistics.median(self.cpu_tokens_per_s["ours"]) / statistics.median(self.cpu_tokens_per_s["hf"])
 
     @property
+    def native_ratio(self) -> float | None:
+        """Native-kernel / HF median tokens per second (``None``: not timed)."""
+        return statistics.median(self.native_tokens_per_s) / self.hf_median if self.native_tokens_per_s else None
+
+    @property
+    def native_ratio_best(self) -> float | None:
+        """Native-kernel / HF best tokens per second (``None``: not timed)."""
+        return max(self.native_tokens_per_s) / max(self.hf_tokens_per_s) if self.native_tokens_per_s else None
+
+    @property
+    def native_fraction_of_bound(self) -> float | None:
+        """Native-kernel median tokens/s as a fraction of the bound (``None``: not timed)."""
+        return statistics.median(self.native_tokens_per_s) / self.bound_tokens_per_s if self.native_tokens_per_s else None
+
+    @property
+    def native_fraction_of_bound_paired(self) -> float | None:
+        """Median over repetitions of native tokens/s / the bound measured right after (``None``: not timed)."""
+        if not self.native_tokens_per_s or not self.bound_runs:
+            return None
+        return statistics.median(n / bound for n, bound in zip(self.native_tokens_per_s, self.bound_runs))
+
+    @property
+    def native_trace_overhead(self) -> float | None:
+        """:attr:`trace_overhead` of the native-kernel runs (``None``: not timed)."""
+        if not self.native_trace_tokens_per_s:
+            return None
+        return statistics.median(plain / traced - 1.0 for plain, traced in zip(self.native_tokens_per_s, self.native_trace_tokens_per_s))
+
+    @property
     def graph_ratio(self) -> float | None:
         """Captured-graph path / HF median tokens per second (``None``: not timed)."""
         return statistics.median(self.graph_tokens_per_s) / self.hf_median if self.graph_tokens_per_s else None
@@ -193,7 +232,8 @@ class BenchResult:
     def to_json(self) -> dict[str, Any]:
         """Every field plus the derived medians, ratios, bound, fractions and trace overhead."""
         out = attrs.asdict(self)
-        for name in ("ours_tokens_per_s", "hf_tokens_per_s", "trace_tokens_per_s", "graph_tokens_per_s"):
+        for name in ("ours_tokens_per_s", "hf_tokens_per_s", "trace_tokens_per_s", "graph_tokens_per_s", "native_tokens_per_s",
+                     "native_trace_tokens_per_s"):
             out[name] = list(getattr(self, name))
         out["cpu_tokens_per_s"] = {k: list(v) for k, v in self.cpu_tokens_per_s.items()}
         out["bound_runs"] = list(self.bound_runs)
@@ -210,6 +250,11 @@ class BenchResult:
             ratio_graph_over_hf=self.graph_ratio,
             cpu_ratio_ours_over_hf=self.cpu_ratio,
             trace_overhead_cpu=self.trace_overhead_cpu,
+            ratio_native_over_hf=self.native_ratio,
+            ratio_best_native_over_hf=self.native_ratio_best,
+            native_fraction_of_bound=self.native_fraction_of_bound,
+            native_fraction_of_bound_paired=self.native_fraction_of_bound_paired,
+            native_trace_overhead=self.native_trace_overhead,
         )
         return out
 
@@ -297,6 +342,7 @@ def run_benchmark(
     cache: str = "static",
     trace: bool = True,
     graph: bool | None = None,
+    native: bool | None = None,
 ) -> BenchResult:
     """Load both runtimes on SmolLM2 and time greedy decode (see the module docstring).
 
@@ -307,6 +353,8 @@ def run_benchmark(
         cache: Our cache family, ``"static"`` (default) or ``"dynamic"``.
         trace: Also time the runtime writing its event trace.
         graph: Also time the captured-graph path (default: on CUDA).
+        native: Also time the native CPU decode kernel (default: float32 on the CPU where it
+            runs; ``True`` elsewhere raises ``runtime.kernel_unavailable``).
 
     Raises:
         Rejection: ``model.file_missing`` when SmolLM2 is not installed; ``runtime.invalid_device``.
@@ -333,6 +381,29 @@ def run_benchmark(
     hf_mask = torch.ones_like(hf_input)
     trace_dir = tempfile.TemporaryDirectory(prefix="decodespec-bench-")
     decoder = GraphDecoder(ours, prompt_len + new_tokens - 1) if graph else None
+    if native is None:
+        from .native import unavailable_reason
+
+        native = target.type == "cpu" and dtype == torch.float32 and cache == "static" and unavailable_reason() is None
+    if native:
+        ours.set_decode_kernel("native")  # refuses (runtime.kernel_unavailable) before anything is timed
+        ours.set_decode_kernel("torch")
+
+    @contextlib.contextmanager
+    def native_kernel() -> Iterator[None]:
+        ours.set_decode_kernel("native")
+        try:
+            yield
+        finally:
+            ours.set_decode_kernel("torch")
+
+    def run_native() -> tuple[int, ...]:
+        with native_kernel():
+            return run_ours()
+
+    def run_native_trace() -> tuple[int, ...]:
+        with native_kernel():
+            return run_trace()
 
     def run_ours() -> tuple[int, ...]:
         return generate(ours, prompt_ids, max_new_tokens=new_tokens, eos_token_ids=(), cache=cache).output_ids
@@ -352,6 +423,10 @@ def run_benchmark(
     runtimes: dict[str, Callable[[], tuple[int, ...]]] = {"ours": run_ours}
     if trace:
         runtimes["trace"] = run_trace
+    if native:
+        runtimes["native"] = run_native
+        if trace:
+            runtimes["native_trace"] = run_native_trace
     if graph:
         runtimes["graph"] = run_graph
     runtimes["hf"] = run_hf
@@ -402,6 +477,9 @@ def run_benchmark(
         cache=cache,
         cpu_tokens_per_s={k: tuple(v) for k, v in cpu_timings.items()} if target.type == "cpu" and num_threads == 1 else {},
         bound_runs=tuple(bound_runs),
+        native_tokens_per_s=tuple(timings.get("native", ())),
+        native_trace_tokens_per_s=tuple(timings.get("native_trace", ())),
+        same_tokens_native=(ids["native"] == ids["ours"]) if native else None,
     )
 
 
@@ -424,6 +502,11 @@ def format_result(result: BenchResult) -> str:
         lines.append(f"{runs('ours + event trace (file):', result.trace_tokens_per_s)}   "
                      f"trace overhead {100 * result.trace_overhead:+.1f}% of generation time (paired median"
                      + (f"; {100 * result.trace_overhead_cpu:+.1f}% in CPU time)" if result.trace_overhead_cpu is not None else ")"))
+    if result.native_tokens_per_s:
+        lines.append(f"{runs('ours, native CPU decode kernel:', result.native_tokens_per_s)}   same tokens: {result.same_tokens_native}")
+        if result.native_trace_tokens_per_s:
+            lines.append(f"{runs('ours, native kernel + event trace (file):', result.native_trace_tokens_per_s)}   "
+                         f"trace overhead {100 * result.native_trace_overhead:+.1f}% (paired median)")
     if result.graph_tokens_per_s:
         lines.append(f"{runs('ours, captured-graph decode:', result.graph_tokens_per_s)}   same tokens: {result.same_tokens_graph}; "
                      f"graph / HF {result.graph_ratio:.2f}x")
@@ -431,6 +514,8 @@ def format_result(result: BenchResult) -> str:
         runs("HF transformers generate:", result.hf_tokens_per_s),
         f"ratio ours / HF: {result.ratio:.3f} (medians), {result.ratio_best:.3f} (best runs)   same tokens: {result.same_tokens}",
     ]
+    if result.native_tokens_per_s:
+        lines.append(f"ratio ours with the native kernel / HF: {result.native_ratio:.3f} (medians), {result.native_ratio_best:.3f} (best runs)")
     if result.cpu_tokens_per_s:
         cpu = result.cpu_tokens_per_s
         lines.append("CPU-time tok/s (1 thread; not counting waits for a core): "
@@ -442,6 +527,8 @@ def format_result(result: BenchResult) -> str:
         f"(best run {100 * result.fraction_of_bound_best:.1f}%"
         + (f"; paired with a bound re-measured after each repetition: {100 * result.fraction_of_bound_paired:.1f}%)"
            if result.bound_runs else ")"),
+        *([f"native kernel at {100 * result.native_fraction_of_bound:.1f}% of the bound (paired: "
+           f"{100 * result.native_fraction_of_bound_paired:.1f}%)"] if result.native_tokens_per_s and result.bound_runs else []),
         f"memory: weights+buffers ours {peak['ours_resident'] / mib:.1f} MiB (+ K/V cache {peak['ours_cache'] / mib:.1f} MiB), "
         f"HF {peak['hf_resident'] / mib:.1f} MiB; process peak RSS {peak['process_peak_rss'] / mib:.0f} MiB (both models)"
         + (f"; peak allocated during runs: {device_peak}" if device_peak else ""),

@@ -354,12 +354,21 @@ class _CacheLedger:
         if call is not None and layer_idx in call.drop_layers:
             return self._peek(key_states, value_states, layer_idx, start)
         keys, values = self._store(key_states, value_states, layer_idx, start)
+        self.record_rows(layer_idx, start, num)
+        return keys, values
+
+    def record_rows(self, layer_idx: int, start: int, num: int) -> None:
+        """Record that slots ``[start, start + num)`` of ``layer_idx`` now hold this call's rows.
+
+        :meth:`update` calls it after storing; a kernel that writes the rows itself calls it
+        after :meth:`StaticCache.reserve_row` and the write.
+        """
         self._lengths[layer_idx] = start + num
+        call = self._call
         if call is not None:
             self._writes[layer_idx] = LaneWrite(start, start + num, call.generation)
         elif layer_idx == self.abi.num_layers - 1:
             self._committed = self._lengths[layer_idx]  # unmanaged use: a complete forward commits
-        return keys, values
 
     def _store(self, key_states, value_states, layer_idx, start):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -597,6 +606,35 @@ class StaticCache(_CacheLedger):
         keys[:, :, start:end] = key_states
         values[:, :, start:end] = value_states
         return keys, values
+
+    def reserve_row(self, layer_idx: int, slot: int, like: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """Check a write of ``like``'s rows to ``layer_idx`` as :meth:`update` would, without writing.
+
+        For a kernel that writes the rotated key and value into the buffers itself (the native
+        decode kernel): it writes slots ``[start, start + T)`` of the returned buffers and then
+        calls :meth:`record_rows`.
+
+        Args:
+            layer_idx: As for :meth:`update`.
+            slot: The first slot written (``cache_position[0]`` as an integer).
+            like: ``[B, H_kv, T, D]`` in ``abi.dtype`` (shape and dtype only; values unused).
+
+        Returns:
+            ``(start, keys, values)`` with the layer's buffers ``[B, H_kv, S, D]``, or ``None``
+            when the open call drops this layer's write (the caller then goes through
+            :meth:`update`, which computes without storing).
+
+        Raises:
+            The refusals of :meth:`update`, before anything is touched.
+        """
+        start = self._check_update(like, like, layer_idx, None)
+        if slot != start:
+            raise Rejection(CACHE_SLOT_MISMATCH, f"cache_position {slot} does not continue layer {layer_idx} at slot {start}", "$.cache_position")
+        call = self._call
+        if call is not None and layer_idx in call.drop_layers:
+            return None
+        keys, values = self._buffers(layer_idx, like)
+        return start, keys, values
 
     def _peek(self, key_states, value_states, layer_idx, start):
         keys, values = self._buffers(layer_idx, key_states)

@@ -42,7 +42,7 @@ from torch import nn
 
 from decodespec.spec.errors import Rejection, ResourceLimit, register_code
 
-from .cache import CACHE_ABI_MISMATCH, CacheABI, DynamicCache
+from .cache import CACHE_ABI_MISMATCH, CacheABI, DynamicCache, StaticCache
 from .config import ATTN_IMPLEMENTATIONS, INVALID_CONFIG, LlamaConfig
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "LlamaModel",
     "LlamaRMSNorm",
     "LlamaRotaryEmbedding",
+    "StageObserver",
     "Linear",
     "apply_rotary_pos_emb",
     "FusedWeight",
@@ -503,6 +504,65 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
         return residual + hidden_states
 
+    def native_weights(self):
+        """This layer's :class:`decodespec.impl.native.LayerWeights`, or ``None`` (the layer then runs the torch path).
+
+        ``None`` when a fused matrix is unavailable (:meth:`FusedWeight.get`) or a weight is not a
+        contiguous float32 CPU tensor.  Cached while the storage of all nine weight Parameters
+        (the fused matrices are views of theirs) is unchanged.
+        """
+        owners = self.__dict__.get("_native_owners")
+        if owners is None:  # the nine modules whose "weight" Parameter the kernel reads (directly or fused)
+            attn, mlp = self.self_attn, self.mlp
+            owners = self.__dict__["_native_owners"] = tuple(m._parameters for m in (
+                self.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, self.post_attention_layernorm,
+                mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        params = tuple(o["weight"] for o in owners)
+        key = tuple(p.data_ptr() for p in params)
+        cached = self.__dict__.get("_native_weights")
+        if cached is not None and cached.key == key:
+            return cached
+        attn, mlp = self.self_attn, self.mlp
+        tensors = (params[0], attn.qkv.get(), params[4], params[5], mlp.gate_up.get(), params[8])
+        if any(t is None or t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+            return None
+        from .native import LayerWeights
+
+        cached = self.__dict__["_native_weights"] = LayerWeights(tuple(t.detach() for t in tensors), key)
+        return cached
+
+
+class StageObserver:
+    """Told each compute stage of a model call as it completes; may inject a fault before a layer.
+
+    The runtime's stage roster (:func:`decodespec.impl.runtime._stage_roster`) sets one on
+    :attr:`LlamaModel.observer` for a call.  Stages, in order: ``embed_tokens``, ``layers.0`` ..
+    ``layers.{n-1}``, ``norm``, ``lm_head``.  Both the torch path and the native kernel report
+    them; with the native kernel the layers before ``fault_layer`` run in one kernel call and
+    are reported when it returns (a kernel call cannot fail part-way).
+
+    Attributes:
+        fault_layer: Call :meth:`fault` instead of running this layer (``None``: never).
+    """
+
+    fault_layer: int | None = None
+
+    def completed(self, stage: str) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def fault(self, layer_idx: int) -> None:  # pragma: no cover - interface
+        """Raise the injected fault (must not return)."""
+        raise NotImplementedError
+
+
+def _has_hooks(modules) -> bool:
+    """Whether a forward hook (module-level or global) would see any of ``modules``."""
+    from torch.nn.modules import module as _module
+
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
 
 @attrs.frozen(eq=False)
 class CausalLMOutput:
@@ -528,16 +588,74 @@ class LlamaModel(nn.Module):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config, device=device)
 
-    def forward(self, input_ids, position_ids, cache_position, mask, past_key_values) -> torch.Tensor:
-        """Shapes: ``input_ids int64[B, T]``, ``position_ids int64[B, T]`` -> ``[B, T, d_model]``."""
+    #: Set for one call by the runtime's stage roster (:class:`StageObserver`); ``None``: no one listens.
+    observer: StageObserver | None = None
+    #: Whether the last call ran every layer in the native kernel (then ``lm_head`` runs there too).
+    native_layers_ran: bool = False
+
+    def forward(self, input_ids, position_ids, cache_position, mask, past_key_values, native_kernel=None) -> torch.Tensor:
+        """Shapes: ``input_ids int64[B, T]``, ``position_ids int64[B, T]`` -> ``[B, T, d_model]``.
+
+        ``native_kernel``: a :class:`decodespec.impl.native.NativeKernel` when this call is one
+        float32 CPU row on a :class:`StaticCache` (the caller decides); the layers then run in it
+        (:meth:`_native_layers`) unless a hook watches a layer, a layer's weights cannot go
+        native, or the open call drops a layer's write.
+        """
+        observer = self.observer
         hidden_states = self.embed_tokens(input_ids)  # [B, T, d_model]
+        if observer is not None:
+            observer.completed("embed_tokens")
         cos, sin = self.rotary_emb(position_ids)  # [B, 1, T, D] each, tables in the model dtype
         cos, sin = cos.to(hidden_states.dtype).transpose(1, 2), sin.to(hidden_states.dtype).transpose(1, 2)  # [B, T, 1, D]
         half = sin.shape[-1] // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # [B, T, 1, D] (rotate_heads)
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, signed_sin, mask, past_key_values, cache_position)
+        done = 0
+        self.native_layers_ran = False
+        if native_kernel is not None:
+            hidden_states, done = self._native_layers(native_kernel, hidden_states, cos, signed_sin, mask, past_key_values, cache_position)
+        for idx in range(done, len(self.layers)):
+            if observer is not None and observer.fault_layer == idx:
+                observer.fault(idx)
+            hidden_states = self.layers[idx](hidden_states, cos, signed_sin, mask, past_key_values, cache_position)
+            if observer is not None:
+                observer.completed(f"layers.{idx}")
         return self.norm(hidden_states)
+
+    def _native_layers(self, native_kernel, hidden_states, cos, signed_sin, mask, past_key_values, cache_position) -> tuple[torch.Tensor, int]:
+        """Run layers ``0..k-1`` in one native kernel call; returns ``(hidden_states, k)``.
+
+        ``k`` is every layer, or the observer's ``fault_layer`` (the loop in :meth:`forward` then
+        raises there, as the torch path would after the same layers), or 0 when the call cannot go
+        native (hooks on a layer, weights that cannot, a dropped write).  The static cache checks
+        every layer's write first (:meth:`StaticCache.reserve_row`, the refusals of ``update``
+        before any slot is touched) and records each after the kernel wrote it.
+        """
+        layers = self.layers
+        observer = self.observer
+        stop = len(layers) if observer is None or observer.fault_layer is None else min(observer.fault_layer, len(layers))
+        if stop == 0 or _has_hooks(layers.modules()):
+            return hidden_states, 0
+        weights = [layer.native_weights() for layer in layers[:stop]]
+        if any(w is None for w in weights):
+            return hidden_states, 0
+        from .native import dims
+
+        slot = int(cache_position[0])
+        abi = past_key_values.abi
+        like = hidden_states.new_empty((1, abi.num_key_value_heads, 1, abi.head_dim))  # [1, H_kv, 1, D]
+        reserved = [past_key_values.reserve_row(idx, slot, like) for idx in range(stop)]
+        if any(r is None for r in reserved):
+            return hidden_states, 0
+        out = native_kernel.layers(weights, dims(self.rotary_emb.config, past_key_values.capacity), hidden_states.reshape(-1),
+                                   cos.reshape(-1).contiguous(), signed_sin.reshape(-1).contiguous(),
+                                   slot, None if mask is None else mask.reshape(-1).contiguous(),
+                                   [r[1] for r in reserved], [r[2] for r in reserved])
+        for idx in range(stop):
+            past_key_values.record_rows(idx, slot, 1)
+            if observer is not None:
+                observer.completed(f"layers.{idx}")
+        self.native_layers_ran = stop == len(layers)
+        return out.view(hidden_states.shape), stop
 
 
 class LlamaForCausalLM(nn.Module):
@@ -561,6 +679,8 @@ class LlamaForCausalLM(nn.Module):
             self.model = LlamaModel(config, device=device)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        self.decode_kernel = "torch"
+        self._kernel = None
         self.eval()
 
     def _apply(self, fn, recurse: bool = True):  # noqa: D401 - nn.Module hook
@@ -621,9 +741,25 @@ class LlamaForCausalLM(nn.Module):
 
     # -- properties -------------------------------------------------------------------------
     def tie_weights(self) -> None:
-        """Make ``lm_head.weight`` the same Parameter as ``embed_tokens.weight`` when tied."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        """Make ``lm_head.weight`` and ``embed_tokens.weight`` one Parameter, holding the embedding's values, when tied.
+
+        The Parameter kept is the head's when the two differ in storage but agree in shape,
+        dtype and device (its values overwritten by the embedding's): after a device move the
+        two are separate tensors again, and :meth:`refuse_projections` placed the head in the
+        decode-weight arena, where a decode step streams it last.  Otherwise the embedding's
+        Parameter is used for both.
+        """
+        if not self.config.tie_word_embeddings:
+            return
+        head, embed = self.lm_head.weight, self.model.embed_tokens.weight
+        if head is embed:
+            return
+        if head.shape == embed.shape and head.dtype == embed.dtype and head.device == embed.device and head.device.type != "meta":
+            with torch.no_grad():
+                head.copy_(embed)
+            self.model.embed_tokens.weight = head
+        else:
+            self.lm_head.weight = embed
 
     @property
     def device(self) -> torch.device:
@@ -653,6 +789,31 @@ class LlamaForCausalLM(nn.Module):
         self.config = attrs.evolve(self.config, attn_implementation=attn_implementation)
         for layer in self.model.layers:
             layer.self_attn.attn_implementation = attn_implementation
+        return self
+
+    def set_decode_kernel(self, name: str) -> "LlamaForCausalLM":
+        """Run single-row decode calls through ``"native"`` (:mod:`decodespec.impl.native`) or ``"torch"``; returns ``self``.
+
+        With ``"native"``, a call of one row, batch 1, float32 on the CPU with a
+        :class:`StaticCache` runs every layer and the ``lm_head`` product in the C kernel; every
+        other call runs the torch path (module docstring of :mod:`decodespec.impl.native`).
+
+        Raises:
+            Rejection: ``runtime.kernel_unavailable`` when ``"native"`` cannot run here (no C
+                compiler, no AVX2/FMA) or the model is not float32 on the CPU;
+                ``model.invalid_config`` for another name.  Nothing changes then.
+        """
+        from .native import DECODE_KERNELS, KERNEL_UNAVAILABLE, kernel
+
+        if name not in DECODE_KERNELS:
+            raise Rejection(INVALID_CONFIG, f"decode kernel must be one of {DECODE_KERNELS}, got {name!r}", "$.runtime.decode_kernel")
+        native = None
+        if name == "native":
+            if self.device.type != "cpu" or self.dtype != torch.float32:
+                raise Rejection(KERNEL_UNAVAILABLE, f"the native decode kernel runs float32 on the CPU, not {self.dtype} on {self.device}",
+                                "$.runtime.decode_kernel")
+            native = kernel()
+        self.decode_kernel, self._kernel = name, native
         return self
 
     def num_parameters(self) -> int:
@@ -750,9 +911,23 @@ class LlamaForCausalLM(nn.Module):
         keep = _check_logits_to_keep(logits_to_keep, q_len)
         mask = build_attention_mask(cache_position, key_positions, attention_mask, self.dtype)  # [B|1, 1, T, S_k]
 
-        hidden_states = self.model(input_ids, position_ids, cache_position, mask, past_key_values)  # [B, T, d_model]
+        native = None
+        if (self._kernel is not None and batch == 1 and q_len == 1 and isinstance(past_key_values, StaticCache)
+                and device.type == "cpu" and self.dtype == torch.float32):
+            native = self._kernel
+        hidden_states = self.model(input_ids, position_ids, cache_position, mask, past_key_values, native)  # [B, T, d_model]
+        observer = self.model.observer
+        if observer is not None:
+            observer.completed("norm")
         hidden_states = hidden_states[:, keep, :] if isinstance(keep, torch.Tensor) else hidden_states[:, -keep:, :]  # [B, T_kept, d_model]
-        logits = self.lm_head(hidden_states)  # [B, T_kept, V]
+        head = self.lm_head.weight
+        if (native is not None and self.model.native_layers_ran and hidden_states.numel() == head.shape[1] and head.is_contiguous()
+                and not _has_hooks((self.lm_head,))):
+            logits = native.gemv(head, hidden_states.reshape(-1).contiguous()).view(1, 1, -1)  # [1, 1, V]: the head in the kernel too
+        else:
+            logits = self.lm_head(hidden_states)  # [B, T_kept, V]
+        if observer is not None:
+            observer.completed("lm_head")
         return CausalLMOutput(logits=logits, past_key_values=past_key_values)
 
     def _check_input_ids(self, input_ids: torch.Tensor) -> tuple[int, int]:

@@ -93,7 +93,7 @@ from decodespec.spec.state import ENVIRONMENT_FAILURES, InterruptPoint, Phase
 from .cache import CacheABI, DynamicCache, StaticCache, make_cache
 from .events import EVENTS_FORMAT, EventSink
 from .faults import FaultPlan, InjectedDeviceFault
-from .model import CONTEXT_WINDOW_EXCEEDED, LlamaForCausalLM
+from .model import CONTEXT_WINDOW_EXCEEDED, LlamaForCausalLM, StageObserver
 from .output import OutputObserver, output_header, stop_config
 from .policy import decide as policy_decide
 from .rng import RequestRng
@@ -389,7 +389,7 @@ class RequestRunner:
             :class:`~decodespec.impl.output.OutputObserver` when ``tokenizer`` has ``token_bytes``.
         tokenizer: ``token_bytes(id)`` / ``vocab_size`` / ``special_ids`` (the output observer) or
             only ``decode(ids) -> str`` (then :meth:`result`'s text is a plain decode).
-        runtime_info: Extra ``runtime`` fields for the trace header (device, dtype, attention).
+        runtime_info: Extra ``runtime`` fields for the trace header (device, dtype, attention, decode_kernel).
         on_chunk: Consumer of published stream chunks (needs ``request.stream`` and the output
             observer); if it raises, the output closes with ``stream_error``.
 
@@ -1199,27 +1199,35 @@ def _validated(model: LlamaForCausalLM, request: RuntimeRequest) -> RuntimeReque
     return attrs.evolve(request, **changes)
 
 
+class _Roster(StageObserver):
+    """The stage observer of one call: appends each completed stage; raises at ``fault_layer``."""
+
+    def __init__(self, stages: list[str], fault_layer: int | None):
+        self.stages = stages
+        self.fault_layer = fault_layer
+
+    def completed(self, stage: str) -> None:
+        self.stages.append(stage)
+
+    def fault(self, layer_idx: int) -> None:
+        raise InjectedDeviceFault(f"injected device fault at layer {layer_idx}")
+
+
 @contextlib.contextmanager
 def _stage_roster(model: LlamaForCausalLM, stages: list[str], fault_layer: int | None) -> Iterator[None]:
-    """Record each compute stage as it completes (forward hooks); raise at ``fault_layer`` if given."""
-    handles = []
+    """Record each compute stage as it completes (the model's :class:`StageObserver`); raise at ``fault_layer`` if given.
 
-    def done(name: str):
-        return lambda module, args, output: stages.append(name)
-
-    def fault(module, args):
-        raise InjectedDeviceFault(f"injected device fault at layer {fault_layer}")
-
+    The model reports ``embed_tokens``, ``layers.i``, ``norm`` and ``lm_head`` on the torch path
+    and on the native kernel alike (no forward hooks: a hook on a layer would keep the native
+    kernel from running the layers in one call).
+    """
     inner = model.model
-    handles.append(inner.embed_tokens.register_forward_hook(done("embed_tokens")))
-    for idx, layer in enumerate(inner.layers):
-        if idx == fault_layer:
-            handles.append(layer.register_forward_pre_hook(fault))
-        handles.append(layer.register_forward_hook(done(f"layers.{idx}")))
-    handles.append(inner.norm.register_forward_hook(done("norm")))
-    handles.append(model.lm_head.register_forward_hook(done("lm_head")))
+    before = inner.__dict__.get("observer")
+    inner.observer = _Roster(stages, fault_layer)
     try:
         yield
     finally:
-        for handle in handles:
-            handle.remove()
+        if before is None:
+            inner.__dict__.pop("observer", None)
+        else:
+            inner.observer = before

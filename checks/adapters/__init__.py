@@ -155,7 +155,7 @@ MODELS = ("tiny", "smollm2")
 CAPABILITIES = frozenset({
     "cache:none", "cache:dynamic", "cache:static", "prefill_chunk", "decide_commit", "inflight", "faults",
     "snapshot", "sampling", "beam", "stream", "logits", "policy_rows", "cache_probe", "reuse", "stop_strings",
-    "structured",
+    "structured", "decode_kernel:native",
 })
 #: Deliberate corruptions of a snapshot's logical record a restore must refuse (:func:`corrupt_record`).
 CORRUPTIONS = ("identity", "processed_plus_one", "pending_dropped", "repaired_with_pending", "rng_counter")
@@ -298,6 +298,9 @@ class CaseConfig:
         dtype: Model dtype (``float32``, ``bfloat16``, ``float16``).
         device: ``cpu`` or ``cuda[:N]``.
         attention: ``sdpa`` or ``eager``.
+        decode_kernel: ``torch`` or ``native`` (:mod:`decodespec.impl.native`: one-row float32 CPU
+            decode calls on a static cache run in the C kernel; needs the ``decode_kernel:native``
+            capability).
         seed: Request seed (keys the RNG with :meth:`identity`), or ``None``.
         num_beams: Beam width (1: single-path decoding).
 
@@ -325,6 +328,7 @@ class CaseConfig:
     dtype: str = "float32"
     device: str = "cpu"
     attention: str = "sdpa"
+    decode_kernel: str = "torch"
     seed: int | None = 0
     num_beams: int = 1
 
@@ -336,7 +340,7 @@ class CaseConfig:
             "model": MODELS, "alignment": ("token", "text", "span"), "structured": ("none", "json"),
             "cache": ("none", "dynamic", "static"), "zero_new_tokens": ("reject", "no_call", "prefill_only"),
             "final_cache": ("none", "processed_inputs_only", "all_outputs"), "dtype": ("float32", "bfloat16", "float16"),
-            "attention": ("sdpa", "eager"),
+            "attention": ("sdpa", "eager"), "decode_kernel": ("torch", "native"),
         }
         for field, allowed in choices.items():
             if getattr(self, field) not in allowed:
@@ -370,8 +374,11 @@ class CaseConfig:
         return len(self.prompt_ids)
 
     def to_json(self) -> dict[str, Any]:
-        """The config as a JSON object (every field, lists for tuples)."""
+        """The config as a JSON object (every field, lists for tuples; ``decode_kernel`` only when not ``torch``,
+        so configs and traces written before the field existed read and hash the same)."""
         out = attrs.asdict(self, recurse=False)
+        if out["decode_kernel"] == "torch":
+            del out["decode_kernel"]
         out["prompt_ids"] = list(self.prompt_ids)
         out["eos_ids"] = list(self.eos_ids)
         out["stop_strings"] = list(self.stop_strings)
@@ -405,8 +412,13 @@ class CaseConfig:
         return attrs.evolve(self, **changes)
 
     def identity(self) -> str:
-        """The request identity: ``"sha256:" + hex(sha256(b"decodespec.case.v1" + b"\\x00" + JCS(to_json())))``."""
-        digest = hashlib.sha256(b"decodespec.case.v1\x00" + rfc8785.dumps(self.to_json())).hexdigest()
+        """The request identity: ``"sha256:" + hex(sha256(b"decodespec.case.v1" + b"\\x00" + JCS(to_json())))``.
+
+        ``decode_kernel`` is left out: it chooses how the runtime computes, not the request, so a
+        run on either kernel draws the same RNG stream.
+        """
+        request = {k: v for k, v in self.to_json().items() if k != "decode_kernel"}
+        digest = hashlib.sha256(b"decodespec.case.v1\x00" + rfc8785.dumps(request)).hexdigest()
         return "sha256:" + digest
 
 

@@ -81,19 +81,24 @@ def create(**options: Any) -> "ImplAdapter":
 
 
 @functools.lru_cache(maxsize=8)
-def load_model(name: str, dtype: str = "float32", device: str = "cpu", attention: str = "sdpa"):
+def load_model(name: str, dtype: str = "float32", device: str = "cpu", attention: str = "sdpa", decode_kernel: str = "torch"):
     """The shared model instance of ``name`` (``tiny``: seed 0; ``smollm2``: the GGUF file), loaded once per process.
 
+    Each decode kernel gets its own instance (the kernel is a setting of the instance).
+
     Raises:
-        Rejection: ``model.file_missing`` when SmolLM2 is not installed; ``runtime.invalid_device``.
+        Rejection: ``model.file_missing`` when SmolLM2 is not installed; ``runtime.invalid_device``;
+            ``runtime.kernel_unavailable`` for ``decode_kernel="native"`` where it cannot run.
     """
     if name == "tiny":
         from decodespec.impl.tiny import load_tiny
 
-        return load_tiny(seed=0, dtype=_DTYPES[dtype], device=device, attn_implementation=attention)
-    from decodespec.impl.weights import load_smollm2
+        model = load_tiny(seed=0, dtype=_DTYPES[dtype], device=device, attn_implementation=attention)
+    else:
+        from decodespec.impl.weights import load_smollm2
 
-    return load_smollm2(dtype=_DTYPES[dtype], device=device, attn_implementation=attention)
+        model = load_smollm2(dtype=_DTYPES[dtype], device=device, attn_implementation=attention)
+    return model.set_decode_kernel(decode_kernel)
 
 
 @functools.lru_cache(maxsize=4)
@@ -175,8 +180,10 @@ class ImplAdapter:
 
     # -- contract ------------------------------------------------------------------------
     def capabilities(self) -> frozenset[str]:
-        """:data:`IMPL_CAPABILITIES`."""
-        return IMPL_CAPABILITIES
+        """:data:`IMPL_CAPABILITIES`, plus ``decode_kernel:native`` where the native kernel can run here."""
+        from decodespec.impl.native import unavailable_reason
+
+        return IMPL_CAPABILITIES if unavailable_reason() is not None else IMPL_CAPABILITIES | {"decode_kernel:native"}
 
     def reset(self, config: CaseConfig) -> None:
         """Build and admit the request of ``config`` (a fresh cache; snapshots of earlier requests are kept).
@@ -192,12 +199,13 @@ class ImplAdapter:
     def _start(self, config: CaseConfig, cache: Any) -> None:
         if config.num_beams != 1 or config.policy.get("family") == "beam":
             raise Rejection(ADAPTER_UNSUPPORTED, "the request runner decodes one sequence; beams need the 'beam' capability", "$.num_beams")
-        model = load_model(config.model, config.dtype, config.device, config.attention)
+        model = load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
         request = runtime_request(config)
         if cache is None and self.cache_factory is not None and request.cache != "none":
             cache = self.cache_factory(request, model)
         runner = self.runner_cls(model, request, cache=cache, tokenizer=load_tokenizer(config.model),
-                                 runtime_info={"device": config.device, "dtype": config.dtype, "attention": config.attention})
+                                 runtime_info={"device": config.device, "dtype": config.dtype, "attention": config.attention,
+                                               "decode_kernel": config.decode_kernel})
         runner.admit()
         self.config, self.runner = config, runner
         self.extras = _Extras()
@@ -438,7 +446,7 @@ class ImplAdapter:
         if act["corrupt"] is not None:
             snapshot = attrs.evolve(snapshot, record=corrupt_record(snapshot.record, act["corrupt"]))
         config = self.config
-        model = load_model(config.model, config.dtype, config.device, config.attention)
+        model = load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
         # The current request as the runner admitted it (static capacity resolved): a snapshot of
         # another request (e.g. before a reuse) is refused with snapshot.identity_mismatch.
         runner = self.runner_cls.restore(model, snapshot, self.runner.request, tokenizer=load_tokenizer(config.model))

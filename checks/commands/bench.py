@@ -1,7 +1,8 @@
 """``decodespec bench``: greedy decode tokens/s of our runtime vs HF transformers, and the bound.
 
 Prints each runtime's median tokens/s (ours: the RequestRunner with a static cache; ours with
-the event trace, and its overhead; on CUDA the captured-graph decode), the ratio ours / HF, peak
+the event trace, and its overhead; the native CPU decode kernel, with and without the trace; on
+CUDA the captured-graph decode), the ratios to HF, peak
 memory, the memory-bandwidth bound (weight bytes per decode token / measured read bandwidth)
 and our fraction of it; ``--json`` prints the same as one JSON object.  See
 :mod:`decodespec.impl.bench`.
@@ -36,6 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--no-trace", action="store_true", help="do not time the runtime writing its event trace")
     parser.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
                         help="also time the captured-graph decode path (default: on CUDA)")
+    parser.add_argument("--native", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the native CPU decode kernel (default: float32 on the CPU where it builds)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -67,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
             cache=args.cache,
             trace=not args.no_trace,
             graph=args.graph,
+            native=args.native,
         )
     except DecodeSpecError as exc:
         print(json.dumps({"error": exc.to_json()}), file=sys.stderr)

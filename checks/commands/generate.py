@@ -9,7 +9,10 @@ so there is one identity rule: the envelope identity keys the request RNG and he
 Runtime flags: ``--cache {none,dynamic,static}`` (no cache = full recomputation, the reference),
 ``--capacity N`` (static slots), ``--prefill-chunk N``, ``--repair`` (declare
 ``final_cache = all_outputs``: the closed final token is processed by the append/repair call),
-``--dtype``, ``--device``, ``--attention {eager,sdpa}``, ``--trace FILE`` (the
+``--dtype``, ``--device``, ``--attention {eager,sdpa}``, ``--decode-kernel {torch,native}``
+(``native``: one-row float32 CPU decode calls on a static cache run in the C kernel of
+:mod:`decodespec.impl.native`; refused with ``runtime.kernel_unavailable`` where it cannot
+run), ``--trace FILE`` (the
 ``decodespec.events.v1`` event trace; check it with ``decodespec validate-trace FILE``),
 ``--snapshot FILE`` (write a resumable snapshot: ``FILE`` JSON + ``FILE.safetensors``) with
 ``--snapshot-form {pending_suffix,repaired}`` and ``--snapshot-at N`` (suspend after N committed
@@ -32,7 +35,7 @@ Plain mode prints the generated text; ``--json`` prints one JSON object with ``p
 (``prompt_len``, ``output_count``, ``pending``, ``processed``, ``pending_tag``), one M3.8
 decision ``receipts`` entry per output token decided in this run, ``rng_counter``, the
 ``policy``, ``identity``, ``cache``, ``suspended`` and the run's ``model``, ``device``,
-``dtype``, ``attention``, ``seed``; and the output contract: ``num_committed``, ``alignment``,
+``dtype``, ``attention``, ``decode_kernel``, ``seed``; and the output contract: ``num_committed``, ``alignment``,
 ``overhang`` (hex), ``token_spans``, ``visible_end``, ``stop_match``, ``structured_end`` and
 the ``stream`` report (chunks, delivered bytes and tokens, failure).  The decoding policy (M3.8) comes from the flags: greedy by
 default; ``--do-sample`` selects the multinomial family with ``--temperature`` (0 = the greedy
@@ -110,6 +113,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     parser.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa", help="attention implementation (default sdpa)")
+    parser.add_argument("--decode-kernel", choices=("torch", "native"), default="torch",
+                        help="native: one-row float32 CPU decode calls on a static cache run in the C kernel (default torch)")
     parser.add_argument("--trace", metavar="FILE", help="write the decodespec.events.v1 event trace (NDJSON) to FILE")
     parser.add_argument("--snapshot", metavar="FILE", help="write a resumable snapshot to FILE (JSON) and FILE.safetensors")
     parser.add_argument("--snapshot-form", choices=("pending_suffix", "repaired"), default="pending_suffix",
@@ -160,7 +165,9 @@ def run(args: argparse.Namespace) -> int:
         dtype = resolve_dtype(args.dtype)
         snapshot = load_snapshot(args.resume) if args.resume else None
         model, tokenizer = _load(args.model, dtype, device, args.attention)
-        info = {"device": str(device), "dtype": args.dtype, "attention": args.attention, "model": args.model}
+        model.set_decode_kernel(args.decode_kernel)
+        info = {"device": str(device), "dtype": args.dtype, "attention": args.attention, "decode_kernel": args.decode_kernel,
+                "model": args.model}
         request = None
         if args.request or snapshot is None:
             request = _admitted_request(args, model, tokenizer)
@@ -190,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         payload = result.to_json()
         request = runner.request
-        payload.update(model=args.model, device=str(device), dtype=args.dtype, attention=args.attention, seed=request.seed,
+        payload.update(model=args.model, device=str(device), dtype=args.dtype, attention=args.attention,
+                       decode_kernel=args.decode_kernel, seed=request.seed,
                        identity=request.identity, policy=runner.policy.to_json(), cache=request.cache,
                        suspended=runner.suspended, snapshot=args.snapshot)
         print(json.dumps(payload, ensure_ascii=False))
@@ -384,7 +392,8 @@ def _run_beams(args: argparse.Namespace, model, tokenizer, request, sink, info: 
     result = runner.result()
     if args.json:
         payload = result.to_json()
-        payload.update(model=args.model, device=info["device"], dtype=args.dtype, attention=args.attention, seed=request.seed,
+        payload.update(model=args.model, device=info["device"], dtype=args.dtype, attention=args.attention,
+                       decode_kernel=args.decode_kernel, seed=request.seed,
                        identity=request.identity, policy=runner.policy.to_json(), cache=request.cache, suspended=False)
         print(json.dumps(payload, ensure_ascii=False))
     else:

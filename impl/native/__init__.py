@@ -1,0 +1,211 @@
+"""The native CPU decode kernel: one decoder layer (and one matrix-vector product) per call, in C.
+
+A batch-1 float32 decode step on the CPU streams every weight once; torch spends about as long
+again on the ~20 small operations per layer around the matrix-vector products (dispatch, and
+cache misses after the weight stream has evicted L2).  ``llama_decode.c`` runs a whole decoder
+layer for one row in one OpenMP region: RMSNorm, the fused q/k/v product, RoPE, the cache
+write, attention over every static-cache slot under the additive mask, o_proj, the fused
+gate/up product, SwiGLU and down_proj.  The layer is still called through its ``nn.Module``
+(hooks, the runtime's stage roster and injected faults see it), and the cache's ledger still
+checks and records every write (:meth:`decodespec.impl.cache.StaticCache.reserve_row`).
+
+Which calls take it: ``model.set_decode_kernel("native")`` (``--decode-kernel native``) makes
+every call of one row, batch 1, float32 on the CPU with a :class:`StaticCache` use it; every
+other call (prefill, chunks, padded batches, dynamic or no cache, bfloat16, CUDA, a layer whose
+write the open call drops) runs the torch path.  The results are not bitwise those of torch
+(dot products and softmax sums are reduced in another order, <= 1e-4 on SmolLM2 logits;
+tested), but they do not depend on the thread count (rows are split, never sums).
+
+Build: on first use, ``cc -O3 -mavx2 -mfma -ffp-contract=off -fopenmp -shared`` into
+``$DECODESPEC_CACHE_DIR`` (default ``~/.cache/decodespec``), named by the source's hash and
+renamed into place atomically; an x86-64 CPU with AVX2 and FMA and a C compiler are needed
+(:func:`unavailable_reason` says which is missing).
+
+Source: the operation order of :mod:`decodespec.impl.model` (HF ``LlamaDecoderLayer``);
+M3.10 0x09 (rotated keys stored compact, before attention reads them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from decodespec.spec.errors import Rejection, register_code
+
+__all__ = ["DECODE_KERNELS", "KERNEL_UNAVAILABLE", "NativeKernel", "kernel", "unavailable_reason"]
+
+KERNEL_UNAVAILABLE = register_code(
+    "runtime.kernel_unavailable",
+    "rejection",
+    "M3.10 envelope (runtime plane)",
+    "The requested decode kernel cannot run here (no C compiler, no AVX2/FMA, or a model it does not cover).",
+)
+
+#: Decode kernels a model can be set to: ``torch`` (every call through torch) or ``native``.
+DECODE_KERNELS = ("torch", "native")
+
+SOURCE = Path(__file__).with_name("llama_decode.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+
+_P = ctypes.POINTER(ctypes.c_float)
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "capacity")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("input_norm", "qkv", "o_proj", "post_norm", "gate_up", "down")]
+
+
+class _Scratch(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("xn", "qkv", "attn", "gu", "act", "scores")]
+
+
+def _ptr(tensor: torch.Tensor):
+    return ctypes.cast(tensor.data_ptr(), _P)
+
+
+def _cpu_reason() -> str | None:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"the native decode kernel needs an x86-64 CPU with AVX2 and FMA (torch reports {capability})"
+    return None
+
+
+def cache_dir() -> Path:
+    """Where built kernels live: ``$DECODESPEC_CACHE_DIR`` or ``~/.cache/decodespec``."""
+    return Path(os.environ.get("DECODESPEC_CACHE_DIR") or Path.home() / ".cache" / "decodespec")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.lru_cache(maxsize=1)
+def _build() -> tuple[ctypes.CDLL | None, str | None]:
+    reason = _cpu_reason()
+    if reason is not None:
+        return None, reason
+    compiler = _compiler()
+    if compiler is None:
+        return None, "the native decode kernel needs a C compiler (cc/gcc, or $CC) to build llama_decode.c"
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / f"llama_decode-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            try:
+                proc = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+            except OSError as exc:
+                return None, f"building the native decode kernel failed ({compiler}): {exc}"
+            if proc.returncode != 0:
+                return None, f"building the native decode kernel failed ({compiler}): {proc.stderr.strip()[:500]}"
+            os.replace(built, target)  # atomic: a concurrent builder renames an identical file
+    torch.get_num_threads()  # torch (and its libgomp) is loaded: the kernel's libgomp.so.1 resolves to it
+    lib = ctypes.CDLL(str(target))
+    ptr = ctypes.c_void_p  # tensors are passed as their data_ptr() integers
+    lib.decodespec_gemv.argtypes = [ptr, ptr, ptr, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
+    lib.decodespec_gemv.restype = None
+    lib.decodespec_layers.argtypes = [ctypes.POINTER(_Layer), ctypes.c_int32, ctypes.POINTER(_Dims), ptr, ptr, ptr, ctypes.c_int32, ptr,
+                                      ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_Scratch), ctypes.c_int32]
+    lib.decodespec_layers.restype = None
+    return lib, None
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernel cannot run on this machine (``None``: it can; builds it on first call)."""
+    return _build()[1]
+
+
+def kernel() -> "NativeKernel":
+    """The process's native kernel (built on first use).
+
+    Raises:
+        Rejection: ``runtime.kernel_unavailable`` with :func:`unavailable_reason`.
+    """
+    lib, reason = _build()
+    if lib is None:
+        raise Rejection(KERNEL_UNAVAILABLE, reason or "unavailable", "$.runtime.decode_kernel")
+    return NativeKernel(lib)
+
+
+class NativeKernel:
+    """Typed calls into the built library (one per process; see :func:`kernel`)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        self._scratch: dict[tuple[int, ...], tuple[object, tuple[torch.Tensor, ...]]] = {}  # per dims: scratch struct, its buffers
+        self._layer_arrays: dict[tuple[int, ...], ctypes.Array] = {}
+        self._keep_alive: dict[int, list] = {}
+
+    def gemv(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``weight @ x``.
+
+        Shapes: ``weight float32[rows, n]`` contiguous CPU, ``x float32[n]`` contiguous -> ``float32[rows]``.
+        """
+        out = torch.empty(weight.shape[0], dtype=torch.float32)
+        self.lib.decodespec_gemv(weight.data_ptr(), x.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1], torch.get_num_threads())
+        return out
+
+    def layers(self, weights: list["LayerWeights"], dims: _Dims, h_in: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+               slot: int, mask: torch.Tensor | None, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        """Decoder layers ``0..n-1`` (``n = len(weights)``) for one row in one kernel call.
+
+        Layer ``l`` writes its rotated key and value to slot ``slot`` of ``keys[l]``/``values[l]``
+        before its attention reads every slot under ``mask``.
+
+        Shapes: ``h_in float32[d]``; ``cos``, ``signed_sin`` ``float32[D]`` (the rotation of
+        :func:`decodespec.impl.model.rotate_heads`); ``mask float32[S]`` additive, or ``None`` (every
+        slot visible); ``keys[l]``, ``values[l]`` ``float32[1, H_kv, S, D]``; every tensor
+        contiguous on the CPU.  Returns ``float32[d]``: the last layer's output.
+        """
+        n = len(weights)
+        layer_array = self._layer_arrays.get(tuple(id(w) for w in weights))
+        if layer_array is None:
+            if len(self._layer_arrays) > 64:
+                self._layer_arrays.clear()
+            layer_array = (_Layer * n)(*(w.struct for w in weights))
+            self._layer_arrays[tuple(id(w) for w in weights)] = layer_array
+            self._keep_alive[id(layer_array)] = weights  # the ids in the key stay unique while cached
+        key = (dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.inter, dims.capacity)
+        entry = self._scratch.get(key)
+        if entry is None:
+            qkv_rows = (dims.heads + 2 * dims.kv_heads) * dims.head_dim
+            sizes = (dims.hidden, qkv_rows, dims.heads * dims.head_dim, 2 * dims.inter, dims.inter, dims.heads * dims.capacity)
+            buffers = tuple(torch.empty(size, dtype=torch.float32) for size in sizes)
+            entry = self._scratch[key] = (ctypes.byref(_Scratch(*(_ptr(b) for b in buffers))), buffers)
+        hidden = torch.empty(2, dims.hidden, dtype=torch.float32)  # [2, d]: ping-pong rows
+        hidden[0].copy_(h_in)
+        pointers = ctypes.c_void_p * n
+        self.lib.decodespec_layers(layer_array, n, ctypes.byref(dims), hidden.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), slot,
+                                   None if mask is None else mask.data_ptr(), pointers(*(k.data_ptr() for k in keys)),
+                                   pointers(*(v.data_ptr() for v in values)), entry[0], torch.get_num_threads())
+        return hidden[n % 2]
+
+
+class LayerWeights:
+    """The six weight pointers of one decoder layer, kept with the tensors they point into."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], key: tuple[int, ...]):
+        self.tensors = tensors  # keeps the storage alive as long as the pointers are used
+        self.key = key  # the caller's validity key (storage addresses it depends on)
+        self.struct = _Layer(*(_ptr(t) for t in tensors))
+        self.ref = ctypes.byref(self.struct)
+
+
+def dims(config, capacity: int) -> _Dims:
+    """The kernel's dimensions of a :class:`decodespec.impl.config.LlamaConfig` and a static capacity ``S``."""
+    return _Dims(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                 config.intermediate_size, capacity, config.rms_norm_eps, config.head_dim ** -0.5)
