@@ -146,6 +146,19 @@ class LlamaRotaryEmbedding(nn.Module):
         self.cos_cached, self.sin_cached = cos, sin
         return result
 
+    def signed_rows(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``signed_sin = cat(-sin[:D/2], sin[D/2:])`` at one position, ``[D]`` each (views of cached tables).
+
+        The sign is moved exactly, so these are bitwise the rows :class:`LlamaModel` builds per
+        call for :func:`rotate_heads`.
+        """
+        table = self.__dict__.get("_signed_sin")
+        if table is None or table[0] is not self.sin_cached:
+            half = self.sin_cached.shape[-1] // 2
+            signed = torch.cat((-self.sin_cached[:, :half], self.sin_cached[:, half:]), dim=-1)  # [C, D]
+            table = self.__dict__["_signed_sin"] = (self.sin_cached, signed)
+        return self.cos_cached[position], table[1][position]
+
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sin`` at ``position_ids`` ``int64[B, T]``, each ``[B, 1, T, D]`` (broadcast over heads)."""
         cos = self.cos_cached[position_ids].unsqueeze(1)  # [B, 1, T, D]
@@ -590,29 +603,34 @@ class LlamaModel(nn.Module):
 
     #: Set for one call by the runtime's stage roster (:class:`StageObserver`); ``None``: no one listens.
     observer: StageObserver | None = None
-    #: Whether the last call ran every layer in the native kernel (then ``lm_head`` runs there too).
-    native_layers_ran: bool = False
+    #: The logits ``float32[V]`` the native kernel computed in the last call (with ``native_head``), else ``None``.
+    native_logits: torch.Tensor | None = None
 
-    def forward(self, input_ids, position_ids, cache_position, mask, past_key_values, native_kernel=None) -> torch.Tensor:
+    def forward(self, input_ids, position_ids, cache_position, mask, past_key_values, native_kernel=None, native_head=None) -> torch.Tensor:
         """Shapes: ``input_ids int64[B, T]``, ``position_ids int64[B, T]`` -> ``[B, T, d_model]``.
 
         ``native_kernel``: a :class:`decodespec.impl.native.NativeKernel` when this call is one
         float32 CPU row on a :class:`StaticCache` (the caller decides); the layers then run in it
         (:meth:`_native_layers`) unless a hook watches a layer, a layer's weights cannot go
-        native, or the open call drops a layer's write.
+        native, or the open call drops a layer's write.  When all of them did and nothing hooks
+        ``norm``, the final norm runs there too, and with ``native_head`` (the ``lm_head`` weight
+        ``[V, d]``) the head: its logits are left in :attr:`native_logits`.
         """
         observer = self.observer
         hidden_states = self.embed_tokens(input_ids)  # [B, T, d_model]
         if observer is not None:
             observer.completed("embed_tokens")
+        done = 0
+        self.native_logits = None
+        if native_kernel is not None:
+            hidden_states, done, normed = self._native_layers(native_kernel, native_head, hidden_states, position_ids, mask,
+                                                              past_key_values, cache_position)
+            if normed:
+                return hidden_states  # the final norm ran in the kernel
         cos, sin = self.rotary_emb(position_ids)  # [B, 1, T, D] each, tables in the model dtype
         cos, sin = cos.to(hidden_states.dtype).transpose(1, 2), sin.to(hidden_states.dtype).transpose(1, 2)  # [B, T, 1, D]
         half = sin.shape[-1] // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # [B, T, 1, D] (rotate_heads)
-        done = 0
-        self.native_layers_ran = False
-        if native_kernel is not None:
-            hidden_states, done = self._native_layers(native_kernel, hidden_states, cos, signed_sin, mask, past_key_values, cache_position)
         for idx in range(done, len(self.layers)):
             if observer is not None and observer.fault_layer == idx:
                 observer.fault(idx)
@@ -621,8 +639,9 @@ class LlamaModel(nn.Module):
                 observer.completed(f"layers.{idx}")
         return self.norm(hidden_states)
 
-    def _native_layers(self, native_kernel, hidden_states, cos, signed_sin, mask, past_key_values, cache_position) -> tuple[torch.Tensor, int]:
-        """Run layers ``0..k-1`` in one native kernel call; returns ``(hidden_states, k)``.
+    def _native_layers(self, native_kernel, native_head, hidden_states, position_ids, mask, past_key_values,
+                       cache_position) -> tuple[torch.Tensor, int, bool]:
+        """Run layers ``0..k-1`` in one native kernel call; returns ``(hidden_states, k, normed)``.
 
         ``k`` is every layer, or the observer's ``fault_layer`` (the loop in :meth:`forward` then
         raises there, as the torch path would after the same layers), or 0 when the call cannot go
@@ -633,11 +652,14 @@ class LlamaModel(nn.Module):
         layers = self.layers
         observer = self.observer
         stop = len(layers) if observer is None or observer.fault_layer is None else min(observer.fault_layer, len(layers))
-        if stop == 0 or _has_hooks(layers.modules()):
-            return hidden_states, 0
+        watched = self.__dict__.get("_layer_modules")
+        if watched is None or watched[0] != tuple(id(layer) for layer in layers):  # every submodule the kernel stands in for
+            watched = self.__dict__["_layer_modules"] = (tuple(id(layer) for layer in layers), tuple(layers.modules()))
+        if stop == 0 or _has_hooks(watched[1]):
+            return hidden_states, 0, False
         weights = [layer.native_weights() for layer in layers[:stop]]
         if any(w is None for w in weights):
-            return hidden_states, 0
+            return hidden_states, 0, False
         from .native import dims
 
         slot = int(cache_position[0])
@@ -645,17 +667,20 @@ class LlamaModel(nn.Module):
         like = hidden_states.new_empty((1, abi.num_key_value_heads, 1, abi.head_dim))  # [1, H_kv, 1, D]
         reserved = [past_key_values.reserve_row(idx, slot, like) for idx in range(stop)]
         if any(r is None for r in reserved):
-            return hidden_states, 0
-        out = native_kernel.layers(weights, dims(self.rotary_emb.config, past_key_values.capacity), hidden_states.reshape(-1),
-                                   cos.reshape(-1).contiguous(), signed_sin.reshape(-1).contiguous(),
-                                   slot, None if mask is None else mask.reshape(-1).contiguous(),
-                                   [r[1] for r in reserved], [r[2] for r in reserved])
+            return hidden_states, 0, False
+        norm = self.norm.weight
+        fuse = stop == len(layers) and norm.dtype == torch.float32 and norm.is_contiguous() and not _has_hooks((self.norm,))
+        cos, signed_sin = self.rotary_emb.signed_rows(int(position_ids[0, 0]))  # [D] each
+        out, logits = native_kernel.layers(weights, dims(self.rotary_emb.config, past_key_values.capacity), hidden_states.reshape(-1),
+                                           cos, signed_sin, slot, None if mask is None else mask.reshape(-1).contiguous(),
+                                           [r[1] for r in reserved], [r[2] for r in reserved],
+                                           final_norm=norm if fuse else None, head=native_head if fuse else None)
         for idx in range(stop):
             past_key_values.record_rows(idx, slot, 1)
             if observer is not None:
                 observer.completed(f"layers.{idx}")
-        self.native_layers_ran = stop == len(layers)
-        return out.view(hidden_states.shape), stop
+        self.native_logits = logits
+        return out.view(hidden_states.shape), stop, fuse
 
 
 class LlamaForCausalLM(nn.Module):
@@ -911,19 +936,20 @@ class LlamaForCausalLM(nn.Module):
         keep = _check_logits_to_keep(logits_to_keep, q_len)
         mask = build_attention_mask(cache_position, key_positions, attention_mask, self.dtype)  # [B|1, 1, T, S_k]
 
-        native = None
+        native = native_head = None
         if (self._kernel is not None and batch == 1 and q_len == 1 and isinstance(past_key_values, StaticCache)
                 and device.type == "cpu" and self.dtype == torch.float32):
             native = self._kernel
-        hidden_states = self.model(input_ids, position_ids, cache_position, mask, past_key_values, native)  # [B, T, d_model]
+            head = self.lm_head.weight
+            native_head = head if head.dtype == torch.float32 and head.is_contiguous() and not _has_hooks((self.lm_head,)) else None
+        hidden_states = self.model(input_ids, position_ids, cache_position, mask, past_key_values, native, native_head)  # [B, T, d_model]
         observer = self.model.observer
         if observer is not None:
             observer.completed("norm")
         hidden_states = hidden_states[:, keep, :] if isinstance(keep, torch.Tensor) else hidden_states[:, -keep:, :]  # [B, T_kept, d_model]
-        head = self.lm_head.weight
-        if (native is not None and self.model.native_layers_ran and hidden_states.numel() == head.shape[1] and head.is_contiguous()
-                and not _has_hooks((self.lm_head,))):
-            logits = native.gemv(head, hidden_states.reshape(-1).contiguous()).view(1, 1, -1)  # [1, 1, V]: the head in the kernel too
+        native_logits = self.model.native_logits
+        if native_logits is not None:
+            logits = native_logits.view(1, 1, -1)  # [1, 1, V]: the head ran in the kernel
         else:
             logits = self.lm_head(hidden_states)  # [B, T_kept, V]
         if observer is not None:

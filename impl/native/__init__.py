@@ -1,20 +1,26 @@
-"""The native CPU decode kernel: one decoder layer (and one matrix-vector product) per call, in C.
+"""The native CPU decode kernel: every decoder layer, the final norm and the head of a one-row call, in C.
 
-A batch-1 float32 decode step on the CPU streams every weight once; torch spends about as long
-again on the ~20 small operations per layer around the matrix-vector products (dispatch, and
-cache misses after the weight stream has evicted L2).  ``llama_decode.c`` runs a whole decoder
-layer for one row in one OpenMP region: RMSNorm, the fused q/k/v product, RoPE, the cache
-write, attention over every static-cache slot under the additive mask, o_proj, the fused
-gate/up product, SwiGLU and down_proj.  The layer is still called through its ``nn.Module``
-(hooks, the runtime's stage roster and injected faults see it), and the cache's ledger still
-checks and records every write (:meth:`decodespec.impl.cache.StaticCache.reserve_row`).
+A batch-1 float32 decode step on the CPU streams every weight once (513 MiB for SmolLM2).  The
+matrix-vector products run near the memory bandwidth in torch too; what costs is the rest: the
+stream evicts the caches, and each of the ~20 small torch operations per layer then pays tens to
+hundreds of microseconds (measured: the first small op after a weight stream takes ~250 us against
+~8 us warm).  ``llama_decode.c`` runs the whole stack for one row in one OpenMP region per call:
+per layer RMSNorm, the fused q/k/v product, RoPE, the K/V write, attention over every
+static-cache slot under the additive mask, o_proj, the fused gate/up product, SwiGLU and
+down_proj; then the final norm and ``lm_head``.  The static cache's ledger still checks every
+layer's write before the call (:meth:`decodespec.impl.cache.StaticCache.reserve_row`) and records
+it after (``record_rows``); the stage observer is told every stage.
 
-Which calls take it: ``model.set_decode_kernel("native")`` (``--decode-kernel native``) makes
-every call of one row, batch 1, float32 on the CPU with a :class:`StaticCache` use it; every
-other call (prefill, chunks, padded batches, dynamic or no cache, bfloat16, CUDA, a layer whose
-write the open call drops) runs the torch path.  The results are not bitwise those of torch
-(dot products and softmax sums are reduced in another order, <= 1e-4 on SmolLM2 logits;
-tested), but they do not depend on the thread count (rows are split, never sums).
+Which calls take it (:meth:`decodespec.impl.model.LlamaForCausalLM.set_decode_kernel`,
+``--decode-kernel native``): calls of one row, batch 1, float32 on the CPU with a
+:class:`~decodespec.impl.cache.StaticCache`, when no forward hook watches a layer, every layer's
+weights are contiguous float32 (fused matrices present) and the open call drops no layer's
+write; the final norm and the head join when nothing hooks them.  An observer's ``fault_layer``
+``k`` runs layers ``0..k-1`` in the kernel, then the fault is raised as on torch.  Every other call
+(prefill, chunks, padded batches, the dynamic cache, bfloat16, CUDA) runs the torch path.  The
+results are not bitwise those of torch (dot products and softmax sums are reduced in another
+order; within the gate's logit tolerance, tested), and they do not depend on the thread count
+(rows are split between threads, never sums).
 
 Build: on first use, ``cc -O3 -mavx2 -mfma -ffp-contract=off -fopenmp -shared`` into
 ``$DECODESPEC_CACHE_DIR`` (default ``~/.cache/decodespec``), named by the source's hash and
@@ -116,10 +122,9 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     torch.get_num_threads()  # torch (and its libgomp) is loaded: the kernel's libgomp.so.1 resolves to it
     lib = ctypes.CDLL(str(target))
     ptr = ctypes.c_void_p  # tensors are passed as their data_ptr() integers
-    lib.decodespec_gemv.argtypes = [ptr, ptr, ptr, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
-    lib.decodespec_gemv.restype = None
     lib.decodespec_layers.argtypes = [ctypes.POINTER(_Layer), ctypes.c_int32, ctypes.POINTER(_Dims), ptr, ptr, ptr, ctypes.c_int32, ptr,
-                                      ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_Scratch), ctypes.c_int32]
+                                      ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_Scratch), ctypes.c_int32,
+                                      ptr, ptr, ctypes.c_int32, ptr]
     lib.decodespec_layers.restype = None
     return lib, None
 
@@ -150,26 +155,20 @@ class NativeKernel:
         self._layer_arrays: dict[tuple[int, ...], ctypes.Array] = {}
         self._keep_alive: dict[int, list] = {}
 
-    def gemv(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``weight @ x``.
-
-        Shapes: ``weight float32[rows, n]`` contiguous CPU, ``x float32[n]`` contiguous -> ``float32[rows]``.
-        """
-        out = torch.empty(weight.shape[0], dtype=torch.float32)
-        self.lib.decodespec_gemv(weight.data_ptr(), x.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1], torch.get_num_threads())
-        return out
-
     def layers(self, weights: list["LayerWeights"], dims: _Dims, h_in: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-               slot: int, mask: torch.Tensor | None, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-        """Decoder layers ``0..n-1`` (``n = len(weights)``) for one row in one kernel call.
+               slot: int, mask: torch.Tensor | None, keys: list[torch.Tensor], values: list[torch.Tensor], *,
+               final_norm: torch.Tensor | None = None, head: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decoder layers ``0..n-1`` (``n = len(weights)``) for one row in one kernel call, optionally the final norm and head.
 
         Layer ``l`` writes its rotated key and value to slot ``slot`` of ``keys[l]``/``values[l]``
         before its attention reads every slot under ``mask``.
 
         Shapes: ``h_in float32[d]``; ``cos``, ``signed_sin`` ``float32[D]`` (the rotation of
         :func:`decodespec.impl.model.rotate_heads`); ``mask float32[S]`` additive, or ``None`` (every
-        slot visible); ``keys[l]``, ``values[l]`` ``float32[1, H_kv, S, D]``; every tensor
-        contiguous on the CPU.  Returns ``float32[d]``: the last layer's output.
+        slot visible); ``keys[l]``, ``values[l]`` ``float32[1, H_kv, S, D]``; ``final_norm
+        float32[d]``; ``head float32[V, d]`` (only with ``final_norm``); every tensor contiguous on
+        the CPU.  Returns ``(hidden float32[d], logits float32[V] or None)``: the last layer's
+        output, normalised by ``final_norm`` when given, and the head's logits of it.
         """
         n = len(weights)
         layer_array = self._layer_arrays.get(tuple(id(w) for w in weights))
@@ -188,11 +187,14 @@ class NativeKernel:
             entry = self._scratch[key] = (ctypes.byref(_Scratch(*(_ptr(b) for b in buffers))), buffers)
         hidden = torch.empty(2, dims.hidden, dtype=torch.float32)  # [2, d]: ping-pong rows
         hidden[0].copy_(h_in)
+        logits = None if head is None else torch.empty(head.shape[0], dtype=torch.float32)  # [V]
         pointers = ctypes.c_void_p * n
         self.lib.decodespec_layers(layer_array, n, ctypes.byref(dims), hidden.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), slot,
                                    None if mask is None else mask.data_ptr(), pointers(*(k.data_ptr() for k in keys)),
-                                   pointers(*(v.data_ptr() for v in values)), entry[0], torch.get_num_threads())
-        return hidden[n % 2]
+                                   pointers(*(v.data_ptr() for v in values)), entry[0], torch.get_num_threads(),
+                                   None if final_norm is None else final_norm.data_ptr(), None if head is None else head.data_ptr(),
+                                   0 if head is None else head.shape[0], None if logits is None else logits.data_ptr())
+        return hidden[(n + 1) % 2 if final_norm is not None else n % 2], logits
 
 
 class LayerWeights:

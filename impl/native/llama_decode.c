@@ -1,5 +1,5 @@
-/* The native CPU decode kernel: one Llama decoder layer, and one matrix-vector product, for a
- * single row (batch 1, one token), float32.
+/* The native CPU decode kernel: the Llama decoder layers, final norm and head for a single row
+ * (batch 1, one token), float32.
  *
  * decodespec.impl.native builds this file with the system C compiler and calls it through
  * ctypes; that module documents the contract.  Every pointer is a contiguous float32 buffer
@@ -115,12 +115,6 @@ static void rope(float *x, const float *cos_row, const float *signed_sin, int di
     }
 }
 
-/* y = W x, W [rows, n] row-major. */
-void decodespec_gemv(const float *W, const float *x, float *y, int32_t rows, int32_t n, int32_t threads) {
-    #pragma omp parallel num_threads(threads)
-    gemv_rows(W, x, y, rows, n);
-}
-
 /* Inside a parallel region: one decoder layer for one row, h_out = layer(h_in) (distinct buffers);
  * writes the rotated key and the value of this row to slot `slot` of k_cache / v_cache
  * ([H_kv, S, D] each) before attention.  mask: [S] additive (0 visible, finfo.min hidden) or
@@ -180,13 +174,24 @@ static void layer_body(const Layer *w, const Dims *dm, const float *h_in, float 
 
 /* Layers 0..n-1 for one row in one parallel region: hidden [2, d] holds the input in row 0 on
  * entry; layer l reads row l % 2 and writes row (l + 1) % 2, so the output is row n % 2.
- * k_caches / v_caches: one [H_kv, S, D] buffer per layer. */
+ * k_caches / v_caches: one [H_kv, S, D] buffer per layer.  With final_norm (else NULL) the
+ * last output is normalised into row (n + 1) % 2; with head [vocab, d] (else NULL) the logits
+ * of that normalised row are written to logits [vocab]. */
 void decodespec_layers(const Layer *layers, int32_t n, const Dims *dm, float *hidden,
                        const float *cos_row, const float *signed_sin, int32_t slot, const float *mask,
-                       float *const *k_caches, float *const *v_caches, Scratch *s, int32_t threads) {
+                       float *const *k_caches, float *const *v_caches, Scratch *s, int32_t threads,
+                       const float *final_norm, const float *head, int32_t vocab, float *logits) {
     const int d = dm->hidden;
+    float *last = hidden + (size_t)(n % 2) * d, *normed = hidden + (size_t)((n + 1) % 2) * d;
     #pragma omp parallel num_threads(threads)
-    for (int l = 0; l < n; l++)
-        layer_body(&layers[l], dm, hidden + (size_t)(l % 2) * d, hidden + (size_t)((l + 1) % 2) * d, cos_row, signed_sin, slot,
-                   mask, k_caches[l], v_caches[l], s);
+    {
+        for (int l = 0; l < n; l++)
+            layer_body(&layers[l], dm, hidden + (size_t)(l % 2) * d, hidden + (size_t)((l + 1) % 2) * d, cos_row, signed_sin, slot,
+                       mask, k_caches[l], v_caches[l], s);
+        if (final_norm) {
+            #pragma omp single
+            rmsnorm(last, final_norm, normed, d, dm->eps);
+            if (head) gemv_rows(head, normed, logits, vocab, d);
+        }
+    }
 }
