@@ -40,6 +40,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -147,13 +148,17 @@ def kernel() -> "NativeKernel":
 
 
 class NativeKernel:
-    """Typed calls into the built library (one per process; see :func:`kernel`)."""
+    """Typed calls into the built library (one per process; see :func:`kernel`).
+
+    Calls are serialised by a lock: the scratch buffers are shared by every call.
+    """
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
+        self._lock = threading.Lock()
         self._scratch: dict[tuple[int, ...], tuple[object, tuple[torch.Tensor, ...]]] = {}  # per dims: scratch struct, its buffers
-        self._layer_arrays: dict[tuple[int, ...], ctypes.Array] = {}
-        self._keep_alive: dict[int, list] = {}
+        # per tuple of LayerWeights ids: the C array of their structs, and the LayerWeights (so the ids stay unique while cached)
+        self._layer_arrays: dict[tuple[int, ...], tuple[ctypes.Array, list]] = {}
 
     def layers(self, weights: list["LayerWeights"], dims: _Dims, h_in: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                slot: int, mask: torch.Tensor | None, keys: list[torch.Tensor], values: list[torch.Tensor], *,
@@ -171,16 +176,17 @@ class NativeKernel:
         output, normalised by ``final_norm`` when given, and the head's logits of it.
         """
         n = len(weights)
-        layer_array = self._layer_arrays.get(tuple(id(w) for w in weights))
-        if layer_array is None:
+        cached = self._layer_arrays.get(tuple(id(w) for w in weights))
+        if cached is None:
             if len(self._layer_arrays) > 64:
                 self._layer_arrays.clear()
-            layer_array = (_Layer * n)(*(w.struct for w in weights))
-            self._layer_arrays[tuple(id(w) for w in weights)] = layer_array
-            self._keep_alive[id(layer_array)] = weights  # the ids in the key stay unique while cached
+            cached = self._layer_arrays[tuple(id(w) for w in weights)] = ((_Layer * n)(*(w.struct for w in weights)), list(weights))
+        layer_array = cached[0]
         key = (dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.inter, dims.capacity)
         entry = self._scratch.get(key)
         if entry is None:
+            if len(self._scratch) > 16:
+                self._scratch.clear()
             qkv_rows = (dims.heads + 2 * dims.kv_heads) * dims.head_dim
             sizes = (dims.hidden, qkv_rows, dims.heads * dims.head_dim, 2 * dims.inter, dims.inter, dims.heads * dims.capacity)
             buffers = tuple(torch.empty(size, dtype=torch.float32) for size in sizes)
@@ -189,11 +195,12 @@ class NativeKernel:
         hidden[0].copy_(h_in)
         logits = None if head is None else torch.empty(head.shape[0], dtype=torch.float32)  # [V]
         pointers = ctypes.c_void_p * n
-        self.lib.decodespec_layers(layer_array, n, ctypes.byref(dims), hidden.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), slot,
-                                   None if mask is None else mask.data_ptr(), pointers(*(k.data_ptr() for k in keys)),
-                                   pointers(*(v.data_ptr() for v in values)), entry[0], torch.get_num_threads(),
-                                   None if final_norm is None else final_norm.data_ptr(), None if head is None else head.data_ptr(),
-                                   0 if head is None else head.shape[0], None if logits is None else logits.data_ptr())
+        with self._lock:
+            self.lib.decodespec_layers(layer_array, n, ctypes.byref(dims), hidden.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), slot,
+                                       None if mask is None else mask.data_ptr(), pointers(*(k.data_ptr() for k in keys)),
+                                       pointers(*(v.data_ptr() for v in values)), entry[0], torch.get_num_threads(),
+                                       None if final_norm is None else final_norm.data_ptr(), None if head is None else head.data_ptr(),
+                                       0 if head is None else head.shape[0], None if logits is None else logits.data_ptr())
         return hidden[(n + 1) % 2 if final_norm is not None else n % 2], logits
 
 
