@@ -286,7 +286,9 @@ class _CacheLedger:
         self.generation = generation
 
     # -- the model-facing update ------------------------------------------------------------
-    def _check_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_position: torch.Tensor | None) -> int:
+    def _check_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_position: torch.Tensor | None,
+                      slot: int | None = None) -> int:
+        """The refusals of :meth:`update` in their order; ``slot``: ``cache_position[0]`` given as an integer instead."""
         if not 0 <= layer_idx < self.abi.num_layers:
             raise Rejection(INVALID_CACHE_OPERATION, f"layer_idx {layer_idx} outside [0, {self.abi.num_layers})", "$.cache.layer_idx")
         shape = key_states.shape
@@ -318,6 +320,8 @@ class _CacheLedger:
         ):
             raise Rejection(CACHE_SLOT_MISMATCH, f"cache_position {cache_position.tolist()} does not continue layer {layer_idx} at slot {start}",
                             "$.cache_position")
+        if slot is not None and slot != start:
+            raise Rejection(CACHE_SLOT_MISMATCH, f"cache_position {slot} does not continue layer {layer_idx} at slot {start}", "$.cache_position")
         self._check_capacity(start, shape[2])
         return start
 
@@ -627,9 +631,7 @@ class StaticCache(_CacheLedger):
         Raises:
             The refusals of :meth:`update`, before anything is touched.
         """
-        start = self._check_update(like, like, layer_idx, None)
-        if slot != start:
-            raise Rejection(CACHE_SLOT_MISMATCH, f"cache_position {slot} does not continue layer {layer_idx} at slot {start}", "$.cache_position")
+        start = self._check_update(like, like, layer_idx, None, slot)
         call = self._call
         if call is not None and layer_idx in call.drop_layers:
             return None

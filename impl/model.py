@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import threading
 
 import attrs
 import torch
@@ -524,13 +525,13 @@ class LlamaDecoderLayer(nn.Module):
         contiguous float32 CPU tensor.  Cached while the storage of all nine weight Parameters
         (the fused matrices are views of theirs) is unchanged.
         """
-        owners = self.__dict__.get("_native_owners")
-        if owners is None:  # the nine modules whose "weight" Parameter the kernel reads (directly or fused)
-            attn, mlp = self.self_attn, self.mlp
-            owners = self.__dict__["_native_owners"] = tuple(m._parameters for m in (
-                self.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, self.post_attention_layernorm,
-                mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-        params = tuple(o["weight"] for o in owners)
+        mods = self._modules  # the nine modules whose "weight" the kernel reads (directly or fused), looked up every call
+        attn, mlp = mods["self_attn"]._modules, mods["mlp"]._modules
+        params = tuple(m._parameters.get("weight") for m in (
+            mods["input_layernorm"], attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"], mods["post_attention_layernorm"],
+            mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"]))
+        if any(p is None for p in params):  # e.g. a parametrization: not a plain Parameter
+            return None
         key = tuple(p.data_ptr() for p in params)
         cached = self.__dict__.get("_native_weights")
         if cached is not None and cached.key == key:
@@ -600,11 +601,14 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, idx) for idx in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config, device=device)
+        self._native = threading.local()  # per-thread result of the native kernel (logits)
 
     #: Set for one call by the runtime's stage roster (:class:`StageObserver`); ``None``: no one listens.
     observer: StageObserver | None = None
-    #: The logits ``float32[V]`` the native kernel computed in the last call (with ``native_head``), else ``None``.
-    native_logits: torch.Tensor | None = None
+    @property
+    def native_logits(self) -> torch.Tensor | None:
+        """The logits ``float32[V]`` the native kernel computed in this thread's last call (with ``native_head``), else ``None``."""
+        return getattr(self._native, "logits", None)
 
     def forward(self, input_ids, position_ids, cache_position, mask, past_key_values, native_kernel=None, native_head=None) -> torch.Tensor:
         """Shapes: ``input_ids int64[B, T]``, ``position_ids int64[B, T]`` -> ``[B, T, d_model]``.
@@ -621,7 +625,7 @@ class LlamaModel(nn.Module):
         if observer is not None:
             observer.completed("embed_tokens")
         done = 0
-        self.native_logits = None
+        self._native.logits = None
         if native_kernel is not None:
             hidden_states, done, normed = self._native_layers(native_kernel, native_head, hidden_states, position_ids, mask,
                                                               past_key_values, cache_position)
@@ -652,10 +656,7 @@ class LlamaModel(nn.Module):
         layers = self.layers
         observer = self.observer
         stop = len(layers) if observer is None or observer.fault_layer is None else min(observer.fault_layer, len(layers))
-        watched = self.__dict__.get("_layer_modules")
-        if watched is None or watched[0] != tuple(id(layer) for layer in layers):  # every submodule the kernel stands in for
-            watched = self.__dict__["_layer_modules"] = (tuple(id(layer) for layer in layers), tuple(layers.modules()))
-        if stop == 0 or _has_hooks(watched[1]):
+        if stop <= 0 or _has_hooks((self.rotary_emb, *layers.modules())):  # every module the kernel stands in for
             return hidden_states, 0, False
         weights = [layer.native_weights() for layer in layers[:stop]]
         if any(w is None for w in weights):
@@ -669,7 +670,8 @@ class LlamaModel(nn.Module):
         if any(r is None for r in reserved):
             return hidden_states, 0, False
         norm = self.norm.weight
-        fuse = stop == len(layers) and norm.dtype == torch.float32 and norm.is_contiguous() and not _has_hooks((self.norm,))
+        fuse = (stop == len(layers) and norm.dtype == torch.float32 and norm.device.type == "cpu" and norm.is_contiguous()
+                and not _has_hooks((self.norm,)))
         cos, signed_sin = self.rotary_emb.signed_rows(int(position_ids[0, 0]))  # [D] each
         out, logits = native_kernel.layers(weights, dims(self.rotary_emb.config, past_key_values.capacity), hidden_states.reshape(-1),
                                            cos, signed_sin, slot, None if mask is None else mask.reshape(-1).contiguous(),
@@ -679,7 +681,7 @@ class LlamaModel(nn.Module):
             past_key_values.record_rows(idx, slot, 1)
             if observer is not None:
                 observer.completed(f"layers.{idx}")
-        self.native_logits = logits
+        self._native.logits = logits
         return out.view(hidden_states.shape), stop, fuse
 
 
@@ -712,6 +714,8 @@ class LlamaForCausalLM(nn.Module):
         """After a device/dtype move (``.to``, ``to_empty``), point the projections at fused matrices again."""
         result = super()._apply(fn, recurse)
         self.refuse_projections()
+        for layer in self.model.layers:  # cached native weight pointers would pin the old storage
+            layer.__dict__.pop("_native_weights", None)
         return result
 
     def refuse_projections(self) -> None:
@@ -938,10 +942,13 @@ class LlamaForCausalLM(nn.Module):
 
         native = native_head = None
         if (self._kernel is not None and batch == 1 and q_len == 1 and isinstance(past_key_values, StaticCache)
-                and device.type == "cpu" and self.dtype == torch.float32):
+                and device.type == "cpu" and self.dtype == torch.float32 and not torch.is_grad_enabled()
+                and not _has_hooks((self.model,))):
             native = self._kernel
             head = self.lm_head.weight
-            native_head = head if head.dtype == torch.float32 and head.is_contiguous() and not _has_hooks((self.lm_head,)) else None
+            if (isinstance(keep, int) and head.dtype == torch.float32 and head.device.type == "cpu" and head.is_contiguous()
+                    and not _has_hooks((self.lm_head,))):
+                native_head = head
         hidden_states = self.model(input_ids, position_ids, cache_position, mask, past_key_values, native, native_head)  # [B, T, d_model]
         observer = self.model.observer
         if observer is not None:

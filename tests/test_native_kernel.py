@@ -222,3 +222,41 @@ def test_smollm2_greedy_with_the_kernel_matches_torch(smollm2_model, kernel_call
         smollm2_model.set_decode_kernel("torch")
     assert len(kernel_calls) == 23 and got.output_ids == reference.output_ids
     assert max(abs(a - b) for a, b in zip(got.logprobs, reference.logprobs)) <= LOGIT_TOL["smollm2"]
+
+
+@pytest.mark.parametrize("case", ["hooked_stack", "hooked_rotary", "grad_mode", "keep_tensor"])
+def test_hooks_and_options_the_kernel_cannot_honour_take_the_torch_path(pair, kernel_calls, case):
+    """A hook on the decoder stack or the rotary module, grad mode: the torch path, bitwise; logits_to_keep as a
+    tensor: the layers in the kernel, the head on torch over the kept rows."""
+    outs = []
+    for model in pair:
+        cache = StaticCache(model.cache_abi, 8)
+        with torch.no_grad() if case == "grad_mode" else torch.inference_mode():  # grad mode needs non-inference buffers
+            model(torch.tensor([[5, 6, 7]]), past_key_values=cache, attention_mask=cache.key_validity(3))
+        target = {"hooked_stack": model.model, "hooked_rotary": model.model.rotary_emb}.get(case)
+        handle = None if target is None else target.register_forward_hook(lambda module, args, out: out)
+        keep = torch.tensor([0, 0]) if case == "keep_tensor" else 0
+        try:
+            with torch.enable_grad() if case == "grad_mode" else torch.inference_mode():
+                outs.append(model(torch.tensor([[9]]), past_key_values=cache, attention_mask=cache.key_validity(1),
+                                  logits_to_keep=keep).logits.detach())
+        finally:
+            if handle is not None:
+                handle.remove()
+    if case == "keep_tensor":  # the layers run in the kernel, the head on torch over the kept rows
+        assert kernel_calls == [4] and outs[1].shape == outs[0].shape == (1, 2, 512)
+        assert torch.allclose(outs[0], outs[1], atol=LOGIT_TOL["tiny"], rtol=0)
+    else:
+        assert kernel_calls == [] and outs[0].equal(outs[1])
+
+
+def test_a_slot_mismatch_is_refused_before_capacity_as_on_torch(pair):
+    codes = []
+    for model in pair:
+        cache = StaticCache(model.cache_abi, 4)
+        with torch.inference_mode():
+            model(torch.tensor([[5, 6, 7, 8]]), past_key_values=cache, attention_mask=cache.key_validity(4))
+            with pytest.raises(Rejection) as info:
+                model(torch.tensor([[9]]), past_key_values=cache, cache_position=torch.tensor([6]))
+        codes.append(info.value.code)
+    assert codes == ["cache.slot_mismatch", "cache.slot_mismatch"]

@@ -178,7 +178,7 @@ class NativeKernel:
         n = len(weights)
         cached = self._layer_arrays.get(tuple(id(w) for w in weights))
         if cached is None:
-            if len(self._layer_arrays) > 64:
+            if len(self._layer_arrays) >= 4:  # each entry pins its weights' storage: keep few
                 self._layer_arrays.clear()
             cached = self._layer_arrays[tuple(id(w) for w in weights)] = ((_Layer * n)(*(w.struct for w in weights)), list(weights))
         layer_array = cached[0]
