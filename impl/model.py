@@ -569,6 +569,11 @@ class StageObserver:
         raise NotImplementedError
 
 
+#: Per thread: ``(id(model), logits)`` of the last native-kernel call (a module attribute would be shared by threads,
+#: and a ``threading.local`` member would make the model impossible to copy or pickle).
+_NATIVE_RESULT = threading.local()
+
+
 def _has_hooks(modules) -> bool:
     """Whether a forward hook (module-level or global) would see any of ``modules``."""
     from torch.nn.modules import module as _module
@@ -601,14 +606,14 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, idx) for idx in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config, device=device)
-        self._native = threading.local()  # per-thread result of the native kernel (logits)
 
     #: Set for one call by the runtime's stage roster (:class:`StageObserver`); ``None``: no one listens.
     observer: StageObserver | None = None
     @property
     def native_logits(self) -> torch.Tensor | None:
         """The logits ``float32[V]`` the native kernel computed in this thread's last call (with ``native_head``), else ``None``."""
-        return getattr(self._native, "logits", None)
+        result = getattr(_NATIVE_RESULT, "value", None)
+        return result[1] if result is not None and result[0] == id(self) else None
 
     def forward(self, input_ids, position_ids, cache_position, mask, past_key_values, native_kernel=None, native_head=None) -> torch.Tensor:
         """Shapes: ``input_ids int64[B, T]``, ``position_ids int64[B, T]`` -> ``[B, T, d_model]``.
@@ -625,7 +630,7 @@ class LlamaModel(nn.Module):
         if observer is not None:
             observer.completed("embed_tokens")
         done = 0
-        self._native.logits = None
+        _NATIVE_RESULT.value = None
         if native_kernel is not None:
             hidden_states, done, normed = self._native_layers(native_kernel, native_head, hidden_states, position_ids, mask,
                                                               past_key_values, cache_position)
@@ -681,7 +686,7 @@ class LlamaModel(nn.Module):
             past_key_values.record_rows(idx, slot, 1)
             if observer is not None:
                 observer.completed(f"layers.{idx}")
-        self._native.logits = logits
+        _NATIVE_RESULT.value = (id(self), logits)
         return out.view(hidden_states.shape), stop, fuse
 
 
@@ -717,6 +722,11 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:  # cached native weight pointers would pin the old storage
             layer.__dict__.pop("_native_weights", None)
         return result
+
+    def __setstate__(self, state) -> None:
+        """After ``copy.deepcopy`` or unpickling: the copied weights are new storage, so fuse them again."""
+        super().__setstate__(state)
+        self.refuse_projections()
 
     def refuse_projections(self) -> None:
         """(Re)build every layer's fused ``qkv`` and ``gate_up`` matrices (:class:`FusedWeight`).

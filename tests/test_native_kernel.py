@@ -260,3 +260,17 @@ def test_a_slot_mismatch_is_refused_before_capacity_as_on_torch(pair):
                 model(torch.tensor([[9]]), past_key_values=cache, cache_position=torch.tensor([6]))
         codes.append(info.value.code)
     assert codes == ["cache.slot_mismatch", "cache.slot_mismatch"]
+
+
+def test_a_model_with_the_kernel_can_be_copied_and_pickled(pair, kernel_calls):
+    import copy
+    import pickle
+
+    _, native_model = pair
+    rows, _, _ = _run(native_model)
+    for clone in (copy.deepcopy(native_model), pickle.loads(pickle.dumps(native_model))):
+        assert clone.decode_kernel == "native" and clone._kernel is native_model._kernel
+        assert all(layer.__dict__.get("_native_weights") is None for layer in clone.model.layers)
+        calls_before = len(kernel_calls)
+        clone_rows, _, _ = _run(clone)
+        assert len(kernel_calls) > calls_before and all(a.equal(b) for a, b in zip(rows, clone_rows))

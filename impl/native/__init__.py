@@ -136,7 +136,7 @@ def unavailable_reason() -> str | None:
 
 
 def kernel() -> "NativeKernel":
-    """The process's native kernel (built on first use).
+    """The process's native kernel (built on first use; one instance per process).
 
     Raises:
         Rejection: ``runtime.kernel_unavailable`` with :func:`unavailable_reason`.
@@ -144,6 +144,11 @@ def kernel() -> "NativeKernel":
     lib, reason = _build()
     if lib is None:
         raise Rejection(KERNEL_UNAVAILABLE, reason or "unavailable", "$.runtime.decode_kernel")
+    return _instance(lib)
+
+
+@functools.lru_cache(maxsize=1)
+def _instance(lib: ctypes.CDLL) -> "NativeKernel":
     return NativeKernel(lib)
 
 
@@ -152,6 +157,9 @@ class NativeKernel:
 
     Calls are serialised by a lock: the scratch buffers are shared by every call.
     """
+
+    def __reduce__(self):
+        return kernel, ()  # a copied or unpickled model uses this process's kernel
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
@@ -206,6 +214,9 @@ class NativeKernel:
 
 class LayerWeights:
     """The six weight pointers of one decoder layer, kept with the tensors they point into."""
+
+    def __reduce__(self):
+        return type(None), ()  # a copy holds no pointers into the original's storage: the copied layer rebuilds its own
 
     def __init__(self, tensors: tuple[torch.Tensor, ...], key: tuple[int, ...]):
         self.tensors = tensors  # keeps the storage alive as long as the pointers are used
