@@ -155,9 +155,7 @@ class LlamaRotaryEmbedding(nn.Module):
         """
         table = self.__dict__.get("_signed_sin")
         if table is None or table[0] is not self.sin_cached:
-            half = self.sin_cached.shape[-1] // 2
-            signed = torch.cat((-self.sin_cached[:, :half], self.sin_cached[:, half:]), dim=-1)  # [C, D]
-            table = self.__dict__["_signed_sin"] = (self.sin_cached, signed)
+            table = self.__dict__["_signed_sin"] = (self.sin_cached, signed_sine(self.sin_cached))  # [C, D]
         return self.cos_cached[position], table[1][position]
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,6 +163,15 @@ class LlamaRotaryEmbedding(nn.Module):
         cos = self.cos_cached[position_ids].unsqueeze(1)  # [B, 1, T, D]
         sin = self.sin_cached[position_ids].unsqueeze(1)  # [B, 1, T, D]
         return cos, sin
+
+
+def signed_sine(sin: torch.Tensor) -> torch.Tensor:
+    """``cat(-sin[..., :D/2], sin[..., D/2:])``: the sine factor of :func:`rotate_heads` (the sign moved exactly).
+
+    Shapes: ``[..., D] -> [..., D]``.
+    """
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -638,8 +645,7 @@ class LlamaModel(nn.Module):
                 return hidden_states  # the final norm ran in the kernel
         cos, sin = self.rotary_emb(position_ids)  # [B, 1, T, D] each, tables in the model dtype
         cos, sin = cos.to(hidden_states.dtype).transpose(1, 2), sin.to(hidden_states.dtype).transpose(1, 2)  # [B, T, 1, D]
-        half = sin.shape[-1] // 2
-        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # [B, T, 1, D] (rotate_heads)
+        signed_sin = signed_sine(sin)  # [B, T, 1, D] (rotate_heads)
         for idx in range(done, len(self.layers)):
             if observer is not None and observer.fault_layer == idx:
                 observer.fault(idx)
