@@ -479,7 +479,7 @@ def _pair_verdict(a: LockStep, b: LockStep, fields: Sequence[str], tol: Toleranc
     equality is only claimed from a logit tolerance when the reference margin exceeds 2 epsilon;
     otherwise the report says the margin was too small to decide"), "Correctness matrix".
     """
-    pair_tol = Tolerance(logit=2 * tol.logit, kv=2 * tol.kv, prob=2 * tol.prob, logprob=2 * tol.logprob)
+    pair_tol = tol.scaled(2)
     final_a, final_b = _final_ids(a), _final_ids(b)
     shared = _common_prefix(final_a, final_b)
     diverged = shared < min(len(final_a), len(final_b))
@@ -528,7 +528,7 @@ def pair_divergence_verdict(ref: ReferenceDecision, token_a: int, token_b: int, 
     """Judge two runtime paths that select ``token_a`` and ``token_b`` after the same committed prefix.
 
     Each path's id is judged against the spec's decision on the reference row of that prefix
-    (:func:`~decodespec.checks.lockstep.judge_decision`, epsilon ``tol.logit``: each path is
+    (:func:`~decodespec.checks.lockstep.judge_decision`, the row's epsilon ``ref.epsilon``: each path is
     within epsilon of the reference).  A path the reference margin rules out fails the pair (its
     verdict, DECISION layer); otherwise the tolerance cannot decide between the two ids and the
     pair is ``undecided`` (check ``pair.margin``; greedy: both ids within 2 epsilon of the
@@ -546,15 +546,16 @@ def pair_divergence_verdict(ref: ReferenceDecision, token_a: int, token_b: int, 
     Source: M3.10 "A logit tolerance is not a token-equality proof"; issue 8.
     """
     k = ref.output_index
+    eps = tol.logit if ref.epsilon is None else ref.epsilon
     for side, token in (("A", token_a), ("B", token_b)):
         verdict = judge_decision(policy=ref.policy, ref_values=ref.values, ref_token=ref.token, runtime_token=int(token), tolerance=tol,
-                                 greedy=ref.greedy, ref_probs=ref.probs, u=ref.u, output_index=k)
+                                 greedy=ref.greedy, ref_probs=ref.probs, u=ref.u, output_index=k, epsilon=eps)
         if verdict.result == FAILED:
             return attrs.evolve(verdict, message=f"pair: the paths diverge at output {k} ({token_a} vs {token_b}); path {side}: "
                                                  f"{verdict.message}")
     finite = np.sort(ref.values[np.isfinite(ref.values)])
     margin = float(finite[-1] - finite[-2]) if finite.size > 1 else math.inf
-    what = (f"the reference margin {margin:.3g} <= 2 epsilon = {2 * tol.logit:.3g}" if ref.greedy else
+    what = (f"the reference margin {margin:.3g} <= 2 epsilon = {2 * eps:.3g}" if ref.greedy else
             f"the uniform {ref.u:.6g} lies within the tolerance of both ids' CDF intervals")
     return Verdict(UNDECIDED, "DECISION", "ladder.DECISION", "pair.margin", int(token_a), int(token_b),
                    f"pair: the paths diverge at output {k} ({token_a} vs {token_b}) where {what}: the tolerance cannot decide "
@@ -689,8 +690,8 @@ def _row_path_verdict(model: str, prompt: Sequence[int], ids: Sequence[int], row
     ref = reference_for(model)
     undecided = None
     for index, (token, row) in enumerate(zip(ids, rows)):
-        verdict = greedy_comparator(ref.row(tuple(prompt) + tuple(ids[:index])), np.asarray(row, dtype=np.float32), tol.logit,
-                                    candidate_id=int(token))
+        ref_row = ref.row(tuple(prompt) + tuple(ids[:index]))
+        verdict = greedy_comparator(ref_row, np.asarray(row, dtype=np.float32), tol.epsilon(ref_row), candidate_id=int(token))
         if verdict.result == FAILED:
             return attrs.evolve(verdict, message=f"output {index}: {verdict.message}")
         undecided = undecided or (verdict if verdict.result == UNDECIDED else None)

@@ -41,6 +41,8 @@ COMMANDS: dict[str, str] = {
     "validate-trace": "validate_trace",
     "mutants": "mutants",
     "check": "check",
+    "calibrate": "calibrate",
+    "export-tiny": "export_tiny",
     "replay": "replay",
 }
 

@@ -93,9 +93,11 @@ def beam_lockstep(case: Case, runtime: str) -> Verdict:
         prefixes = [config.prompt_ids + b.tokens for b in runner.live]
         raw = runner.call().detach().to("cpu").float().numpy()  # [n, V]
         for k, prefix in enumerate(prefixes):
-            cmp = compare_rows(ref.row(prefix), raw[k], tol.logit)
+            ref_row = ref.row(prefix)
+            eps = tol.epsilon(ref_row)
+            cmp = compare_rows(ref_row, raw[k], eps)
             if not cmp.within:
-                return _fail("TENSOR", "beam.score_row", f"<= {tol.logit}", cmp.linf,
+                return _fail("TENSOR", "beam.score_row", f"<= {eps:.6g}", cmp.linf,
                              f"step {runner.step_idx}: live beam {k}'s row is {cmp.linf:.3g} away from the reference row of its "
                              f"prefix (the cache does not hold that beam's prefix)")
     edges = {s: {int(t): n for t, n in e.items()} for s, e in automaton["transitions"].items()}

@@ -10,8 +10,9 @@ the same request -- the spec's :class:`~decodespec.spec.state.RequestParams` and
    ``step`` = the controller's next actions up to one ``Commit``, ``snapshot{repaired}`` with a
    pending token = the append call + ``Snapshot`` ...) and stepped through
    :func:`decodespec.spec.transitions.step`; the model is uninterpreted in the spec, so every
-   decision takes its score row from the :class:`Reference` (our no-cache float32 forward of the
-   same committed prefix, M3.10's "full recompute" semantics) and the spec policy
+   decision takes its score row from the :class:`Reference` (a no-cache float64 forward of the
+   same committed prefix by a model that shares no code with ``impl/``, M3.10's "full
+   recompute" semantics) and the spec policy
    (:func:`decodespec.spec.policy.decide`) picks the token;
 3. both must agree on accept / reject (and the refusal code); a rejected action must leave
    the observation unchanged;
@@ -58,6 +59,8 @@ from decodespec.spec.state import Phase, RequestParams, RequestState, initial_st
 from decodespec.spec.stop import StopConfig, align_output, reference_stream, step_triggers
 from decodespec.spec.transitions import MACHINE, NOT_ENABLED, Machine, expected_report, expected_start
 
+from .reference import Reference64, load_gguf64
+from .reference.files import gguf_path
 from .adapters import Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
 from .ladder import FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, Tolerance, Verdict, compare, compare_rows, tolerance_for
 
@@ -79,84 +82,26 @@ _CONTEXT_WINDOW_EXCEEDED = "model.context_window_exceeded"
 
 
 # --------------------------------------------------------------------------------------------
-# The reference forward (no-cache float32 semantics).
+# The reference forward (no-cache semantics, float64 arithmetic independent of impl/).
 # --------------------------------------------------------------------------------------------
 
+#: The reference the lock step reads score rows and K/V rows from (see :mod:`decodespec.checks.reference`).
+Reference = Reference64
 
-class Reference:
-    """Reference score rows and K/V rows of committed prefixes: one full-prefix float32 forward each.
+_REFERENCES: dict[str, Reference64] = {}
 
-    The forward runs the whole prefix in one call from position 0 (what a no-cache runtime
-    computes every step); its K/V rows are read from a fresh dynamic cache that call fills.
-    Results are cached per prefix (LRU bounded by ``max_bytes``).
 
-    Args:
-        model: Our decoder in float32 (shared; never mutated).
-        max_bytes: Cache budget in bytes.
+def reference_for(model: str) -> Reference64:
+    """The shared float64 :class:`~decodespec.checks.reference.Reference64` of ``model``, built once per process.
 
-    Shapes: :meth:`row` ``float32[V]``; :meth:`kv` ``float32[layers, 2, H_kv, P, D]``.
+    It reads the model's GGUF file itself (:func:`decodespec.checks.reference.files.gguf_path`;
+    the tiny model is written as GGUF first) and shares no code with the runtime it judges.
+
+    Raises:
+        Rejection: ``model.file_missing`` when SmolLM2 is not installed.
     """
-
-    def __init__(self, model: Any, *, max_bytes: int = 256 << 20):
-        self.model = model
-        self.max_bytes = max_bytes
-        self._cache: collections.OrderedDict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = collections.OrderedDict()
-        self._bytes = 0
-        self.num_forwards = 0
-
-    @property
-    def vocab_size(self) -> int:
-        """V."""
-        return int(self.model.config.vocab_size)
-
-    @property
-    def window(self) -> int:
-        """``max_position_embeddings``."""
-        return int(self.model.config.max_position_embeddings)
-
-    def _forward(self, prefix: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        hit = self._cache.get(prefix)
-        if hit is not None:
-            self._cache.move_to_end(prefix)
-            return hit
-        import torch
-
-        model = self.model
-        cache = model.new_cache()
-        ids = torch.tensor([prefix], dtype=torch.long, device=model.device)  # [1, P]
-        with torch.inference_mode():
-            out = model(ids, past_key_values=cache, cache_position=torch.arange(len(prefix), device=model.device), logits_to_keep=1)
-            row = out.logits[0, -1].to("cpu", torch.float32).numpy().copy()  # [V]
-            kv = torch.stack([torch.stack((k[0], v[0])) for k, v in cache.committed_tensors()]).to("cpu", torch.float32).numpy().copy()
-        self.num_forwards += 1
-        entry = (row, kv)
-        self._cache[prefix] = entry
-        self._bytes += row.nbytes + kv.nbytes
-        while self._bytes > self.max_bytes and len(self._cache) > 1:
-            _, (r, k) = self._cache.popitem(last=False)
-            self._bytes -= r.nbytes + k.nbytes
-        return entry
-
-    def row(self, prefix: Sequence[int]) -> np.ndarray:
-        """Raw logits ``float32[V]`` predicting the token after ``prefix`` (read-only)."""
-        return self._forward(tuple(int(t) for t in prefix))[0]
-
-    def kv(self, prefix: Sequence[int]) -> np.ndarray | None:
-        """Committed K (after RoPE) and V rows of ``prefix`` (``None`` for an empty prefix)."""
-        if not prefix:
-            return None
-        return self._forward(tuple(int(t) for t in prefix))[1]
-
-
-_REFERENCES: dict[str, Reference] = {}
-
-
-def reference_for(model: str) -> Reference:
-    """The shared :class:`Reference` of model ``model`` (float32, CPU, SDPA), built once per process."""
     if model not in _REFERENCES:
-        from .adapters.impl import load_model
-
-        _REFERENCES[model] = Reference(load_model(model, "float32", "cpu", "sdpa"))
+        _REFERENCES[model] = Reference64(load_gguf64(gguf_path(model)))
     return _REFERENCES[model]
 
 
@@ -277,6 +222,7 @@ def judge_decision(
     ref_probs: np.ndarray | None = None,
     u: float | None = None,
     output_index: int = 0,
+    epsilon: float | None = None,
 ) -> Verdict:
     """Judge a decision where the runtime may have picked another id than the spec on the reference row.
 
@@ -291,6 +237,8 @@ def judge_decision(
         ref_probs: Processed reference probabilities (multinomial).
         u: The decision's uniform (multinomial).
         output_index: O of the decision (for the message).
+        epsilon: The row's epsilon (:meth:`~decodespec.checks.ladder.Tolerance.epsilon` of the raw
+            reference row; default ``tolerance.logit``).
 
     Returns:
         ``passed`` when the ids agree; ``failed`` (DECISION) when the runtime's id is not the
@@ -308,7 +256,7 @@ def judge_decision(
     if cand_token is not None and cand_token != runtime_token:
         return Verdict(FAILED, "DECISION", "ladder.DECISION", "decision.policy", cand_token, runtime_token,
                        f"{where}: the runtime selected {runtime_token}, but the policy selects {cand_token} on the runtime's own row")
-    eps = tolerance.logit
+    eps = tolerance.logit if epsilon is None else epsilon
     if not 0 <= runtime_token < ref_values.shape[0] or not math.isfinite(float(ref_values[runtime_token])):
         return Verdict(FAILED, "DECISION", "ladder.DECISION", "decision.support", ref_token, runtime_token,
                        f"{where}: the runtime selected {runtime_token}, outside the processed support")
@@ -495,6 +443,8 @@ class ReferenceDecision:
         u: The decision's uniform (multinomial), else ``None``.
         greedy: Whether the selector is greedy (family greedy or temperature 0).
         policy: The request's policy.
+        epsilon: The raw reference row's epsilon under the run's tolerance, or ``None``
+            (then a judge uses the tolerance's absolute ``logit``).
     """
 
     output_index: int
@@ -504,6 +454,7 @@ class ReferenceDecision:
     u: float | None
     greedy: bool
     policy: PolicyConfig
+    epsilon: float | None = None
 
 
 class LockStep:
@@ -716,17 +667,18 @@ class LockStep:
         token, draws = receipt.selected_id, receipt.draws
         u = None if s.greedy() else uniform(rng_key(s.params.identity, s.config.seed), view.step, 0)
         self.reference_decisions[tuple(s.sequence)] = ReferenceDecision(index, token, ref_processed.values, ref_processed.probs, u,
-                                                                        s.greedy(), s.policy)
+                                                                        s.greedy(), s.policy, self.tolerance.epsilon(ref_raw))
         cand_processed = None
         cand_token = None
         own_row = obs.score_row is not None and obs.score_output_count == index
+        eps = self.tolerance.epsilon(ref_raw)
         if own_row:
-            cmp = compare_rows(ref_raw, obs.score_row, self.tolerance.logit)
+            cmp = compare_rows(ref_raw, obs.score_row, eps)
             if not cmp.within:
                 checks.append(DecisionCheck(index, Verdict(
-                    FAILED, "TENSOR", "ladder.TENSOR", "score_row.linf", f"<= {self.tolerance.logit}", cmp.linf,
+                    FAILED, "TENSOR", "ladder.TENSOR", "score_row.linf", f"<= {eps:.6g}", cmp.linf,
                     f"output {index}: the runtime decided on a score row {cmp.linf:.3g} away from the reference row of the same "
-                    f"prefix (epsilon {self.tolerance.logit:.3g})")))
+                    f"prefix (epsilon {eps:.3g})")))
             cand_row = ScoreRow.create(obs.score_row, row_id=score.score_id)
             try:
                 cand_processed = processed_row(cand_row, s.policy, s.policy_state, view)
@@ -736,7 +688,7 @@ class LockStep:
         if runtime_token is not None and runtime_token != token:
             verdict = judge_decision(policy=s.policy, ref_values=ref_processed.values, ref_token=token, runtime_token=runtime_token,
                                      tolerance=self.tolerance, greedy=s.greedy(), cand_token=cand_token,
-                                     ref_probs=ref_processed.probs, u=u, output_index=index)
+                                     ref_probs=ref_processed.probs, u=u, output_index=index, epsilon=eps)
             checks.append(DecisionCheck(index, verdict))
             if verdict.result == UNDECIDED:
                 token = runtime_token

@@ -140,7 +140,7 @@ def logit_drift(prompts: list[list[int]], steps: int, *, cache: str = "dynamic")
 
     Both runtimes are teacher-forced with the reference's greedy id (lowest id on ties), so every
     row conditions on the same prefix.  Reference rows are the lock-step driver's no-cache
-    float32 forward (:class:`decodespec.checks.lockstep.Reference`).
+    float64 forward (:class:`decodespec.checks.reference.Reference64`).
 
     Args:
         prompts: Token-id prompts.

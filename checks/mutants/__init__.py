@@ -53,6 +53,7 @@ GROUPS = (
     "logprob",
     "encoder-decoder",
     "snapshot",
+    "model math",
 )
 
 #: Every registered mutant, by name (registration order).
@@ -157,4 +158,4 @@ def seam_fingerprint() -> dict[str, object]:
     return fingerprint(all_seams())
 
 
-from . import lastpos, selection, stop, beams, cache, commit, rng, logprob, encdec, snapshot  # noqa: E402,F401,I001  (registration, report order)
+from . import lastpos, selection, stop, beams, cache, commit, rng, logprob, encdec, snapshot, model  # noqa: E402,F401,I001  (registration, report order)

@@ -70,7 +70,6 @@ CACHES = ("dynamic", "static", "none")
 
 #: The gate's reference computations (the specification side of every comparison).
 ORACLE_ENTRY_POINTS: tuple[str, ...] = (
-    "decodespec.checks.lockstep:Reference._forward",
     "decodespec.checks.families:encdec_reference",
 )
 

@@ -18,10 +18,10 @@ A replacement is built in one of two ways:
 * ``wrap``: a function ``original -> replacement`` (for a bug that post-processes a result).
 
 Every installed replacement is a **dispatcher**: it runs the mutated code on the runtime side
-and the original code on the oracle side (:func:`oracle_side`).  The gate's reference -- the
-no-cache float32 forward of M3.10's "full recompute" semantics, computed with the same model
-code -- is the specification side of every comparison, so it must not see the bug: the harness
-runs it inside :func:`oracle_side` (:mod:`decodespec.checks.mutants.harness`).
+and the original code on the oracle side (:func:`oracle_side`).  The gate's decoder reference
+(:mod:`decodespec.checks.reference`, float64, no ``impl/`` code) cannot see a patched seam at
+all; the oracle side remains for the references that still run ``impl/`` code (the
+encoder-decoder reference, :data:`decodespec.checks.mutants.harness.ORACLE_ENTRY_POINTS`).
 
 :func:`fingerprint` records the object at each seam, so a test can prove that after every
 mutant the normal path holds exactly the objects it held before.
