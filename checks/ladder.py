@@ -2,8 +2,8 @@
 
 :func:`compare` judges one runtime :class:`~decodespec.checks.adapters.Observation` against
 :class:`Expected` -- the spec state's projection (driven by the same actions) plus the
-references the spec cannot compute itself (the no-cache float32 score row and K/V rows of the
-same committed prefix, the spec policy's processed row) -- layer by layer, in the seed's order,
+references the spec cannot compute itself (the no-cache float64 score row and K/V rows of the
+same committed prefix from :mod:`decodespec.checks.reference`, the spec policy's processed row) -- layer by layer, in the seed's order,
 and stops at the first layer that does not pass (a later pass never cures an earlier failure):
 
 ========== ===================================================================================
@@ -26,10 +26,11 @@ most 2 epsilon, and the candidate picked another id that the tolerance cannot ru
 neither a pass nor a fail.  Every non-passing verdict names its layer, the rule id
 (``ladder.<LAYER>``), the check that failed, the expected and actual values and a message.
 
-Tolerances are declared per model and dtype (:data:`TOLERANCES`; a runtime may declare its
-own entry, e.g. ``("hf", "smollm2", "float32")``): float32 CPU logits 5e-5 (tiny) and 2e-4
-(SmolLM2), K/V 1e-5 / 1e-4 (measured in tests/test_model_cache.py); bfloat16 and float16 from
-measured errors with headroom.
+Tolerances are declared per (runtime, model, dtype) against the float64 reference in a stated
+form -- absolute plus relative to the row's largest magnitude for score rows, per layer and per
+K / V for the cache (:class:`Tolerance`) -- and derived from the shipped calibration
+(``checks/calibration.json``, :mod:`decodespec.checks.calibrate`), never typed in by hand;
+docs/design.md section 11b gives the method and headroom.
 
 Source: M3.10 "A logit tolerance is not a token-equality proof" (the comparator order and the
 [10,0] vs [100,0] example), "Correctness matrix" (the ladder stops at the first failed layer;
@@ -38,8 +39,10 @@ final-text equality cannot waive a state or tensor failure), 0x0BA (observable f
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -75,13 +78,25 @@ _S = "M3.10 A logit tolerance is not a token-equality proof; Correctness matrix"
 
 @attrs.frozen
 class Tolerance:
-    """Declared numerical tolerances of one (runtime, model, dtype).
+    """Declared numerical tolerances of one (runtime, model, dtype) against the float64 reference.
+
+    The stated form (docs/design.md section "Tolerances"): an error is within tolerance when
+
+    * score rows: ``max_v |row - ref| <= logit + logit_rel * max_v |ref|`` (:meth:`epsilon`);
+    * committed K/V: per layer and per K / V, ``max |kv - ref| <= kv + kv_rel * max |ref|`` of
+      that layer's K (resp. V) rows (:meth:`kv_bounds`);
+    * processed probabilities and logprobs: ``2 * epsilon`` plus rounding (a logit error
+      epsilon moves log-softmax by at most 2 epsilon).
 
     Attributes:
-        logit: epsilon on raw logits (L-infinity).
-        kv: Absolute tolerance on committed K (after RoPE) and V rows.
-        prob: Absolute tolerance on processed probabilities (``2 * logit`` plus rounding).
-        logprob: Absolute tolerance on recorded logprobs.
+        logit: Absolute part of epsilon on raw logits (L-infinity).
+        kv: Absolute part of the K (after RoPE) / V bound.
+        prob: Absolute tolerance on processed probabilities at the declared ``row_scale``.
+        logprob: Absolute tolerance on recorded logprobs at the declared ``row_scale``.
+        logit_rel: Part of epsilon relative to the reference row's largest magnitude.
+        kv_rel: Part of the K/V bound relative to the layer's largest reference magnitude.
+        row_scale: The largest reference row magnitude the calibration met (the scale
+            :attr:`prob` and :attr:`logprob` are stated at, where no row is at hand).
 
     Units: logits and nats.
     """
@@ -90,25 +105,105 @@ class Tolerance:
     kv: float
     prob: float
     logprob: float
+    logit_rel: float = 0.0
+    kv_rel: float = 0.0
+    row_scale: float = 0.0
 
     @classmethod
-    def from_logit(cls, logit: float, kv: float) -> "Tolerance":
+    def from_logit(cls, logit: float, kv: float, *, logit_rel: float = 0.0, kv_rel: float = 0.0, row_scale: float = 0.0) -> "Tolerance":
         """Derived tolerances: a logit error epsilon moves log-softmax by at most 2 epsilon."""
-        return cls(logit=logit, kv=kv, prob=2 * logit + 1e-6, logprob=2 * logit + 1e-5)
+        eps = logit + logit_rel * row_scale
+        return cls(logit=logit, kv=kv, prob=2 * eps + 1e-6, logprob=2 * eps + 1e-5, logit_rel=logit_rel, kv_rel=kv_rel,
+                   row_scale=row_scale)
+
+    def epsilon(self, reference_row: Any) -> float:
+        """Epsilon of one score row: ``logit + logit_rel * max |reference_row|`` over its finite entries.
+
+        Shapes: ``reference_row [V]``.
+        """
+        if not self.logit_rel:
+            return self.logit
+        ref = np.asarray(reference_row, dtype=np.float64)
+        finite = ref[np.isfinite(ref)]
+        return self.logit + self.logit_rel * (float(np.max(np.abs(finite))) if finite.size else 0.0)
+
+    def at_row(self, reference_row: Any) -> "Tolerance":
+        """This tolerance with epsilon fixed at ``reference_row``'s (probabilities and logprobs derived from it)."""
+        eps = self.epsilon(reference_row)
+        return Tolerance(logit=eps, kv=self.kv, prob=2 * eps + 1e-6, logprob=2 * eps + 1e-5, kv_rel=self.kv_rel)
+
+    def scaled(self, factor: float) -> "Tolerance":
+        """Every bound multiplied by ``factor`` (two runs each within the tolerance differ by at most twice it)."""
+        return Tolerance(logit=factor * self.logit, kv=factor * self.kv, prob=factor * self.prob, logprob=factor * self.logprob,
+                         logit_rel=factor * self.logit_rel, kv_rel=factor * self.kv_rel, row_scale=self.row_scale)
+
+    def kv_bounds(self, reference: Any) -> np.ndarray:
+        """Per layer and per K / V: ``kv + kv_rel * max |reference[layer, kind]|``.
+
+        Shapes: ``reference [layers, 2, H_kv, P, D]`` -> ``[layers, 2]``.
+        """
+        ref = np.abs(np.asarray(reference, dtype=np.float64))
+        scale = ref.reshape(ref.shape[0], 2, -1).max(axis=-1) if ref.size else np.zeros(ref.shape[:2])
+        return self.kv + self.kv_rel * scale
 
 
-#: ``(runtime or "*", model, dtype) -> Tolerance``.  float32 on the CPU: tests/test_model_cache.py;
-#: bfloat16 logits: tests/test_attention.py ``BF16_TOL``; the rest measured against the float32
-#: reference over teacher-forced greedy paths (max error: tiny bf16 logits 0.27 / K,V 0.062, fp16
-#: 0.026 / 0.0099; SmolLM2 bf16 0.72 / 0.69, fp16 0.080 / 0.21), with about 2x headroom.
-TOLERANCES: dict[tuple[str, str, str], Tolerance] = {
-    ("*", "tiny", "float32"): Tolerance.from_logit(5e-5, 1e-5),
-    ("*", "smollm2", "float32"): Tolerance.from_logit(2e-4, 1e-4),
-    ("*", "tiny", "bfloat16"): Tolerance.from_logit(0.5, 0.15),
-    ("*", "smollm2", "bfloat16"): Tolerance.from_logit(2.0, 1.5),
-    ("*", "tiny", "float16"): Tolerance.from_logit(0.06, 0.025),
-    ("*", "smollm2", "float16"): Tolerance.from_logit(0.2, 0.5),
-}
+def _declared() -> dict[tuple[str, str, str], Tolerance]:
+    """The declared tolerances, derived from the shipped calibration (:mod:`decodespec.checks.calibrate`).
+
+    Our runtime's entries (``impl``) are also the default (``*``) of a runtime that declares
+    none (a ``stdio:`` runtime): its error is judged by the bound our own float32 runtime meets.
+    """
+    from .calibrate import CALIBRATION_FILE, derive, load_calibration
+
+    out: dict[tuple[str, str, str], Tolerance] = {}
+    if not CALIBRATION_FILE.is_file():
+        return out
+    for entry in load_calibration()["entries"]:
+        tol = derive(entry["variants"])
+        out[(entry["runtime"], entry["model"], entry["dtype"])] = tol
+        if entry["runtime"] == "impl":
+            out[("*", entry["model"], entry["dtype"])] = tol
+    return out
+
+
+#: ``(runtime or "*", model, dtype) -> Tolerance`` against the float64 reference, derived from
+#: ``checks/calibration.json`` (``decodespec calibrate --update``; method, maxima and headroom in
+#: docs/design.md "Tolerances").  A peer adapter may register its own entry (llama.cpp: its
+#: expectations file).
+TOLERANCES: dict[tuple[str, str, str], Tolerance] = _declared()
+
+
+#: Where :func:`measuring` collects the TENSOR layer's errors (``None``: not collecting).
+_MEASUREMENTS: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar("decodespec_ladder_measurements", default=None)
+
+
+def _measure(kind: str, error: Any, reference: np.ndarray) -> None:
+    sink = _MEASUREMENTS.get()
+    if sink is None:
+        return
+    if kind == "score_row":
+        finite = reference[np.isfinite(reference)]
+        sink.append({"kind": kind, "error": float(error), "scale": float(np.max(np.abs(finite))) if finite.size else 0.0})
+    else:
+        ref = np.abs(reference).reshape(reference.shape[0], 2, -1)
+        scale = ref.max(axis=-1) if ref.size else np.zeros(reference.shape[:2])
+        sink.append({"kind": kind, "error": np.asarray(error, dtype=np.float64).tolist(), "scale": scale.tolist()})
+
+
+@contextlib.contextmanager
+def measuring() -> Iterator[list[dict[str, Any]]]:
+    """Collect every TENSOR comparison made inside the block (``decodespec calibrate``).
+
+    Yields a list that receives one dict per comparison: ``{"kind": "score_row", "error",
+    "scale"}`` (floats: L-infinity error, largest reference magnitude) or ``{"kind":
+    "cache_probe", "error", "scale"}`` (``[layers][2]`` lists, K then V).
+    """
+    sink: list[dict[str, Any]] = []
+    token = _MEASUREMENTS.set(sink)
+    try:
+        yield sink
+    finally:
+        _MEASUREMENTS.reset(token)
 
 
 def tolerance_for(runtime: str, model: str, dtype: str) -> Tolerance:
@@ -422,9 +517,9 @@ def check_state(exp: Expected, obs: Observation) -> Verdict | None:
     "ladder.TENSOR",
     title="Tensor equivalence: score row and cache probes within the declared tolerance",
     section="M3.10 Correctness matrix (2. tensor); A logit tolerance is not a token-equality proof",
-    statement="The latest raw score row is within L-infinity epsilon of the reference no-cache float32 row of the same "
-    "committed prefix (same shape and finite entries), and the committed K/V rows are within the declared K/V tolerance "
-    "of the reference forward over the first P tokens.",
+    statement="The latest raw score row is within L-infinity epsilon (absolute plus relative to the row's scale) of the "
+    "independent float64 reference row of the same committed prefix (same shape and finite entries), and each layer's "
+    "committed K and V rows are within the declared K/V tolerance of the reference forward over the first P tokens.",
 )
 def check_tensor(exp: Expected, obs: Observation) -> Verdict | None:
     """``ladder.TENSOR``; ``None`` when it passes."""
@@ -432,18 +527,30 @@ def check_tensor(exp: Expected, obs: Observation) -> Verdict | None:
     if exp.score_row is not None and obs.score_row is not None:
         if exp.score_row.shape != obs.score_row.shape:
             return _fail("TENSOR", "score_row.shape", list(exp.score_row.shape), list(obs.score_row.shape), "score row shape differs")
-        cmp = compare_rows(exp.score_row, obs.score_row, tol.logit)
+        eps = tol.epsilon(exp.score_row)
+        cmp = compare_rows(exp.score_row, obs.score_row, eps)
+        _measure("score_row", cmp.linf, exp.score_row)
         if not cmp.within:
             worst = _worst_index(exp.score_row, obs.score_row)
-            return _fail("TENSOR", "score_row.linf", f"<= {tol.logit}", cmp.linf,
-                         f"score row L-infinity error {cmp.linf:.3g} > epsilon {tol.logit:.3g} (worst id {worst})")
+            return _fail("TENSOR", "score_row.linf", f"<= {eps:.6g}", cmp.linf,
+                         f"score row L-infinity error {cmp.linf:.3g} > epsilon {eps:.3g} (worst id {worst})")
     if exp.cache_probe is not None and obs.cache_probe is not None:
         if exp.cache_probe.shape != obs.cache_probe.shape:
             return _fail("TENSOR", "cache_probe.shape", list(exp.cache_probe.shape), list(obs.cache_probe.shape),
                          "committed K/V rows have another shape (layers, K/V, H_kv, P, D)")
-        err = float(np.max(np.abs(exp.cache_probe.astype(np.float64) - obs.cache_probe))) if exp.cache_probe.size else 0.0
-        if not err <= tol.kv:
-            return _fail("TENSOR", "cache_probe.linf", f"<= {tol.kv}", err, f"committed K/V rows differ by {err:.3g} > {tol.kv:.3g}")
+        if exp.cache_probe.size:
+            ref = exp.cache_probe.astype(np.float64)
+            diff = np.abs(ref - obs.cache_probe).reshape(ref.shape[0], 2, -1)  # [layers, 2, H_kv * P * D]
+            err = np.where(np.isnan(diff), np.inf, diff).max(axis=-1)  # [layers, 2]
+            bounds = tol.kv_bounds(ref)
+            _measure("cache_probe", err, ref)
+            bad = np.argwhere(~(err <= bounds))
+            if bad.size:
+                layer, kind = (int(i) for i in bad[0])
+                name = "KV"[kind]
+                return _fail("TENSOR", "cache_probe.linf", f"<= {bounds[layer, kind]:.6g}", float(err[layer, kind]),
+                             f"committed {name} rows of layer {layer} differ by {err[layer, kind]:.3g} > {bounds[layer, kind]:.3g} "
+                             f"({len(bad)} of {err.size} layer/K-V bounds exceeded)")
     return None
 
 
@@ -619,9 +726,10 @@ def check_resume(exp: Expected, obs: Observation) -> Verdict | None:
         if bad is not None:
             return bad
     if ref.score_row is not None and obs.score_row is not None and ref.score_output_count == obs.score_output_count:
-        cmp = compare_rows(ref.score_row, obs.score_row, exp.tolerance.logit)
+        eps = exp.tolerance.epsilon(ref.score_row)
+        cmp = compare_rows(ref.score_row, obs.score_row, eps)
         if not cmp.within:
-            return _fail("RESUME", "resume.score_row", f"<= {exp.tolerance.logit}", cmp.linf, "score row after resume differs")
+            return _fail("RESUME", "resume.score_row", f"<= {eps:.6g}", cmp.linf, "score row after resume differs")
     return None
 
 
@@ -648,6 +756,8 @@ def compare(exp: Expected, obs: Observation, *, layers: Sequence[str] = LAYERS) 
         The first failed layer's verdict; else the first undecided one (an undecided layer
         does not stop the ladder: a later layer may still fail); else ``passed``.
     """
+    if exp.score_row is not None:
+        exp = attrs.evolve(exp, tolerance=exp.tolerance.at_row(exp.score_row))
     undecided = None
     for layer, check in LAYER_CHECKS:
         if layer not in layers:

@@ -168,7 +168,9 @@ def test_combine_and_verdict_json() -> None:
 
 
 def test_tolerances_are_declared_per_model_and_dtype() -> None:
-    assert tolerance_for("impl", "tiny", "float32").logit == 5e-5
-    assert tolerance_for("hf", "smollm2", "float32") == TOLERANCES[("*", "smollm2", "float32")]
+    # Runtime entry first, then the default: a stdio runtime falls back to our runtime's bound.
+    assert tolerance_for("impl", "tiny", "float32") == TOLERANCES[("impl", "tiny", "float32")]
+    assert tolerance_for("stdio:./server", "tiny", "float32") == TOLERANCES[("*", "tiny", "float32")]
+    assert tolerance_for("impl", "tiny", "bfloat16").epsilon([10.0]) > tolerance_for("impl", "tiny", "float32").epsilon([10.0])
     with pytest.raises(KeyError):
         tolerance_for("impl", "tiny", "float64")

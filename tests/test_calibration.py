@@ -1,0 +1,82 @@
+"""Tolerances derived from the shipped calibration, and the float64 reference they are stated against.
+
+Source: M3.10 "A logit tolerance is not a token-equality proof"; docs/design.md "Tolerances".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from decodespec.checks.calibrate import (ABS_FLOOR, HEADROOM, calibration_configs, derive, load_calibration, measure,
+                                         summarize)
+from decodespec.checks.ladder import TOLERANCES, Tolerance, tolerance_for
+
+
+def _entries() -> list[dict]:
+    return load_calibration()["entries"]
+
+
+def test_every_declared_tolerance_is_derived_from_the_shipped_measurement() -> None:
+    entries = _entries()
+    assert entries, "checks/calibration.json holds no measurement"
+    for entry in entries:
+        key = (entry["runtime"], entry["model"], entry["dtype"])
+        assert TOLERANCES[key] == derive(entry["variants"]), key
+    for (runtime, model, dtype), tol in TOLERANCES.items():
+        if runtime == "*":
+            assert tol == TOLERANCES[("impl", model, dtype)]
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_calibration_covers_every_cpu_capability_and_thread_count(model: str) -> None:
+    """Each float32 entry of our runtime was measured under default, AVX2 and AVX-512 with 1 and 2 threads."""
+    entry = next((e for e in _entries() if (e["runtime"], e["model"], e["dtype"]) == ("impl", model, "float32")), None)
+    assert entry is not None, f"no impl/{model}/float32 calibration"
+    seen = {(v["capability"], v["threads"]) for v in entry["variants"]}
+    assert {("DEFAULT", 1), ("DEFAULT", 2), ("AVX2", 1), ("AVX2", 2)} <= seen
+    assert {("AVX512", 1), ("AVX512", 2)} <= seen, "the shipped file was measured on an AVX-512 CPU"
+    assert any("native" in v["decode_kernels"] for v in entry["variants"])
+
+
+def test_derive_applies_the_stated_form_with_its_headroom() -> None:
+    variants = [
+        {"row_small_max_error": 0.0, "kv_small_max_error": 2e-6, "row_max_rel": 1e-6, "kv_max_rel": 3e-6, "row_max_scale": 20.0},
+        {"row_small_max_error": 1e-7, "kv_small_max_error": 1e-6, "row_max_rel": 2e-6, "kv_max_rel": 1e-6, "row_max_scale": 30.0},
+    ]
+    tol = derive(variants)
+    assert tol.logit == ABS_FLOOR  # HEADROOM * 1e-7 is below the floor
+    assert tol.kv == pytest.approx(HEADROOM * 2e-6)
+    assert tol.logit_rel == pytest.approx(HEADROOM * 2e-6)
+    assert tol.kv_rel == pytest.approx(HEADROOM * 3e-6)
+    assert tol.row_scale == 30.0
+    assert tol.epsilon([-10.0, 5.0, -np.inf]) == pytest.approx(ABS_FLOOR + HEADROOM * 2e-6 * 10.0)
+
+
+def test_kv_bounds_are_per_layer_and_per_k_and_v() -> None:
+    tol = Tolerance.from_logit(1e-3, 1e-4, kv_rel=0.01)
+    ref = np.zeros((2, 2, 1, 3, 4))
+    ref[0, 0] = 10.0  # layer 0 K
+    ref[1, 1] = -1.0  # layer 1 V
+    bounds = tol.kv_bounds(ref)
+    assert bounds.shape == (2, 2)
+    assert bounds[0, 0] == pytest.approx(1e-4 + 0.1)
+    assert bounds[0, 1] == pytest.approx(1e-4)
+    assert bounds[1, 1] == pytest.approx(1e-4 + 0.01)
+
+
+def test_this_machine_measures_inside_the_declared_tiny_tolerance() -> None:
+    """Re-measure a slice of the calibration set in this process (this CPU's kernels and thread count)."""
+    configs = [c for c in calibration_configs("tiny", max_new_tokens=6) if c.attention == "sdpa"][:6]
+    records = measure("impl", configs)
+    tol = tolerance_for("impl", "tiny", "float32")
+    rows = [r for r in records if r["kind"] == "score_row"]
+    kvs = [r for r in records if r["kind"] == "cache_probe"]
+    assert rows and kvs
+    for r in rows:
+        assert r["error"] <= tol.logit + tol.logit_rel * r["scale"], r
+    for r in kvs:
+        bounds = tol.kv + tol.kv_rel * np.asarray(r["scale"])
+        assert (np.asarray(r["error"]) <= bounds).all(), r
+    summary = summarize(records)
+    assert 0 < summary["row_max_error"] < 1e-3  # float32 against float64: rounding, not a wrong model
