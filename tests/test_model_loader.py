@@ -17,57 +17,23 @@ import torch
 from decodespec.checks.testing import requires_smollm2
 from decodespec.impl.config import LlamaConfig, RopeScaling
 from decodespec.impl.tiny import load_tiny, tiny_config
+from decodespec.checks.reference.files import llama_gguf_tensors
+from decodespec.checks.reference.files import write_llama_gguf as write_gguf
 from decodespec.impl.weights import load_llama_gguf, permute, read_gguf_state_dict, reverse_permute
 from decodespec.spec.errors import Rejection
 
 
 def write_llama_gguf(path, model, *, arch="llama", drop=(), extra=None, untie=False, rope_scaling=None, bad_shape=None):
-    """Write ``model`` (ours) as a llama.cpp-style GGUF: F32 tensors, Q/K rows permuted."""
-    cfg = model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_eos_token_id(2)
-    if rope_scaling is not None:
-        writer.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
-        writer.add_rope_scaling_factor(rope_scaling[1])
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    """Write ``model`` (ours) as a llama.cpp-style GGUF: F32 tensors, Q/K rows permuted (with the loader's failure knobs)."""
+    tensors = llama_gguf_tensors(model)
     if untie:
-        tensors["output.weight"] = sd["model.embed_tokens.weight"] * 0.5
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        tensors.update({
-            f"blk.{i}.attn_norm.weight": sd[p + "input_layernorm.weight"],
-            f"blk.{i}.attn_q.weight": permute(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads),
-            f"blk.{i}.attn_k.weight": permute(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads),
-            f"blk.{i}.attn_v.weight": sd[p + "self_attn.v_proj.weight"],
-            f"blk.{i}.attn_output.weight": sd[p + "self_attn.o_proj.weight"],
-            f"blk.{i}.ffn_norm.weight": sd[p + "post_attention_layernorm.weight"],
-            f"blk.{i}.ffn_gate.weight": sd[p + "mlp.gate_proj.weight"],
-            f"blk.{i}.ffn_up.weight": sd[p + "mlp.up_proj.weight"],
-            f"blk.{i}.ffn_down.weight": sd[p + "mlp.down_proj.weight"],
-        })
+        tensors["output.weight"] = tensors["token_embd.weight"] * 0.5
     for name in drop:
         tensors.pop(name)
     tensors.update(extra or {})
     if bad_shape:
         tensors[bad_shape] = tensors[bad_shape][:-1]
-    for name, array in tensors.items():
-        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_gguf(path, model, tensors, arch=arch, eos_token_id=2, rope_scaling=rope_scaling)
 
 
 # -- the permutation -------------------------------------------------------------------------

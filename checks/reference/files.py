@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["gguf_path", "write_tiny_gguf"]
+__all__ = ["gguf_path", "llama_gguf_tensors", "write_llama_gguf", "write_tiny_gguf"]
 
 _TMP: list[Path] = []
 
@@ -30,36 +30,16 @@ def _interleave_rows(weights: np.ndarray, n_head: int) -> np.ndarray:
     return weights.reshape(n_head, 2, per // 2, weights.shape[1]).swapaxes(1, 2).reshape(weights.shape)
 
 
-def write_tiny_gguf(path: str | Path, seed: int = 0) -> Path:
-    """Write the tiny model of ``seed`` to ``path`` as a float32 llama GGUF file.
+def llama_gguf_tensors(model) -> dict[str, np.ndarray]:
+    """The float32 GGUF tensors of a Llama with HF parameter names (ours or HF's), Q/K rows interleaved.
 
-    Returns:
-        ``path``.
+    Shapes: every matrix ``[out, in]``; ``output.weight`` only when the head is not tied.
     """
-    import gguf
-
-    from decodespec.impl.tiny import load_tiny
-
-    model = load_tiny(seed=seed)
     cfg = model.config
-    state = {k: v.detach().to("cpu").numpy().astype(np.float32) for k, v in model.state_dict().items()}
-    path = Path(path)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name(f"decodespec-tiny-seed{seed}")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_rope_freq_base(float(cfg.rope_theta))
-    writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
-    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    state = {k: v.detach().to("cpu").float().numpy() for k, v in model.state_dict().items()}
+    tensors = {"token_embd.weight": state["model.embed_tokens.weight"], "output_norm.weight": state["model.norm.weight"]}
     if not cfg.tie_word_embeddings:
-        writer.add_tensor("output.weight", state["lm_head.weight"])
+        tensors["output.weight"] = state["lm_head.weight"]
     names = {
         "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
         "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
@@ -72,12 +52,66 @@ def write_tiny_gguf(path: str | Path, seed: int = 0) -> Path:
                 w = _interleave_rows(w, cfg.num_attention_heads)
             elif short == "attn_k":
                 w = _interleave_rows(w, cfg.num_key_value_heads)
-            writer.add_tensor(f"blk.{i}.{short}.weight", np.ascontiguousarray(w))
+            tensors[f"blk.{i}.{short}.weight"] = w
+    return tensors
+
+
+def write_llama_gguf(path: str | Path, model, tensors: dict[str, np.ndarray] | None = None, *, arch: str = "llama",
+                     name: str | None = None, eos_token_id: int | None = None,
+                     rope_scaling: tuple[str, float] | None = None) -> Path:
+    """Write ``model``'s architecture metadata and ``tensors`` (default :func:`llama_gguf_tensors`) as a GGUF file.
+
+    Args:
+        path: The file to write.
+        model: A Llama with an HF-style ``config``.
+        tensors: GGUF name -> array (written as float32).
+        arch: ``general.architecture``.
+        name: ``general.name``.
+        eos_token_id: ``tokenizer.ggml.eos_token_id``, when given.
+        rope_scaling: ``(type, factor)``, when given.
+
+    Returns:
+        ``path``.
+    """
+    import gguf
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    if name:
+        writer.add_name(name)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_theta))
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    writer.add_vocab_size(cfg.vocab_size)
+    if eos_token_id is not None:
+        writer.add_eos_token_id(eos_token_id)
+    if rope_scaling is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
+        writer.add_rope_scaling_factor(rope_scaling[1])
+    for tensor_name, array in (llama_gguf_tensors(model) if tensors is None else tensors).items():
+        writer.add_tensor(tensor_name, np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    return Path(path)
+
+
+def write_tiny_gguf(path: str | Path, seed: int = 0) -> Path:
+    """Write the tiny model of ``seed`` to ``path`` as a float32 llama GGUF file.
+
+    Returns:
+        ``path``.
+    """
+    from decodespec.impl.tiny import load_tiny
+
+    return write_llama_gguf(path, load_tiny(seed=seed), name=f"decodespec-tiny-seed{seed}", eos_token_id=2)
 
 
 def _cleanup() -> None:
