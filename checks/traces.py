@@ -16,6 +16,11 @@ everything a replay needs, as plain JSON:
   (``torch.get_num_threads()``).  A CPU float32 reduction rounds differently when it is split over
   another number of threads, so a verdict that rests on bit-exact scores (a natural float32 tie)
   reproduces only under the recorded count; :func:`replay` sets it for the replay and restores it;
+* ``cpu_capability`` (optional): ``torch.backends.cpu.get_cpu_capability()`` when the trace was
+  recorded (``DEFAULT``, ``AVX2``, ``AVX512``: the vectorised kernels, fixed at torch's import by
+  ``ATEN_CPU_CAPABILITY`` or the CPU), and ``exact_floats`` (optional, ``true``): the verdict rests
+  on bit-exact float32 values; replayed under another capability and not reproduced, the result
+  says plainly that this process cannot reproduce it (:func:`cannot_reproduce_here`);
 * ``verdict``: the **expected verdict** -- ``passed``, or ``failed`` / ``undecided`` with its
   ladder ``layer``, ``rule`` and ``check``, the ``step`` it was found at, expected, actual and
   the message;
@@ -70,8 +75,10 @@ __all__ = [
     "TRACE_INVALID",
     "TRACE_RUNTIME_REFUSED",
     "ReplayResult",
+    "cannot_reproduce_here",
     "check_replay_runtime",
     "check_runtime",
+    "cpu_environment",
     "default_trace_dir",
     "load_trace",
     "installed_mutant",
@@ -215,12 +222,16 @@ def make_trace(
     generator: Mapping[str, Any] | None = None,
     spec_refs: Sequence[str] = (),
     mutant: str | None = None,
+    exact_floats: bool = False,
 ) -> dict[str, Any]:
     """Build a ``decodespec.trace`` ITF trace from lock-step records (:class:`~decodespec.checks.lockstep.StepRecord`).
 
     ``records[0]`` is the reset step; the actions are the rest.  ``mutant`` (default: the
     failure-lab mutant installed now, :func:`installed_mutant`) is recorded as ``#meta.mutant``
-    when there is one.
+    when there is one.  When torch is imported, the intra-op thread count and the CPU kernel
+    capability (``threads``, ``cpu_capability``: :func:`cpu_environment`) are recorded;
+    ``exact_floats`` marks a verdict that rests on bit-exact float32 values (a natural tie), which
+    reproduces only under that capability and count.
     """
     actions = [dict(r.action) for r in records[1:] if r.action.get("op") != "compare_resume"]
     states = []
@@ -254,10 +265,41 @@ def make_trace(
     mutant = mutant or installed_mutant()
     if mutant:
         meta["mutant"] = mutant
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        meta["threads"] = int(torch.get_num_threads())
+    meta.update(cpu_environment())
+    if exact_floats:
+        meta["exact_floats"] = True
     return itf.make_trace(list(_VARS), states, meta=meta)
+
+
+def cpu_environment() -> dict[str, Any]:
+    """``{"threads", "cpu_capability"}`` of this process when torch is imported (else ``{}``).
+
+    ``cpu_capability`` is ``torch.backends.cpu.get_cpu_capability()`` (``DEFAULT``, ``AVX2``,
+    ``AVX512``, ...): the vectorised kernels torch chose at import, from ``ATEN_CPU_CAPABILITY``
+    or the CPU.  It cannot be changed after torch is imported.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {}
+    return {"threads": int(torch.get_num_threads()), "cpu_capability": str(torch.backends.cpu.get_cpu_capability())}
+
+
+def cannot_reproduce_here(meta: Mapping[str, Any]) -> str | None:
+    """Why this process cannot reproduce ``meta``'s bit-exact verdict, or ``None``.
+
+    Only a trace marked ``exact_floats`` (its verdict rests on bit-exact float32 values, e.g. a
+    natural tie) depends on the machine: it reproduces only under the recorded
+    ``cpu_capability`` (the thread count, ``threads``, is set by :func:`replay`).  A trace that
+    does not record the capability, or a process without torch (a runtime in another process),
+    gives ``None``.
+    """
+    recorded = meta.get("cpu_capability")
+    here = cpu_environment().get("cpu_capability")
+    if not meta.get("exact_floats") or recorded is None or here is None or recorded == here:
+        return None
+    return (f"the verdict rests on bit-exact float32 values (#meta.exact_floats) recorded under torch CPU capability {recorded} "
+            f"with {meta.get('threads', '?')} thread(s); this process runs {here} kernels, whose float32 rounding differs. "
+            f"torch chooses them at import: rerun with ATEN_CPU_CAPABILITY={str(recorded).lower()} on a CPU that has it")
 
 
 @contextlib.contextmanager
@@ -296,7 +338,7 @@ def record(runtime: str, config: CaseConfig, actions: Sequence[Mapping[str, Any]
         adapter: An adapter to use instead of opening ``runtime``.
         description: One sentence for ``#meta``.
         stop_at_failure: Stop after the first failed step (the trace ends there).
-        **meta: ``seed``, ``generator``, ``spec_refs`` for :func:`make_trace`.
+        **meta: ``seed``, ``generator``, ``spec_refs``, ``exact_floats`` for :func:`make_trace`.
     """
     from .lockstep import LockStep
 
@@ -502,6 +544,9 @@ class ReplayResult:
         runtime: The runtime replayed against.
         steps: Steps replayed (reset included).
         mutant: The failure-lab mutant installed for the replay (the trace's ``#meta.mutant``), else ``None``.
+        cannot_reproduce_here: When not reproduced and the trace's bit-exact verdict was recorded
+            under another CPU capability, why this process cannot reproduce it
+            (:func:`cannot_reproduce_here`), else ``None``.
     """
 
     reproduced: bool
@@ -510,13 +555,16 @@ class ReplayResult:
     runtime: str
     steps: int
     mutant: str | None = None
+    cannot_reproduce_here: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The result as JSON (``mutant`` only when one was installed)."""
+        """The result as JSON (``mutant`` only when one was installed, ``cannot_reproduce_here`` only when set)."""
         out = {"reproduced": self.reproduced, "runtime": self.runtime, "steps": self.steps,
                "expected": self.expected.to_json(), "actual": self.actual.to_json()}
         if self.mutant:
             out["mutant"] = self.mutant
+        if self.cannot_reproduce_here:
+            out["cannot_reproduce_here"] = self.cannot_reproduce_here
         return out
 
 
@@ -561,6 +609,8 @@ def replay(trace: Mapping[str, Any], *, runtime: str | None = None, adapter: Ada
                 ls.apply(action)
             expected = Verdict.from_json(meta["verdict"])
             actual = ls.verdict
-            return ReplayResult(expected.same_outcome(actual), expected, actual, name, len(ls.records), mutant)
+            reproduced = expected.same_outcome(actual)
+            return ReplayResult(reproduced, expected, actual, name, len(ls.records), mutant,
+                                None if reproduced else cannot_reproduce_here(meta))
         finally:
             adapter.close()

@@ -13,8 +13,13 @@ Replay never starts a process that a file names: a trace recorded on ``stdio:CMD
 (``trace.runtime_not_allowed``, exit 2, before anything runs) unless the user names that runtime
 with ``--runtime 'stdio:CMD'`` or allows the command with ``--allow-runtime CMD``.
 
+A trace whose verdict rests on bit-exact float32 values (``#meta.exact_floats``) recorded under
+another torch CPU capability (``#meta.cpu_capability``) that does not reproduce is reported as
+such: the JSON carries ``cannot_reproduce_here`` and stderr says so plainly (exit 3).
+
 Exit codes: 0 reproduced, 1 not reproduced, 2 not a readable trace of this format version (or a
-``stdio`` runtime the user did not name), 3 the runtime is not installed here.
+``stdio`` runtime the user did not name), 3 the runtime is not installed here, or this process's
+CPU kernels cannot reproduce the trace's bit-exact verdict.
 
 Source: research/formal-anchors-survey.md 2.7 (no upstream "replay this trace file" entry point:
 this fills it), 5.1 (ITF).
@@ -71,5 +76,8 @@ def run(args: argparse.Namespace) -> int:
             worst = max(worst, 2)
             continue
         print(json.dumps({"file": path, **result.to_json()}, ensure_ascii=False))
-        worst = max(worst, 0 if result.reproduced else 1)
+        if result.cannot_reproduce_here:
+            print(f"decodespec replay: {path}: this machine cannot reproduce the recorded verdict: {result.cannot_reproduce_here}",
+                  file=sys.stderr)
+        worst = max(worst, 0 if result.reproduced else 3 if result.cannot_reproduce_here else 1)
     return worst
