@@ -715,6 +715,8 @@ def _parse(index: int, raw: str | dict[str, Any]) -> dict[str, Any]:
             rec = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise _Mismatch(f"not a JSON object: {exc}", TRACE_SCHEMA) from None
+        except RecursionError:
+            raise _Mismatch("not a JSON object this reader accepts: nested deeper than its recursion limit", TRACE_SCHEMA) from None
     if not isinstance(rec, dict):
         raise _Mismatch("not a JSON object", TRACE_SCHEMA)
     if rec.get("v") != 1:
@@ -735,7 +737,7 @@ def unsupported_trace(header: str | dict[str, Any]) -> str | None:
     """
     try:
         rec = json.loads(header) if isinstance(header, str) else header
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     if not isinstance(rec, dict) or rec.get("event") != "request":
         return None

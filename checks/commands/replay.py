@@ -55,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Replay every file; print one JSON object per file; return the worst exit code."""
     from decodespec.checks.adapters import AdapterUnavailable
+    from decodespec.checks.commands.validate_trace import printable_json
     from decodespec.checks.traces import load_trace, replay
     from decodespec.spec.errors import DecodeSpecError
 
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"file": path, "error": exc.to_json()}), file=sys.stderr)
             worst = max(worst, 2)
             continue
-        print(json.dumps({"file": path, **result.to_json()}, ensure_ascii=False))
+        print(printable_json({"file": path, **result.to_json()}))
         if result.cannot_reproduce_here:
             print(f"decodespec replay: {path}: this machine cannot reproduce the recorded verdict: {result.cannot_reproduce_here}",
                   file=sys.stderr)
