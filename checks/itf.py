@@ -287,14 +287,26 @@ def write_trace(path: str | Path, trace: Mapping[str, Any]) -> Path:
 
 
 def read_trace(path: str | Path) -> dict[str, Any]:
-    """Read and validate an ITF trace file.
+    """Read and validate an ITF trace file (UTF-8 JSON, RFC 8259).
 
     Raises:
-        ItfError: when the file is not a valid ITF trace.
+        ItfError: when the file is not UTF-8, not JSON (or nested past the recursion limit), or
+            not a valid ITF trace.
+        OSError: when the file cannot be read.
     """
+    data = Path(path).read_bytes()
     try:
-        trace = json.loads(Path(path).read_text())
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ItfError(f"{path}: not UTF-8 text (RFC 8259 section 8.1): {exc.reason} at byte {exc.start}") from None
+    try:
+        trace = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ItfError(f"{path}: not JSON: {exc}") from exc
-    validate_trace(trace)
+        raise ItfError(f"{path}: not JSON: {exc}") from None
+    except RecursionError:
+        raise ItfError(f"{path}: JSON nested deeper than this reader's recursion limit") from None
+    try:
+        validate_trace(trace)
+    except RecursionError:
+        raise ItfError(f"{path}: a value is nested deeper than the ITF validator's recursion limit") from None
     return trace

@@ -52,6 +52,8 @@ def test_corpus_trace(path: Path, gate_runtime: str, gate_expectations) -> None:
         adapter.close()
         pytest.skip(f"{runtime} does not declare {sorted(missing)}")
     result = replay(trace, runtime=runtime, adapter=adapter)
+    if not result.reproduced and result.cannot_reproduce_here:  # a bit-exact verdict of other CPU kernels
+        pytest.skip(f"{path.name}: {result.cannot_reproduce_here}")
     if runtime != recorded and not result.reproduced:
         step = result.actual.step
         action = meta["actions"][step - 1] if step and step <= len(meta["actions"]) else None

@@ -18,7 +18,12 @@ the decision's receipt, the finish's stream report) are closed too.  A ``decisio
 M3.8 receipt must be the receipt of that decision: its content hash ``receipt_id`` must match its
 body (:func:`decodespec.spec.policy.receipt.content_id`), and ``selected_id``, ``score_id``,
 ``draws``, ``raw_logprob``, the RNG counters, ``step`` (O at decision time) and ``vocab_size``
-must equal the event's fields and the spec state's.
+must equal the event's fields and the spec state's.  A ``commit`` carries the ``logprob`` its
+decision recorded; a completion's ``layers_written`` agrees with its selection (no cache: 0; a
+cached ALL_NEW call wrote every layer: at least one, and the count of the trace's first ALL_NEW
+completion, the model's depth); a ``snapshot`` event's ``state`` is, field by field, the spec's
+:func:`~decodespec.spec.snapshot.take_snapshot` of the matched state; the header's ``runtime``
+fields are in the runtime's domains (schema enums: name, model, device, dtype, attention, kernel).
 
 A trace is accepted when every line is consumed and the request ends terminal with a ``finish``
 event after its last state change (a trace that reaches a terminal state but lacks that
@@ -69,7 +74,7 @@ from decodespec.spec.errors import DecodeSpecError, Rejection, register_code
 from decodespec.spec.policy.config import policy_config_from_json
 from decodespec.spec.policy.receipt import content_id
 from decodespec.spec.profiles import profile_named
-from decodespec.spec.snapshot import SnapshotRecord
+from decodespec.spec.snapshot import SnapshotRecord, take_snapshot
 from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, interrupt_point, is_terminal
 from decodespec.spec.stop import (
     AlignedOutput,
@@ -295,6 +300,10 @@ class _Replay:
         self.stream = _Stream()
         self._bytes: dict[int, bytes] = {}
         self._memo: dict[tuple, Any] = {}
+        #: receipt id -> the logprob its decision event recorded (a commit must carry the same value).
+        self.decision_logprobs: dict[str, Any] = {}
+        #: The model's layer count, as the trace's first ALL_NEW completion of a cached call states it.
+        self.num_layers: int | None = None
 
     # -- the stop oracle over committed ids --------------------------------------------------------
     def _token_bytes(self, ids: Sequence[int]) -> list[bytes]:
@@ -342,6 +351,10 @@ class _Replay:
         """Advance the trace-global stream bookkeeping after ``rec`` was matched."""
         st = self.stream
         event = rec.get("event")
+        if event == "decision":
+            self.decision_logprobs[str(rec["receipt_id"])] = rec["logprob"]
+        elif event == "call_completed" and rec["selection"] == Selection.ALL_NEW.value and self.params.cache_family != "none":
+            self.num_layers = self.num_layers or int(rec["layers_written"])
         if event == "stream":
             st.num_chunks = int(rec["chunk_idx"]) + 1
             st.published = int(rec["byte_end"])
@@ -407,9 +420,31 @@ class _Replay:
                 _differs("reason", rec["reason"], completion_reason(self.params, before, action)),
                 _differs("frontier_after", rec["frontier_after"], _frontier(self.params, after)),
                 _differs("score_id", rec["score_id"], score_id),
+                self._layers_check(rec, last.selection),
             )
 
         return [(action, check)]
+
+    def _layers_check(self, rec: dict[str, Any], selection: Selection) -> str | None:
+        """``layers_written`` agrees with the selection (M3.10 0x04: ALL_NEW publishes every layer's rows of the call).
+
+        No cache: nothing is written (0).  A cached call selected ALL_NEW wrote every layer: at least one, and the
+        same count in every ALL_NEW completion of the trace (the model's depth, stated by the first one); an ALL_OLD
+        completion (a failed call, rolled back) wrote at most that many.
+        """
+        written = rec["layers_written"]
+        if self.params.cache_family == "none":
+            return None if written == 0 else f"field 'layers_written' is {written} but a request without a cache writes no layer"
+        if selection is Selection.ALL_NEW:
+            if written < 1:
+                return (f"field 'layers_written' is {written} beside an ALL_NEW selection: ALL_NEW means every layer's K/V rows "
+                        "of the call were written (M3.10 0x04)")
+            if self.num_layers is not None and written != self.num_layers:
+                return (f"field 'layers_written' is {written} beside an ALL_NEW selection, but the trace's first ALL_NEW call "
+                        f"wrote {self.num_layers} layers (the model's depth: ALL_NEW writes every layer)")
+        elif self.num_layers is not None and written > self.num_layers:
+            return f"field 'layers_written' is {written}, more than the model's {self.num_layers} layers"
+        return None
 
     def _on_decision(self, rec, state):
         self._receipt_check(rec)
@@ -472,8 +507,11 @@ class _Replay:
             if not isinstance(logprob, (int, float)) or isinstance(logprob, bool) or not math.isfinite(logprob) or logprob > 1e-6:
                 return f"field 'logprob' is {logprob!r}: a committed token carries its finite logprob <= 0"
             fired = after.triggers - before.triggers
+            decided = self.decision_logprobs.get(str(rec["receipt_id"]), logprob)  # unknown: decided before a restore
             return _first(
                 _differs("token_id", rec["token_id"], before.receipt.token_id),
+                None if logprob == decided else (f"field 'logprob' is {logprob!r} but the decision of {rec['receipt_id']} recorded "
+                                                 f"{decided!r}: a commit carries its decision's logprob (M3.8 0x0B receipt)"),
                 _differs("output_count", rec["output_count"], after.output_count),
                 _differs("pending_tag", rec["pending_tag"], after.pending_tag.value),
                 _differs("triggers", [t.value for t in triggers], [t.value for t in FINISH_PRECEDENCE if t in fired]),
@@ -502,7 +540,17 @@ class _Replay:
                                                  _differs("processed", rec["processed"], a.processed)))]
 
     def _on_snapshot(self, rec, state):
-        return [(Snapshot(rec["form"]), lambda b, a: _differs("frontier", rec["frontier"], _frontier(self.params, a)))]
+        stated = SnapshotRecord.from_json(rec["state"]).to_json()  # snapshot.malformed for a mistyped or missing field
+
+        def check(before, after):
+            why = _differs("frontier", rec["frontier"], _frontier(self.params, after))
+            if why is not None:
+                return why
+            spec = take_snapshot(self.params, before, rec["form"]).to_json()
+            return next((f"field 'state.{key}' is {stated[key]!r} but the spec's snapshot of this state says {spec[key]!r}"
+                         for key in spec if stated[key] != spec[key]), None)
+
+        return [(Snapshot(rec["form"]), check)]
 
     def _on_restore(self, rec, state):
         record = SnapshotRecord.from_json(rec["state"])
@@ -667,6 +715,8 @@ def _parse(index: int, raw: str | dict[str, Any]) -> dict[str, Any]:
             rec = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise _Mismatch(f"not a JSON object: {exc}", TRACE_SCHEMA) from None
+        except RecursionError:
+            raise _Mismatch("not a JSON object this reader accepts: nested deeper than its recursion limit", TRACE_SCHEMA) from None
     if not isinstance(rec, dict):
         raise _Mismatch("not a JSON object", TRACE_SCHEMA)
     if rec.get("v") != 1:
@@ -687,7 +737,7 @@ def unsupported_trace(header: str | dict[str, Any]) -> str | None:
     """
     try:
         rec = json.loads(header) if isinstance(header, str) else header
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     if not isinstance(rec, dict) or rec.get("event") != "request":
         return None

@@ -16,6 +16,11 @@ everything a replay needs, as plain JSON:
   (``torch.get_num_threads()``).  A CPU float32 reduction rounds differently when it is split over
   another number of threads, so a verdict that rests on bit-exact scores (a natural float32 tie)
   reproduces only under the recorded count; :func:`replay` sets it for the replay and restores it;
+* ``cpu_capability`` (optional): ``torch.backends.cpu.get_cpu_capability()`` when the trace was
+  recorded (``DEFAULT``, ``AVX2``, ``AVX512``: the vectorised kernels, fixed at torch's import by
+  ``ATEN_CPU_CAPABILITY`` or the CPU), and ``exact_floats`` (optional, ``true``): the verdict rests
+  on bit-exact float32 values; replayed under another capability and not reproduced, the result
+  says plainly that this process cannot reproduce it (:func:`cannot_reproduce_here`);
 * ``verdict``: the **expected verdict** -- ``passed``, or ``failed`` / ``undecided`` with its
   ladder ``layer``, ``rule`` and ``check``, the ``step`` it was found at, expected, actual and
   the message;
@@ -49,11 +54,14 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import attrs
+import jsonschema
 
-from decodespec.spec.errors import Rejection, register_code
+from decodespec.spec.errors import DecodeSpecError, Rejection, register_code
+from decodespec.spec.policy.config import policy_config_from_json
 
 from . import itf
-from .adapters import Adapter, CaseConfig, open_adapter, parse_runtime
+
+from .adapters import Adapter, CaseConfig, check_action, open_adapter, parse_runtime
 from .ladder import Verdict
 
 __all__ = [
@@ -62,9 +70,15 @@ __all__ = [
     "RUNTIME_CHECKED_ENV",
     "TRACE_FORMAT",
     "TRACE_FORMAT_VERSION",
+    "MAX_TRACE_BYTES",
+    "META_SCHEMA",
     "TRACE_INVALID",
+    "TRACE_RUNTIME_REFUSED",
     "ReplayResult",
+    "cannot_reproduce_here",
+    "check_replay_runtime",
     "check_runtime",
+    "cpu_environment",
     "default_trace_dir",
     "load_trace",
     "installed_mutant",
@@ -74,6 +88,7 @@ __all__ = [
     "open_runtime",
     "record",
     "replay",
+    "stdio_command",
     "trace_file_name",
     "write_trace",
 ]
@@ -207,12 +222,16 @@ def make_trace(
     generator: Mapping[str, Any] | None = None,
     spec_refs: Sequence[str] = (),
     mutant: str | None = None,
+    exact_floats: bool = False,
 ) -> dict[str, Any]:
     """Build a ``decodespec.trace`` ITF trace from lock-step records (:class:`~decodespec.checks.lockstep.StepRecord`).
 
     ``records[0]`` is the reset step; the actions are the rest.  ``mutant`` (default: the
     failure-lab mutant installed now, :func:`installed_mutant`) is recorded as ``#meta.mutant``
-    when there is one.
+    when there is one.  When torch is imported, the intra-op thread count and the CPU kernel
+    capability (``threads``, ``cpu_capability``: :func:`cpu_environment`) are recorded;
+    ``exact_floats`` marks a verdict that rests on bit-exact float32 values (a natural tie), which
+    reproduces only under that capability and count.
     """
     actions = [dict(r.action) for r in records[1:] if r.action.get("op") != "compare_resume"]
     states = []
@@ -246,10 +265,41 @@ def make_trace(
     mutant = mutant or installed_mutant()
     if mutant:
         meta["mutant"] = mutant
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        meta["threads"] = int(torch.get_num_threads())
+    meta.update(cpu_environment())
+    if exact_floats:
+        meta["exact_floats"] = True
     return itf.make_trace(list(_VARS), states, meta=meta)
+
+
+def cpu_environment() -> dict[str, Any]:
+    """``{"threads", "cpu_capability"}`` of this process when torch is imported (else ``{}``).
+
+    ``cpu_capability`` is ``torch.backends.cpu.get_cpu_capability()`` (``DEFAULT``, ``AVX2``,
+    ``AVX512``, ...): the vectorised kernels torch chose at import, from ``ATEN_CPU_CAPABILITY``
+    or the CPU.  It cannot be changed after torch is imported.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {}
+    return {"threads": int(torch.get_num_threads()), "cpu_capability": str(torch.backends.cpu.get_cpu_capability())}
+
+
+def cannot_reproduce_here(meta: Mapping[str, Any]) -> str | None:
+    """Why this process cannot reproduce ``meta``'s bit-exact verdict, or ``None``.
+
+    Only a trace marked ``exact_floats`` (its verdict rests on bit-exact float32 values, e.g. a
+    natural tie) depends on the machine: it reproduces only under the recorded
+    ``cpu_capability`` (the thread count, ``threads``, is set by :func:`replay`).  A trace that
+    does not record the capability, or a process without torch (a runtime in another process),
+    gives ``None``.
+    """
+    recorded = meta.get("cpu_capability")
+    here = cpu_environment().get("cpu_capability")
+    if not meta.get("exact_floats") or recorded is None or here is None or recorded == here:
+        return None
+    return (f"the verdict rests on bit-exact float32 values (#meta.exact_floats) recorded under torch CPU capability {recorded} "
+            f"with {meta.get('threads', '?')} thread(s); this process runs {here} kernels, whose float32 rounding differs. "
+            f"torch chooses them at import: rerun with ATEN_CPU_CAPABILITY={str(recorded).lower()} on a CPU that has it")
 
 
 @contextlib.contextmanager
@@ -288,7 +338,7 @@ def record(runtime: str, config: CaseConfig, actions: Sequence[Mapping[str, Any]
         adapter: An adapter to use instead of opening ``runtime``.
         description: One sentence for ``#meta``.
         stop_at_failure: Stop after the first failed step (the trace ends there).
-        **meta: ``seed``, ``generator``, ``spec_refs`` for :func:`make_trace`.
+        **meta: ``seed``, ``generator``, ``spec_refs``, ``exact_floats`` for :func:`make_trace`.
     """
     from .lockstep import LockStep
 
@@ -322,29 +372,165 @@ def write_trace(trace: Mapping[str, Any], directory: str | Path | None = None, n
     return itf.write_trace(directory / (name or trace_file_name(trace)), trace)
 
 
+#: Largest conformance trace file :func:`load_trace` reads (bytes): far above any recorded run (the corpus' largest
+#: is about 40 KB), and a bound on the memory a hostile file can make the reader use.
+MAX_TRACE_BYTES = 64 * 1024 * 1024
+
+#: The replay fields of ``#meta`` (traces/README.md), Draft 2020-12.  Fields outside it are allowed (a new optional
+#: field is not a version change), but every field replay reads is typed here, so a replay of any file either runs
+#: or is refused with ``trace.invalid_conformance_trace`` and the field's JSON path.
+META_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": ["format", "format_version", "runtime", "config", "actions", "verdict"],
+    "properties": {
+        "runtime": {"type": "string", "minLength": 1, "maxLength": 4096},
+        "model": {"type": "string"},
+        "config": {"type": "object"},
+        "actions": {"type": "array", "maxItems": 100_000,
+                    "items": {"type": "object", "required": ["op"], "properties": {"op": {"type": "string"}}}},
+        "verdict": {
+            "type": "object",
+            "required": ["result"],
+            "properties": {
+                "result": {"enum": ["passed", "failed", "undecided"]},
+                "layer": {"enum": [None, "STATE", "TENSOR", "POLICY", "DECISION", "SEQUENCE", "RESUME"]},
+                "rule": {"type": ["string", "null"]},
+                "check": {"type": ["string", "null"]},
+                "message": {"type": "string"},
+                "step": {"type": ["integer", "null"], "minimum": 0},
+            },
+        },
+        "mutant": {"type": ["string", "null"]},
+        "threads": {"type": "integer", "minimum": 1, "maximum": 4096},
+        "cpu_capability": {"type": "string", "minLength": 1, "maxLength": 64},
+        "exact_floats": {"type": "boolean"},
+        "tolerance": {"type": ["object", "null"]},
+    },
+}
+
+TRACE_RUNTIME_REFUSED = register_code(
+    "trace.runtime_not_allowed", "rejection", "M3.10 0x06 (bound parsers and traces); traces/README.md (replay)",
+    "A conformance trace names a stdio:CMD runtime: replay never starts a process a file names; the user must name the "
+    "same command on the command line (--runtime 'stdio:CMD' or --allow-runtime CMD).")
+
+
+def _meta_path(parts: Sequence[Any]) -> str:
+    return "$.#meta" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)
+
+
+def _lone_surrogate(value: Any, parts: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
+    """The path of the first string (or record key) holding a lone UTF-16 surrogate (a JSON ``\\ud800`` escape), else ``None``."""
+    stack = [(value, parts)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where
+                stack.append((sub, (*where, key)))
+        elif isinstance(item, list):
+            stack.extend((sub, (*where, i)) for i, sub in enumerate(item))
+    return None
+
+
 def load_trace(path: str | Path) -> dict[str, Any]:
-    """Read and check a ``decodespec.trace`` file.
+    """Read and check a ``decodespec.trace`` file: every field replay reads, before anything runs.
+
+    The file must be at most :data:`MAX_TRACE_BYTES` of UTF-8 JSON, a valid ITF trace, of this
+    format and version; ``#meta`` must match :data:`META_SCHEMA` and hold no lone surrogate; its
+    ``config`` must build a :class:`~decodespec.checks.adapters.CaseConfig` (whose identity is
+    canonical JSON: ids within +-(2**53 - 1)) and every action must pass
+    :func:`~decodespec.checks.adapters.check_action`.  Loading starts no process and runs nothing.
 
     Raises:
-        Rejection: ``trace.invalid_conformance_trace`` for a non-ITF file, another format or
-            version, a ``#meta`` without the replay fields, or a ``mutant`` that is not a string.
+        Rejection: ``trace.invalid_conformance_trace`` naming the JSON path of the first problem
+            (``$`` for the file as a whole, ``$.#meta.config.device``, ``$.#meta.actions[3].op`` ...);
+            the config's or action's own refusal code is in ``details["cause"]``.
     """
     try:
+        size = os.stat(path).st_size
+        if size > MAX_TRACE_BYTES:
+            raise Rejection(TRACE_INVALID, f"{path}: {size} bytes > the {MAX_TRACE_BYTES}-byte limit of a conformance trace", "$",
+                            {"limit": MAX_TRACE_BYTES, "actual": size})
         trace = itf.read_trace(path)
     except (OSError, itf.ItfError) as exc:
-        raise Rejection(TRACE_INVALID, f"{path}: {exc}", "$") from None
+        message = str(exc)
+        raise Rejection(TRACE_INVALID, message if message.startswith(f"{path}:") else f"{path}: {message}", "$") from None
     meta = trace.get("#meta", {})
     if meta.get("format") != TRACE_FORMAT:
-        raise Rejection(TRACE_INVALID, f"{path}: format {meta.get('format')!r} is not {TRACE_FORMAT!r}", "$.#meta.format")
-    if meta.get("format_version") != TRACE_FORMAT_VERSION:
-        raise Rejection(TRACE_INVALID, f"{path}: format_version {meta.get('format_version')!r}; this replay reads "
+        raise Rejection(TRACE_INVALID, f"{path}: format {_short(meta.get('format'))} is not {TRACE_FORMAT!r}", "$.#meta.format")
+    if meta.get("format_version") != TRACE_FORMAT_VERSION or isinstance(meta.get("format_version"), bool):
+        raise Rejection(TRACE_INVALID, f"{path}: format_version {_short(meta.get('format_version'))}; this replay reads "
                         f"version {TRACE_FORMAT_VERSION} (traces/README.md)", "$.#meta.format_version")
     for key in ("runtime", "config", "actions", "verdict"):
         if key not in meta:
             raise Rejection(TRACE_INVALID, f"{path}: #meta lacks {key!r}", f"$.#meta.{key}")
-    if meta.get("mutant") is not None and not isinstance(meta["mutant"], str):
-        raise Rejection(TRACE_INVALID, f"{path}: #meta.mutant {meta['mutant']!r} is not a mutant name", "$.#meta.mutant")
+    bad = _lone_surrogate(meta)
+    if bad is not None:
+        raise Rejection(TRACE_INVALID, f"{path}: a string holds a lone UTF-16 surrogate (not a Unicode scalar value)", _meta_path(bad))
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(META_SCHEMA).iter_errors(meta))
+    if error is not None:
+        raise Rejection(TRACE_INVALID, f"{path}: #meta does not match the replay fields (traces/README.md): {_short(error.message, 200)}",
+                        _meta_path(list(error.absolute_path)))
+    try:
+        config = CaseConfig.from_json(meta["config"])
+        policy_config_from_json(config.policy)  # the M3.8 policy both sides will run
+    except DecodeSpecError as exc:
+        where = exc.path[1:] if exc.path.startswith("$") else ""
+        where = where if where.startswith(".policy") or exc.code.startswith("adapter.") else ".policy" + where
+        raise Rejection(TRACE_INVALID, f"{path}: #meta.config: {exc.message}", "$.#meta.config" + where,
+                        {"cause": exc.code}) from None
+    except (OverflowError, ValueError) as exc:  # a number outside the policy parser's float / int domain
+        raise Rejection(TRACE_INVALID, f"{path}: #meta.config.policy is not an M3.8 policy: {type(exc).__name__}: {_short(str(exc), 120)}",
+                        "$.#meta.config.policy") from None
+    for index, action in enumerate(meta["actions"]):
+        try:
+            check_action(action)
+        except Rejection as exc:
+            raise Rejection(TRACE_INVALID, f"{path}: #meta.actions[{index}]: {exc.message}",
+                            f"$.#meta.actions[{index}]" + exc.path[1:], {"cause": exc.code}) from None
     return trace
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters (an error message never echoes a hostile value whole)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def stdio_command(runtime: str) -> str | None:
+    """The command of a ``stdio:CMD`` runtime name, else ``None``."""
+    name, _, command = runtime.partition(":")
+    return command if name == "stdio" else None
+
+
+def check_replay_runtime(meta: Mapping[str, Any], runtime: str | None, allow_commands: Sequence[str] = ()) -> str:
+    """The runtime a replay of ``meta`` runs: ``runtime`` when the user named one, else the trace's.
+
+    Replay never starts a process that a file names: a trace whose ``runtime`` is ``stdio:CMD`` runs
+    only when the user names that runtime (``runtime``, e.g. ``--runtime 'stdio:CMD'``) or lists
+    ``CMD`` exactly in ``allow_commands`` (``--allow-runtime CMD``).
+
+    Raises:
+        Rejection: ``trace.runtime_not_allowed`` (path ``$.#meta.runtime``) otherwise; nothing was started.
+    """
+    if runtime is not None:
+        return runtime
+    recorded = meta["runtime"]
+    command = stdio_command(recorded)
+    if command is not None and command not in allow_commands:
+        raise Rejection(TRACE_RUNTIME_REFUSED, f"the trace names the runtime stdio:{_short(command)}; replay does not start a "
+                        "command read from a file: name it on the command line (--runtime 'stdio:CMD' or --allow-runtime CMD)",
+                        "$.#meta.runtime")
+    return recorded
 
 
 @attrs.frozen
@@ -358,6 +544,9 @@ class ReplayResult:
         runtime: The runtime replayed against.
         steps: Steps replayed (reset included).
         mutant: The failure-lab mutant installed for the replay (the trace's ``#meta.mutant``), else ``None``.
+        cannot_reproduce_here: When not reproduced and the trace's bit-exact verdict was recorded
+            under another CPU capability, why this process cannot reproduce it
+            (:func:`cannot_reproduce_here`), else ``None``.
     """
 
     reproduced: bool
@@ -366,17 +555,21 @@ class ReplayResult:
     runtime: str
     steps: int
     mutant: str | None = None
+    cannot_reproduce_here: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The result as JSON (``mutant`` only when one was installed)."""
+        """The result as JSON (``mutant`` only when one was installed, ``cannot_reproduce_here`` only when set)."""
         out = {"reproduced": self.reproduced, "runtime": self.runtime, "steps": self.steps,
                "expected": self.expected.to_json(), "actual": self.actual.to_json()}
         if self.mutant:
             out["mutant"] = self.mutant
+        if self.cannot_reproduce_here:
+            out["cannot_reproduce_here"] = self.cannot_reproduce_here
         return out
 
 
-def replay(trace: Mapping[str, Any], *, runtime: str | None = None, adapter: Adapter | None = None) -> ReplayResult:
+def replay(trace: Mapping[str, Any], *, runtime: str | None = None, adapter: Adapter | None = None,
+           allow_commands: Sequence[str] = ()) -> ReplayResult:
     """Re-run a trace's actions against the spec and a runtime; compare the verdict with the recorded one.
 
     When the trace records a failure-lab mutant (``#meta.mutant``) it is installed for the
@@ -386,10 +579,14 @@ def replay(trace: Mapping[str, Any], *, runtime: str | None = None, adapter: Ada
 
     Args:
         trace: A loaded trace (:func:`load_trace`).
-        runtime: Runtime to replay against (default the recorded one).
+        runtime: Runtime to replay against (default the recorded one).  Naming it is the user's
+            consent to start it; a recorded ``stdio:CMD`` is started only when ``CMD`` is in
+            ``allow_commands`` (:func:`check_replay_runtime`).
         adapter: An adapter to use instead of opening the runtime.
+        allow_commands: ``stdio`` commands the user allows a trace to name (``--allow-runtime``).
 
     Raises:
+        Rejection: ``trace.runtime_not_allowed`` for a recorded ``stdio:CMD`` the user did not name.
         Rejection: ``adapter.invalid_config`` / ``adapter.invalid_action`` for a malformed
             config or action; ``trace.invalid_conformance_trace`` for an unknown mutant.
         AdapterUnavailable: the runtime is not installed here.
@@ -397,7 +594,8 @@ def replay(trace: Mapping[str, Any], *, runtime: str | None = None, adapter: Ada
     from .lockstep import LockStep
 
     meta = trace["#meta"]
-    name = runtime or meta["runtime"]
+    # A caller's adapter starts nothing from the file; otherwise a recorded stdio:CMD needs the user's consent.
+    name = (runtime or meta["runtime"]) if adapter is not None else check_replay_runtime(meta, runtime, allow_commands)
     config = CaseConfig.from_json(meta["config"])
     mutant = meta.get("mutant") or None
     with mutant_installed(mutant), intra_op_threads(meta.get("threads")):
@@ -411,6 +609,8 @@ def replay(trace: Mapping[str, Any], *, runtime: str | None = None, adapter: Ada
                 ls.apply(action)
             expected = Verdict.from_json(meta["verdict"])
             actual = ls.verdict
-            return ReplayResult(expected.same_outcome(actual), expected, actual, name, len(ls.records), mutant)
+            reproduced = expected.same_outcome(actual)
+            return ReplayResult(reproduced, expected, actual, name, len(ls.records), mutant,
+                                None if reproduced else cannot_reproduce_here(meta))
         finally:
             adapter.close()

@@ -60,10 +60,20 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import re
+import stat
+import time
 from pathlib import Path
 from typing import Any, Iterable, TextIO
 
-__all__ = ["BEAM_STEP_FIELDS", "EVENTS_FORMAT", "EventSink", "FileSink", "ListSink", "read_events"]
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["BEAM_STEP_FIELDS", "EVENTS_FORMAT", "STALE_AFTER_S", "TEMP_NAME", "EventSink", "FileSink", "ListSink",
+           "clean_stale_temporaries", "read_events"]
 
 #: Name of the trace format (written in the ``request`` event's ``format`` field).
 EVENTS_FORMAT = "decodespec.events.v1"
@@ -118,13 +128,100 @@ class ListSink(EventSink):
         return self._stream.getvalue().splitlines()  # type: ignore[union-attr]
 
 
+#: A temporary trace of ours: ``.<target name>.<8 characters of tempfile.mkstemp>.tmp`` next to the target
+#: (``decodespec generate --trace FILE`` writes it, then renames it onto FILE).
+TEMP_NAME = re.compile(r"\.(?P<target>.+)\.[a-z0-9_]{8}\.tmp")
+#: A temporary younger than this (seconds since its last write) is never removed: its writer may be between
+#: creating it and taking its lock.
+STALE_AFTER_S = 1.0
+
+#: Open lock descriptors of this process's temporaries (path -> fd): held until the file is renamed or removed,
+#: so that a concurrent cleaner never takes a live temporary for a stale one.
+_LOCKS: dict[str, int] = {}
+
+
+def _lock(path: Path) -> None:
+    """Hold an exclusive ``flock`` on ``path`` for as long as it exists under that name (released by :func:`_prune_locks`)."""
+    if fcntl is None:  # pragma: no cover - not POSIX: no lock, and no cleanup either
+        return
+    _prune_locks()
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a cleaner holds a sibling's lock only for a moment (and never a fresh file's)
+    _LOCKS[str(path)] = fd
+
+
+def _prune_locks() -> None:
+    """Release the locks of temporaries that have been renamed into place or removed."""
+    for name, fd in list(_LOCKS.items()):
+        try:
+            alive = os.path.samestat(os.fstat(fd), os.lstat(name))
+        except OSError:
+            alive = False
+        if not alive:
+            os.close(_LOCKS.pop(name))
+
+
+def clean_stale_temporaries(path: str | Path) -> list[Path]:
+    """Remove the stale temporaries of ``path``'s target that an earlier, killed run left beside it; return them.
+
+    ``path`` is a temporary of ours (:data:`TEMP_NAME`); a sibling is removed only when it is
+    a temporary of the same target (the same name pattern), a regular file owned by this user,
+    not written for :data:`STALE_AFTER_S`, and no process holds its lock (every writer holds an
+    exclusive ``flock`` from creation until the rename, and the kernel drops it when the writer
+    dies, even by SIGKILL).  Anything else is left alone.  Does nothing off POSIX.
+
+    Source: M3.10 0x06 (partial files never survive a kill: cleaned on the next run).
+    """
+    path = Path(path)
+    match = TEMP_NAME.fullmatch(path.name)
+    if fcntl is None or match is None:
+        return []
+    removed = []
+    now = time.time()
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return []
+    for name in names:
+        other = TEMP_NAME.fullmatch(name)
+        if other is None or other["target"] != match["target"] or name == path.name:
+            continue
+        candidate = path.parent / name
+        try:
+            st = os.lstat(candidate)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or now - st.st_mtime < STALE_AFTER_S:
+                continue
+            fd = os.open(candidate, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live writer holds it
+            if os.path.samestat(os.fstat(fd), os.lstat(candidate)):  # still the file we locked
+                os.unlink(candidate)
+                removed.append(candidate)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
 class FileSink(EventSink):
-    """A sink writing to ``path`` (truncated); use as a context manager or call :meth:`close`."""
+    """A sink writing to ``path`` (truncated); use as a context manager or call :meth:`close`.
+
+    When ``path`` is a temporary of ours (:data:`TEMP_NAME`, what ``decodespec generate --trace``
+    writes before renaming it into place), the sink holds an exclusive lock on it until it is
+    renamed or removed, and first removes the stale temporaries a killed run left for the same
+    target (:func:`clean_stale_temporaries`).
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._file = open(self.path, "w", encoding="utf-8")
         super().__init__(self._file)
+        if TEMP_NAME.fullmatch(self.path.name):
+            _lock(self.path)
+            clean_stale_temporaries(self.path)
 
     def close(self) -> None:
         if not self._file.closed:

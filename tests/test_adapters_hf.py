@@ -229,20 +229,54 @@ def test_generation_config_maps_each_transform_to_its_hf_field():
     assert (gen.epsilon_cutoff, gen.eta_cutoff) == (0.01, 0.02)
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static", "none"])
-def test_step_wise_greedy_is_hfs_generate(adapter, cache):
-    """The step-wise path is HF's own loop: the ids and every raw logits row of model.generate(...)."""
-    from decodespec.checks.adapters.hf import generate_sequence
-
-    config = tiny(cache=cache, max_new_tokens=6)
-    want = generate_sequence(config)
+def _step_wise(adapter, config: CaseConfig) -> tuple[list[int], np.ndarray]:
+    """The adapter's committed ids and every raw logits row ``float32[steps, V]``, one step at a time."""
     adapter.reset(config)
     rows = []
     while adapter.observe().phase != "finished":
         assert adapter.apply({"op": "step"}).ok
         rows.append(adapter.observe().score_row)
-    assert list(adapter.observe().output_ids) == want["output_ids"][0]
-    assert np.array_equal(np.stack(rows), want["logits"])
+    return list(adapter.observe().output_ids), np.stack(rows)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static", "none"])
+def test_step_wise_greedy_is_hfs_generate(adapter, cache):
+    """The step-wise path is HF's own loop: the ids and every raw logits row of model.generate(...), bit for bit.
+
+    Bitwise equality is asserted only where both sides provably make the same calls on the same
+    shapes, so the same CPU kernels run whatever ``ATEN_CPU_CAPABILITY`` and thread count: the same
+    cache object kind and, for a static cache, the same ``max_cache_len``.  ``generate`` sizes its
+    static cache to ``max_length - 1`` = L + G - 1 slots (transformers' ``_prepare_cache_for_generation``:
+    the last token is never written), so the static case runs the adapter with that capacity; it
+    then reaches the capacity's ``context_length`` after G - 1 tokens, and those rows are compared.
+    """
+    from decodespec.checks.adapters.hf import generate_sequence
+
+    config = tiny(cache=cache, max_new_tokens=6)
+    want = generate_sequence(config)
+    if cache == "static":
+        config = config.evolve(static_capacity=config.prompt_len + config.max_new_tokens - 1)
+    ids, rows = _step_wise(adapter, config)
+    assert len(ids) == (5 if cache == "static" else 6)
+    assert ids == want["output_ids"][0][:len(ids)]
+    assert np.array_equal(rows, want["logits"][:len(rows)])
+
+
+def test_step_wise_greedy_on_another_static_capacity_is_hfs_generate_within_the_tolerance(adapter):
+    """A static cache of another capacity (the adapter's default S = L + G + 1 against generate's L + G - 1) is another
+    call shape: SDPA reduces over S key slots (the unwritten ones masked), and on some CPUs (AVX-512, or another thread
+    count) the blocking of that reduction and so the float32 rounding differ.  What is provably true then: the same ids
+    (every step's greedy margin is far above the difference) and rows within the declared HF tiny logit tolerance."""
+    from decodespec.checks.adapters.hf import generate_sequence
+    from decodespec.checks.ladder import tolerance_for
+
+    config = tiny(cache="static", max_new_tokens=6)
+    want = generate_sequence(config)
+    ids, rows = _step_wise(adapter, config)
+    assert ids == want["output_ids"][0]
+    assert float(np.max(np.abs(rows - want["logits"]))) <= tolerance_for("hf", "tiny", "float32").logit
+    top2 = np.sort(want["logits"], axis=-1)[:, -2:]
+    assert float(np.min(top2[:, 1] - top2[:, 0])) > 2 * tolerance_for("hf", "tiny", "float32").logit  # the ids are decided
 
 
 def test_step_wise_sampling_is_hfs_generate_under_the_same_global_seed(adapter):

@@ -197,3 +197,96 @@ def test_the_schema_enums_are_the_specs():
     assert defs["event_call_launched"]["properties"]["kind"]["enum"] == [k.value for k in CallKind]
     assert defs["event_call_completed"]["properties"]["selection"]["enum"] == [s.value for s in Selection]
     assert defs["event_cancel"]["properties"]["at"]["enum"] == [p.value for p in InterruptPoint]
+
+
+# -- wrong acceptances of the hostile-input report (issue 16) ---------------------------------
+
+
+def test_a_commit_whose_logprob_is_not_its_decisions_is_refused(greedy_trace, tmp_path, capsys):
+    records = _records(greedy_trace)
+    i = [k for k, r in enumerate(records) if r["event"] == "commit"][1]
+    records[i]["logprob"] = records[i]["logprob"] - 0.5  # still a finite logprob <= 0
+    path = tmp_path / "logprob.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["code"], verdict["line"], verdict["event"]) == ("trace.mismatch", i + 1, "commit")
+    assert "field 'logprob'" in verdict["reason"] and "decision" in verdict["reason"]
+
+
+@pytest.mark.parametrize("written", [0, 3, 5])
+def test_layers_written_that_contradict_all_new_are_refused(greedy_trace, tmp_path, capsys, written):
+    """The tiny model has 4 layers: ALL_NEW on a cached call wrote all 4; 0, or another count than the first ALL_NEW's, is a lie."""
+    records = _records(greedy_trace)
+    completed = [k for k, r in enumerate(records) if r["event"] == "call_completed"]
+    assert {records[k]["selection"] for k in completed} == {"ALL_NEW"} and {records[k]["layers_written"] for k in completed} == {4}
+    i = completed[0] if written == 0 else completed[1]
+    records[i]["layers_written"] = written
+    path = tmp_path / "layers.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["code"], verdict["line"], verdict["event"]) == ("trace.mismatch", i + 1, "call_completed")
+    assert "field 'layers_written'" in verdict["reason"] and "ALL_NEW" in verdict["reason"]
+
+
+def test_a_no_cache_trace_writes_no_layer(tmp_path, capsys):
+    path = _generate(tmp_path, "nocache", "--max-new-tokens", "2", "--cache", "none")
+    assert _verdict(capsys, path, 0)["accepted"]
+    records = _records(path)
+    i = [k for k, r in enumerate(records) if r["event"] == "call_completed"][0]
+    records[i]["layers_written"] = 4
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert verdict["line"] == i + 1 and "writes no layer" in verdict["reason"]
+
+
+@pytest.fixture(scope="module")
+def snapshot_trace(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("snap")
+    return _generate(folder, "snap", "--max-new-tokens", "4", "--snapshot", str(folder / "s.json"), "--snapshot-at", "2")
+
+
+@pytest.mark.parametrize("field,value", [("output_ids", [9, 9]), ("rng_counter", 7), ("num_calls", 9), ("issued", ["receipt-0"]),
+                                         ("pending_ids", []), ("generation", 0)])
+def test_a_snapshot_event_whose_state_is_not_the_specs_is_refused(snapshot_trace, tmp_path, capsys, field, value):
+    records = _records(snapshot_trace)
+    assert records[-1]["event"] == "snapshot" and _verdict(capsys, snapshot_trace, 0)["accepted"]
+    assert records[-1]["state"][field] != value
+    records[-1]["state"][field] = value
+    path = tmp_path / "state.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["code"], verdict["line"], verdict["event"]) == ("trace.mismatch", len(records), "snapshot")
+    assert f"field 'state.{field}'" in verdict["reason"]
+
+
+def test_a_snapshot_event_with_a_malformed_state_is_refused(snapshot_trace, tmp_path, capsys):
+    records = _records(snapshot_trace)
+    records[-1]["state"] = {"identity": 5}
+    path = tmp_path / "malformed.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["line"], verdict["event"]) == (len(records), "snapshot") and "snapshot.malformed" in verdict["reason"]
+
+
+@pytest.mark.parametrize("field,value", [("name", "evil.runtime"), ("model", "gpt-5"), ("device", "tpu:0"), ("dtype", "float64"),
+                                         ("attention", "flash"), ("decode_kernel", "cuda")])
+def test_a_header_runtime_field_outside_its_domain_is_refused(greedy_trace, tmp_path, capsys, field, value):
+    records = _records(greedy_trace)
+    records[0]["runtime"][field] = value
+    path = tmp_path / "runtime.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["code"], verdict["line"], verdict["event"]) == (TRACE_SCHEMA, 1, "request")
+    assert f"$.runtime.{field}" in verdict["reason"]
+
+
+def test_the_header_runtime_enums_are_the_runtimes():
+    """spec/schemas/events.v1.json's runtime.* domains are the runtime's own (models, dtypes, attention implementations)."""
+    from decodespec.checks.adapters import MODELS
+    from decodespec.impl.config import ATTN_IMPLEMENTATIONS
+    from decodespec.impl.device import DTYPES
+
+    runtime = json.loads(EVENTS_SCHEMA_PATH.read_text())["$defs"]["runtime"]["properties"]
+    assert set(runtime["model"]["enum"]) == set(MODELS)
+    assert set(runtime["dtype"]["enum"]) == set(DTYPES)
+    assert set(runtime["attention"]["enum"]) == set(ATTN_IMPLEMENTATIONS)

@@ -88,3 +88,33 @@ def test_cli_check_runs_the_gate_and_writes_the_report(tmp_path, capsys) -> None
     assert {line["case"] for line in lines} == {"boundary.immediate_eos", "adversarial.duplicate_stale_receipt"}
     assert all(line["result"] == "pass" and line["runtime"] == "impl" for line in lines)
     assert "boundary.immediate_eos" in out and "pass: 2" in out
+
+
+def test_a_trace_records_the_cpu_capability_next_to_the_thread_count(trace) -> None:
+    import torch
+
+    meta = trace["#meta"]
+    assert meta["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and meta["threads"] == torch.get_num_threads()
+    assert "exact_floats" not in meta
+
+
+def test_a_bit_exact_verdict_of_other_cpu_kernels_says_this_machine_cannot_reproduce_it(trace, tmp_path, capsys) -> None:
+    """#meta.exact_floats under another cpu_capability: a non-reproduced replay says why (exit 3), a reproduced one is a pass;
+    the same mismatch without exact_floats, or under this process's capability, is an ordinary non-reproduction (exit 1)."""
+    changed = json.loads(json.dumps(trace))
+    changed["#meta"]["verdict"] = {"result": "failed", "layer": "TENSOR", "rule": "ladder.TENSOR"}
+    changed["#meta"].update(exact_floats=True, cpu_capability="VSX")
+    result = replay(changed)
+    assert not result.reproduced and "VSX" in result.cannot_reproduce_here and "ATEN_CPU_CAPABILITY=vsx" in result.cannot_reproduce_here
+    path = write_trace(changed, tmp_path, "exact.itf.json")
+    assert main(["replay", str(path)]) == 3
+    out = capsys.readouterr()
+    assert json.loads(out.out.splitlines()[-1])["cannot_reproduce_here"] and "this machine cannot reproduce" in out.err
+    same = json.loads(json.dumps(trace))
+    same["#meta"].update(exact_floats=True, cpu_capability="VSX")
+    assert replay(same).reproduced and replay(same).cannot_reproduce_here is None
+    for meta_change in ({"exact_floats": False}, {"cpu_capability": trace["#meta"]["cpu_capability"]}):
+        other = json.loads(json.dumps(changed))
+        other["#meta"].update(meta_change)
+        assert replay(other).cannot_reproduce_here is None
+        assert main(["replay", str(write_trace(other, tmp_path, "other.itf.json"))]) == 1

@@ -101,6 +101,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import re
 import json
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -235,7 +236,7 @@ def check_action(action: Any) -> dict[str, Any]:
         if base == _STR and not isinstance(value, str):
             raise Rejection(ADAPTER_INVALID_ACTION, f"{name} must be a string, got {value!r}", path)
         if base == _IDS:
-            if not isinstance(value, (list, tuple)) or not value or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
+            if not isinstance(value, (list, tuple)) or not value or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_SAFE_ID for t in value):
                 raise Rejection(ADAPTER_INVALID_ACTION, f"{name} must be a non-empty list of token ids, got {value!r}", path)
             value = [int(t) for t in value]
         allowed = _ENUMS.get((op, name))
@@ -266,6 +267,10 @@ def required_capabilities(action: Mapping[str, Any], config: "CaseConfig | None"
 # --------------------------------------------------------------------------------------------
 # Case config.
 # --------------------------------------------------------------------------------------------
+
+
+#: Largest token id a case config holds: I-JSON's exact integer range (the identity is RFC 8785 JSON).
+MAX_SAFE_ID = 2**53 - 1
 
 
 def _ids(value: Any) -> tuple[int, ...]:
@@ -342,11 +347,22 @@ class CaseConfig:
             "final_cache": ("none", "processed_inputs_only", "all_outputs"), "dtype": ("float32", "bfloat16", "float16"),
             "attention": ("sdpa", "eager"), "decode_kernel": ("torch", "native"),
         }
+        for field in (*choices, "device"):
+            if not isinstance(getattr(self, field), str):
+                raise bad(field, f"a string, got {type(getattr(self, field)).__name__}")
+        for field in ("include_stop_str", "stream"):
+            if not isinstance(getattr(self, field), bool):
+                raise bad(field, f"a boolean, got {type(getattr(self, field)).__name__}")
+        if not re.fullmatch(r"cpu|cuda(:[0-9]{1,4})?", self.device):
+            raise bad("device", f"cpu or cuda[:N], got {self.device[:40]!r}")
         for field, allowed in choices.items():
             if getattr(self, field) not in allowed:
                 raise bad(field, f"must be one of {list(allowed)}, got {getattr(self, field)!r}")
         if not self.prompt_ids or any(t < 0 for t in self.prompt_ids):
             raise bad("prompt_ids", "a non-empty list of non-negative ids")
+        for field in ("prompt_ids", "eos_ids"):
+            if any(t > MAX_SAFE_ID for t in getattr(self, field)):
+                raise bad(field, f"token ids are at most 2**53 - 1 (I-JSON, RFC 7493: the identity is canonical JSON)")
         if not isinstance(self.policy, dict) or not isinstance(self.policy.get("family"), str):
             raise bad("policy", "an M3.8 policy JSON object with a 'family'")
         for field in ("max_new_tokens", "min_new_tokens", "max_retries"):
@@ -367,6 +383,10 @@ class CaseConfig:
             raise bad("min_new_tokens", f"{self.min_new_tokens} > max_new_tokens {self.max_new_tokens}")
         if self.final_cache == "all_outputs" and self.cache == "none":
             raise bad("final_cache", "all_outputs needs a cache (envelope.output_unimplementable: no cache, no final cache)")
+        try:
+            rfc8785.dumps(self.to_json())  # the identity's canonical form: I-JSON integers, Unicode scalar values only
+        except (rfc8785.CanonicalizationError, UnicodeError, TypeError, ValueError) as exc:
+            raise Rejection(ADAPTER_INVALID_CONFIG, f"the config has no canonical JSON form (RFC 8785): {str(exc)[:120]}", "$") from None
 
     @property
     def prompt_len(self) -> int:
@@ -404,7 +424,7 @@ class CaseConfig:
                 raise Rejection(ADAPTER_INVALID_CONFIG, f"missing field {required!r}", f"$.{required}")
         try:
             return cls(**dict(obj))
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise Rejection(ADAPTER_INVALID_CONFIG, f"{type(exc).__name__}: {exc}", "$") from None
 
     def evolve(self, **changes: Any) -> "CaseConfig":

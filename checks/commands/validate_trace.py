@@ -70,8 +70,19 @@ def run(args: argparse.Namespace) -> int:
     except DecodeSpecError as exc:  # trace.unsupported
         print(json.dumps({"error": exc.to_json()}), file=sys.stderr)
         return 2
-    print(json.dumps(verdict.to_json(), ensure_ascii=False))
+    print(printable_json(verdict.to_json()))
     return 0 if verdict.accepted else 1
+
+
+def printable_json(obj) -> str:
+    """``json.dumps(obj, ensure_ascii=False)``, or its ASCII form when a string holds a lone surrogate (from a hostile
+    file or file name), which no UTF-8 stream can write."""
+    text = json.dumps(obj, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj)
+    return text
 
 
 def _token_bytes(choice: str, lines: list[str]):
@@ -82,7 +93,7 @@ def _token_bytes(choice: str, lines: list[str]):
     if auto:
         try:
             choice = str(json.loads(lines[0]).get("runtime", {}).get("model", "none"))
-        except (IndexError, ValueError, AttributeError):
+        except (IndexError, ValueError, AttributeError, RecursionError):
             choice = "none"
     if choice == "tiny":
         from decodespec.impl.tiny import TINY_VOCAB_SIZE

@@ -1,0 +1,324 @@
+"""Fuzzing the trace readers: mutated traces through ``decodespec validate-trace`` and replay's loader.
+
+Seeds: every committed conformance trace (``traces/*.itf.json``) and event traces written by
+``decodespec generate --trace`` (tiny model: greedy, sampled + streamed with a stop string, and
+suspended by a snapshot).  Each example applies a few mutations, at the byte level (flip, insert,
+delete, truncate, a byte that is not UTF-8) or the JSON level (replace a value anywhere, mostly in
+``#meta`` / one event line, by a hostile one: another type, an integer above 2**53 or of 400 digits,
+a lone surrogate, a long string, a ``stdio:`` command, a deep nest; delete a key; add one).
+
+Every outcome must be an acceptance or a typed refusal (a :class:`DecodeSpecError`, or
+``validate-trace``'s verdict / exit 2 with a registered code); any other exception fails the test,
+and no process may be started (``subprocess.Popen``, ``os.system`` and ``os.posix_spawn`` raise
+while an example runs).  A loaded conformance trace also goes through replay's runtime check
+(a ``stdio:`` runtime named by the file is refused).
+
+Profiles: ``DECODESPEC_FUZZ_EXAMPLES`` (default 300 per test: the CI profile, under 60 s on one
+core) sets the examples per test; ``DECODESPEC_FUZZ_STATS=FILE`` writes the outcome counts and
+rates as JSON at the end (what docs/results/fuzz-traces.md reports), and
+``DECODESPEC_FUZZ_ACCEPTED=FILE`` appends each accepted event-trace mutation for review.  A long
+run: ``DECODESPEC_FUZZ_EXAMPLES=20000 nice -n 19 .venv/bin/python -m pytest tests/test_fuzz_traces.py``.
+
+Source: M3.10 0x06 "Bound parsers, matchers, traces, and sensitive data"; issue 16 deliverable 7.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from decodespec.checks.cli import main
+from decodespec.checks.traces import check_replay_runtime, load_trace
+from decodespec.spec.errors import ERROR_CODES, DecodeSpecError
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = sorted((ROOT / "traces").glob("*.itf.json"))
+EXAMPLES = int(os.environ.get("DECODESPEC_FUZZ_EXAMPLES", "300"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+
+STATS: Counter = Counter()
+TIMES: Counter = Counter()
+
+HOSTILE: list[Any] = [
+    None, True, False, 0, -1, 1, 7, 2**31, 2**53 - 1, 2**53 + 1, 2**63, -(2**63) - 1, 2**64, 10**400, 0.5, -0.0, 1e308, -1e308,
+    "", "x", "\ud800", "a\udc00b", "é✓日本", "x" * 5000, "stdio:touch /nonexistent/decodespec-fuzz-marker", "impl", "hf",
+    "impl.broken.nope", "passed", "failed", "ALL_NEW", "ALL_OLD", "sha256:" + "0" * 64, "cuda:0", "float64",
+    [], [1], [None], [-1], [2**60], ["x"], [[1, 2]], {}, {"op": "run"}, {"op": "stdio"}, {"#bigint": "12"}, {"tag": "None"},
+    {"family": "greedy"}, {"result": "passed"}, {"a": {"b": {"c": [1]}}},
+]
+
+
+DEEP = "\x00deep:"
+
+
+def _dumps(doc: Any) -> bytes:
+    """``json.dumps(doc)`` with every deep-nest marker replaced by that many nested arrays around ``1``."""
+    text = json.dumps(doc)
+    marker = json.dumps(DEEP)[1:-1]
+    while '"' + marker in text:
+        start = text.index('"' + marker)
+        end = text.index('"', start + 1)
+        depth = int(text[start + 1 + len(marker):end])
+        text = text[:start] + "[" * depth + "1" + "]" * depth + text[end + 1:]
+    return text.encode()
+
+
+def _paths(value: Any, prefix: tuple = (), limit: int = 4000) -> list[tuple]:
+    """Every path (keys / indices) into ``value``, breadth-first, at most ``limit``."""
+    out, queue = [], [(value, prefix)]
+    while queue and len(out) < limit:
+        item, where = queue.pop(0)
+        out.append(where)
+        if isinstance(item, dict):
+            queue.extend((v, (*where, k)) for k, v in item.items())
+        elif isinstance(item, list):
+            queue.extend((v, (*where, i)) for i, v in enumerate(item))
+    return out
+
+
+def _set(root: Any, path: tuple, value: Any, delete: bool = False) -> Any:
+    if not path:
+        return value
+    parent = root
+    for key in path[:-1]:
+        parent = parent[key]
+    if delete:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    return root
+
+
+@st.composite
+def json_mutation(draw, doc: Any, prefer: tuple = ()) -> tuple[Any, str]:
+    """One JSON-level mutation of ``doc`` (a deep copy); returns the new document and a description."""
+    doc = json.loads(json.dumps(doc))
+    base = doc
+    for key in prefer:
+        if isinstance(base, dict) and key in base and draw(st.integers(0, 9)) < 8:
+            base = base[key]
+        else:
+            prefer = ()
+            break
+    paths = _paths(base, tuple(prefer))
+    path = draw(st.sampled_from(paths))
+    kind = draw(st.sampled_from(["replace", "replace", "replace", "delete", "add", "deep", "number"]))
+    if kind == "delete" and path:
+        return _set(doc, path, None, delete=True), f"delete {list(path)}"
+    if kind == "add":
+        target = doc
+        for key in path:
+            target = target[key]
+        if isinstance(target, dict):
+            name = draw(st.sampled_from(["note", "op", "#meta", "runtime", "\ud800", "x" * 300]))
+            target[name] = draw(st.sampled_from(HOSTILE))
+            return doc, f"add {list(path)}.{name!r}"
+        if isinstance(target, list):
+            target.append(draw(st.sampled_from(HOSTILE)))
+            return doc, f"append {list(path)}"
+    if kind == "deep":  # a marker, spliced in as text by _dumps (a Python object this deep could not be serialised)
+        depth = draw(st.sampled_from([50, 2000, 200_000]))
+        return _set(doc, path, f"{DEEP}{depth}"), f"deep {list(path)} x{depth}"
+    if kind == "number":
+        value = draw(st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True)))
+        return _set(doc, path, value), f"number {list(path)} = {value!r}"
+    value = draw(st.sampled_from(HOSTILE))
+    return _set(doc, path, value), f"replace {list(path)} = {str(value)[:40]!r}"
+
+
+@st.composite
+def byte_mutation(draw, data: bytes) -> tuple[bytes, str]:
+    """One byte-level mutation: flip, insert, delete a range, truncate or splice a non-UTF-8 byte."""
+    kind = draw(st.sampled_from(["flip", "insert", "delete", "truncate", "non_utf8"]))
+    at = draw(st.integers(0, max(len(data) - 1, 0)))
+    if kind == "flip" and data:
+        return data[:at] + bytes([data[at] ^ draw(st.integers(1, 255))]) + data[at + 1:], f"flip @{at}"
+    if kind == "insert":
+        return data[:at] + draw(st.binary(min_size=1, max_size=8)) + data[at:], f"insert @{at}"
+    if kind == "delete":
+        return data[:at] + data[at + draw(st.integers(1, 64)):], f"delete @{at}"
+    if kind == "truncate":
+        return data[:at], f"truncate @{at}"
+    return data[:at] + draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x00"])) + data[at:], f"non-utf8 @{at}"
+
+
+def _streams() -> tuple[io.TextIOWrapper, io.TextIOWrapper]:
+    """stdout / stderr as a terminal has them: strict UTF-8 text over bytes (a lone surrogate cannot be written)."""
+    return (io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict"),
+            io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="backslashreplace"))
+
+
+def _text(stream: io.TextIOWrapper) -> str:
+    stream.flush()
+    return stream.buffer.getvalue().decode("utf-8")
+
+
+@contextlib.contextmanager
+def no_process_started():
+    """While the block runs, starting any process raises (and so fails the example)."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"a process was started: {args[:1]!r}")
+
+    with mock.patch.object(subprocess, "Popen", side_effect=refuse), mock.patch.object(os, "system", side_effect=refuse), \
+            mock.patch.object(os, "posix_spawn", side_effect=refuse), mock.patch.object(os, "posix_spawnp", side_effect=refuse):
+        yield
+
+
+class Seed(bytes):
+    """A seed file's bytes, shown by its name (Hypothesis prints drawn values)."""
+
+    def __new__(cls, name: str, data: bytes) -> "Seed":
+        seed = super().__new__(cls, data)
+        seed.name = name
+        return seed
+
+    def __repr__(self) -> str:
+        return f"<seed {self.name}: {len(self)} bytes>"
+
+
+@pytest.fixture(scope="module")
+def event_traces(tmp_path_factory) -> list[bytes]:
+    folder = tmp_path_factory.mktemp("fuzz-events")
+    base = ["generate", "--model", "tiny", "--prompt", "hi", "--device", "cpu"]
+    runs = {
+        "greedy": ["--max-new-tokens", "4"],
+        "sampled-stream": ["--max-new-tokens", "8", "--do-sample", "--seed", "3", "--top-k", "20", "--stop", "BB", "--stream"],
+        "snapshot": ["--max-new-tokens", "4", "--snapshot", str(folder / "s.json"), "--snapshot-at", "2"],
+    }
+    out = []
+    with contextlib.redirect_stdout(io.StringIO()):
+        for name, flags in runs.items():
+            path = folder / f"{name}.ndjson"
+            assert main([*base, "--trace", str(path), *flags]) == 0
+            out.append(Seed(name, path.read_bytes()))
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stats_file():
+    yield
+    target = os.environ.get("DECODESPEC_FUZZ_STATS")
+    if target:
+        rates = {k: round(STATS[k] / TIMES[k], 1) for k in TIMES if TIMES[k]}
+        Path(target).write_text(json.dumps({"examples_per_test": EXAMPLES, "counts": dict(sorted(STATS.items())),
+                                            "seconds": {k: round(v, 1) for k, v in TIMES.items()}, "per_second": rates},
+                                           indent=1) + "\n")
+
+
+def _mutate_conformance(data, source: bytes) -> tuple[bytes, list[str]]:
+    notes = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        if data.draw(st.booleans()):
+            try:
+                doc = json.loads(source)
+            except (ValueError, RecursionError):
+                doc = None
+            if doc is not None:
+                doc, note = data.draw(json_mutation(doc, prefer=("#meta",)))
+                source = _dumps(doc)
+                notes.append(note)
+                continue
+        source, note = data.draw(byte_mutation(source))
+        notes.append(note)
+    return source, notes
+
+
+@FUZZ
+@given(data=st.data())
+def test_a_mutated_conformance_trace_loads_or_is_a_typed_refusal(data, tmp_path_factory) -> None:
+    path = data.draw(st.sampled_from(CORPUS))
+    source = Seed(path.name, path.read_bytes())
+    mutated, notes = _mutate_conformance(data, source)
+    path = tmp_path_factory.getbasetemp() / "fuzz-conformance.itf.json"
+    path.write_bytes(mutated)
+    out, err = _streams()
+    start = time.perf_counter()
+    try:
+        with no_process_started(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            trace = load_trace(path)
+            check_replay_runtime(trace["#meta"], None)
+            STATS["conformance.loaded"] += 1
+    except DecodeSpecError as exc:
+        assert exc.code in ERROR_CODES and exc.path.startswith("$"), (notes, exc)
+        STATS[f"conformance.refused.{exc.code}"] += 1
+    finally:
+        TIMES["conformance"] += time.perf_counter() - start
+    STATS["conformance"] += 1
+
+
+def _mutate_events(data, source: bytes) -> tuple[bytes, list[str]]:
+    notes = []
+    for _ in range(data.draw(st.integers(1, 2))):
+        lines = source.split(b"\n")
+        if data.draw(st.integers(0, 3)) and lines:
+            index = data.draw(st.integers(0, len(lines) - 1))
+            try:
+                record = json.loads(lines[index])
+            except (ValueError, RecursionError):
+                record = None
+            if record is not None:
+                record, note = data.draw(json_mutation(record))
+                lines[index] = _dumps(record)
+                source = b"\n".join(lines)
+                notes.append(f"line {index + 1}: {note}")
+                continue
+        if data.draw(st.integers(0, 4)) == 0 and len(lines) > 2:  # drop, duplicate or swap whole lines
+            i, j = sorted(data.draw(st.lists(st.integers(0, len(lines) - 1), min_size=2, max_size=2)))
+            kind = data.draw(st.sampled_from(["drop", "dup", "swap"]))
+            lines = (lines[:i] + lines[i + 1:] if kind == "drop" else lines[:i] + [lines[i]] + lines[i:] if kind == "dup"
+                     else [*lines[:i], lines[j], *lines[i + 1:j], lines[i], *lines[j + 1:]])
+            source = b"\n".join(lines)
+            notes.append(f"{kind} lines {i + 1},{j + 1}")
+            continue
+        source, note = data.draw(byte_mutation(source))
+        notes.append(note)
+    return source, notes
+
+
+@FUZZ
+@given(data=st.data())
+def test_a_mutated_event_trace_is_accepted_or_refused_with_a_code(data, event_traces, tmp_path_factory) -> None:
+    source = data.draw(st.sampled_from(event_traces))
+    mutated, notes = _mutate_events(data, source)
+    path = tmp_path_factory.getbasetemp() / "fuzz-events.ndjson"
+    path.write_bytes(mutated)
+    out, err = _streams()
+    start = time.perf_counter()
+    try:
+        with no_process_started(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["validate-trace", str(path), "--tokenizer", "tiny"])
+    finally:
+        TIMES["events"] += time.perf_counter() - start
+    STATS["events"] += 1
+    assert code in (0, 1, 2), (notes, code)
+    out, err = _text(out), _text(err)
+    assert "Traceback" not in err, (notes, err)
+    if code == 2:
+        error = json.loads(err.strip().splitlines()[-1])["error"]
+        assert error["path"].startswith("$") and (error["code"] in ERROR_CODES or error["code"] == "trace.unreadable"), (notes, error)
+        STATS[f"events.unreadable.{error['code']}"] += 1
+        return
+    verdict = json.loads(out)
+    if verdict["accepted"]:
+        assert code == 0 and verdict["code"] is None
+        STATS["events.accepted" + (".unchanged" if mutated == source else "")] += 1
+        review = os.environ.get("DECODESPEC_FUZZ_ACCEPTED")
+        if review and mutated != source:
+            with open(review, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps({"notes": notes}, ensure_ascii=True) + "\n")
+    else:
+        assert code == 1 and verdict["code"] in ERROR_CODES and verdict["line"] >= 1, (notes, verdict)
+        STATS[f"events.rejected.{verdict['code']}"] += 1
