@@ -54,6 +54,7 @@ import rfc8785
 import torch
 
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
+from decodespec.spec.envelope import lone_surrogate_path
 from decodespec.spec.errors import DecodeSpecError, Rejection, quote
 from decodespec.spec.limits import MAX_SAFE_INT
 from decodespec.spec.policy.config import policy_config_from_json
@@ -352,6 +353,12 @@ def load_snapshot(path: str | Path) -> RuntimeSnapshot:
         raise Rejection(SNAPSHOT_MALFORMED, f"cannot read {quote(str(path))}: {type(exc).__name__}: {quote(str(exc))}", "$") from None
     if not isinstance(doc, dict) or doc.get("format") != SNAPSHOT_FORMAT:
         raise Rejection(SNAPSHOT_MALFORMED, f"not a {SNAPSHOT_FORMAT} file", "$.format")
+    try:
+        surrogate = lone_surrogate_path(doc)
+    except RecursionError:
+        raise Rejection(SNAPSHOT_MALFORMED, "the JSON nests too deeply", "$") from None
+    if surrogate is not None:
+        raise Rejection(SNAPSHOT_MALFORMED, "a string escapes a lone UTF-16 surrogate (not UTF-8 text)", surrogate)
     try:
         cache = _field(doc, "cache", "$", dict)
         name = _field(cache, "tensors", "$.cache", str)

@@ -96,6 +96,7 @@ __all__ = [
     "SCHEMA_PATH",
     "canonical_bytes",
     "identity_of",
+    "lone_surrogate_path",
     "parse_raw",
     "published_schema",
     "request_schema",
@@ -454,6 +455,30 @@ def _scan(value: Any, path: str) -> None:
     elif isinstance(value, list):
         for index, item in enumerate(value):
             _scan(item, f"{path}[{index}]")
+
+
+def lone_surrogate_path(value: Any, path: str = "$") -> str | None:
+    """The JSON path of the first string or key (depth first, document order) that holds a lone UTF-16 surrogate, else ``None``.
+
+    ``json.loads`` admits an escaped lone surrogate (``"\\ud800"``); such a string cannot be
+    encoded as UTF-8, hashed by RFC 8785 or written back, so every JSON reader of this project
+    refuses it (the envelope here, snapshots in ``decodespec.impl.snapshot``).
+    """
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return path
+            found = lone_surrogate_path(item, f"{path}.{key}")
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = lone_surrogate_path(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
 
 
 def parse_raw(raw: bytes) -> Any:
