@@ -12,7 +12,12 @@ observer's state (``observer.snapshot_state()`` when it has one).
 Files (:func:`save_snapshot` / :func:`load_snapshot`): ``FILE`` holds the JSON
 (``"format": "decodespec.snapshot.v1"``) and ``FILE.safetensors`` the tensors
 (``safetensors.torch.save_file``; keys ``cache.layers.<l>.keys`` / ``.values`` and
-``score.logits``); the JSON records the tensor file's SHA-256, checked on load.
+``score.logits``); the JSON records the tensor file's SHA-256, checked on load.  The SHA-256
+detects accidental damage only: a tensor changed together with its recorded hash is accepted.
+With a user key (``DECODESPEC_SNAPSHOT_KEY``, or ``key=``) the JSON also carries
+``"authentication": {"algorithm": "hmac-sha256", "mac": <hex>}`` over the RFC 8785 bytes of the
+rest of the document (so over the tensor hash too), and loading with a key refuses a file
+without a matching one (``snapshot.unauthenticated``); see :mod:`decodespec.spec.snapshot`.
 
 Forms (M3.10 0x0B "A completed output is not automatically a resumable snapshot"):
 
@@ -26,13 +31,16 @@ Forms (M3.10 0x0B "A completed output is not automatically a resumable snapshot"
 
 :func:`restore_runner` validates everything before building any state (typed ``snapshot.*``
 errors, registered in :mod:`decodespec.spec.snapshot`): the file shape
-(``snapshot.malformed``), the identity (``snapshot.identity_mismatch``; an envelope carried by
+(``snapshot.malformed`` at the offending field: each field is read with its JSON type, integers
+within the I-JSON domain, no lone surrogate anywhere), the identity (``snapshot.identity_mismatch``; an envelope carried by
 the snapshot is re-admitted and must hash to the same identity), the cache family, ABI,
 capacity and tensor layout (``snapshot.abi_mismatch``), ``P + |U| = L + O`` and exactly P cached
 rows (``snapshot.frontier_invalid``), the pending suffix against the declared form
 (``snapshot.pending_invalid``), and the ledger (``snapshot.ledger_invalid``): one logprob and one
-receipt per output, the RNG counter equal to the draws consumed, score rows and finish state
-consistent, and the call counters against P (processed rows need a model call and a generation
+receipt per output, every logprob finite and <= 0, each decision receipt naming its output's
+token, logprob, step, score row, draws and RNG counter and carrying its own content hash, the
+observer's ids and logprobs equal to the ledger's, the RNG counter equal to the draws consumed,
+score rows and finish state consistent, and the call counters against P (processed rows need a model call and a generation
 >= 1; the spec's check "finish state, bounds and counters are consistent").  Restoring and continuing
 gives the same tokens and logprobs as never stopping (tests/test_snapshot*.py).
 
@@ -44,8 +52,10 @@ suffix, finish state or positions is a different continuation).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -70,13 +80,17 @@ from decodespec.spec.snapshot import (
     SNAPSHOT_IDENTITY_MISMATCH,
     SNAPSHOT_LEDGER_INVALID,
     SNAPSHOT_MALFORMED,
+    SNAPSHOT_KEY_ENV,
+    SNAPSHOT_MAC_ALGORITHM,
     SNAPSHOT_PENDING_INVALID,
+    SNAPSHOT_UNAUTHENTICATED,
     SnapshotRecord,
 )
 from decodespec.spec.state import Phase, Receipt
 from decodespec.spec.state import Score as SpecScore
 
 from .cache import CacheABI, StaticCache
+from .output import OUTPUT_STATE_FORMAT
 
 __all__ = [
     "SNAPSHOT_FORMAT",
@@ -86,6 +100,7 @@ __all__ = [
     "request_to_json",
     "restore_runner",
     "save_snapshot",
+    "snapshot_key",
     "take_runtime_snapshot",
 ]
 
@@ -296,8 +311,41 @@ def _tensor_path(path: Path) -> Path:
     return path.with_name(path.name + ".safetensors")
 
 
-def save_snapshot(snapshot: RuntimeSnapshot, path: str | Path) -> tuple[Path, Path]:
-    """Write ``path`` (JSON) and ``path.safetensors`` (tensors); returns both paths."""
+def snapshot_key(key: bytes | str | None = None) -> bytes | None:
+    """The HMAC key: ``key`` when given, else the UTF-8 bytes of ``$DECODESPEC_SNAPSHOT_KEY`` (``None`` when unset or empty)."""
+    if key is None:
+        key = os.environ.get(SNAPSHOT_KEY_ENV) or None
+    if isinstance(key, str):
+        key = key.encode("utf-8")
+    return key or None
+
+
+def _mac(doc: dict[str, Any], key: bytes) -> str:
+    body = {k: v for k, v in doc.items() if k != "authentication"}
+    return hmac.new(key, rfc8785.dumps(body), hashlib.sha256).hexdigest()
+
+
+def _authenticate(doc: dict[str, Any], key: bytes) -> None:
+    """Raise ``snapshot.unauthenticated`` unless ``doc`` carries the HMAC-SHA256 of its other fields under ``key``."""
+    auth = doc.get("authentication")
+    if not isinstance(auth, dict) or auth.get("algorithm") != SNAPSHOT_MAC_ALGORITHM or not isinstance(auth.get("mac"), str):
+        raise Rejection(SNAPSHOT_UNAUTHENTICATED, f"a snapshot key is set but the file carries no {SNAPSHOT_MAC_ALGORITHM} "
+                        "authentication", "$.authentication")
+    try:
+        expected = _mac(doc, key)
+    except (rfc8785.CanonicalizationError, TypeError, ValueError, RecursionError):
+        expected = ""
+    if not hmac.compare_digest(expected, auth["mac"]):
+        raise Rejection(SNAPSHOT_UNAUTHENTICATED, "the snapshot's HMAC does not match this key: it was written with another key "
+                        "or changed since", "$.authentication.mac")
+
+
+def save_snapshot(snapshot: RuntimeSnapshot, path: str | Path, key: bytes | str | None = None) -> tuple[Path, Path]:
+    """Write ``path`` (JSON) and ``path.safetensors`` (tensors); returns both paths.
+
+    With a key (``key``, else ``$DECODESPEC_SNAPSHOT_KEY``) the JSON carries an HMAC-SHA256 of its
+    other fields (module docstring).
+    """
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -331,17 +379,22 @@ def save_snapshot(snapshot: RuntimeSnapshot, path: str | Path) -> tuple[Path, Pa
         "score": None if snapshot.record.score is None else {"score_id": snapshot.record.score.score_id, "tensor": "score.logits"},
         "observer": snapshot.observer_state,
     }
+    secret = snapshot_key(key)
+    if secret is not None:
+        doc["authentication"] = {"algorithm": SNAPSHOT_MAC_ALGORITHM, "mac": _mac(doc, secret)}
     path.write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     return path, tensor_path
 
 
-def load_snapshot(path: str | Path) -> RuntimeSnapshot:
+def load_snapshot(path: str | Path, key: bytes | str | None = None) -> RuntimeSnapshot:
     """Read a snapshot written by :func:`save_snapshot` (shape checks only; :func:`restore_runner` validates).
 
     Raises:
         Rejection: ``snapshot.malformed`` for unreadable JSON, a wrong format, a missing field,
             a missing tensor file, one whose SHA-256 differs from the recorded one, or one that
-            is not a readable safetensors file (truncated, with its SHA-256 re-recorded).
+            is not a readable safetensors file (truncated, with its SHA-256 re-recorded), each at
+            the offending field; ``snapshot.unauthenticated`` when a key is set (``key``, else
+            ``$DECODESPEC_SNAPSHOT_KEY``) and the file has no matching HMAC-SHA256.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -359,6 +412,9 @@ def load_snapshot(path: str | Path) -> RuntimeSnapshot:
         raise Rejection(SNAPSHOT_MALFORMED, "the JSON nests too deeply", "$") from None
     if surrogate is not None:
         raise Rejection(SNAPSHOT_MALFORMED, "a string escapes a lone UTF-16 surrogate (not UTF-8 text)", surrogate)
+    secret = snapshot_key(key)
+    if secret is not None:
+        _authenticate(doc, secret)
     try:
         cache = _field(doc, "cache", "$", dict)
         name = _field(cache, "tensors", "$.cache", str)
@@ -658,11 +714,16 @@ def _check_observer(snapshot: RuntimeSnapshot) -> None:
         return
     if not isinstance(state, dict):
         raise _refuse(SNAPSHOT_MALFORMED, f"the observer state is an object, not {type(state).__name__}", "$.observer")
+    if state.get("format") != OUTPUT_STATE_FORMAT:
+        raise _refuse(SNAPSHOT_MALFORMED, f"the observer state's format is {quote(state.get('format'))}, not {OUTPUT_STATE_FORMAT}",
+                      "$.observer.format")
     rec = snapshot.record
     for key, want in (("output_ids", list(rec.output_ids)), ("logprobs", list(snapshot.logprobs))):
         got = state.get(key)
-        if not isinstance(got, list) or len(got) != len(want):
-            raise _refuse(SNAPSHOT_LEDGER_INVALID, f"the observer's {key} is not a list of {len(want)} values", f"$.observer.{key}")
+        if not isinstance(got, list):
+            raise _refuse(SNAPSHOT_MALFORMED, f"the observer's {key} is not a list", f"$.observer.{key}")
+        if len(got) != len(want):
+            raise _refuse(SNAPSHOT_LEDGER_INVALID, f"the observer holds {len(got)} {key}, the ledger {len(want)}", f"$.observer.{key}")
         for index, (g, w) in enumerate(zip(got, want)):
             if g != w or isinstance(g, bool) or not isinstance(g, (int, float)):
                 raise _refuse(SNAPSHOT_LEDGER_INVALID, f"the observer's {key}[{index}] is {quote(g)}; the ledger has {quote(w)}",

@@ -7,7 +7,12 @@ identity, or raises a typed error, in the order M3.10 prescribes:
    strict UTF-8 (``envelope.invalid_utf8``), nesting depth (``envelope.too_deep``), then a
    parse that rejects duplicate keys at any depth (``envelope.duplicate_key``), the
    ``NaN``/``Infinity`` literals and overflowing floats (``envelope.non_finite_number``),
-   escaped lone surrogates and malformed JSON.
+   integer literals outside the I-JSON domain ``[-(2**53 - 1), 2**53 - 1]`` in any field
+   (``envelope.out_of_range`` at the field: RFC 8785 hashes no other integer exactly, and a
+   number field must convert to a finite float), escaped lone surrogates and malformed JSON.
+   Every step is linear in the byte size: the depth pre-scan (:func:`_nesting_depth`) cuts
+   strings out with a regex that never restarts inside one, also when a string is unclosed, so
+   the full 4 MB is refused in well under a second (tests/test_hostile_input.py measures it).
 2. **Closed schema** (the published JSON Schema :data:`SCHEMA_PATH`, Draft 2020-12, checked
    with ``jsonschema``): closed field sets, required fields, types (no bool-as-int and, unlike
    plain JSON Schema, no float-as-int: ``1.0`` is not an integer here), enums, integer ranges,
@@ -46,7 +51,9 @@ Declared choices:
 
 Every rejection is a :class:`~decodespec.spec.errors.Rejection` or
 :class:`~decodespec.spec.errors.ResourceLimit` with a registered code, a JSON path and a
-message; nothing else happens.
+message that quotes at most a short prefix of the offending value
+(:func:`~decodespec.spec.errors.quote`); nothing else happens.  The policy tables' size bounds
+(``policy.too_large``) are :mod:`decodespec.spec.limits`'.
 
 Source: M3.10 "Immutable request envelope and canonical identity" (planes, closed byte-level
 contract, ``validate_request_envelope``), "Immutable identity versus mutable request state",

@@ -15,7 +15,10 @@ was wrongly accepted before the fix:
 * admission: ``--cache static --capacity 1048576`` died in the allocator; now the capacity is
   checked against the model window (``model.context_window_exceeded``) and a declared memory
   bound (``cache.memory_exceeded``); policy tables have declared sizes (``policy.too_large``);
-* error messages quote at most a short prefix of an offending value (:func:`quote`).
+* error messages quote at most a short prefix of an offending value (:func:`quote`);
+* a tensor changed together with its recorded SHA-256 is accepted without a key (the hash
+  detects accidents only, as the snapshot docs say) and refused with one
+  (``DECODESPEC_SNAPSHOT_KEY``: an HMAC-SHA256, ``snapshot.unauthenticated``).
 
 Source: M3.10 0x06 "Bound parsers, matchers, traces, and sensitive data"; M3.10 0x0B snapshots.
 """
@@ -23,6 +26,7 @@ Source: M3.10 0x06 "Bound parsers, matchers, traces, and sensitive data"; M3.10 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import time
@@ -40,6 +44,7 @@ from decodespec.spec import limits
 from decodespec.spec.envelope import MAX_ENVELOPE_BYTES, validate_request_envelope
 from decodespec.spec.errors import MAX_MESSAGE_CHARS, MAX_QUOTED_CHARS, DecodeSpecError, Rejection, ResourceLimit, quote
 from decodespec.spec.policy.config import policy_config_from_json
+from decodespec.spec.snapshot import SNAPSHOT_KEY_ENV
 
 from runtime_helpers import request, sampled_policy  # noqa: E402  (tests/ is on sys.path)
 
@@ -326,3 +331,47 @@ def test_the_untampered_snapshot_resumes_to_the_same_tokens(tiny_model, byte_tok
                           tokenizer=byte_tokenizer).run().result()
     assert list(resumed.output_ids) == list(whole.output_ids) and list(resumed.logprobs) == list(whole.logprobs)
     assert list(resumed.output_ids[:3]) == doc["state"]["output_ids"]
+
+
+def _retensor(path: Path, doc: dict) -> dict:
+    """Change one cached key row and re-record the tensor file's SHA-256 (a deliberate, consistent edit)."""
+    from safetensors.torch import load_file, save_file
+
+    tensor_path = path.with_name(doc["cache"]["tensors"])
+    stored = load_file(str(tensor_path))
+    stored["cache.layers.0.keys"][0, 0, 0, 0] += 1.0
+    save_file(stored, str(tensor_path), metadata={"format": doc["format"], "identity": doc["identity"]})
+    digest = "sha256:" + hashlib.sha256(tensor_path.read_bytes()).hexdigest()
+    return {**doc, "cache": {**doc["cache"], "sha256": digest}}
+
+
+def test_the_tensor_hash_detects_accidents_only_and_the_hmac_detects_edits(tiny_model, byte_tokenizer, tmp_path, monkeypatch):
+    """Without a key a tensor changed with its hash is accepted (the docs say so); with a key it is refused."""
+    monkeypatch.delenv(SNAPSHOT_KEY_ENV, raising=False)
+    runner = RequestRunner(tiny_model, request([1, *byte_tokenizer.encode("key")], 4, cache="static"), tokenizer=byte_tokenizer)
+    snap = runner.run(max_outputs=2).snapshot("pending_suffix")
+    plain, keyed = tmp_path / "plain.json", tmp_path / "keyed.json"
+    save_snapshot(snap, plain)
+    save_snapshot(snap, keyed, key="k1")
+    assert "authentication" not in json.loads(plain.read_text())
+    assert json.loads(keyed.read_text())["authentication"]["algorithm"] == "hmac-sha256"
+    load_snapshot(keyed, key="k1")  # the honest keyed file loads
+    monkeypatch.setenv(SNAPSHOT_KEY_ENV, "k1")
+    load_snapshot(keyed)  # the key from the environment
+    with pytest.raises(Rejection) as info:
+        load_snapshot(plain)  # a key is set but the file has no HMAC
+    assert (info.value.code, info.value.path) == ("snapshot.unauthenticated", "$.authentication")
+    with pytest.raises(Rejection) as info:
+        load_snapshot(keyed, key="another key")
+    assert (info.value.code, info.value.path) == ("snapshot.unauthenticated", "$.authentication.mac")
+    monkeypatch.delenv(SNAPSHOT_KEY_ENV)
+    # A consistent tensor edit: accepted without a key (SHA-256 is no authentication) ...
+    edited = _retensor(plain, json.loads(plain.read_text()))
+    plain.write_text(json.dumps(edited))
+    assert load_snapshot(plain).tensors[0][0][0, 0, 0, 0] == snap.tensors[0][0][0, 0, 0, 0] + 1.0
+    # ... refused with one.
+    edited = _retensor(keyed, json.loads(keyed.read_text()))
+    keyed.write_text(json.dumps(edited))
+    with pytest.raises(Rejection) as info:
+        load_snapshot(keyed, key="k1")
+    assert (info.value.code, info.value.path) == ("snapshot.unauthenticated", "$.authentication.mac")
