@@ -422,9 +422,13 @@ def load_snapshot(path: str | Path, key: bytes | str | None = None) -> RuntimeSn
             tensor_path = path.with_name(name)
         except ValueError:
             raise _malformed(f"tensor file name {quote(name)} is not a file name next to the snapshot", "$.cache.tensors") from None
-        if tensor_path.name != name or not tensor_path.is_file():
+        try:
+            tensor_bytes = tensor_path.read_bytes() if tensor_path.name == name and tensor_path.is_file() else None
+        except OSError as exc:  # a name too long for the file system, a file that cannot be read
+            raise _malformed(f"tensor file {quote(str(tensor_path))} cannot be read: {quote(str(exc))}", "$.cache.tensors") from None
+        if tensor_bytes is None:
             raise _malformed(f"tensor file {quote(str(tensor_path))} is missing", "$.cache.tensors")
-        if "sha256:" + hashlib.sha256(tensor_path.read_bytes()).hexdigest() != _field(cache, "sha256", "$.cache", str):
+        if "sha256:" + hashlib.sha256(tensor_bytes).hexdigest() != _field(cache, "sha256", "$.cache", str):
             raise _malformed(f"tensor file {quote(str(tensor_path))} differs from the recorded SHA-256", "$.cache.sha256")
         try:
             stored = load_file(str(tensor_path))

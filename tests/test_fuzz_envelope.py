@@ -32,6 +32,7 @@ import json
 import os
 import random
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,8 @@ FUZZ = settings(max_examples=NUM_EXAMPLES, deadline=None, database=None, derando
 #: surface -> outcome ("admitted" or the error code) -> count, over the whole module.
 STATS: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 ELAPSED: collections.Counter = collections.Counter()
+#: Untyped errors the long loop met (it records them and goes on; the test fails at the end).
+UNTYPED: list[dict[str, Any]] = []
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -65,10 +68,11 @@ def _report():
     yield
     target = os.environ.get("DECODESPEC_FUZZ_REPORT")
     if target:
-        report = {surface: {"inputs": sum(c.values()), "seconds": round(ELAPSED[surface], 1),
+        report: dict[str, Any] = {surface: {"inputs": sum(c.values()), "seconds": round(ELAPSED[surface], 1),
                             "inputs_per_second": round(sum(c.values()) / max(ELAPSED[surface], 1e-9), 1),
-                            "untyped": 0, "outcomes": dict(c.most_common())}
+                            "untyped": c["untyped"], "outcomes": dict(c.most_common())}
                   for surface, c in STATS.items()}
+        report["untyped_errors"] = UNTYPED
         Path(target).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
 
 
@@ -341,10 +345,21 @@ def test_long_fuzz_loop(tiny_model, byte_tokenizer, snapshot_bases) -> None:
     rng = random.Random(seed)
     c = Chooser(rng=rng)
     rounds = 0
+
+    def guarded(surface: str, case) -> None:
+        try:
+            case()
+        except Exception as exc:  # noqa: BLE001 -- an untyped error: recorded (kind and place), the loop goes on
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            UNTYPED.append({"surface": surface, "round": rounds, "error": f"{type(exc).__name__}: {str(exc)[:200]}",
+                            "at": f"{Path(where.filename).name}:{where.lineno}"})
+            STATS[surface]["untyped"] += 1
+
     while time.monotonic() < deadline:
         rounds += 1
         for _ in range(3):
-            _typed("envelope_bytes", validate_request_envelope, mutate_bytes(c, c.choice(RAW_EXAMPLES)))
-            _typed("envelope_fields", validate_request_envelope, mutate_fields(c, c.choice(DOCS)))
-        _snapshot_case(tiny_model, byte_tokenizer, snapshot_bases, c)
+            guarded("envelope_bytes", lambda: _typed("envelope_bytes", validate_request_envelope, mutate_bytes(c, c.choice(RAW_EXAMPLES))))
+            guarded("envelope_fields", lambda: _typed("envelope_fields", validate_request_envelope, mutate_fields(c, c.choice(DOCS))))
+        guarded("snapshot", lambda: _snapshot_case(tiny_model, byte_tokenizer, snapshot_bases, c))
     assert rounds > 0
+    assert not UNTYPED, UNTYPED[:5]

@@ -375,3 +375,10 @@ def test_the_tensor_hash_detects_accidents_only_and_the_hmac_detects_edits(tiny_
     with pytest.raises(Rejection) as info:
         load_snapshot(keyed, key="k1")
     assert (info.value.code, info.value.path) == ("snapshot.unauthenticated", "$.authentication.mac")
+
+
+def test_a_tensor_file_name_too_long_for_the_file_system_is_malformed(tiny_model, byte_tokenizer, observed):
+    """Found by the long fuzz loop: ``is_file()`` raised ``OSError`` (name too long)."""
+    path, doc = observed
+    err = _refusal(tiny_model, byte_tokenizer, path, doc, lambda d: d["cache"].update(tensors="x" * 3000))
+    assert (err.code, err.path) == ("snapshot.malformed", "$.cache.tensors") and len(err.message) < 300
