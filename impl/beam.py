@@ -105,7 +105,7 @@ from .cache import StaticCache, make_cache
 from .events import EVENTS_FORMAT, EventSink
 from .model import CONTEXT_WINDOW_EXCEEDED, LlamaForCausalLM
 from .policy import next_state, process_scores
-from .runtime import INVALID_REQUEST, RuntimeRequest, _validated, _with_min_new_tokens
+from .runtime import INVALID_REQUEST, RuntimeRequest, _check_static_capacity, _validated, _with_min_new_tokens
 
 __all__ = [
     "BEAM_UNSUPPORTED",
@@ -343,6 +343,8 @@ class BeamRunner:
             code = CACHE_CAPACITY_EXCEEDED if self.capacity is not None and self.capacity < need else CONTEXT_WINDOW_EXCEEDED
             raise ResourceLimit(code, f"L + G = {need} exceeds the context cap {min(caps)}; beams finish only by EOS or "
                                 "max_new_tokens", "$.termination.max_new_tokens", details={"limit": min(caps), "actual": need})
+        if self.capacity is not None:
+            _check_static_capacity(model, self.capacity, batch_size=request.policy.num_beams)
         #: One cache for the whole frontier: batch row k is live slot k (1 row until the first reorder).
         self.cache = make_cache(request.cache, model.cache_abi, capacity=self.capacity)
         self.sink, self.tokenizer, self.runtime_info, self.record = sink, tokenizer, dict(runtime_info or {}), record

@@ -54,6 +54,7 @@ import attrs
 import torch
 
 from decodespec.spec.errors import Rejection, ResourceLimit, register_code
+from decodespec.spec.limits import CACHE_MEMORY_EXCEEDED, MAX_STATIC_CACHE_BYTES, static_cache_bytes
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED, CACHE_SLOT_MISMATCH
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "INVALID_CACHE_OPERATION",
     "LaneWrite",
     "StaticCache",
+    "check_static_reservation",
     "make_cache",
 ]
 
@@ -79,6 +81,25 @@ INVALID_CACHE_OPERATION = register_code(
     "M3.10 0x09 KV cache implementation path",
     "A cache update, crop or reorder has the wrong layer index, shape, dtype, batch size or argument range.",
 )
+
+def check_static_reservation(abi: "CacheABI", capacity: int, *, batch_size: int = 1, path: str = "$.cache.capacity") -> int:
+    """The bytes a static cache of ``capacity`` slots reserves under ``abi``, refused past the declared bound.
+
+    Returns:
+        :func:`decodespec.spec.limits.static_cache_bytes` of the ABI's shape and dtype.
+
+    Raises:
+        ResourceLimit: ``cache.memory_exceeded`` when it exceeds
+            :data:`decodespec.spec.limits.MAX_STATIC_CACHE_BYTES` (nothing is allocated).
+    """
+    dtype_bytes = torch.empty((), dtype=getattr(torch, abi.dtype)).element_size()
+    need = static_cache_bytes(abi.num_layers, abi.num_key_value_heads, abi.head_dim, dtype_bytes, capacity, batch_size)
+    if need > MAX_STATIC_CACHE_BYTES:
+        raise ResourceLimit(CACHE_MEMORY_EXCEEDED, f"{capacity} static slots x {batch_size} rows reserve {need} bytes of K/V "
+                            f"({abi.num_layers} layers x {abi.num_key_value_heads} heads x {abi.head_dim} x {abi.dtype}); the bound "
+                            f"is {MAX_STATIC_CACHE_BYTES}", path, {"limit": MAX_STATIC_CACHE_BYTES, "actual": need})
+    return need
+
 
 #: Cache families the runtime offers (the envelope's ``runtime.cache_family``).
 CACHE_FAMILIES = ("none", "dynamic", "static")
@@ -581,6 +602,7 @@ class StaticCache(_CacheLedger):
     def __init__(self, abi: CacheABI, capacity: int, *, batch_size: int = 1):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise Rejection(INVALID_CACHE_OPERATION, f"static capacity must be a positive int, got {capacity!r}", "$.cache.capacity")
+        check_static_reservation(abi, capacity, batch_size=batch_size)
         super().__init__(abi)
         self.capacity = capacity
         self._batch = batch_size

@@ -48,7 +48,7 @@ from typing import Any, Callable, Sequence
 
 from decodespec.spec.actions import TEXT_TRIGGERS
 from decodespec.spec.enums import FinishReason
-from decodespec.spec.errors import Rejection
+from decodespec.spec.errors import Rejection, quote
 from decodespec.spec.snapshot import SNAPSHOT_LEDGER_INVALID, SNAPSHOT_MALFORMED
 from decodespec.spec.stop import EXTERNAL_FINISH_REASONS, AlignedOutput, Chunk, StopConfig
 from decodespec.spec.structured import DEFAULT_MAX_JSON_DEPTH
@@ -281,19 +281,31 @@ class OutputObserver:
                 when the replay does not reproduce the recorded chunks and delivered frontier.
                 The observer is unchanged then.
         """
+        def count(key: str) -> int:
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{key} must be a non-negative integer, got {quote(value)}")
+            return value
+
+        def flag(key: str, default: Any = None) -> bool:
+            value = state.get(key, default)
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} must be a boolean, got {quote(value)}")
+            return value
+
         try:
             if state.get("format") != OUTPUT_STATE_FORMAT:
-                raise ValueError(f"format is {state.get('format')!r}")
+                raise ValueError(f"format is {quote(state.get('format'))}")
             ids = [int(t) for t in state["output_ids"]]
             logprobs = [None if lp is None else float(lp) for lp in state["logprobs"]]
-            num_chunks, delivered = int(state["chunks"]), int(state["delivered_bytes"])
-            failed = bool(state["delivery_failed"])
+            num_chunks, delivered = count("chunks"), count("delivered_bytes")
+            failed = flag("delivery_failed")
             external = None if state["external"] is None else FinishReason(state["external"])
-            flush_failed = bool(state.get("flush_failed", False))
+            flush_failed = flag("flush_failed", False)
             if len(logprobs) != len(ids) or (external is not None and external not in EXTERNAL_FINISH_REASONS | {FinishReason.LENGTH}):
                 raise ValueError("logprobs do not line up with the ids, or the external reason is not one")
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
-            raise Rejection(SNAPSHOT_MALFORMED, f"not an output state: {type(exc).__name__}: {exc}", "$.observer") from None
+        except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise Rejection(SNAPSHOT_MALFORMED, f"not an output state: {type(exc).__name__}: {quote(str(exc))}", "$.observer") from None
         streamer = self._replay(ids, logprobs, fail_at=num_chunks if failed else None, external=external)
         if len(streamer.chunks) != num_chunks or streamer.delivered_bytes != delivered or (streamer.stream_error is not None) != failed:
             raise Rejection(SNAPSHOT_LEDGER_INVALID, f"replaying the {len(ids)} committed tokens publishes {len(streamer.chunks)} chunks up "

@@ -90,7 +90,7 @@ from decodespec.spec.policy.state import PolicyState, RequestView, initial_polic
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
 from decodespec.spec.state import ENVIRONMENT_FAILURES, InterruptPoint, Phase
 
-from .cache import CacheABI, DynamicCache, StaticCache, make_cache
+from .cache import CacheABI, DynamicCache, StaticCache, check_static_reservation, make_cache
 from .events import EVENTS_FORMAT, EventSink
 from .faults import FaultPlan, InjectedDeviceFault
 from .model import CONTEXT_WINDOW_EXCEEDED, LlamaForCausalLM, StageObserver
@@ -432,6 +432,8 @@ class RequestRunner:
         if self.capacity is not None and self.capacity < request.prompt_len + (1 if request.max_new_tokens else 0):
             raise ResourceLimit(CACHE_CAPACITY_EXCEEDED, f"static capacity {self.capacity} cannot hold the {request.prompt_len}-token prompt",
                                 "$.runtime.static_capacity")
+        if self.capacity is not None:
+            _check_static_capacity(model, self.capacity)
         #: The request's stop / structured / output parameters (validated before any state exists).
         self.stop_config = stop_config(request, self.context_cap)
         if on_chunk is not None and not request.stream:
@@ -1167,6 +1169,22 @@ class RequestRunner:
         if not condition:
             raise Rejection(NOT_ENABLED, f"{rule}: guard '{guard}' is false in phase {self.phase.value}", "$.action",
                             details={"rule": rule, "guard": guard})
+
+
+def _check_static_capacity(model: LlamaForCausalLM, capacity: int, batch_size: int = 1) -> None:
+    """Admission of a static reservation: at most the model window, and within the declared memory bound.
+
+    Raises:
+        ResourceLimit: ``model.context_window_exceeded`` when ``capacity`` exceeds
+            ``max_position_embeddings`` (slots past the window can never be written);
+            ``cache.memory_exceeded`` past :data:`decodespec.spec.limits.MAX_STATIC_CACHE_BYTES`.
+            Both at ``$.runtime.static_capacity``, before anything is allocated.
+    """
+    window = model.config.max_position_embeddings
+    if capacity > window:
+        raise ResourceLimit(CONTEXT_WINDOW_EXCEEDED, f"static capacity {capacity} exceeds the model window {window}: slots past the "
+                            "window can never be written", "$.runtime.static_capacity", {"limit": window, "actual": capacity})
+    check_static_reservation(model.cache_abi, capacity, batch_size=batch_size, path="$.runtime.static_capacity")
 
 
 def _validated(model: LlamaForCausalLM, request: RuntimeRequest) -> RuntimeRequest:

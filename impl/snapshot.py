@@ -12,7 +12,12 @@ observer's state (``observer.snapshot_state()`` when it has one).
 Files (:func:`save_snapshot` / :func:`load_snapshot`): ``FILE`` holds the JSON
 (``"format": "decodespec.snapshot.v1"``) and ``FILE.safetensors`` the tensors
 (``safetensors.torch.save_file``; keys ``cache.layers.<l>.keys`` / ``.values`` and
-``score.logits``); the JSON records the tensor file's SHA-256, checked on load.
+``score.logits``); the JSON records the tensor file's SHA-256, checked on load.  The SHA-256
+detects accidental damage only: a tensor changed together with its recorded hash is accepted.
+With a user key (``DECODESPEC_SNAPSHOT_KEY``, or ``key=``) the JSON also carries
+``"authentication": {"algorithm": "hmac-sha256", "mac": <hex>}`` over the RFC 8785 bytes of the
+rest of the document (so over the tensor hash too), and loading with a key refuses a file
+without a matching one (``snapshot.unauthenticated``); see :mod:`decodespec.spec.snapshot`.
 
 Forms (M3.10 0x0B "A completed output is not automatically a resumable snapshot"):
 
@@ -26,13 +31,16 @@ Forms (M3.10 0x0B "A completed output is not automatically a resumable snapshot"
 
 :func:`restore_runner` validates everything before building any state (typed ``snapshot.*``
 errors, registered in :mod:`decodespec.spec.snapshot`): the file shape
-(``snapshot.malformed``), the identity (``snapshot.identity_mismatch``; an envelope carried by
+(``snapshot.malformed`` at the offending field: each field is read with its JSON type, integers
+within the I-JSON domain, no lone surrogate anywhere), the identity (``snapshot.identity_mismatch``; an envelope carried by
 the snapshot is re-admitted and must hash to the same identity), the cache family, ABI,
 capacity and tensor layout (``snapshot.abi_mismatch``), ``P + |U| = L + O`` and exactly P cached
 rows (``snapshot.frontier_invalid``), the pending suffix against the declared form
 (``snapshot.pending_invalid``), and the ledger (``snapshot.ledger_invalid``): one logprob and one
-receipt per output, the RNG counter equal to the draws consumed, score rows and finish state
-consistent, and the call counters against P (processed rows need a model call and a generation
+receipt per output, every logprob finite and <= 0, each decision receipt naming its output's
+token, logprob, step, score row, draws and RNG counter and carrying its own content hash, the
+observer's ids and logprobs equal to the ledger's, the RNG counter equal to the draws consumed,
+score rows and finish state consistent, and the call counters against P (processed rows need a model call and a generation
 >= 1; the spec's check "finish state, bounds and counters are consistent").  Restoring and continuing
 gives the same tokens and logprobs as never stopping (tests/test_snapshot*.py).
 
@@ -44,16 +52,23 @@ suffix, finish state or positions is a different continuation).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import math
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
 import attrs
+import rfc8785
 import torch
 
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
-from decodespec.spec.errors import DecodeSpecError, Rejection
+from decodespec.spec.envelope import lone_surrogate_path
+from decodespec.spec.errors import DecodeSpecError, Rejection, quote
+from decodespec.spec.limits import MAX_SAFE_INT
 from decodespec.spec.policy.config import policy_config_from_json
+from decodespec.spec.policy.receipt import content_id
 from decodespec.spec.policy.state import PolicyState
 from decodespec.spec.snapshot import (
     PENDING_SUFFIX,
@@ -65,13 +80,17 @@ from decodespec.spec.snapshot import (
     SNAPSHOT_IDENTITY_MISMATCH,
     SNAPSHOT_LEDGER_INVALID,
     SNAPSHOT_MALFORMED,
+    SNAPSHOT_KEY_ENV,
+    SNAPSHOT_MAC_ALGORITHM,
     SNAPSHOT_PENDING_INVALID,
+    SNAPSHOT_UNAUTHENTICATED,
     SnapshotRecord,
 )
 from decodespec.spec.state import Phase, Receipt
 from decodespec.spec.state import Score as SpecScore
 
 from .cache import CacheABI, StaticCache
+from .output import OUTPUT_STATE_FORMAT
 
 __all__ = [
     "SNAPSHOT_FORMAT",
@@ -81,6 +100,7 @@ __all__ = [
     "request_to_json",
     "restore_runner",
     "save_snapshot",
+    "snapshot_key",
     "take_runtime_snapshot",
 ]
 
@@ -242,35 +262,90 @@ def request_from_json(obj: dict[str, Any]):
 
     from .runtime import RuntimeRequest
 
+    if not isinstance(obj, dict):
+        raise Rejection(SNAPSHOT_MALFORMED, f"the request must be an object, got {type(obj).__name__}", "$.request")
     if obj.get("envelope") is not None:
-        import rfc8785
-
-        admitted, identity = validate_request_envelope(rfc8785.dumps(obj["envelope"]))
+        try:
+            raw = rfc8785.dumps(obj["envelope"])
+        except (rfc8785.CanonicalizationError, TypeError, ValueError, RecursionError) as exc:
+            raise Rejection(SNAPSHOT_MALFORMED, f"the carried envelope is not canonical JSON: {quote(str(exc))}", "$.request.envelope") from None
+        admitted, identity = validate_request_envelope(raw)
         if identity != obj.get("identity"):
-            raise Rejection(SNAPSHOT_IDENTITY_MISMATCH, f"the carried envelope hashes to {identity}, not {obj.get('identity')}",
+            raise Rejection(SNAPSHOT_IDENTITY_MISMATCH, f"the carried envelope hashes to {identity}, not {quote(obj.get('identity'))}",
                             "$.request.envelope")
         return RuntimeRequest.from_admitted(admitted)
-    try:
-        fields = {f.name for f in attrs.fields(RuntimeRequest)}
-        values = {k: v for k, v in obj.items() if k in fields}
-        values.update(
-            prompt_ids=tuple(int(t) for t in obj["prompt_ids"]),
-            policy=policy_config_from_json(obj["policy"]),
-            eos_ids=frozenset(int(t) for t in obj["eos_ids"]),
-            stop_strings=tuple(obj.get("stop_strings", ())),
-            envelope=None,
-        )
-        return RuntimeRequest(**values)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise Rejection(SNAPSHOT_MALFORMED, f"not a runtime request: {type(exc).__name__}: {exc}", "$.request") from None
+    path = "$.request"
+    values: dict[str, Any] = {}
+    for f in attrs.fields(RuntimeRequest):
+        if f.name in ("policy", "envelope") or (f.name not in obj and f.default is not attrs.NOTHING):
+            continue
+        kind = _REQUEST_FIELDS[f.name]
+        value = _field(obj, f.name, path, kind[0])
+        if isinstance(value, int) and not isinstance(value, bool):
+            _nonnegative(value, f"{path}.{f.name}")
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                if not isinstance(item, kind[1]) or isinstance(item, bool):
+                    raise _malformed(f"{f.name}[{i}] must be {kind[1].__name__}, got {type(item).__name__}", f"{path}.{f.name}[{i}]")
+                if isinstance(item, int):
+                    _nonnegative(item, f"{path}.{f.name}[{i}]")
+            value = (frozenset if f.name == "eos_ids" else tuple)(value)
+        values[f.name] = value
+    values["policy"] = policy_config_from_json(_field(obj, "policy", path, dict), f"{path}.policy")
+    return RuntimeRequest(**values, envelope=None)
+
+
+#: The JSON type of each :class:`~decodespec.impl.runtime.RuntimeRequest` field in a snapshot
+#: (``(type or types, element type of a list)``); ``policy`` and ``envelope`` are read apart.
+_REQUEST_FIELDS: dict[str, tuple[Any, Any]] = {
+    "identity": (str, None), "prompt_ids": (list, int), "max_new_tokens": (int, None), "eos_ids": (list, int),
+    "min_new_tokens": (int, None), "seed": ((int, type(None)), None), "rng_counter_start": (int, None), "cache": (str, None),
+    "static_capacity": ((int, type(None)), None), "prefill_chunk": ((int, type(None)), None), "zero_new_tokens": (str, None),
+    "final_cache": (str, None), "max_retries": (int, None), "context_cap": ((int, type(None)), None), "stream": (bool, None),
+    "stop_strings": (list, str), "structured": (str, None), "include_stop_str": (bool, None), "alignment": (str, None),
+    "vocab_hash": (str, None),
+}
 
 
 def _tensor_path(path: Path) -> Path:
     return path.with_name(path.name + ".safetensors")
 
 
-def save_snapshot(snapshot: RuntimeSnapshot, path: str | Path) -> tuple[Path, Path]:
-    """Write ``path`` (JSON) and ``path.safetensors`` (tensors); returns both paths."""
+def snapshot_key(key: bytes | str | None = None) -> bytes | None:
+    """The HMAC key: ``key`` when given, else the UTF-8 bytes of ``$DECODESPEC_SNAPSHOT_KEY`` (``None`` when unset or empty)."""
+    if key is None:
+        key = os.environ.get(SNAPSHOT_KEY_ENV) or None
+    if isinstance(key, str):
+        key = key.encode("utf-8")
+    return key or None
+
+
+def _mac(doc: dict[str, Any], key: bytes) -> str:
+    body = {k: v for k, v in doc.items() if k != "authentication"}
+    return hmac.new(key, rfc8785.dumps(body), hashlib.sha256).hexdigest()
+
+
+def _authenticate(doc: dict[str, Any], key: bytes) -> None:
+    """Raise ``snapshot.unauthenticated`` unless ``doc`` carries the HMAC-SHA256 of its other fields under ``key``."""
+    auth = doc.get("authentication")
+    if not isinstance(auth, dict) or auth.get("algorithm") != SNAPSHOT_MAC_ALGORITHM or not isinstance(auth.get("mac"), str):
+        raise Rejection(SNAPSHOT_UNAUTHENTICATED, f"a snapshot key is set but the file carries no {SNAPSHOT_MAC_ALGORITHM} "
+                        "authentication", "$.authentication")
+    try:
+        expected = _mac(doc, key)
+    except (rfc8785.CanonicalizationError, TypeError, ValueError, RecursionError):
+        expected = ""
+    if not hmac.compare_digest(expected, auth["mac"]):
+        raise Rejection(SNAPSHOT_UNAUTHENTICATED, "the snapshot's HMAC does not match this key: it was written with another key "
+                        "or changed since", "$.authentication.mac")
+
+
+def save_snapshot(snapshot: RuntimeSnapshot, path: str | Path, key: bytes | str | None = None) -> tuple[Path, Path]:
+    """Write ``path`` (JSON) and ``path.safetensors`` (tensors); returns both paths.
+
+    With a key (``key``, else ``$DECODESPEC_SNAPSHOT_KEY``) the JSON carries an HMAC-SHA256 of its
+    other fields (module docstring).
+    """
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -304,17 +379,22 @@ def save_snapshot(snapshot: RuntimeSnapshot, path: str | Path) -> tuple[Path, Pa
         "score": None if snapshot.record.score is None else {"score_id": snapshot.record.score.score_id, "tensor": "score.logits"},
         "observer": snapshot.observer_state,
     }
+    secret = snapshot_key(key)
+    if secret is not None:
+        doc["authentication"] = {"algorithm": SNAPSHOT_MAC_ALGORITHM, "mac": _mac(doc, secret)}
     path.write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     return path, tensor_path
 
 
-def load_snapshot(path: str | Path) -> RuntimeSnapshot:
+def load_snapshot(path: str | Path, key: bytes | str | None = None) -> RuntimeSnapshot:
     """Read a snapshot written by :func:`save_snapshot` (shape checks only; :func:`restore_runner` validates).
 
     Raises:
         Rejection: ``snapshot.malformed`` for unreadable JSON, a wrong format, a missing field,
             a missing tensor file, one whose SHA-256 differs from the recorded one, or one that
-            is not a readable safetensors file (truncated, with its SHA-256 re-recorded).
+            is not a readable safetensors file (truncated, with its SHA-256 re-recorded), each at
+            the offending field; ``snapshot.unauthenticated`` when a key is set (``key``, else
+            ``$DECODESPEC_SNAPSHOT_KEY``) and the file has no matching HMAC-SHA256.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -322,45 +402,107 @@ def load_snapshot(path: str | Path) -> RuntimeSnapshot:
     path = Path(path)
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise Rejection(SNAPSHOT_MALFORMED, f"cannot read {path}: {exc}", "$") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise Rejection(SNAPSHOT_MALFORMED, f"cannot read {quote(str(path))}: {type(exc).__name__}: {quote(str(exc))}", "$") from None
     if not isinstance(doc, dict) or doc.get("format") != SNAPSHOT_FORMAT:
         raise Rejection(SNAPSHOT_MALFORMED, f"not a {SNAPSHOT_FORMAT} file", "$.format")
     try:
-        cache = doc["cache"]
-        tensor_path = path.with_name(cache["tensors"])
-        if not tensor_path.is_file():
-            raise Rejection(SNAPSHOT_MALFORMED, f"tensor file {tensor_path} is missing", "$.cache.tensors")
-        if "sha256:" + hashlib.sha256(tensor_path.read_bytes()).hexdigest() != cache["sha256"]:
-            raise Rejection(SNAPSHOT_MALFORMED, f"tensor file {tensor_path} differs from the recorded SHA-256", "$.cache.sha256")
+        surrogate = lone_surrogate_path(doc)
+    except RecursionError:
+        raise Rejection(SNAPSHOT_MALFORMED, "the JSON nests too deeply", "$") from None
+    if surrogate is not None:
+        raise Rejection(SNAPSHOT_MALFORMED, "a string escapes a lone UTF-16 surrogate (not UTF-8 text)", surrogate)
+    secret = snapshot_key(key)
+    if secret is not None:
+        _authenticate(doc, secret)
+    try:
+        cache = _field(doc, "cache", "$", dict)
+        name = _field(cache, "tensors", "$.cache", str)
+        try:
+            tensor_path = path.with_name(name)
+        except ValueError:
+            raise _malformed(f"tensor file name {quote(name)} is not a file name next to the snapshot", "$.cache.tensors") from None
+        try:
+            tensor_bytes = tensor_path.read_bytes() if tensor_path.name == name and tensor_path.is_file() else None
+        except OSError as exc:  # a name too long for the file system, a file that cannot be read
+            raise _malformed(f"tensor file {quote(str(tensor_path))} cannot be read: {quote(str(exc))}", "$.cache.tensors") from None
+        if tensor_bytes is None:
+            raise _malformed(f"tensor file {quote(str(tensor_path))} is missing", "$.cache.tensors")
+        if "sha256:" + hashlib.sha256(tensor_bytes).hexdigest() != _field(cache, "sha256", "$.cache", str):
+            raise _malformed(f"tensor file {quote(str(tensor_path))} differs from the recorded SHA-256", "$.cache.sha256")
         try:
             stored = load_file(str(tensor_path))
         except (SafetensorError, OSError) as exc:  # truncated or corrupt although its SHA-256 was re-recorded
-            raise Rejection(SNAPSHOT_MALFORMED, f"tensor file {tensor_path} is not a readable safetensors file: {exc}",
-                            "$.cache.tensors") from None
-        num_layers = int(cache["num_layers"])
+            raise _malformed(f"tensor file {quote(str(tensor_path))} is not a readable safetensors file: {quote(str(exc))}",
+                             "$.cache.tensors") from None
+        num_layers = _nonnegative(_field(cache, "num_layers", "$.cache", int), "$.cache.num_layers")
         tensors = None
         if num_layers:
-            tensors = [(stored[f"cache.layers.{i}.keys"], stored[f"cache.layers.{i}.values"]) for i in range(num_layers)]
-        policy = doc["policy_state"]
+            tensors = [(_tensor(stored, f"cache.layers.{i}.keys"), _tensor(stored, f"cache.layers.{i}.values")) for i in range(num_layers)]
+        policy = _field(doc, "policy_state", "$", dict)
+        constraint_state = _field(policy, "constraint_state", "$.policy_state", (str, type(None)))
+        mu = _field(policy, "mirostat_mu", "$.policy_state", (int, float, type(None)))
+        score = _field(doc, "score", "$", (dict, type(None)))
+        capacity = _field(cache, "capacity", "$.cache", (int, type(None)))
+        abi = _field(cache, "abi", "$.cache", (dict, type(None)))
         return RuntimeSnapshot(
-            record=SnapshotRecord.from_json(doc["state"]),
-            logprobs=tuple(float(x) for x in doc["logprobs"]),
-            policy_state=PolicyState(int(policy["rng_counter"]), policy["constraint_state"],
-                                     None if policy["mirostat_mu"] is None else float(policy["mirostat_mu"])),
-            receipts=tuple(doc["receipts"]),
-            request=request_from_json(doc["request"]),
-            cache_family=str(cache["family"]),
-            cache_abi=None if cache["abi"] is None else CacheABI.from_json(cache["abi"]),
-            capacity=None if cache["capacity"] is None else int(cache["capacity"]),
+            record=SnapshotRecord.from_json(_field(doc, "state", "$", dict)),
+            logprobs=tuple(_number(x, f"$.logprobs[{i}]") for i, x in enumerate(_field(doc, "logprobs", "$", list))),
+            policy_state=PolicyState(_nonnegative(_field(policy, "rng_counter", "$.policy_state", int), "$.policy_state.rng_counter"),
+                                     constraint_state, None if mu is None else _number(mu, "$.policy_state.mirostat_mu")),
+            receipts=tuple(_field(doc, "receipts", "$", list)),
+            request=request_from_json(_field(doc, "request", "$", dict)),
+            cache_family=_field(cache, "family", "$.cache", str),
+            cache_abi=None if abi is None else CacheABI.from_json(abi),
+            capacity=None if capacity is None else _nonnegative(capacity, "$.cache.capacity"),
             tensors=tensors,
-            score_logits=stored.get("score.logits") if doc.get("score") else None,
+            score_logits=_tensor(stored, "score.logits") if score else None,
             observer_state=doc.get("observer"),
         )
     except DecodeSpecError:
         raise
-    except (KeyError, TypeError, ValueError) as exc:
-        raise Rejection(SNAPSHOT_MALFORMED, f"not a snapshot: {type(exc).__name__}: {exc}", "$") from None
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError) as exc:
+        raise _malformed(f"not a snapshot: {type(exc).__name__}: {quote(str(exc))}", "$") from None
+
+
+def _malformed(message: str, path: str) -> Rejection:
+    return Rejection(SNAPSHOT_MALFORMED, message, path)
+
+
+def _field(obj: Any, key: str, path: str, types: type | tuple[type, ...]) -> Any:
+    """``obj[key]`` of one of ``types`` (``bool`` is never an ``int``), else ``snapshot.malformed`` naming the field."""
+    if not isinstance(obj, dict):
+        raise _malformed(f"expected an object, got {type(obj).__name__}", path)
+    if key not in obj:
+        raise _malformed(f"missing field {key!r}", f"{path}.{key}")
+    value = obj[key]
+    wanted = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, wanted) or (isinstance(value, bool) and bool not in wanted):
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in wanted)
+        raise _malformed(f"{key} must be {names}, got {type(value).__name__}", f"{path}.{key}")
+    return value
+
+
+def _nonnegative(value: int, path: str) -> int:
+    if not 0 <= value <= MAX_SAFE_INT:
+        raise _malformed(f"{quote(value)} is not an integer in [0, {MAX_SAFE_INT}]", path)
+    return value
+
+
+def _number(value: Any, path: str) -> float:
+    """A JSON number as a float (``NaN`` / ``Infinity`` literals pass here; restore refuses them where they matter)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _malformed(f"expected a number, got {type(value).__name__}", path)
+    try:
+        return float(value)
+    except OverflowError:
+        raise _malformed(f"the number {quote(value)} does not fit a float", path) from None
+
+
+def _tensor(stored: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    if key not in stored:
+        raise _malformed(f"the tensor file holds no {key!r}", "$.cache.tensors")
+    return stored[key]
 
 
 # --------------------------------------------------------------------------------------------
@@ -456,8 +598,15 @@ def _check_ledger(snapshot: RuntimeSnapshot, model, request) -> None:
     # receipts
     if not (len(snapshot.logprobs) == len(outputs) == len(rec.consumed)):
         raise _refuse(SNAPSHOT_LEDGER_INVALID, f"{len(outputs)} outputs, {len(snapshot.logprobs)} logprobs, {len(rec.consumed)} receipts", "$.logprobs")
-    if any(c.token_id != t for c, t in zip(rec.consumed, outputs)) or any(not lp <= 1e-6 for lp in snapshot.logprobs):
-        raise _refuse(SNAPSHOT_LEDGER_INVALID, "receipts or logprobs do not line up with the outputs", "$.state.consumed")
+    for index, (c, t) in enumerate(zip(rec.consumed, outputs)):
+        if c.token_id != t:
+            raise _refuse(SNAPSHOT_LEDGER_INVALID, f"consumed receipt {index} names token {c.token_id}, output {index} is {t}",
+                          f"$.state.consumed[{index}].token_id")
+    for index, lp in enumerate(snapshot.logprobs):
+        if not (math.isfinite(lp) and lp <= 0.0):
+            raise _refuse(SNAPSHOT_LEDGER_INVALID, f"logprob {index} is {lp!r}; a log-probability is finite and <= 0", f"$.logprobs[{index}]")
+    _check_receipts(snapshot)
+    _check_observer(snapshot)
     receipt_ids = [c.receipt_id for c in rec.consumed]
     if len(set(receipt_ids)) != len(receipt_ids) or len(set(rec.issued)) != len(rec.issued) or not set(receipt_ids) <= set(rec.issued):
         raise _refuse(SNAPSHOT_LEDGER_INVALID, "consumed receipts must be distinct and issued, issued receipts distinct", "$.state.issued")
@@ -514,6 +663,75 @@ def _check_ledger(snapshot: RuntimeSnapshot, model, request) -> None:
     if rec.generation < len(rec.scores):
         raise _refuse(SNAPSHOT_LEDGER_INVALID, f"{len(rec.scores)} score rows under generation {rec.generation} (each ALL_NEW call "
                       f"advances it)", "$.state.generation")
+
+
+def _check_receipts(snapshot: RuntimeSnapshot) -> None:
+    """The decision receipts against the ledger, field by field (``snapshot.ledger_invalid``, the field named).
+
+    The runner holds the receipts of the tokens it decided itself (after a restore, those decided
+    since), so the ``n`` receipts line up with the last ``n`` outputs: receipt ``j`` is output
+    ``i = O - n + j`` and must name its token (``selected_id``), its logprob (``raw_logprob``, equal
+    to ``logprobs[i]``), its step (``i``), score row, draws and RNG counter, and carry the content
+    hash of its own fields (``receipt_id``).  A pending token changed everywhere but in the last
+    receipt is refused here.
+
+    Source: M3.8 0x0B decision receipts; M3.10 0x06 "One selection is an output-state transaction".
+    """
+    rec = snapshot.record
+    receipts, outputs = snapshot.receipts, rec.output_ids
+    if len(receipts) > len(outputs):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, f"{len(receipts)} decision receipts for {len(outputs)} outputs", "$.receipts")
+    offset = len(outputs) - len(receipts)
+    for j, receipt in enumerate(receipts):
+        i, path = offset + j, f"$.receipts[{j}]"
+        if not isinstance(receipt, dict):
+            raise _refuse(SNAPSHOT_MALFORMED, f"a decision receipt is an object, not {type(receipt).__name__}", path)
+        consumed = rec.consumed[i]
+        rng = receipt.get("rng")
+        expected = (("selected_id", outputs[i]), ("raw_logprob", snapshot.logprobs[i]), ("step", i), ("score_id", consumed.score_id),
+                    ("draws", consumed.draws))
+        for key, want in expected:
+            if receipt.get(key) != want or isinstance(receipt.get(key), bool):
+                raise _refuse(SNAPSHOT_LEDGER_INVALID, f"receipt {j} (output {i}) records {key} = {quote(receipt.get(key))}; the ledger "
+                              f"has {quote(want)}", f"{path}.{key}")
+        if not isinstance(rng, dict) or rng.get("counter_before") != consumed.rng_counter_before:
+            raise _refuse(SNAPSHOT_LEDGER_INVALID, f"receipt {j} (output {i}) does not start at RNG counter {consumed.rng_counter_before}",
+                          f"{path}.rng.counter_before")
+        body = {k: v for k, v in receipt.items() if k != "receipt_id"}
+        try:
+            digest = content_id(body)
+        except (rfc8785.CanonicalizationError, TypeError, ValueError, RecursionError):
+            digest = None
+        if digest is None or receipt.get("receipt_id") != digest:
+            raise _refuse(SNAPSHOT_LEDGER_INVALID, f"receipt {j} (output {i}): receipt_id is not the content hash of its fields",
+                          f"{path}.receipt_id")
+
+
+def _check_observer(snapshot: RuntimeSnapshot) -> None:
+    """The stop/stream observer's state against the ledger (``snapshot.ledger_invalid``, the field named).
+
+    Its ``output_ids`` must be the snapshot's outputs and its ``logprobs`` the ledger's logprobs
+    (which the receipts and the finiteness check above have bound), element by element.
+    """
+    state = snapshot.observer_state
+    if state is None:
+        return
+    if not isinstance(state, dict):
+        raise _refuse(SNAPSHOT_MALFORMED, f"the observer state is an object, not {type(state).__name__}", "$.observer")
+    if state.get("format") != OUTPUT_STATE_FORMAT:
+        raise _refuse(SNAPSHOT_MALFORMED, f"the observer state's format is {quote(state.get('format'))}, not {OUTPUT_STATE_FORMAT}",
+                      "$.observer.format")
+    rec = snapshot.record
+    for key, want in (("output_ids", list(rec.output_ids)), ("logprobs", list(snapshot.logprobs))):
+        got = state.get(key)
+        if not isinstance(got, list):
+            raise _refuse(SNAPSHOT_MALFORMED, f"the observer's {key} is not a list", f"$.observer.{key}")
+        if len(got) != len(want):
+            raise _refuse(SNAPSHOT_LEDGER_INVALID, f"the observer holds {len(got)} {key}, the ledger {len(want)}", f"$.observer.{key}")
+        for index, (g, w) in enumerate(zip(got, want)):
+            if g != w or isinstance(g, bool) or not isinstance(g, (int, float)):
+                raise _refuse(SNAPSHOT_LEDGER_INVALID, f"the observer's {key}[{index}] is {quote(g)}; the ledger has {quote(w)}",
+                              f"$.observer.{key}[{index}]")
 
 
 def restore_runner(cls, model, snapshot: RuntimeSnapshot, request=None, **kwargs: Any):

@@ -7,7 +7,12 @@ identity, or raises a typed error, in the order M3.10 prescribes:
    strict UTF-8 (``envelope.invalid_utf8``), nesting depth (``envelope.too_deep``), then a
    parse that rejects duplicate keys at any depth (``envelope.duplicate_key``), the
    ``NaN``/``Infinity`` literals and overflowing floats (``envelope.non_finite_number``),
-   escaped lone surrogates and malformed JSON.
+   integer literals outside the I-JSON domain ``[-(2**53 - 1), 2**53 - 1]`` in any field
+   (``envelope.out_of_range`` at the field: RFC 8785 hashes no other integer exactly, and a
+   number field must convert to a finite float), escaped lone surrogates and malformed JSON.
+   Every step is linear in the byte size: the depth pre-scan (:func:`_nesting_depth`) cuts
+   strings out with a regex that never restarts inside one, also when a string is unclosed, so
+   the full 4 MB is refused in well under a second (tests/test_hostile_input.py measures it).
 2. **Closed schema** (the published JSON Schema :data:`SCHEMA_PATH`, Draft 2020-12, checked
    with ``jsonschema``): closed field sets, required fields, types (no bool-as-int and, unlike
    plain JSON Schema, no float-as-int: ``1.0`` is not an integer here), enums, integer ranges,
@@ -46,7 +51,9 @@ Declared choices:
 
 Every rejection is a :class:`~decodespec.spec.errors.Rejection` or
 :class:`~decodespec.spec.errors.ResourceLimit` with a registered code, a JSON path and a
-message; nothing else happens.
+message that quotes at most a short prefix of the offending value
+(:func:`~decodespec.spec.errors.quote`); nothing else happens.  The policy tables' size bounds
+(``policy.too_large``) are :mod:`decodespec.spec.limits`'.
 
 Source: M3.10 "Immutable request envelope and canonical identity" (planes, closed byte-level
 contract, ``validate_request_envelope``), "Immutable identity versus mutable request state",
@@ -55,9 +62,11 @@ contract, ``validate_request_envelope``), "Immutable identity versus mutable req
 
 from __future__ import annotations
 
+import array
 import copy
 import functools
 import hashlib
+import itertools
 import json
 import re
 import sys
@@ -68,7 +77,8 @@ import attrs
 import jsonschema
 import rfc8785
 
-from .errors import DecodeSpecError, Rejection, ResourceLimit, register_code
+from .errors import DecodeSpecError, Rejection, ResourceLimit, quote, register_code
+from .limits import MAX_SAFE_INT
 from .policy import POLICY_JSON_SCHEMA, PolicyConfig, policy_config_from_json
 from .profiles import PROFILES
 from .stop import MAX_STOP_PATTERN_BYTES, MAX_STOP_STRINGS, OutputAlignment, encode_stop_strings
@@ -93,6 +103,7 @@ __all__ = [
     "SCHEMA_PATH",
     "canonical_bytes",
     "identity_of",
+    "lone_surrogate_path",
     "parse_raw",
     "published_schema",
     "request_schema",
@@ -131,8 +142,7 @@ MAX_STRING_CHARS = 256
 MAX_ANNOTATIONS = 16
 #: Most retries of a failed call (``runtime.max_retries``).
 MAX_RETRIES = 8
-#: Largest integer RFC 8785 can serialize exactly (I-JSON): seeds and counters stay below it.
-MAX_SAFE_INT = 2**53 - 1
+# MAX_SAFE_INT (the I-JSON integer domain every integer literal lies in) is decodespec.spec.limits'.
 # MAX_STOP_STRINGS and MAX_STOP_PATTERN_BYTES are the stop matcher's (decodespec.spec.stop).
 
 _S = "M3.10 Immutable request envelope and canonical identity"
@@ -145,14 +155,14 @@ def _code(name: str, description: str, kind: str = "rejection", section: str = _
 TOO_LARGE = _code("too_large", f"The envelope exceeds {MAX_ENVELOPE_BYTES} bytes.", "resource_limit")
 INVALID_UTF8 = _code("invalid_utf8", "The envelope bytes are not valid UTF-8, or a string escapes a lone surrogate.")
 TOO_DEEP = _code("too_deep", f"JSON nesting deeper than {MAX_NESTING_DEPTH} levels.", "resource_limit")
-INVALID_JSON = _code("invalid_json", "The bytes are not one JSON value (syntax error, byte-order mark, trailing data, oversized integer literal).")
+INVALID_JSON = _code("invalid_json", "The bytes are not one JSON value (syntax error, byte-order mark, trailing data, an integer literal of more digits than Python converts).")
 DUPLICATE_KEY = _code("duplicate_key", "An object repeats a key (at any depth); rejected before any object is built.")
 NON_FINITE = _code("non_finite_number", "A NaN or Infinity literal, or a float that overflows to infinity.")
 UNKNOWN_FIELD = _code("unknown_field", "A field outside the closed field set of its object.")
 MISSING_FIELD = _code("missing_field", "A required field is absent.")
 TYPE_MISMATCH = _code("type_mismatch", "A value has the wrong JSON type (booleans are not integers, 1.0 is not an integer, null is never allowed).")
 INVALID_VALUE = _code("invalid_value", "A value outside its enumeration or constant.")
-OUT_OF_RANGE = _code("out_of_range", "A number outside its declared range.")
+OUT_OF_RANGE = _code("out_of_range", "A number outside its declared range, or an integer literal outside the I-JSON domain [-(2**53 - 1), 2**53 - 1] in any field (RFC 8785 cannot hash it exactly).")
 LENGTH_BOUND = _code("length_bound", "A list, string or map outside its declared length bounds.")
 INVALID_STRING = _code("invalid_string", "A string that does not match its declared pattern (hashes are sha256:<64 hex>).")
 DUPLICATE_ITEM = _code("duplicate_item", "A set-valued list repeats an element.")
@@ -354,8 +364,28 @@ def _validator() -> Any:
 # Raw bytes
 # --------------------------------------------------------------------------------------------
 
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
-_BRACKET = re.compile(r"[\[\]{}]")
+#: One JSON string, closed or not: the possessive repeats never backtrack and the closing quote
+#: is optional, so a match that starts at a quote always succeeds and the scan never restarts
+#: inside a string (linear time, also on an unclosed string full of escaped quotes).
+_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"?', re.S)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_DEPTH_STEP = str.maketrans({"[": "\x01", "{": "\x01", "]": "\xff", "}": "\xff"})
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _nesting_depth(text: str) -> int:
+    """The deepest bracket nesting of ``text`` outside JSON strings, in time linear in ``len(text)``.
+
+    Strings (closed or not) are cut out with :data:`_STRING`, every character but the brackets is
+    dropped, and the running depth is the prefix sum of +1 per opening and -1 per closing bracket
+    (computed by :func:`itertools.accumulate` in C).  For text that is not JSON the number may be
+    meaningless; the parse that follows refuses such text anyway.
+    """
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    if not brackets:
+        return 0
+    steps = array.array("b", brackets.translate(_DEPTH_STEP).encode("latin-1"))  # +1 / -1 as signed bytes
+    return max(0, max(itertools.accumulate(steps)))
 
 
 class _Duplicate:
@@ -399,7 +429,13 @@ def _parse_int(text: str) -> Any:
     if digits > limit:  # Python refuses to convert it (and the conversion is quadratic); no envelope integer is near
         return _Invalid(INVALID_JSON, f"integer literal too large: {digits} digits (every envelope integer is at most "
                                       f"{MAX_SAFE_INT}, 16 digits)")
-    return int(text)
+    value = int(text)
+    if not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:
+        # In any field, bounded by the schema or not: RFC 8785 hashes no other integer exactly, and a
+        # number field must convert to a finite float.
+        return _Invalid(OUT_OF_RANGE, f"integer literal {quote(text, 24)} ({digits} digits) is outside the I-JSON domain "
+                                      f"[-{MAX_SAFE_INT}, {MAX_SAFE_INT}] (write a larger number as a float literal)")
+    return value
 
 
 def _json_path(parts: Any) -> str:
@@ -412,20 +448,44 @@ def _json_path(parts: Any) -> str:
 def _scan(value: Any, path: str) -> None:
     """Find duplicate-key markers and lone surrogates, depth first, in document order."""
     if isinstance(value, _Duplicate):
-        raise Rejection(DUPLICATE_KEY, f"key {value.key!r} appears twice in one object", f"{path}.{value.key}")
+        raise Rejection(DUPLICATE_KEY, f"key {quote(value.key)} appears twice in one object", f"{path}.{value.key}")
     if isinstance(value, _Invalid):
         raise Rejection(value.code, value.message, path)
     if isinstance(value, str):
-        if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+        if _SURROGATE.search(value):
             raise Rejection(INVALID_UTF8, "a string escapes a lone UTF-16 surrogate", path)
     elif isinstance(value, dict):
         for key, item in value.items():
-            if any(0xD800 <= ord(c) <= 0xDFFF for c in key):
+            if _SURROGATE.search(key):
                 raise Rejection(INVALID_UTF8, "a key escapes a lone UTF-16 surrogate", path)
             _scan(item, f"{path}.{key}")
     elif isinstance(value, list):
         for index, item in enumerate(value):
             _scan(item, f"{path}[{index}]")
+
+
+def lone_surrogate_path(value: Any, path: str = "$") -> str | None:
+    """The JSON path of the first string or key (depth first, document order) that holds a lone UTF-16 surrogate, else ``None``.
+
+    ``json.loads`` admits an escaped lone surrogate (``"\\ud800"``); such a string cannot be
+    encoded as UTF-8, hashed by RFC 8785 or written back, so every JSON reader of this project
+    refuses it (the envelope here, snapshots in ``decodespec.impl.snapshot``).
+    """
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return path
+            found = lone_surrogate_path(item, f"{path}.{key}")
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = lone_surrogate_path(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
 
 
 def parse_raw(raw: bytes) -> Any:
@@ -449,10 +509,7 @@ def parse_raw(raw: bytes) -> Any:
         raise Rejection(INVALID_UTF8, f"invalid UTF-8 at byte {exc.start}: {exc.reason}", "$") from None
     if text.startswith("\ufeff"):
         raise Rejection(INVALID_JSON, "the envelope starts with a byte-order mark", "$")
-    depth = deepest = 0
-    for match in _BRACKET.finditer(_STRING.sub('""', text)):
-        depth += 1 if match.group() in "[{" else -1
-        deepest = max(deepest, depth)
+    deepest = _nesting_depth(text)
     if deepest > MAX_NESTING_DEPTH:
         raise ResourceLimit(TOO_DEEP, f"nesting depth {deepest} > {MAX_NESTING_DEPTH}", "$",
                             {"limit": MAX_NESTING_DEPTH, "actual": deepest})
@@ -519,7 +576,7 @@ def _range_error(error: jsonschema.ValidationError, path: str) -> Rejection:
     owner = _owner_name(error)
     field = error.absolute_path[-1] if error.absolute_path else None
     name = (owner if owner == field else f"{owner}.{field}") if owner and field is not None else path.removeprefix("$.")
-    return Rejection(OUT_OF_RANGE, f"{name} = {error.instance!r} is outside its range {lo}, {hi}", path)
+    return Rejection(OUT_OF_RANGE, f"{name} = {quote(error.instance)} is outside its range {lo}, {hi}", path)
 
 
 def _owner_name(error: jsonschema.ValidationError) -> str | None:
@@ -542,12 +599,12 @@ def _schema_error(error: jsonschema.ValidationError) -> Rejection:
     if keyword == "oneOf" and isinstance(instance, dict) and isinstance(instance.get("name"), str):
         known = sorted(b["properties"]["name"]["const"] for b in error.validator_value if "name" in b.get("properties", {}))
         if instance["name"] not in known:
-            return Rejection(INVALID_VALUE, f"unknown transform name {instance['name']!r}; known: {', '.join(known)}", f"{path}.name")
+            return Rejection(INVALID_VALUE, f"unknown transform name {quote(instance['name'])}; known: {', '.join(known)}", f"{path}.name")
     if keyword in ("additionalProperties", "unevaluatedProperties") and isinstance(instance, dict):
         allowed = set(error.schema.get("properties", {}))
         extra = sorted(k for k in instance if k not in allowed)
         if extra:
-            return Rejection(UNKNOWN_FIELD, f"unknown field {extra[0]!r} (the field set is closed)", f"{path}.{extra[0]}")
+            return Rejection(UNKNOWN_FIELD, f"unknown field {quote(extra[0])} (the field set is closed)", f"{path}.{extra[0]}")
     if keyword == "required" and isinstance(instance, dict):
         missing = [k for k in error.validator_value if k not in instance]
         if missing:
@@ -556,7 +613,14 @@ def _schema_error(error: jsonschema.ValidationError) -> Rejection:
         return Rejection(TYPE_MISMATCH, "null is not allowed (leave an optional field out instead)", path)
     if keyword == "type" and isinstance(instance, float) and error.validator_value == "integer":
         return Rejection(TYPE_MISMATCH, f"{instance!r} is a float literal where an integer is required", path)
-    return Rejection(_KEYWORD_CODES.get(keyword, SCHEMA_VIOLATION), error.message, path)
+    return Rejection(_KEYWORD_CODES.get(keyword, SCHEMA_VIOLATION), _quoted_message(error), path)
+
+
+def _quoted_message(error: jsonschema.ValidationError) -> str:
+    """``jsonschema``'s message with the offending value's ``repr`` cut by :func:`~decodespec.spec.errors.quote`."""
+    if isinstance(error.instance, (str, list, dict)) and len(error.instance) > 8:
+        return error.message.replace(repr(error.instance), quote(error.instance), 1)
+    return error.message
 
 
 def _structural(value: Any) -> None:
@@ -869,7 +933,7 @@ def _check_special_ids(v: Mapping[str, Any]) -> None:
 def _check_cache_abi(v: Mapping[str, Any], num_valid: int) -> None:
     arch, pv, rt = v["artifact"]["architecture"], v["position_visibility"], v["runtime"]
     if pv["mode"] != MODE_FOR_ARCHITECTURE[arch]:
-        raise Rejection(VISIBILITY_INCOMPATIBLE, f"architecture {arch} needs mode {MODE_FOR_ARCHITECTURE[arch]!r}, not {pv['mode']!r}",
+        raise Rejection(VISIBILITY_INCOMPATIBLE, f"architecture {arch} needs mode {MODE_FOR_ARCHITECTURE[arch]!r}, not {quote(pv['mode'])}",
                         "$.position_visibility.mode")
     prefix = pv.get("prefix_length")
     if (arch == "prefix_lm") != (prefix is not None):

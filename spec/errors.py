@@ -30,10 +30,64 @@ __all__ = [
     "NOT_ENABLED",
     "ErrorCode",
     "DecodeSpecError",
+    "MAX_MESSAGE_CHARS",
+    "MAX_QUOTED_CHARS",
     "Rejection",
     "ResourceLimit",
+    "quote",
     "register_code",
 ]
+
+#: Longest prefix of an offending value that an error message quotes, in characters of its
+#: ``repr`` (M3.10 0x06 "Bound parsers, matchers, traces, and sensitive data": a 1 MB stop string
+#: must not come back as 1 MB of stderr).
+MAX_QUOTED_CHARS = 64
+#: Longest error message, in characters; a longer one is cut (with its length said) at
+#: construction, so no message is unbounded even where a value was not quoted through :func:`quote`.
+MAX_MESSAGE_CHARS = 1024
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` when it has at most ``limit`` characters, else its prefix, an ellipsis and the full length."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} chars)"
+
+
+def quote(value: Any, limit: int = MAX_QUOTED_CHARS) -> str:
+    """The ``repr`` of ``value`` for an error message, cut to ``limit`` characters.
+
+    A long value is shown as its first ``limit`` characters, ``...`` and its length: a ``str``,
+    ``bytes``, list, tuple or dict by its own length (characters, bytes or items), anything else by
+    the length of its ``repr``.  The ``repr`` of a huge container is never built whole (its
+    elements are quoted until ``limit`` characters are reached).
+
+    Example: ``quote("x" * 10**6)`` is ``"'xxxx...xx'... (1000000 chars)"`` with 64 characters
+    quoted.
+
+    Source: M3.10 0x06 "Bound parsers, matchers, traces, and sensitive data".
+    """
+    if isinstance(value, (str, bytes, bytearray)):
+        unit = "chars" if isinstance(value, str) else "bytes"
+        if len(value) <= limit:
+            return repr(value)
+        return f"{repr(value[:limit])[:limit + 3]}... ({len(value)} {unit})"
+    if isinstance(value, (list, tuple, dict)):
+        items = value.items() if isinstance(value, dict) else value
+        opening, closing = ("{", "}") if isinstance(value, dict) else ("(", ")") if isinstance(value, tuple) else ("[", "]")
+        parts: list[str] = []
+        size = 1
+        for item in items:
+            part = f"{quote(item[0], limit)}: {quote(item[1], limit)}" if isinstance(value, dict) else quote(item, limit)
+            parts.append(part)
+            size += len(part) + 2
+            if size > limit:
+                break
+        text = opening + ", ".join(parts) + closing
+        if size <= limit and len(parts) == len(value):
+            return text
+        return f"{text[:limit]}... ({len(value)} items)"
+    return _clip(repr(value), limit)
 
 
 @attrs.frozen
@@ -96,6 +150,8 @@ class DecodeSpecError(Exception):
 
     def __init__(self, code: str, message: str, path: str = "$", details: dict[str, Any] | None = None):
         assert code in ERROR_CODES, f"unregistered error code {code!r}"
+        message = _clip(str(message), MAX_MESSAGE_CHARS)
+        path = _clip(str(path), MAX_MESSAGE_CHARS)
         super().__init__(f"[{code}] {path}: {message}")
         self.code = code
         self.message = message

@@ -29,7 +29,16 @@ is pending (DECIDED) or the handle is quarantined.
 Error codes (all ``Rejection``; nothing is built when one is raised):
 ``snapshot.form_unavailable``, ``snapshot.identity_mismatch``, ``snapshot.abi_mismatch``,
 ``snapshot.frontier_invalid``, ``snapshot.pending_invalid``, ``snapshot.ledger_invalid``,
-``snapshot.malformed``.
+``snapshot.malformed``, ``snapshot.unauthenticated``.
+
+Integrity, plainly: a snapshot file records the SHA-256 of its tensor file, and the restore checks
+bind every logical field to every other (receipts, logprobs, observer, frontiers).  The SHA-256
+detects *accidental* damage only: whoever can edit the file can edit a tensor and its recorded
+hash together, and such a file is accepted (the cache rows are not recomputed).  An
+authenticated form exists: with a key in :data:`SNAPSHOT_KEY_ENV`, the writer adds an
+HMAC-SHA256 (:data:`SNAPSHOT_MAC_ALGORITHM`) over the document's RFC 8785 bytes (which include
+the tensor file's SHA-256), and the reader refuses a file without a matching HMAC
+(``snapshot.unauthenticated``).  Without a key the HMAC is neither written nor checked.
 
 Source: M3.10 0x0B "A completed output is not automatically a resumable snapshot" (both
 forms; "never copy the rejected/candidate row, increment a length field, or relabel a cache
@@ -59,7 +68,10 @@ __all__ = [
     "SNAPSHOT_IDENTITY_MISMATCH",
     "SNAPSHOT_LEDGER_INVALID",
     "SNAPSHOT_MALFORMED",
+    "SNAPSHOT_KEY_ENV",
+    "SNAPSHOT_MAC_ALGORITHM",
     "SNAPSHOT_PENDING_INVALID",
+    "SNAPSHOT_UNAUTHENTICATED",
     "SnapshotRecord",
     "form_available",
     "restore_failure",
@@ -96,6 +108,14 @@ SNAPSHOT_LEDGER_INVALID = register_code(
     "snapshot.ledger_invalid", "rejection", "M3.10 0x06 One selection is an output-state transaction",
     "The receipt ledger disagrees with the outputs: receipts, score rows, logprobs, RNG counter, finish state or call "
     "counters do not line up.")
+SNAPSHOT_UNAUTHENTICATED = register_code(
+    "snapshot.unauthenticated", "rejection", "M3.10 0x06 Bound parsers, matchers, traces, and sensitive data",
+    "A snapshot key is set (DECODESPEC_SNAPSHOT_KEY) but the snapshot carries no HMAC-SHA256, or its HMAC does not match: "
+    "the file was not written with this key, or was changed after it was.")
+#: Environment variable holding the user's snapshot key (its UTF-8 bytes are the HMAC-SHA256 key).
+SNAPSHOT_KEY_ENV = "DECODESPEC_SNAPSHOT_KEY"
+#: The one authentication algorithm a snapshot may declare.
+SNAPSHOT_MAC_ALGORITHM = "hmac-sha256"
 SNAPSHOT_MALFORMED = register_code(
     "snapshot.malformed", "rejection", _S,
     "The snapshot file is not a decodespec snapshot (bad JSON, missing or mistyped field, missing or altered tensor file).")

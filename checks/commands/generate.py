@@ -17,7 +17,12 @@ run), ``--trace FILE`` (the
 ``--snapshot FILE`` (write a resumable snapshot: ``FILE`` JSON + ``FILE.safetensors``) with
 ``--snapshot-form {pending_suffix,repaired}`` and ``--snapshot-at N`` (suspend after N committed
 tokens; without it the snapshot is taken at finish), ``--resume FILE`` (continue a snapshot:
-same tokens and logprobs as never stopping).
+same tokens and logprobs as never stopping).  With ``DECODESPEC_SNAPSHOT_KEY`` set, ``--snapshot``
+writes an HMAC-SHA256 of the snapshot and ``--resume`` refuses a file without a matching one
+(``snapshot.unauthenticated``); without it the recorded SHA-256 of the tensor file detects
+accidental damage only.  ``--capacity`` is checked at admission against the model window
+(``model.context_window_exceeded``) and the declared K/V memory bound (``cache.memory_exceeded``,
+:data:`decodespec.spec.limits.MAX_STATIC_CACHE_BYTES`) before anything is allocated.
 
 Stop, structured completion and streaming (M3.10 0x06): ``--stop STR`` (repeatable; matched on
 the output's UTF-8 bytes, the earliest-ending match fires), ``--include-stop`` (keep the matched

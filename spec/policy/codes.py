@@ -28,6 +28,7 @@ __all__ = [
     "NAN_SCORES",
     "SCORE_KIND_MISMATCH",
     "TOKEN_OUT_OF_RANGE",
+    "TOO_LARGE",
     "TRANSFORM_NOT_IN_PRESET",
     "UNKNOWN_FIELD",
     "UNKNOWN_TRANSFORM",
@@ -53,4 +54,5 @@ EMPTY_SUPPORT = register_code("policy.empty_support", "rejection", "M3.8 0x0B Ha
 TOKEN_OUT_OF_RANGE = register_code("policy.token_out_of_range", "rejection", "M3.8 0x08 The vocabulary-axis identity contract", "A token id in the policy configuration or request view is outside [0, V) for the score row being decided.")
 INVALID_VIEW = register_code("policy.invalid_view", "rejection", "M3.8 0x0B Policy state is typed and partly mutable", "The read-only request view is malformed (negative step, negative min_new_tokens, non-integer ids).")
 INVALID_STATE = register_code("policy.invalid_state", "rejection", "M3.8 0x0B Policy state is typed and partly mutable", "The policy state does not belong to this configuration (unknown constraint state, missing Mirostat mu, negative RNG counter).")
+TOO_LARGE = register_code("policy.too_large", "resource_limit", "M3.10 0x06 Bound parsers, matchers, traces, and sensitive data", "A policy table exceeds its declared size bound (decodespec.spec.limits: logit_bias entries, bad_words sequences or sequence length, automaton states or edges); refused before anything is built.")
 FAMILY_MISMATCH = register_code("policy.family_mismatch", "rejection", _S, "A single-row decision was requested for the beam family, or beam candidates for a non-beam family.")

@@ -42,7 +42,16 @@ from typing import Any, Callable, Mapping
 
 import attrs
 
-from decodespec.spec.errors import Rejection
+from decodespec.spec.errors import Rejection, ResourceLimit, quote
+from decodespec.spec.limits import (
+    MAX_AUTOMATON_EDGES,
+    MAX_AUTOMATON_STATES,
+    MAX_BAD_WORD_LENGTH,
+    MAX_BAD_WORDS_SEQUENCES,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_SAFE_INT,
+    MAX_TOKEN_KEY_DIGITS,
+)
 from decodespec.spec.policy import codes
 from decodespec.spec.policy.scores import ScoreKind
 
@@ -439,6 +448,17 @@ def _reject(code: str, message: str, path: str) -> Rejection:
     return Rejection(code, message, path)
 
 
+def _too_large(what: str, actual: int, limit: int, path: str) -> ResourceLimit:
+    return ResourceLimit(codes.TOO_LARGE, f"{what}: {actual} > {limit} (decodespec.spec.limits)", path, {"limit": limit, "actual": actual})
+
+
+def _check_safe_int(name: str, value: int, path: str) -> None:
+    """Every policy integer lies in the I-JSON domain (so it hashes and converts exactly)."""
+    if not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:
+        raise _reject(codes.INVALID_PARAMETER, f"{name} = {quote(value)} is outside the integer domain "
+                      f"[-{MAX_SAFE_INT}, {MAX_SAFE_INT}]", path)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -455,7 +475,7 @@ def _check_bounds(spec: ParamSpec, value: float, path: str) -> None:
         or (spec.exclusive_maximum is not None and value >= spec.exclusive_maximum)
     )
     if bad:
-        raise _reject(codes.INVALID_PARAMETER, f"{spec.name}={value!r} is outside {_range_text(spec)}", path)
+        raise _reject(codes.INVALID_PARAMETER, f"{spec.name}={quote(value)} is outside {_range_text(spec)}", path)
 
 
 def _range_text(spec: ParamSpec) -> str:
@@ -467,6 +487,8 @@ def _range_text(spec: ParamSpec) -> str:
 def _parse_number(spec: ParamSpec, value: Any, path: str) -> float:
     if not _is_number(value):
         raise _reject(codes.INVALID_TYPE, f"{spec.name} must be a number, got {type(value).__name__}", path)
+    if _is_int(value):
+        _check_safe_int(spec.name, value, path)
     value = float(value)
     if not math.isfinite(value):
         raise _reject(codes.INVALID_PARAMETER, f"{spec.name} must be finite", path)
@@ -477,6 +499,7 @@ def _parse_number(spec: ParamSpec, value: Any, path: str) -> float:
 def _parse_integer(spec: ParamSpec, value: Any, path: str) -> int:
     if not _is_int(value):
         raise _reject(codes.INVALID_TYPE, f"{spec.name} must be an integer, got {type(value).__name__}", path)
+    _check_safe_int(spec.name, value, path)
     _check_bounds(spec, value, path)
     return int(value)
 
@@ -485,7 +508,7 @@ def _parse_enum(spec: ParamSpec, value: Any, path: str) -> str:
     if not isinstance(value, str):
         raise _reject(codes.INVALID_TYPE, f"{spec.name} must be a string", path)
     if value not in spec.choices:
-        raise _reject(codes.INVALID_PARAMETER, f"{spec.name}={value!r} is not one of {list(spec.choices)}", path)
+        raise _reject(codes.INVALID_PARAMETER, f"{spec.name}={quote(value)} is not one of {list(spec.choices)}", path)
     return value
 
 
@@ -493,14 +516,20 @@ def _parse_token_id(value: Any, path: str) -> int:
     if not _is_int(value):
         raise _reject(codes.INVALID_TYPE, "a token id must be an integer", path)
     if value < 0:
-        raise _reject(codes.INVALID_PARAMETER, f"token id {value} is negative", path)
+        raise _reject(codes.INVALID_PARAMETER, f"token id {quote(value)} is negative", path)
+    _check_safe_int("a token id", value, path)
     return int(value)
 
 
 def _parse_token_key(key: Any, path: str) -> int:
     if not isinstance(key, str) or not _TOKEN_KEY.match(key):
-        raise _reject(codes.INVALID_PARAMETER, f"token-id key {key!r} must be a decimal non-negative integer string", path)
-    return int(key)
+        raise _reject(codes.INVALID_PARAMETER, f"token-id key {quote(key)} must be a decimal non-negative integer string", path)
+    if len(key) > MAX_TOKEN_KEY_DIGITS:  # checked before int(): Python refuses (and is quadratic on) huge digit strings
+        raise _reject(codes.INVALID_PARAMETER, f"token-id key {quote(key)} has {len(key)} digits; a token id has at most "
+                      f"{MAX_TOKEN_KEY_DIGITS}", path)
+    tid = int(key)
+    _check_safe_int("a token id", tid, path)
+    return tid
 
 
 def _parse_object(value: Any, path: str, what: str) -> Mapping[str, Any]:
@@ -513,12 +542,12 @@ def _parse_token_bias(spec: ParamSpec, value: Any, path: str) -> tuple[tuple[int
     obj = _parse_object(value, path, spec.name)
     if not obj:
         raise _reject(codes.INVALID_PARAMETER, "bias needs at least one token id", path)
+    if len(obj) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _too_large("logit_bias entries", len(obj), MAX_LOGIT_BIAS_ENTRIES, path)
     out = []
     for key, bias in obj.items():
         tid = _parse_token_key(key, f"{path}.{key}")
-        if not _is_number(bias) or not math.isfinite(float(bias)):
-            raise _reject(codes.INVALID_TYPE if not _is_number(bias) else codes.INVALID_PARAMETER, "a bias must be a finite number", f"{path}.{key}")
-        out.append((tid, float(bias)))
+        out.append((tid, _parse_number(ParamSpec("bias", "number"), bias, f"{path}.{key}")))
     return tuple(sorted(out))
 
 
@@ -527,12 +556,16 @@ def _parse_token_sequences(spec: ParamSpec, value: Any, path: str) -> tuple[tupl
         raise _reject(codes.INVALID_TYPE, f"{spec.name} must be a list of token-id lists", path)
     if not value:
         raise _reject(codes.INVALID_PARAMETER, f"{spec.name} needs at least one sequence", path)
+    if len(value) > MAX_BAD_WORDS_SEQUENCES:
+        raise _too_large(f"{spec.name}: sequences", len(value), MAX_BAD_WORDS_SEQUENCES, path)
     out = []
     for i, seq in enumerate(value):
         if not isinstance(seq, list):
             raise _reject(codes.INVALID_TYPE, "each sequence must be a list of token ids", f"{path}[{i}]")
         if not seq:
             raise _reject(codes.INVALID_PARAMETER, "a banned sequence cannot be empty", f"{path}[{i}]")
+        if len(seq) > MAX_BAD_WORD_LENGTH:
+            raise _too_large("banned sequence length", len(seq), MAX_BAD_WORD_LENGTH, f"{path}[{i}]")
         out.append(tuple(_parse_token_id(t, f"{path}[{i}][{j}]") for j, t in enumerate(seq)))
     return tuple(out)
 
@@ -544,6 +577,11 @@ def _parse_automaton(spec: ParamSpec, value: Any, path: str) -> Automaton:
     if not isinstance(initial, str):
         raise _reject(codes.INVALID_TYPE, "initial must be a state name (string)", f"{path}.initial")
     table = _parse_object(obj["transitions"], f"{path}.transitions", "transitions")
+    if len(table) > MAX_AUTOMATON_STATES:
+        raise _too_large("automaton states", len(table), MAX_AUTOMATON_STATES, f"{path}.transitions")
+    num_edges = sum(len(edges) for edges in table.values() if isinstance(edges, Mapping))
+    if num_edges > MAX_AUTOMATON_EDGES:
+        raise _too_large("automaton edges", num_edges, MAX_AUTOMATON_EDGES, f"{path}.transitions")
     transitions = []
     for state, edges in table.items():
         epath = f"{path}.transitions.{state}"
@@ -554,11 +592,11 @@ def _parse_automaton(spec: ParamSpec, value: Any, path: str) -> Automaton:
             if not isinstance(nxt, str):
                 raise _reject(codes.INVALID_TYPE, "a next state must be a state name (string)", f"{epath}.{key}")
             if nxt not in table:
-                raise _reject(codes.INVALID_AUTOMATON, f"next state {nxt!r} is not declared", f"{epath}.{key}")
+                raise _reject(codes.INVALID_AUTOMATON, f"next state {quote(nxt)} is not declared", f"{epath}.{key}")
             parsed.append((tid, nxt))
         transitions.append((state, tuple(sorted(parsed))))
     if initial not in table:
-        raise _reject(codes.INVALID_AUTOMATON, f"initial state {initial!r} is not declared", f"{path}.initial")
+        raise _reject(codes.INVALID_AUTOMATON, f"initial state {quote(initial)} is not declared", f"{path}.initial")
     return Automaton(initial=initial, transitions=tuple(sorted(transitions)))
 
 
@@ -584,7 +622,7 @@ _PARAM_DUMP: dict[str, Callable[[Any], Any]] = {
 def _closed_fields(obj: Mapping[str, Any], allowed: tuple[str, ...], required: tuple[str, ...], path: str) -> None:
     for key in obj:
         if key not in allowed:
-            raise _reject(codes.UNKNOWN_FIELD, f"unknown field {key!r} (allowed: {list(allowed)})", f"{path}.{key}")
+            raise _reject(codes.UNKNOWN_FIELD, f"unknown field {quote(key)} (allowed: {list(allowed)})", f"{path}.{key}")
     for key in required:
         if key not in obj:
             raise _reject(codes.MISSING_FIELD, f"missing required field {key!r}", f"{path}.{key}")
@@ -599,7 +637,7 @@ def _parse_transform(obj: Any, path: str) -> TransformSpec:
         raise _reject(codes.INVALID_TYPE, "a transform name must be a string", f"{path}.name")
     info = CATALOG.get(name)
     if info is None:
-        raise _reject(codes.UNKNOWN_TRANSFORM, f"unknown transform {name!r} (known: {sorted(CATALOG)})", f"{path}.name")
+        raise _reject(codes.UNKNOWN_TRANSFORM, f"unknown transform {quote(name)} (known: {sorted(CATALOG)})", f"{path}.name")
     _closed_fields(obj, ("name", *(p.name for p in info.params)), ("name", *(p.name for p in info.params if p.required)), path)
     params = []
     for spec in info.params:
@@ -619,7 +657,7 @@ def _parse_enum_field(enum_cls: type[enum.Enum], obj: Mapping[str, Any], key: st
     try:
         return enum_cls(value)
     except ValueError:
-        raise _reject(codes.INVALID_PARAMETER, f"{key}={value!r} is not one of {[e.value for e in enum_cls]}", f"{path}.{key}") from None
+        raise _reject(codes.INVALID_PARAMETER, f"{key}={quote(value)} is not one of {[e.value for e in enum_cls]}", f"{path}.{key}") from None
 
 
 def resolve_order(order: Order, transforms: tuple[TransformSpec, ...], path: str = "$.policy") -> tuple[TransformSpec, ...]:
@@ -688,7 +726,7 @@ def policy_config_from_json(obj: dict, path: str = "$.policy") -> PolicyConfig:
     if not isinstance(tie_rule, str):
         raise _reject(codes.INVALID_TYPE, "tie_rule must be a string", f"{path}.tie_rule")
     if tie_rule != TIE_RULE_LOWEST_ID:
-        raise _reject(codes.INVALID_PARAMETER, f"tie_rule={tie_rule!r}; the only declared tie rule is {TIE_RULE_LOWEST_ID!r}", f"{path}.tie_rule")
+        raise _reject(codes.INVALID_PARAMETER, f"tie_rule={quote(tie_rule)}; the only declared tie rule is {TIE_RULE_LOWEST_ID!r}", f"{path}.tie_rule")
     num_beams = _parse_integer(ParamSpec("num_beams", "integer", minimum=1), obj.get("num_beams", 1), f"{path}.num_beams")
     length_penalty = _parse_number(ParamSpec("length_penalty", "number"), obj.get("length_penalty", 1.0), f"{path}.length_penalty")
     if family is not Family.BEAM:
