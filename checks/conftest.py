@@ -281,7 +281,7 @@ def _coverage_summary(terminalreporter: Any, config: pytest.Config) -> None:
     for line in outcome["coverage"].table(outcome["enforced"]):
         terminalreporter.write_line(line)
     missing = outcome["missing"]
-    how = ("enforced: the session FAILS" if outcome["enforce"] else
+    how = (("enforced: the session FAILS" if missing else "enforced") if outcome["enforce"] else
            f"not enforced ({'full run, ' if outcome['full'] else 'partial run, '}--coverage-enforce {outcome['mode']})")
     shown = missing if outcome["enforce"] or len(missing) <= 12 else missing[:12] + [f"... ({len(missing) - 12} more)"]
     terminalreporter.write_line(f"{len(missing)} enforced item(s) never exercised, {how}" + (": " + ", ".join(shown) if missing else ""))
