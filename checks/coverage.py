@@ -55,7 +55,7 @@ from decodespec.spec.stop import EXTERNAL_FINISH_REASONS, StopConfig, decoder_fr
 from .adapters import _ENUMS, OPS, CaseConfig
 
 __all__ = ["Coverage", "EDGE_FRACTION", "SCHEMA_ENUMS", "SHAPES", "declared_items", "edge_items", "enforced_items",
-           "record_items", "record_lockstep", "session_coverage", "transform_orders", "unsupported_values"]
+           "record_items", "record_lockstep", "schema_enum", "session_coverage", "transform_orders", "unsupported_values"]
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "spec" / "schemas" / "request.v1.json"
 #: CaseConfig field -> the request schema's property path of its enum.
@@ -97,7 +97,8 @@ def _schema() -> dict[str, Any]:
     return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
 
 
-def _schema_enum(path: Sequence[str]) -> tuple[Any, ...]:
+def schema_enum(path: Sequence[str]) -> tuple[Any, ...]:
+    """The ``enum`` of the request schema's property at ``path`` (e.g. ``("output", "alignment")``)."""
     node = _schema()
     for key in path:
         node = node["properties"][key]
@@ -117,7 +118,7 @@ def unsupported_values() -> dict[str, tuple[Any, ...]]:
     """Schema enum values the gate's :class:`CaseConfig` refuses (the harness cannot send them), per field."""
     out = {}
     for field, path in SCHEMA_ENUMS.items():
-        refused = tuple(v for v in _schema_enum(path) if not _admitted(field, v))
+        refused = tuple(v for v in schema_enum(path) if not _admitted(field, v))
         if refused:
             out[field] = refused
     return out
@@ -153,7 +154,7 @@ def declared_items() -> dict[str, str]:
         items[f"field.{name}"] = "field"
     refused = unsupported_values()
     for field, path in SCHEMA_ENUMS.items():
-        for value in _schema_enum(path):
+        for value in schema_enum(path):
             if value not in refused.get(field, ()):
                 items[f"enum.{field}.{value}"] = "enum"
     for value in (False, True):

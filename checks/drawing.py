@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from decodespec.spec.policy.config import CATALOG, LLAMA_CPP_MIROSTAT_ORDER, PRESET_ORDERS, EmptySupport, Order, ParamSpec, Stage
 
 from .adapters import CaseConfig
-from .coverage import EDGE_FRACTION, SCHEMA_ENUMS, _schema_enum, unsupported_values
+from .coverage import EDGE_FRACTION, SCHEMA_ENUMS, schema_enum, unsupported_values
 
 __all__ = ["FORCED_TEXTS", "PRACTICAL_MAX", "case_configs", "greedy_continuation", "param_values", "policies", "prompt_pool"]
 
@@ -277,11 +277,11 @@ def case_configs(draw, model: str, cache: str, caps: frozenset[str], *, max_new:
         changes["include_stop_str"] = draw(st.booleans())
     structured = SCHEMA_ENUMS["structured"]
     if "structured" in caps and (forced_text is not None and forced_text[:1] in "{[\"" or draw(st.integers(0, 3)) == 0):
-        changes["structured"] = draw(st.sampled_from(_schema_enum(structured)))
+        changes["structured"] = draw(st.sampled_from(schema_enum(structured)))
     refused = unsupported_values()
 
     def enum(field: str) -> Any:
-        return draw(st.sampled_from([v for v in _schema_enum(SCHEMA_ENUMS[field]) if v not in refused.get(field, ())]))
+        return draw(st.sampled_from([v for v in schema_enum(SCHEMA_ENUMS[field]) if v not in refused.get(field, ())]))
 
     cached = cache != "none"
     final_cache = enum("final_cache")
@@ -429,7 +429,7 @@ def sweep_cases(model: str) -> tuple[Any, ...]:
         add(key, f"{name} with {param} = {value} (the {side} edge of its range).", base.evolve(policy=pol, max_new_tokens=3), requires=req)
     refused = unsupported_values()
     for field, path in SCHEMA_ENUMS.items():
-        for value in _schema_enum(path):
+        for value in schema_enum(path):
             if value in refused.get(field, ()):
                 continue
             config = base.evolve(**{field: value}, max_new_tokens=0 if field == "zero_new_tokens" else 2)
