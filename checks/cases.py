@@ -43,6 +43,7 @@ import numpy as np
 from decodespec.spec.errors import DecodeSpecError
 
 from .adapters import CORRUPTIONS, AdapterUnavailable, CaseConfig
+from .coverage import record_items, record_lockstep
 from .ladder import FAILED, PASSED, UNDECIDED, Expected, Tolerance, Verdict, compare, greedy_comparator, tolerance_for
 from .lockstep import LockStep, ReferenceDecision, judge_decision, reference_for
 from .traces import make_trace, open_runtime
@@ -642,6 +643,7 @@ def run_case(case: Case, runtime: str, *, adapter_factory: Callable[[], Any] | N
                         break
                     ls.apply(action)
             runs.append(ls)
+            record_lockstep(ls)
             if ls.verdict.result == FAILED:
                 bad = ls.verdict
                 action = ls.records[bad.step].action if bad.step is not None and bad.step < len(ls.records) else None
@@ -705,6 +707,7 @@ def _impl_padded_batch(case: Case, runtime: str) -> Verdict:
 
     config = case.config
     side = case.id.rsplit("_", 1)[-1]
+    record_items({f"padding_side.{side}"})
     model = load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
     tol = tolerance_for(runtime, config.model, config.dtype)
     prompts = [config.prompt_ids, prompt_ids(config.model, "Hi"), prompt_ids(config.model, "héllo ✓ 日本")]
@@ -739,6 +742,7 @@ def _impl_beam_width_one(case: Case, runtime: str) -> Verdict:
         return greedy.verdict
     obs = greedy.observation
     result = beam_generate(model, config.prompt_ids, BeamParams.hf_compatible(1, config.max_new_tokens, config.eos_ids))
+    record_items({"beam.width.1"})
     best = result.best
     if best is None:
         return Verdict(FAILED, "DECISION", "ladder.DECISION", "beam.tokens", list(obs.output_ids), None,

@@ -17,6 +17,16 @@ Options:
   ``$DECODESPEC_TRACE_DIR`` or ``traces/failures/``).
 * ``--profile {fast,full,ci}``: the Hypothesis settings profile (default ``fast``; ``CI=true``
   selects Hypothesis' built-in ``ci`` profile: derandomized, no example database).
+* ``--coverage-report FILE``: write the session's envelope coverage (:mod:`decodespec.checks.coverage`)
+  as JSON: per declared item (request field, enum value, transform, transform under each order,
+  parameter edge, finish reason, trigger, held-back close, contract action, stop / EOS shape,
+  padding side, beam width) the number of runs that exercised it.  The summary table is printed
+  at the end of every gate session.
+* ``--coverage-enforce {auto,on,off}`` (default ``auto``): fail the session when a declared item
+  the runtime declares capabilities for was never exercised.  ``auto`` enforces only on a
+  *full* gate run of ``impl`` (:func:`full_gate_run`: every test of ``checks/`` collected, no
+  ``-k`` / ``-m`` / ``--deselect`` / ``--lf`` / ``--ff``, no failure-lab mutant, no test failed or
+  stopped the session); a partial run prints the table and fails nothing.
 * ``--mutant NAME``: install a failure-lab mutant (:mod:`decodespec.checks.mutants`) for the
   whole session, the gate's reference computations on the oracle side: the gate must fail
   (``decodespec mutants`` runs every mutant and records which check killed it).  Failure
@@ -53,6 +63,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--trace-dir", default=None, help="directory for failing runs' traces (default traces/failures/)")
     group.addoption("--profile", default=None, choices=["fast", "full", "ci"], help="Hypothesis profile (default fast; CI=true: ci)")
     group.addoption("--mutant", default=None, help="install this failure-lab mutant (name or mutant.<name>) for the session")
+    group.addoption("--coverage-report", default=None, help="write the envelope coverage of the session to this JSON file")
+    group.addoption("--coverage-enforce", default="auto", choices=["auto", "on", "off"],
+                    help="fail when a declared coverage item was never exercised (auto: full gate runs of impl only)")
 
 
 def _model(config: pytest.Config) -> str:
@@ -173,7 +186,73 @@ def gate_report(pytestconfig: pytest.Config) -> Report:
     return pytestconfig._decodespec_report  # type: ignore[attr-defined]
 
 
+_CHECKS_DIR = Path(__file__).resolve().parent
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    session.config._decodespec_full = full_gate_run(session)  # type: ignore[attr-defined]
+
+
+def full_gate_run(session: pytest.Session) -> bool:
+    """Whether this session collected the whole gate: ``checks/`` (or a directory above it) with no narrowing.
+
+    Narrowing is a path or node id inside ``checks/`` (a file, ``file::test``), ``-k``, ``-m``,
+    ``--deselect``, ``--lf`` / ``--ff``, or a failure-lab mutant (that session must fail anyway).
+    """
+    opt = session.config.option
+    if getattr(opt, "keyword", "") or getattr(opt, "markexpr", "") or getattr(opt, "deselect", None) \
+            or getattr(opt, "lf", False) or getattr(opt, "failedfirst", False) or session.config.getoption("--mutant"):
+        return False
+    covers = False
+    for arg in session.config.args:
+        path = Path(str(arg).split("::", 1)[0]).resolve()
+        if "::" in str(arg):
+            return False
+        if path == _CHECKS_DIR or _CHECKS_DIR.is_relative_to(path):
+            covers = True
+        elif path.is_relative_to(_CHECKS_DIR):
+            return False
+    return covers and any(Path(str(item.fspath)).resolve().is_relative_to(_CHECKS_DIR) for item in session.items)
+
+
+def _coverage_outcome(session: pytest.Session, exitstatus: int) -> dict[str, Any] | None:
+    """Build the coverage summary; set ``session.exitstatus`` to 1 when enforcement finds a missing item."""
+    from decodespec.checks.coverage import enforced_items, session_coverage
+
+    coverage = session_coverage()
+    if not coverage.runs:
+        return None
+    config = session.config
+    runtime = config.getoption("--runtime")
+    model = _model(config)
+    mode = config.getoption("--coverage-enforce")
+    full = bool(getattr(config, "_decodespec_full", False))
+    caps: frozenset[str] = frozenset()
+    try:
+        from decodespec.checks.traces import open_runtime
+
+        adapter = open_runtime(runtime, model)
+        caps = adapter.capabilities()
+        adapter.close()
+    except Exception:  # noqa: BLE001 - an unavailable runtime skipped every case; nothing to enforce
+        mode = "off" if mode == "auto" else mode
+    enforced = enforced_items(caps, runtime, model=model)
+    enforce = mode == "on" or (mode == "auto" and full and runtime == "impl" and exitstatus == 0 and not session.shouldstop)
+    missing = coverage.missing(enforced)
+    if enforce and missing:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    out = {"coverage": coverage, "enforced": enforced, "missing": missing, "enforce": enforce, "full": full, "mode": mode}
+    path = config.getoption("--coverage-report")
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        data = coverage.to_json(enforced, full=full)
+        data.update({"runtime": runtime, "model": model, "enforced_this_run": enforce})
+        Path(path).write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return out
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config._decodespec_coverage = _coverage_outcome(session, exitstatus)  # type: ignore[attr-defined]
     report: Report | None = getattr(session.config, "_decodespec_report", None)
     if report is None:
         return
@@ -190,6 +269,25 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    _coverage_summary(terminalreporter, config)
+    _gate_summary(terminalreporter, config)
+
+
+def _coverage_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    outcome = getattr(config, "_decodespec_coverage", None)
+    if not outcome:
+        return
+    terminalreporter.section("decodespec envelope coverage")
+    for line in outcome["coverage"].table(outcome["enforced"]):
+        terminalreporter.write_line(line)
+    missing = outcome["missing"]
+    how = (("enforced: the session FAILS" if missing else "enforced") if outcome["enforce"] else
+           f"not enforced ({'full run, ' if outcome['full'] else 'partial run, '}--coverage-enforce {outcome['mode']})")
+    shown = missing if outcome["enforce"] or len(missing) <= 12 else missing[:12] + [f"... ({len(missing) - 12} more)"]
+    terminalreporter.write_line(f"{len(missing)} enforced item(s) never exercised, {how}" + (": " + ", ".join(shown) if missing else ""))
+
+
+def _gate_summary(terminalreporter: Any, config: pytest.Config) -> None:
     report: Report | None = getattr(config, "_decodespec_report", None)
     if report is None or not report.results:
         return

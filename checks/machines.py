@@ -59,6 +59,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from decodespec.spec.actions import Fault, Recover, StreamFailure
 from decodespec.spec.enums import CallKind
+from decodespec.spec.policy.config import EarlyStopping
 from decodespec.spec.invariants import violated
 from decodespec.spec.state import Phase, interrupt_point, repair_outstanding
 
@@ -117,7 +118,8 @@ class GateMachine(RuleBasedStateMachine):
     model = "tiny"
     cache = "dynamic"
     adapter_factory: Callable[[], Adapter] | None = None
-    max_new_tokens = 4
+    #: Largest G the machine draws.
+    max_new_tokens = 6
     #: ``(deviation id, verdict)`` of every documented deviation any example of this class hit
     #: (:func:`machine_for` gives each class its own list; :func:`run_machine` returns it).
     seen_deviations: list[tuple[str, Any]] = []
@@ -129,45 +131,24 @@ class GateMachine(RuleBasedStateMachine):
         self.caps: frozenset[str] = frozenset()
         self.handles: list[str] = []
         self.diverged = False
+        self.refused = False
         self.deviations: list[tuple[str, Any]] = []
         self.expectations = load_expectations(self.runtime)
 
     # -- the case ----------------------------------------------------------------------------
-    @initialize(
-        prompt=st.integers(0, len(PROMPT_TEXTS) - 1),
-        sampled=st.booleans(),
-        max_new_tokens=st.integers(1, 4),
-        chunk=st.sampled_from([None, 1, 2, 3]),
-        stream=st.booleans(),
-        retries=st.integers(0, 1),
-        repair=st.booleans(),
-        min_new=st.integers(0, 1),
-    )
-    def start(self, prompt: int, sampled: bool, max_new_tokens: int, chunk: int | None, stream: bool, retries: int,
-              repair: bool, min_new: int) -> None:
-        prompts = prompts_for(self.model)
-        cached = self.cache != "none"
-        config = CaseConfig(
-            model=self.model,
-            prompt_ids=prompts[prompt],
-            policy=SAMPLED_POLICY if sampled else {"family": "greedy"},
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=min(min_new, max_new_tokens),
-            eos_ids=[2],
-            stream=stream,
-            cache=self.cache,
-            static_capacity=max(len(p) for p in prompts) + self.max_new_tokens + 2 if self.cache == "static" else None,
-            prefill_chunk=chunk if cached else None,
-            final_cache="all_outputs" if repair and cached else "processed_inputs_only",
-            max_retries=retries,
-            seed=prompt + 7,
-        )
+    @initialize(data=st.data())
+    def start(self, data: Any) -> None:
+        """Open the runtime and draw the whole request envelope it declares capabilities for (:func:`~decodespec.checks.drawing.case_configs`)."""
+        from .drawing import case_configs
+
         self.adapter = self.adapter_factory() if self.adapter_factory is not None else open_runtime(self.runtime, self.model)
         self.caps = self.adapter.capabilities()
-        if sampled and "sampling" not in self.caps:
-            config = config.evolve(policy={"family": "greedy"})
+        config = data.draw(case_configs(self.model, self.cache, self.caps, max_new=self.max_new_tokens), label="config")
         self.ls = LockStep(self.adapter, config, runtime=self.runtime)
-        self._judge(self.ls.reset())
+        record = self.ls.reset()
+        self._judge(record)
+        # Both sides refused the request (they agree, with the same code): nothing is left to drive.
+        self.refused = record.spec["status"] != "ok" and record.runtime["status"] != "ok"
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -204,7 +185,7 @@ class GateMachine(RuleBasedStateMachine):
         self._judge(self.ls.apply(action))
 
     def _live(self) -> bool:
-        return self.ls is not None and not self.diverged
+        return self.ls is not None and not self.diverged and not self.refused
 
     def _has(self, *caps: str) -> bool:
         return self._live() and set(caps) <= self.caps
@@ -226,9 +207,10 @@ class GateMachine(RuleBasedStateMachine):
         self._do({"op": "decode"})
 
     @precondition(lambda self: self._has("inflight") and self._due() is not None)
-    @rule()
-    def launch(self) -> None:
-        self._do({"op": "launch"})
+    @rule(kind=st.one_of(st.none(), st.sampled_from([k.value for k in CallKind])))
+    def launch(self, kind: str | None) -> None:
+        """The due call, or a call of a named kind (refused by both sides unless it is the due one)."""
+        self._do({"op": "launch", "kind": kind, "length": None})
 
     @precondition(lambda self: self._has("inflight") and self.state.in_flight is not None)
     @rule()
@@ -323,7 +305,7 @@ class GateMachine(RuleBasedStateMachine):
     @rule()
     def stutter(self) -> None:
         """Observe again: nothing changes (keeps terminal states productive)."""
-        if self.ls is None:
+        if self.ls is None or self.refused:
             return
         obs = self.adapter.observe()
         # After a refused reset the harness holds no observation: observing twice must agree.
@@ -338,6 +320,9 @@ class GateMachine(RuleBasedStateMachine):
             assert not broken, f"spec invariants violated: {broken}"
 
     def teardown(self) -> None:
+        from .coverage import record_lockstep
+
+        record_lockstep(self.ls)
         if self.ls is not None and self.ls.failed and not self.diverged:  # a documented deviation is no counterexample
             try:
                 final = current_build_context().is_final
@@ -404,8 +389,9 @@ def machine_failure(exc: BaseException) -> tuple[str, Verdict]:
 class BeamMachine(RuleBasedStateMachine):
     """Beam bookkeeping in lock step: spec ``beam_step`` versus the runtime's joint top-K on scripted rows."""
 
-    vocab = 6
-    eos = 5
+    #: V >= 2K for the widest beam (4): HF's first step needs 2K finite candidates from the one initial beam.
+    vocab = 10
+    eos = 9
     #: Steps (over every run) in which a parent was duplicated while another completed with EOS.
     duplicated_with_eos = 0
 
@@ -415,11 +401,18 @@ class BeamMachine(RuleBasedStateMachine):
         self.state = None
         self.steps = 0
 
-    @initialize(num_beams=st.integers(2, 3), max_new_tokens=st.integers(2, 4))
-    def start(self, num_beams: int, max_new_tokens: int) -> None:
+    @initialize(num_beams=st.integers(1, 4), max_new_tokens=st.integers(2, 4),
+                early_stopping=st.sampled_from([e.value for e in EarlyStopping]), length_penalty=st.sampled_from([0.0, 1.0, 2.0]))
+    def start(self, num_beams: int, max_new_tokens: int, early_stopping: str, length_penalty: float) -> None:
+        """A beam-family policy of every width 1-4 and every ``early_stopping`` value (M3.8 0x0F; ``BeamParams.from_policy``)."""
         from decodespec.spec.beam import BeamParams, initial_state
+        from decodespec.spec.policy import policy_config_from_json
 
-        self.params = BeamParams.hf_compatible(num_beams, max_new_tokens, (self.eos,))
+        from .coverage import policy_items, record_items
+
+        policy = {"family": "beam", "num_beams": num_beams, "early_stopping": early_stopping, "length_penalty": length_penalty}
+        self.params = BeamParams.from_policy(policy_config_from_json(policy), max_new_tokens, (self.eos,))
+        record_items(policy_items(policy) | {f"beam.width.{num_beams}"} | ({"field.num_beams"} if num_beams != 1 else set()))
         self.state = initial_state(self.params, (1, 2), request_id="beam-machine")
 
     def _running(self) -> bool:

@@ -30,6 +30,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def test_case(case, gate_runtime, gate_expectations, gate_report) -> None:
     """One case: lock step with the spec, the ladder in order, expectations applied."""
+    judge_case(case, gate_runtime, gate_expectations, gate_report)
+
+
+def judge_case(case, gate_runtime, gate_expectations, gate_report) -> None:
+    """Run ``case`` (:func:`~decodespec.checks.cases.run_case`), report it, and skip / fail / warn as its result says."""
     result = run_case(case, gate_runtime, expectations=gate_expectations)
     gate_report.add(result)
     if result.result == "skip":

@@ -68,7 +68,9 @@ Apply
     ``token_id``, ``triggers``; ``launch``: ``call_id``, ``kind``, ``start``, ``length``;
     ``complete``: ``selection``, ``reason``; ``snapshot``: ``snapshot``), or ``rejected`` with
     the typed error's ``code`` and ``message`` -- and then **nothing changed** (the harness
-    checks the observation).  An op outside the adapter's capabilities is rejected with
+    checks the observation).  ``step`` and ``run`` are loops of controller actions: a refused
+    one ends the loop with its refusal, and the actions before it stand (the harness then
+    judges the observation against the spec state after those actions).  An op outside the adapter's capabilities is rejected with
     ``adapter.unsupported``; the harness never sends one knowingly.
 
 Observation
