@@ -61,9 +61,9 @@ def report_markdown() -> str:
             lines.append(f"| {v['capability']} | {v['threads']} | {', '.join(v.get('decode_kernels', []))} | {v['rows']} | "
                          f"{v['row_max_error']:.3g} | {v['row_max_rel']:.3g} | {v['row_max_scale']:.3g} | {v['kv_layers']} | "
                          f"{v['kv_max_error']:.3g} | {v['kv_max_rel']:.3g} |")
-        lines += ["", f"Declared: epsilon = {tol.logit:.3g} + {tol.logit_rel:.3g} x max\|row\| "
+        lines += ["", f"Declared: epsilon = {tol.logit:.3g} + {tol.logit_rel:.3g} x max\\|row\\| "
                       f"({tol.logit + tol.logit_rel * tol.row_scale:.3g} at the largest row, {tol.row_scale:.3g}); "
-                      f"K/V = {tol.kv:.3g} + {tol.kv_rel:.3g} x max\|layer\|.", ""]
+                      f"K/V = {tol.kv:.3g} + {tol.kv_rel:.3g} x max\\|layer\\|.", ""]
     return "\n".join(lines) + "\n"
 
 
