@@ -98,7 +98,9 @@ TRACE_FORMAT = "decodespec.trace"
 TRACE_FORMAT_VERSION = 1
 TRACE_INVALID = register_code(
     "trace.invalid_conformance_trace", "rejection", "traces/README.md (decodespec.trace)",
-    "A conformance trace file is not an ITF decodespec.trace of this format version, or its #meta lacks a field.")
+    "A conformance trace file is not UTF-8 JSON of at most 64 MiB, not an ITF decodespec.trace of this format version, "
+    "or a #meta field replay reads is missing or outside its domain (META_SCHEMA, a lone surrogate, the case config "
+    "and its policy, an action); the path names the field.")
 _VARS = ("action", "runtime", "spec", "observation", "state", "verdict")
 
 #: Named runtimes beyond :func:`~decodespec.checks.adapters.open_adapter`'s (deliberately broken
