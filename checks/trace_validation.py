@@ -219,6 +219,18 @@ def params_from_header(header: dict[str, Any]) -> RequestParams:
         raise Rejection(TRACE_INVALID, f"the request header's params are not RequestParams: {type(exc).__name__}: {exc}", "$.params") from None
     if params.identity != header.get("identity") or params.prompt_len != len(header.get("prompt_ids", ())):
         raise Rejection(TRACE_INVALID, "params.identity / prompt_len disagree with the header's identity / prompt_ids", "$.params")
+    # The header states the request's constants twice (its own fields and params): both must say the same.
+    stated = {"max_new_tokens": params.max_new_tokens, "min_new_tokens": params.min_new_tokens, "eos_ids": sorted(params.eos_ids),
+              "zero_new_tokens": params.zero_new_tokens, "cache": params.cache_family, "capacity": params.static_capacity,
+              "prefill_chunk": params.prefill_chunk}
+    for field, value in stated.items():
+        if field in header:
+            own = sorted(header[field]) if field == "eos_ids" and isinstance(header[field], list) else header[field]
+            if own != value:
+                raise Rejection(TRACE_INVALID, f"the header's {field} {own!r} disagrees with its params ({value!r})", f"$.{field}")
+    outside = sorted(i for i in (*header.get("prompt_ids", ()), *params.eos_ids) if not 0 <= int(i) < params.vocab_size)
+    if outside:
+        raise Rejection(TRACE_INVALID, f"token id {outside[0]} is outside the vocabulary [0, {params.vocab_size})", "$.params")
     return params
 
 

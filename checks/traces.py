@@ -60,7 +60,6 @@ from decodespec.spec.errors import DecodeSpecError, Rejection, register_code
 from decodespec.spec.policy.config import policy_config_from_json
 
 from . import itf
-
 from .adapters import Adapter, CaseConfig, check_action, open_adapter, parse_runtime
 from .ladder import Verdict
 
@@ -98,7 +97,9 @@ TRACE_FORMAT = "decodespec.trace"
 TRACE_FORMAT_VERSION = 1
 TRACE_INVALID = register_code(
     "trace.invalid_conformance_trace", "rejection", "traces/README.md (decodespec.trace)",
-    "A conformance trace file is not an ITF decodespec.trace of this format version, or its #meta lacks a field.")
+    "A conformance trace file is not UTF-8 JSON of at most 64 MiB, not an ITF decodespec.trace of this format version, "
+    "or a #meta field replay reads is missing or outside its domain (META_SCHEMA, a lone surrogate, the case config "
+    "and its policy, an action); the path names the field.")
 _VARS = ("action", "runtime", "spec", "observation", "state", "verdict")
 
 #: Named runtimes beyond :func:`~decodespec.checks.adapters.open_adapter`'s (deliberately broken
@@ -478,8 +479,9 @@ def load_trace(path: str | Path) -> dict[str, Any]:
         raise Rejection(TRACE_INVALID, f"{path}: a string holds a lone UTF-16 surrogate (not a Unicode scalar value)", _meta_path(bad))
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(META_SCHEMA).iter_errors(meta))
     if error is not None:
-        raise Rejection(TRACE_INVALID, f"{path}: #meta does not match the replay fields (traces/README.md): {_short(error.message, 200)}",
-                        _meta_path(list(error.absolute_path)))
+        where = _meta_path(list(error.absolute_path))
+        raise Rejection(TRACE_INVALID, f"{path}: {where} does not match the replay fields of #meta (traces/README.md): "
+                        f"{_short(error.message, 200)}", where)
     try:
         config = CaseConfig.from_json(meta["config"])
         policy_config_from_json(config.policy)  # the M3.8 policy both sides will run

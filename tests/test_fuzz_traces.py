@@ -207,15 +207,20 @@ def event_traces(tmp_path_factory) -> list[bytes]:
     return out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def stats_file():
-    yield
+def _write_stats(every: int = 1) -> None:
+    """Write the counts and rates to ``$DECODESPEC_FUZZ_STATS`` (every ``every`` examples: a killed long run keeps them)."""
     target = os.environ.get("DECODESPEC_FUZZ_STATS")
-    if target:
+    if target and (STATS["conformance"] + STATS["events"]) % every == 0:
         rates = {k: round(STATS[k] / TIMES[k], 1) for k in TIMES if TIMES[k]}
         Path(target).write_text(json.dumps({"examples_per_test": EXAMPLES, "counts": dict(sorted(STATS.items())),
                                             "seconds": {k: round(v, 1) for k, v in TIMES.items()}, "per_second": rates},
                                            indent=1) + "\n")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stats_file():
+    yield
+    _write_stats()
 
 
 def _mutate_conformance(data, source: bytes) -> tuple[bytes, list[str]]:
@@ -257,6 +262,7 @@ def test_a_mutated_conformance_trace_loads_or_is_a_typed_refusal(data, tmp_path_
     finally:
         TIMES["conformance"] += time.perf_counter() - start
     STATS["conformance"] += 1
+    _write_stats(every=200)
 
 
 def _mutate_events(data, source: bytes) -> tuple[bytes, list[str]]:
@@ -303,6 +309,7 @@ def test_a_mutated_event_trace_is_accepted_or_refused_with_a_code(data, event_tr
     finally:
         TIMES["events"] += time.perf_counter() - start
     STATS["events"] += 1
+    _write_stats(every=200)
     assert code in (0, 1, 2), (notes, code)
     out, err = _text(out), _text(err)
     assert "Traceback" not in err, (notes, err)

@@ -290,3 +290,16 @@ def test_the_header_runtime_enums_are_the_runtimes():
     assert set(runtime["model"]["enum"]) == set(MODELS)
     assert set(runtime["dtype"]["enum"]) == set(DTYPES)
     assert set(runtime["attention"]["enum"]) == set(ATTN_IMPLEMENTATIONS)
+
+
+@pytest.mark.parametrize("field,value", [("eos_ids", [2063]), ("eos_ids", [7]), ("max_new_tokens", 9), ("cache_family", "none"),
+                                         ("min_new_tokens", 1)])
+def test_header_params_that_disagree_with_the_header_are_refused(greedy_trace, tmp_path, capsys, field, value):
+    """Found by tests/test_fuzz_traces.py: params.eos_ids = [2063] (outside the 512-id vocabulary, and not the header's
+    eos_ids [2]) was accepted, since the run ended by length. The header states these constants twice; both must agree."""
+    records = _records(greedy_trace)
+    records[0]["params"][field] = value
+    path = tmp_path / "params.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["code"], verdict["line"]) == ("trace.invalid_header", 1), verdict

@@ -364,7 +364,7 @@ class CaseConfig:
             raise bad("prompt_ids", "a non-empty list of non-negative ids")
         for field in ("prompt_ids", "eos_ids"):
             if any(t > MAX_SAFE_ID for t in getattr(self, field)):
-                raise bad(field, f"token ids are at most 2**53 - 1 (I-JSON, RFC 7493: the identity is canonical JSON)")
+                raise bad(field, "token ids are at most 2**53 - 1 (I-JSON, RFC 7493: the identity is canonical JSON)")
         if not isinstance(self.policy, dict) or not isinstance(self.policy.get("family"), str):
             raise bad("policy", "an M3.8 policy JSON object with a 'family'")
         for field in ("max_new_tokens", "min_new_tokens", "max_retries"):
