@@ -104,13 +104,8 @@ def _ranked_support(key: torch.Tensor, support: torch.Tensor, *, descending: boo
 
 
 def _prefix_keep(probs: torch.Tensor, order: torch.Tensor, mass: float) -> torch.Tensor:
-    """Keep the ranked prefix whose mass before each id is < ``mass`` (the crossing id stays).
-
-    The mass accumulates in float64: a float32 running sum over a tail of hundreds of ids drifts
-    by more than the crossing id's own probability and drops the id the spec keeps (found by the
-    gate's ``sweep.edge.typical.p.max`` on SmolLM2: 610 vs 611 ids).
-    """
-    sorted_p = probs.gather(-1, order).to(torch.float64)  # [..., V] ranked
+    """Keep the ranked prefix whose mass before each id is < ``mass`` (the crossing id stays)."""
+    sorted_p = probs.gather(-1, order)
     before = torch.cumsum(sorted_p, dim=-1) - sorted_p
     keep_sorted = (before < mass) & (sorted_p > 0)
     keep_sorted[..., 0] = sorted_p[..., 0] > 0
