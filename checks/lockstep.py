@@ -78,6 +78,8 @@ __all__ = [
 ]
 
 _RUNTIME_INVALID_REQUEST = "runtime.invalid_request"
+#: Unit roundoff of each runtime dtype (half an ulp at 1.0).
+_UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 _CONTEXT_WINDOW_EXCEEDED = "model.context_window_exceeded"
 
 
@@ -704,7 +706,14 @@ class LockStep:
         support = probe.support
         s.pending_policy_state = after
         s.pending_logprob = float(log_softmax(np.asarray(ref_raw, dtype=np.float64))[token])
-        s.last_decision = (token, s.pending_logprob, draws, (support, probe.probs[support], cand_processed is not None))
+        # The runtime processed its own row in its dtype: a processed score of magnitude M carries
+        # rounding of M * 2^-mantissa (a logit bias of 1e4 in float32: ~1e-3), which moves each
+        # log-probability by at most twice that, beyond the raw-row tolerance.
+        slack = 0.0
+        if cand_processed is not None:
+            finite = cand_processed.values[np.isfinite(cand_processed.values)]
+            slack = 4.0 * _UNIT_ROUNDOFF.get(s.config.dtype, 2.0 ** -8) * (float(np.max(np.abs(finite))) if finite.size else 0.0)
+        s.last_decision = (token, s.pending_logprob, draws, (support, probe.probs[support], cand_processed is not None, slack))
 
     def _commit(self, receipt: str | None, obs: Observation) -> None:
         s = self.spec
@@ -867,7 +876,7 @@ class LockStep:
             cache_probe=cache_probe,
             support_ids=None if decision is None else decision[3][0],
             support_probs=None if decision is None else decision[3][1],
-            support_log_tolerance=self.tolerance.logprob if decision is not None and decision[3][2] else None,
+            support_log_tolerance=self.tolerance.logprob + decision[3][3] if decision is not None and decision[3][2] else None,
             draws=None if decision is None else decision[2],
             decision_checks=checks,
             decision_token=None if decision is None else decision[0],
