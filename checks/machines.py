@@ -290,7 +290,9 @@ class GateMachine(RuleBasedStateMachine):
     @rule(prompt=st.integers(0, len(PROMPT_TEXTS) - 1))
     def reuse(self, prompt: int) -> None:
         """After finish, the same cache object serves a new request whose prompt is no longer than the current one."""
-        prompts = [p for p in prompts_for(self.model) if len(p) <= self.params.prompt_len] or [prompts_for(self.model)[0]]
+        # No longer than the current prompt, as the rule says: a longer fallback could exceed a small context cap the
+        # config declares (found by the widened draws: L = 1, context_cap = 2, a reuse with a 5-token prompt).
+        prompts = [p for p in prompts_for(self.model) if len(p) <= self.params.prompt_len] or [tuple(self.ls.spec.config.prompt_ids)]
         self._do({"op": "reuse", "prompt_ids": list(prompts[prompt % len(prompts)])})
 
     @precondition(lambda self: self._live())
