@@ -118,3 +118,25 @@ def test_built_wheel_holds_only_the_namespace_and_imports_from_it(tmp_path):
     # -S would drop site-packages (attrs); isolate by running from / with the target first.
     run = subprocess.run([sys.executable, "-c", code, str(target)], cwd="/", capture_output=True, text=True, env=env)
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr
+
+
+def test_impl_never_imports_what_the_spec_computes_answers_with():
+    """The oracle must not be circular: ``impl/`` may use the spec's vocabulary (enums, error codes, frozen
+    request and policy records, config parsing) but never a transition, an invariant, the policy's decision
+    or the stop/stream reference, which the gate uses to judge it (docstring mentions are fine)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "impl"
+    forbidden_modules = ("decodespec.spec.transitions", "decodespec.spec.invariants", "decodespec.spec.policy.decide")
+    forbidden_names = {"step", "decide", "processed_row", "align_output", "step_triggers", "reference_stream", "beam_step",
+                       "MACHINE", "take_snapshot", "expected_report", "expected_start"}
+    hits = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("decodespec.spec"):
+                if node.module.startswith(forbidden_modules):
+                    hits.append(f"{path.name}: from {node.module}")
+                hits += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name in forbidden_names]
+            elif isinstance(node, ast.Import):
+                hits += [f"{path.name}: import {a.name}" for a in node.names if a.name.startswith(forbidden_modules)]
+    assert not hits, hits
