@@ -42,6 +42,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import attrs
 import jsonschema
 
+from decodespec.spec.limits import MAX_SAFE_INT  # the largest integer ITF may write as a plain JSON number (I-JSON)
+
 __all__ = [
     "ITF_SCHEMA",
     "ItfError",
@@ -57,8 +59,6 @@ __all__ = [
     "write_trace",
 ]
 
-#: Largest integer ITF may write as a plain JSON number.
-MAX_SAFE_INT = 2**53 - 1
 
 _EXPR = {"$ref": "#/$defs/expr"}
 

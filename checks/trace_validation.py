@@ -97,6 +97,13 @@ TRACE_INVALID = register_code(
     "The trace's first line is not a request header whose params build the spec's RequestParams.",
 )
 
+TRACE_UNREADABLE = register_code(
+    "trace.unreadable",
+    "rejection",
+    "docs/design.md section 6 (decodespec.events.v1)",
+    "The trace file cannot be read (missing, unreadable, or not UTF-8); nothing was validated.",
+)
+
 TRACE_UNSUPPORTED = register_code(
     "trace.unsupported",
     "rejection",

@@ -50,13 +50,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Validate the trace and print the verdict; returns the exit code."""
-    from decodespec.checks.trace_validation import validate_trace
+    from decodespec.checks.trace_validation import TRACE_UNREADABLE, validate_trace
     from decodespec.impl.events import read_events
 
     try:
         lines = read_events(args.file)
     except (OSError, UnicodeDecodeError) as exc:
-        print(json.dumps({"error": {"code": "trace.unreadable", "path": "$", "message": str(exc)}}), file=sys.stderr)
+        print(json.dumps({"error": {"code": TRACE_UNREADABLE, "path": "$", "message": str(exc)}}), file=sys.stderr)
         return 2
     from decodespec.spec.errors import DecodeSpecError
 
