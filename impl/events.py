@@ -131,6 +131,9 @@ class ListSink(EventSink):
 #: A temporary trace of ours: ``.<target name>.<8 characters of tempfile.mkstemp>.tmp`` next to the target
 #: (``decodespec generate --trace FILE`` writes it, then renames it onto FILE).
 TEMP_NAME = re.compile(r"\.(?P<target>.+)\.[a-z0-9_]{8}\.tmp")
+#: A snapshot's staging folder: ``.<target name>.<8 characters of tempfile.mkdtemp>.snap`` next to the target
+#: (``decodespec generate --snapshot FILE`` writes the JSON and the tensor file into it, then renames both out).
+STAGING_NAME = re.compile(r"\.(?P<target>.+)\.[a-z0-9_]{8}\.snap")
 #: A temporary younger than this (seconds since its last write) is never removed: its writer may be between
 #: creating it and taking its lock.
 STALE_AFTER_S = 1.0
@@ -161,19 +164,44 @@ def _prune_locks() -> None:
             os.close(_LOCKS.pop(name))
 
 
+def staging_folder(target: str | Path) -> Path:
+    """Create a locked staging folder (:data:`STAGING_NAME`) beside ``target`` and clean the stale ones.
+
+    The folder is held under an exclusive ``flock`` until it is removed (the kernel drops the lock
+    if this process dies, even by SIGKILL), and the stale staging folders of the same target that a
+    killed run left are removed first (:func:`clean_stale_temporaries`).
+
+    Raises:
+        OSError: the folder cannot be created (the caller reports it as ``io.error``).
+
+    Source: M3.10 0x06 (partial files never survive a kill: cleaned on the next run).
+    """
+    import tempfile
+
+    target = Path(target)
+    folder = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".snap", dir=target.parent))
+    _lock(folder)
+    clean_stale_temporaries(folder)
+    return folder
+
+
 def clean_stale_temporaries(path: str | Path) -> list[Path]:
     """Remove the stale temporaries of ``path``'s target that an earlier, killed run left beside it; return them.
 
-    ``path`` is a temporary of ours (:data:`TEMP_NAME`); a sibling is removed only when it is
-    a temporary of the same target (the same name pattern), a regular file owned by this user,
-    not written for :data:`STALE_AFTER_S`, and no process holds its lock (every writer holds an
-    exclusive ``flock`` from creation until the rename, and the kernel drops it when the writer
-    dies, even by SIGKILL).  Anything else is left alone.  Does nothing off POSIX.
+    ``path`` is a temporary of ours: a trace temporary (:data:`TEMP_NAME`, a regular file) or a
+    snapshot staging folder (:data:`STAGING_NAME`, a folder holding only regular files).  A
+    sibling is removed only when it is a temporary of the same kind and target (the same name
+    pattern), owned by this user, not written for :data:`STALE_AFTER_S`, and no process holds its
+    lock (every writer holds an exclusive ``flock`` from creation until the rename or removal, and
+    the kernel drops it when the writer dies, even by SIGKILL).  Anything else -- a symlink, a
+    folder of the trace pattern, a file of the folder pattern, a folder with a sub-folder or a
+    link inside -- is left alone.  Does nothing off POSIX.
 
     Source: M3.10 0x06 (partial files never survive a kill: cleaned on the next run).
     """
     path = Path(path)
-    match = TEMP_NAME.fullmatch(path.name)
+    pattern, is_kind = (TEMP_NAME, stat.S_ISREG) if TEMP_NAME.fullmatch(path.name) else (STAGING_NAME, stat.S_ISDIR)
+    match = pattern.fullmatch(path.name)
     if fcntl is None or match is None:
         return []
     removed = []
@@ -183,13 +211,13 @@ def clean_stale_temporaries(path: str | Path) -> list[Path]:
     except OSError:
         return []
     for name in names:
-        other = TEMP_NAME.fullmatch(name)
+        other = pattern.fullmatch(name)
         if other is None or other["target"] != match["target"] or name == path.name:
             continue
         candidate = path.parent / name
         try:
             st = os.lstat(candidate)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or now - st.st_mtime < STALE_AFTER_S:
+            if not is_kind(st.st_mode) or st.st_uid != os.getuid() or now - st.st_mtime < STALE_AFTER_S:
                 continue
             fd = os.open(candidate, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
         except OSError:
@@ -197,13 +225,26 @@ def clean_stale_temporaries(path: str | Path) -> list[Path]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live writer holds it
             if os.path.samestat(os.fstat(fd), os.lstat(candidate)):  # still the file we locked
-                os.unlink(candidate)
+                if stat.S_ISDIR(st.st_mode):
+                    _remove_staging(candidate)
+                else:
+                    os.unlink(candidate)
                 removed.append(candidate)
         except OSError:
             pass
         finally:
             os.close(fd)
     return removed
+
+
+def _remove_staging(folder: Path) -> None:
+    """Remove a stale staging folder that holds regular files only (anything else: ``OSError``, left alone)."""
+    entries = [folder / name for name in os.listdir(folder)]
+    if not all(stat.S_ISREG(os.lstat(entry).st_mode) for entry in entries):
+        raise IsADirectoryError(folder)
+    for entry in entries:
+        os.unlink(entry)
+    os.rmdir(folder)
 
 
 class FileSink(EventSink):

@@ -1203,6 +1203,8 @@ def _validated(model: LlamaForCausalLM, request: RuntimeRequest) -> RuntimeReque
         raise ResourceLimit(CONTEXT_WINDOW_EXCEEDED, f"prompt length {len(prompt)} leaves no room in the context window {window}", "$.prompt_ids")
     if request.cache not in ("none", "dynamic", "static"):
         raise Rejection(INVALID_REQUEST, f"unknown cache family {request.cache!r}", "$.runtime.cache_family")
+    if request.structured not in ("none", "json"):
+        raise Rejection(INVALID_REQUEST, f"unknown structured output {request.structured!r} (none or json)", "$.termination.structured")
     if request.policy.family is Family.BEAM:
         raise Rejection(FAMILY_MISMATCH, "the request runner runs one sequence; the beam family needs a beam loop", "$.policy.family")
     if g == 0 and request.zero_new_tokens == "reject":

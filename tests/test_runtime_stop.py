@@ -270,6 +270,10 @@ def test_chunk_consumer_and_stop_settings_are_validated(tiny_model, byte_tokeniz
     with pytest.raises(Rejection) as info:
         RequestRunner(tiny_model, request(prompt, 4, alignment="bytes"), tokenizer=byte_tokenizer)
     assert info.value.code == "stop.invalid_alignment"
+    for structured in ("grammar", "JSON", ""):  # only the envelope's enum: an unknown value never runs as none
+        with pytest.raises(Rejection) as info:
+            RequestRunner(tiny_model, request(prompt, 4, structured=structured), tokenizer=byte_tokenizer)
+        assert (info.value.code, info.value.path) == ("runtime.invalid_request", "$.termination.structured")
     with pytest.raises(Rejection) as info:
         generate(tiny_model, prompt, max_new_tokens=4, tokenizer=byte_tokenizer, stop_strings="B")
     assert info.value.code == "stop.pattern_type"

@@ -108,3 +108,57 @@ def test_a_sink_at_an_ordinary_path_cleans_nothing(tmp_path) -> None:
     with FileSink(tmp_path / "t.trace"):
         pass
     assert stale.exists()
+
+
+_KILL_DURING_SAVE = """
+import os, signal, sys
+import decodespec.impl.snapshot as snapshot
+real = snapshot.save_snapshot
+def dying(state, path):
+    doc, tensors = real(state, path)  # both files written into the staging folder, not yet moved out
+    os.kill(os.getpid(), signal.SIGKILL)
+snapshot.save_snapshot = dying
+from decodespec.checks.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _staging(folder: Path, target: str = "s.json") -> list[Path]:
+    from decodespec.impl.events import STAGING_NAME
+
+    return sorted(p for p in folder.iterdir() if (m := STAGING_NAME.fullmatch(p.name)) and m["target"] == target)
+
+
+def test_a_kill_while_a_snapshot_is_written_leaves_a_staging_folder_that_the_next_run_removes(tmp_path) -> None:
+    target = tmp_path / "s.json"
+    args = ["generate", "--model", "tiny", "--prompt", "hi", "--max-new-tokens", "3", "--snapshot", str(target)]
+    killed = subprocess.run([sys.executable, "-c", _KILL_DURING_SAVE, *args], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    leftover = _staging(tmp_path)
+    assert len(leftover) == 1 and sorted(p.name for p in leftover[0].iterdir()) == ["s.json", "s.json.safetensors"]
+    assert not target.exists() and not target.with_name("s.json.safetensors").exists()  # nothing half-published
+    _age(leftover[0])
+    done = subprocess.run([sys.executable, "-m", "decodespec.checks.cli", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "s.json.safetensors"]
+
+
+def test_a_live_or_odd_staging_folder_is_left_alone(tmp_path) -> None:
+    from decodespec.impl.events import staging_folder
+
+    odd = tmp_path / ".s.json.odd00000.snap"       # holds a sub-folder: not what we write, kept
+    (odd / "inner").mkdir(parents=True)
+    plain = tmp_path / ".s.json.file0000.snap"     # a file of the folder pattern: kept
+    plain.write_text("x")
+    other = tmp_path / ".t.json.stal0000.snap"     # another target's stale folder: kept
+    other.mkdir()
+    stale = tmp_path / ".s.json.stal0000.snap"     # ours, dead writer, old: removed
+    stale.mkdir()
+    (stale / "s.json").write_text("{")
+    for path in (odd, plain, other, stale):
+        _age(path)
+    live = staging_folder(tmp_path / "s.json")     # this process holds its lock
+    _age(live)
+    assert not stale.exists() and all(p.exists() for p in (odd, plain, other, live))
+    second = staging_folder(tmp_path / "s.json")
+    assert live.is_dir() and second.is_dir()       # a live writer's folder survives another writer's cleaning

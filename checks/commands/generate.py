@@ -322,13 +322,12 @@ class _Outputs:
         """Write ``snapshot`` (when given) and move every output into place."""
         import os
         import shutil
-        import tempfile
-        from pathlib import Path
 
+        from decodespec.impl.events import staging_folder
         from decodespec.impl.snapshot import save_snapshot
 
         if snapshot is not None:
-            folder = Path(tempfile.mkdtemp(prefix=f".{self.snapshot.name}.", dir=self.snapshot.parent))
+            folder = staging_folder(self.snapshot)  # locked; a killed run's stale folder is removed here
             self._temps.append(folder)
             doc, tensors = save_snapshot(snapshot, folder / self.snapshot.name)
             os.chmod(tensors, 0o666 & ~_umask())
