@@ -101,3 +101,24 @@ def test_a_large_logit_bias_is_judged_with_the_runtime_dtype_rounding() -> None:
     finally:
         adapter.close()
     assert ls.verdict.result == "passed", ls.verdict
+
+
+def test_merge_takes_the_entries_of_an_out_file_and_refuses_anything_else(tmp_path, capsys) -> None:
+    """``decodespec calibrate --merge FILE`` prints the tolerance of the entries a ``--out`` wrote, measuring nothing;
+    a file of another shape is ``cli.invalid_argument`` (exit 2)."""
+    import json
+
+    from decodespec.checks.cli import main
+
+    entry = next(e for e in _entries() if (e["runtime"], e["model"], e["dtype"]) == ("impl", "tiny", "float32"))
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"entries": [entry]}))
+    assert main(["calibrate", "--merge", str(good)]) == 0
+    tol = derive(entry["variants"])
+    assert f"impl tiny float32: declared epsilon = {tol.logit:.3g} + {tol.logit_rel:.3g}" in capsys.readouterr().out
+    for bad in ("[]", '{"entries": []}', '{"entries": [{"runtime": "impl"}]}', "not json", '{"entries": [{"runtime": "x", '
+                '"model": "tiny", "dtype": "float32", "variants": [{"rows": 1}]}]}'):
+        path = tmp_path / "bad.json"
+        path.write_text(bad)
+        assert main(["calibrate", "--merge", str(path)]) == 2
+        assert json.loads(capsys.readouterr().out)["error"]["code"] == "cli.invalid_argument", bad

@@ -34,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=12, help="greedy steps per calibration request")
     p.add_argument("--out", type=Path, help="write the entries as JSON to this file")
     p.add_argument("--update", action="store_true", help="merge the entries into the shipped checks/calibration.json")
+    p.add_argument("--merge", type=Path, metavar="FILE",
+                   help="measure nothing: take the entries of a file an earlier --out wrote (print them; with --update, merge them)")
     p.add_argument("--report", type=Path, metavar="FILE",
                    help="measure nothing: write the shipped calibration as a Markdown table (docs/results/calibration.md)")
     return p
@@ -78,6 +80,23 @@ def _machine() -> str:
     return f"{model}, {os.cpu_count()} cores, {simd}, {platform.system()} {platform.machine()}"
 
 
+def _entries_of(path: Path) -> list[dict] | None:
+    """The entries of a file written by ``--out``, or ``None`` when it is not one (unreadable, or of another shape)."""
+    from decodespec.checks.calibrate import summarize
+
+    try:
+        data = json.loads(path.read_bytes()[:16 * 2**20])
+        entries = data["entries"]
+        needed = set(summarize([])) | {"capability", "threads"}
+        ok = isinstance(entries, list) and entries and all(
+            isinstance(e, dict) and all(isinstance(e.get(k), str) for k in ("runtime", "model", "dtype"))
+            and isinstance(e.get("variants"), list) and e["variants"]
+            and all(isinstance(v, dict) and needed <= set(v) for v in e["variants"]) for e in entries)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return entries if ok else None
+
+
 def run(args: argparse.Namespace) -> int:
     from decodespec.checks.calibrate import CALIBRATION_FILE, HEADROOM, derive, load_calibration, summarize, sweep
     from decodespec.checks.adapters import AdapterUnavailable
@@ -99,7 +118,15 @@ def run(args: argparse.Namespace) -> int:
     except DecodeSpecError as exc:
         print(json.dumps({"ok": False, "error": exc.to_json()}))
         return 2
-    entries = sweep(args.runtime.split(":", 1)[0] if not args.runtime.startswith("stdio:") else args.runtime, args.model,
+    if args.merge:
+        entries = _entries_of(args.merge)
+        if entries is None:
+            print(json.dumps({"ok": False, "error": {"code": "cli.invalid_argument", "path": "$.--merge",
+                                                     "message": f"--merge {args.merge}: not a file of calibration entries (written by --out)"}}))
+            return 2
+    else:
+        entries = None
+    entries = entries if entries is not None else sweep(args.runtime.split(":", 1)[0] if not args.runtime.startswith("stdio:") else args.runtime, args.model,
                     args.dtype or ["float32"], threads=args.threads or [1, 2], capabilities=args.capability,
                     decode_kernels=("torch", "native") if args.native else ("torch",), max_new_tokens=args.max_new_tokens)
     for entry in entries:
