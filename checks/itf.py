@@ -42,6 +42,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import attrs
 import jsonschema
 
+from decodespec.checks.fastschema import FastAccept
 from decodespec.spec.limits import MAX_SAFE_INT  # the largest integer ITF may write as a plain JSON number (I-JSON)
 
 __all__ = [
@@ -260,14 +261,20 @@ def make_trace(
     return trace
 
 
+_FAST_ACCEPT = FastAccept(ITF_SCHEMA)
+
+
 def validate_trace(trace: Any) -> None:
     """Check ``trace`` against :data:`ITF_SCHEMA` and that every state carries every var.
 
     Raises:
         ItfError: naming the first problem.
     """
-    validator = jsonschema.Draft202012Validator(ITF_SCHEMA)
-    error = jsonschema.exceptions.best_match(validator.iter_errors(trace))
+    if not _FAST_ACCEPT(trace):  # the Rust validator's acceptance; any refusal is the Python validator's
+        validator = jsonschema.Draft202012Validator(ITF_SCHEMA)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(trace))
+    else:
+        error = None
     if error is not None:
         raise ItfError(f"not an ITF trace at {list(error.absolute_path)}: {error.message}")
     for index, state in enumerate(trace["states"]):

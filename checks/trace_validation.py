@@ -68,6 +68,7 @@ from typing import Any, Callable, Iterable, Sequence
 import attrs
 import jsonschema
 
+from decodespec.checks.fastschema import FastAccept
 from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure, action_label
 from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag, Selection
 from decodespec.spec.errors import DecodeSpecError, Rejection, register_code
@@ -699,13 +700,16 @@ class _Mismatch(Exception):
 
 @lru_cache(maxsize=1)
 def _events_validators() -> dict[str | None, Any]:
-    """The whole schema's validator (key ``None``) and one per event (its ``$defs/event_<name>`` alone: faster, same verdict)."""
+    """The whole schema's validator (key ``None``) and one per event (its ``$defs/event_<name>`` alone: faster, same verdict), each with its fast acceptance."""
     schema = json.loads(EVENTS_SCHEMA_PATH.read_text(encoding="utf-8"))
     cls = jsonschema.validators.validator_for(schema)
     cls.check_schema(schema)
     defs = schema["$defs"]
-    per_event: dict[str | None, Any] = {name: cls({"$defs": defs, "$ref": f"#/$defs/event_{name}"}) for name in schema["properties"]["event"]["enum"]}
-    per_event[None] = cls(schema)
+    per_event: dict[str | None, Any] = {}
+    for name in schema["properties"]["event"]["enum"]:
+        one = {"$defs": defs, "$ref": f"#/$defs/event_{name}"}
+        per_event[name] = (cls(one), FastAccept(one))
+    per_event[None] = (cls(schema), FastAccept(schema))
     return per_event
 
 
@@ -718,7 +722,10 @@ def schema_error(rec: Any) -> str | None:
     """
     validators = _events_validators()
     event = rec.get("event") if isinstance(rec, dict) else None
-    errors = list(validators.get(event if isinstance(event, str) else None, validators[None]).iter_errors(rec))
+    validator, accepts = validators.get(event if isinstance(event, str) else None, validators[None])
+    if accepts(rec):  # the Rust validator's acceptance (checks/fastschema.py); a refusal is the Python validator's
+        return None
+    errors = list(validator.iter_errors(rec))
     if not errors:
         return None
     leaves = [e for e in errors if not e.context] or errors

@@ -46,7 +46,8 @@ from decodespec.spec.envelope import validate_request_envelope
 from decodespec.spec.errors import ERROR_CODES, MAX_MESSAGE_CHARS, DecodeSpecError
 from decodespec.spec.policy.config import CATALOG
 
-from runtime_helpers import request, sampled_policy  # noqa: E402  (tests/ is on sys.path)
+from fuzzing import HANG_S, Chooser  # noqa: E402  (tests/ is on sys.path)
+from runtime_helpers import request, sampled_policy  # noqa: E402
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "docs" / "examples").glob("*.request.json"))
 #: Examples per test in the default (CI) profile.
@@ -59,6 +60,8 @@ FUZZ = settings(max_examples=NUM_EXAMPLES, deadline=None, database=None, derando
 #: surface -> outcome ("admitted" or the error code) -> count, over the whole module.
 STATS: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 ELAPSED: collections.Counter = collections.Counter()
+#: surface -> the longest one input took (seconds inside the surface): a hang is HANG_S or more.
+SLOWEST: dict[str, float] = collections.defaultdict(float)
 #: Untyped errors the long loop met (it records them and goes on; the test fails at the end).
 UNTYPED: list[dict[str, Any]] = []
 
@@ -70,7 +73,7 @@ def _report():
     if target:
         report: dict[str, Any] = {surface: {"inputs": sum(c.values()), "seconds": round(ELAPSED[surface], 1),
                             "inputs_per_second": round(sum(c.values()) / max(ELAPSED[surface], 1e-9), 1),
-                            "untyped": c["untyped"], "outcomes": dict(c.most_common())}
+                            "slowest_s": round(SLOWEST[surface], 3), "untyped": c["untyped"], "outcomes": dict(c.most_common())}
                   for surface, c in STATS.items()}
         report["untyped_errors"] = UNTYPED
         Path(target).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
@@ -87,7 +90,9 @@ def _typed(surface: str, fn, *args: Any) -> Any:
         STATS[surface][exc.code] += 1
         return None
     finally:
-        ELAPSED[surface] += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        ELAPSED[surface] += elapsed
+        SLOWEST[surface] = max(SLOWEST[surface], elapsed)
     STATS[surface]["admitted"] += 1
     return result
 
@@ -148,26 +153,6 @@ INTERESTING_INTS = [0, 1, -1, 2, 7, 8192, 8193, 49151, 49152, 2**31, 2**53 - 1, 
 INTERESTING_FLOATS = [0.0, -0.0, 0.5, 1.0, 1e-300, 1e300, 1.7976931348623157e308, float("nan"), float("inf"), float("-inf"), -2.5]
 INTERESTING_STRINGS = ["", "sha256:" + "0" * 64, "greedy", "multinomial", "beam", "static", "dynamic", "none", "\ud800", "x" * 3000,
                        "temperature", "top_k", "constraint", "logit_bias", "hf", "llama.cpp", "explicit", "name", "1", "0", "9" * 20]
-
-
-class Chooser:
-    """The choices a mutation makes, from Hypothesis (``data.draw``, shrinkable) or from ``random.Random`` (the long loop)."""
-
-    def __init__(self, data: Any = None, rng: random.Random | None = None):
-        self.data, self.rng = data, rng
-
-    def int(self, lo: int, hi: int) -> int:
-        return self.data.draw(st.integers(lo, hi)) if self.data is not None else self.rng.randint(lo, hi)
-
-    def choice(self, seq: list) -> Any:
-        return seq[self.int(0, len(seq) - 1)]
-
-    def bytes(self, n: int) -> bytes:
-        return bytes(self.int(0, 255) for _ in range(n))
-
-    def text(self, n: int) -> str:
-        alphabet = "ab_.-0189 \"\\{}[]:,\u00e9\u4e2d\U0001f600\ud800"
-        return "".join(self.choice(alphabet) for _ in range(self.int(0, n)))
 
 
 def random_json(c: Chooser, depth: int = 0) -> Any:
@@ -336,9 +321,10 @@ def test_snapshot_mutations(tiny_model, byte_tokenizer, snapshot_bases, data) ->
 def test_long_fuzz_loop(tiny_model, byte_tokenizer, snapshot_bases) -> None:
     """The long run: the same mutations drawn from ``random.Random`` (no shrinking, much faster) for S seconds.
 
-    Each second of the budget is split 3:3:1 between envelope bytes, envelope fields and
-    snapshots (by round: 3 + 3 + 1 inputs).  ``DECODESPEC_FUZZ_SEED`` seeds it (default 0); a
-    failure names the seed and the input number, so it can be replayed.
+    Each round runs ``DECODESPEC_FUZZ_MIX`` = ``B:F:S`` inputs (default ``3:3:1``) of envelope
+    bytes, envelope fields and snapshots (``1:1:0`` runs the envelope surfaces alone).
+    ``DECODESPEC_FUZZ_SEED`` seeds it (default 0); a failure names the seed and the input number,
+    so it can be replayed.  An input slower than ``fuzzing.HANG_S`` (10 s) fails the run as a hang.
     """
     seed = int(os.environ.get("DECODESPEC_FUZZ_SEED", "0"))
     deadline = time.monotonic() + float(os.environ["DECODESPEC_FUZZ_SECONDS"])
@@ -355,11 +341,15 @@ def test_long_fuzz_loop(tiny_model, byte_tokenizer, snapshot_bases) -> None:
                             "at": f"{Path(where.filename).name}:{where.lineno}"})
             STATS[surface]["untyped"] += 1
 
+    n_bytes, n_fields, n_snapshots = (int(k) for k in os.environ.get("DECODESPEC_FUZZ_MIX", "3:3:1").split(":"))
     while time.monotonic() < deadline:
         rounds += 1
-        for _ in range(3):
+        for _ in range(n_bytes):
             guarded("envelope_bytes", lambda: _typed("envelope_bytes", validate_request_envelope, mutate_bytes(c, c.choice(RAW_EXAMPLES))))
+        for _ in range(n_fields):
             guarded("envelope_fields", lambda: _typed("envelope_fields", validate_request_envelope, mutate_fields(c, c.choice(DOCS))))
-        guarded("snapshot", lambda: _snapshot_case(tiny_model, byte_tokenizer, snapshot_bases, c))
+        for _ in range(n_snapshots):
+            guarded("snapshot", lambda: _snapshot_case(tiny_model, byte_tokenizer, snapshot_bases, c))
     assert rounds > 0
+    assert not {s: t for s, t in SLOWEST.items() if t >= HANG_S}, dict(SLOWEST)
     assert not UNTYPED, UNTYPED[:5]

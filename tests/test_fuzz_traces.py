@@ -28,6 +28,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import subprocess
 import time
 from collections import Counter
@@ -42,6 +43,8 @@ from hypothesis import strategies as st
 from decodespec.checks.cli import main
 from decodespec.checks.traces import check_replay_runtime, load_trace
 from decodespec.spec.errors import ERROR_CODES, DecodeSpecError
+
+from fuzzing import Chooser, Ledger  # noqa: E402  (tests/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = sorted((ROOT / "traces").glob("*.itf.json"))
@@ -102,20 +105,19 @@ def _set(root: Any, path: tuple, value: Any, delete: bool = False) -> Any:
     return root
 
 
-@st.composite
-def json_mutation(draw, doc: Any, prefer: tuple = ()) -> tuple[Any, str]:
+def json_mutation(c: Chooser, doc: Any, prefer: tuple = ()) -> tuple[Any, str]:
     """One JSON-level mutation of ``doc`` (a deep copy); returns the new document and a description."""
     doc = json.loads(json.dumps(doc))
     base = doc
     for key in prefer:
-        if isinstance(base, dict) and key in base and draw(st.integers(0, 9)) < 8:
+        if isinstance(base, dict) and key in base and c.int(0, 9) < 8:
             base = base[key]
         else:
             prefer = ()
             break
     paths = _paths(base, tuple(prefer))
-    path = draw(st.sampled_from(paths))
-    kind = draw(st.sampled_from(["replace", "replace", "replace", "delete", "add", "deep", "number"]))
+    path = c.choice(paths)
+    kind = c.choice(["replace", "replace", "replace", "delete", "add", "deep", "number"])
     if kind == "delete" and path:
         return _set(doc, path, None, delete=True), f"delete {list(path)}"
     if kind == "add":
@@ -123,36 +125,35 @@ def json_mutation(draw, doc: Any, prefer: tuple = ()) -> tuple[Any, str]:
         for key in path:
             target = target[key]
         if isinstance(target, dict):
-            name = draw(st.sampled_from(["note", "op", "#meta", "runtime", "\ud800", "x" * 300]))
-            target[name] = draw(st.sampled_from(HOSTILE))
+            name = c.choice(["note", "op", "#meta", "runtime", "\ud800", "x" * 300])
+            target[name] = c.choice(HOSTILE)
             return doc, f"add {list(path)}.{name!r}"
         if isinstance(target, list):
-            target.append(draw(st.sampled_from(HOSTILE)))
+            target.append(c.choice(HOSTILE))
             return doc, f"append {list(path)}"
     if kind == "deep":  # a marker, spliced in as text by _dumps (a Python object this deep could not be serialised)
-        depth = draw(st.sampled_from([50, 2000, 200_000]))
+        depth = c.choice([50, 2000, 200_000])
         return _set(doc, path, f"{DEEP}{depth}"), f"deep {list(path)} x{depth}"
     if kind == "number":
-        value = draw(st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True)))
+        value = c.int(-(2**70), 2**70) if c.bool() else c.float()
         return _set(doc, path, value), f"number {list(path)} = {value!r}"
-    value = draw(st.sampled_from(HOSTILE))
+    value = c.choice(HOSTILE)
     return _set(doc, path, value), f"replace {list(path)} = {str(value)[:40]!r}"
 
 
-@st.composite
-def byte_mutation(draw, data: bytes) -> tuple[bytes, str]:
+def byte_mutation(c: Chooser, data: bytes) -> tuple[bytes, str]:
     """One byte-level mutation: flip, insert, delete a range, truncate or splice a non-UTF-8 byte."""
-    kind = draw(st.sampled_from(["flip", "insert", "delete", "truncate", "non_utf8"]))
-    at = draw(st.integers(0, max(len(data) - 1, 0)))
+    kind = c.choice(["flip", "insert", "delete", "truncate", "non_utf8"])
+    at = c.int(0, max(len(data) - 1, 0))
     if kind == "flip" and data:
-        return data[:at] + bytes([data[at] ^ draw(st.integers(1, 255))]) + data[at + 1:], f"flip @{at}"
+        return data[:at] + bytes([data[at] ^ c.int(1, 255)]) + data[at + 1:], f"flip @{at}"
     if kind == "insert":
-        return data[:at] + draw(st.binary(min_size=1, max_size=8)) + data[at:], f"insert @{at}"
+        return data[:at] + c.bytes(c.int(1, 8)) + data[at:], f"insert @{at}"
     if kind == "delete":
-        return data[:at] + data[at + draw(st.integers(1, 64)):], f"delete @{at}"
+        return data[:at] + data[at + c.int(1, 64):], f"delete @{at}"
     if kind == "truncate":
         return data[:at], f"truncate @{at}"
-    return data[:at] + draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x00"])) + data[at:], f"non-utf8 @{at}"
+    return data[:at] + c.choice([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x00"]) + data[at:], f"non-utf8 @{at}"
 
 
 def _streams() -> tuple[io.TextIOWrapper, io.TextIOWrapper]:
@@ -223,31 +224,30 @@ def stats_file():
     _write_stats()
 
 
-def _mutate_conformance(data, source: bytes) -> tuple[bytes, list[str]]:
+def _mutate_conformance(c: Chooser, source: bytes) -> tuple[bytes, list[str]]:
     notes = []
-    for _ in range(data.draw(st.integers(1, 3))):
-        if data.draw(st.booleans()):
+    for _ in range(c.int(1, 3)):
+        if c.bool():
             try:
                 doc = json.loads(source)
             except (ValueError, RecursionError):
                 doc = None
             if doc is not None:
-                doc, note = data.draw(json_mutation(doc, prefer=("#meta",)))
+                doc, note = json_mutation(c, doc, prefer=("#meta",))
                 source = _dumps(doc)
                 notes.append(note)
                 continue
-        source, note = data.draw(byte_mutation(source))
+        source, note = byte_mutation(c, source)
         notes.append(note)
     return source, notes
 
 
-@FUZZ
-@given(data=st.data())
-def test_a_mutated_conformance_trace_loads_or_is_a_typed_refusal(data, tmp_path_factory) -> None:
-    path = data.draw(st.sampled_from(CORPUS))
+def _conformance_case(c: Chooser, folder: Path) -> str:
+    """One mutated conformance trace through replay's loader and runtime check; returns the outcome."""
+    path = c.choice(CORPUS)
     source = Seed(path.name, path.read_bytes())
-    mutated, notes = _mutate_conformance(data, source)
-    path = tmp_path_factory.getbasetemp() / "fuzz-conformance.itf.json"
+    mutated, notes = _mutate_conformance(c, source)
+    path = folder / "fuzz-conformance.itf.json"
     path.write_bytes(mutated)
     out, err = _streams()
     start = time.perf_counter()
@@ -255,51 +255,58 @@ def test_a_mutated_conformance_trace_loads_or_is_a_typed_refusal(data, tmp_path_
         with no_process_started(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             trace = load_trace(path)
             check_replay_runtime(trace["#meta"], None)
-            STATS["conformance.loaded"] += 1
+            outcome = "conformance.loaded"
     except DecodeSpecError as exc:
         assert exc.code in ERROR_CODES and exc.path.startswith("$"), (notes, exc)
-        STATS[f"conformance.refused.{exc.code}"] += 1
+        outcome = f"conformance.refused.{exc.code}"
     finally:
         TIMES["conformance"] += time.perf_counter() - start
+    STATS[outcome] += 1
     STATS["conformance"] += 1
     _write_stats(every=200)
+    return outcome
 
 
-def _mutate_events(data, source: bytes) -> tuple[bytes, list[str]]:
+@FUZZ
+@given(data=st.data())
+def test_a_mutated_conformance_trace_loads_or_is_a_typed_refusal(data, tmp_path_factory) -> None:
+    _conformance_case(Chooser(data), tmp_path_factory.getbasetemp())
+
+
+def _mutate_events(c: Chooser, source: bytes) -> tuple[bytes, list[str]]:
     notes = []
-    for _ in range(data.draw(st.integers(1, 2))):
+    for _ in range(c.int(1, 2)):
         lines = source.split(b"\n")
-        if data.draw(st.integers(0, 3)) and lines:
-            index = data.draw(st.integers(0, len(lines) - 1))
+        if c.int(0, 3) and lines:
+            index = c.int(0, len(lines) - 1)
             try:
                 record = json.loads(lines[index])
             except (ValueError, RecursionError):
                 record = None
             if record is not None:
-                record, note = data.draw(json_mutation(record))
+                record, note = json_mutation(c, record)
                 lines[index] = _dumps(record)
                 source = b"\n".join(lines)
                 notes.append(f"line {index + 1}: {note}")
                 continue
-        if data.draw(st.integers(0, 4)) == 0 and len(lines) > 2:  # drop, duplicate or swap whole lines
-            i, j = sorted(data.draw(st.lists(st.integers(0, len(lines) - 1), min_size=2, max_size=2)))
-            kind = data.draw(st.sampled_from(["drop", "dup", "swap"]))
+        if c.int(0, 4) == 0 and len(lines) > 2:  # drop, duplicate or swap whole lines
+            i, j = sorted((c.int(0, len(lines) - 1), c.int(0, len(lines) - 1)))
+            kind = c.choice(["drop", "dup", "swap"])
             lines = (lines[:i] + lines[i + 1:] if kind == "drop" else lines[:i] + [lines[i]] + lines[i:] if kind == "dup"
                      else [*lines[:i], lines[j], *lines[i + 1:j], lines[i], *lines[j + 1:]])
             source = b"\n".join(lines)
             notes.append(f"{kind} lines {i + 1},{j + 1}")
             continue
-        source, note = data.draw(byte_mutation(source))
+        source, note = byte_mutation(c, source)
         notes.append(note)
     return source, notes
 
 
-@FUZZ
-@given(data=st.data())
-def test_a_mutated_event_trace_is_accepted_or_refused_with_a_code(data, event_traces, tmp_path_factory) -> None:
-    source = data.draw(st.sampled_from(event_traces))
-    mutated, notes = _mutate_events(data, source)
-    path = tmp_path_factory.getbasetemp() / "fuzz-events.ndjson"
+def _events_case(c: Chooser, event_traces: list[bytes], folder: Path) -> str:
+    """One mutated event trace through ``decodespec validate-trace``; returns the outcome."""
+    source = c.choice(event_traces)
+    mutated, notes = _mutate_events(c, source)
+    path = folder / "fuzz-events.ndjson"
     path.write_bytes(mutated)
     out, err = _streams()
     start = time.perf_counter()
@@ -317,15 +324,78 @@ def test_a_mutated_event_trace_is_accepted_or_refused_with_a_code(data, event_tr
         error = json.loads(err.strip().splitlines()[-1])["error"]
         assert error["path"].startswith("$") and (error["code"] in ERROR_CODES or error["code"] == "trace.unreadable"), (notes, error)
         STATS[f"events.unreadable.{error['code']}"] += 1
-        return
+        return f"events.unreadable.{error['code']}"
     verdict = json.loads(out)
     if verdict["accepted"]:
         assert code == 0 and verdict["code"] is None
-        STATS["events.accepted" + (".unchanged" if mutated == source else "")] += 1
+        outcome = "events.accepted" + (".unchanged" if mutated == source else "")
+        STATS[outcome] += 1
         review = os.environ.get("DECODESPEC_FUZZ_ACCEPTED")
         if review and mutated != source:
             with open(review, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps({"notes": notes}, ensure_ascii=True) + "\n")
     else:
         assert code == 1 and verdict["code"] in ERROR_CODES and verdict["line"] >= 1, (notes, verdict)
-        STATS[f"events.rejected.{verdict['code']}"] += 1
+        outcome = f"events.rejected.{verdict['code']}"
+        STATS[outcome] += 1
+    return outcome
+
+
+@FUZZ
+@given(data=st.data())
+def test_a_mutated_event_trace_is_accepted_or_refused_with_a_code(data, event_traces, tmp_path_factory) -> None:
+    _events_case(Chooser(data), event_traces, tmp_path_factory.getbasetemp())
+
+
+@pytest.mark.skipif("DECODESPEC_FUZZ_SECONDS" not in os.environ, reason="the long fuzz loop runs only with DECODESPEC_FUZZ_SECONDS=S")
+def test_long_trace_fuzz_loop(event_traces, tmp_path_factory) -> None:
+    """The long run: the same mutations from a seeded ``random.Random`` (no shrinking) for S seconds.
+
+    Each round runs ``DECODESPEC_FUZZ_MIX`` = ``C:E`` inputs (default ``1:1``) of conformance traces
+    (replay's loader) and event traces (``validate-trace``).  ``DECODESPEC_FUZZ_SEED`` seeds it;
+    ``DECODESPEC_FUZZ_REPORT=FILE`` writes the counts, rates, slowest inputs and untyped errors.
+    Untyped errors and inputs slower than ``fuzzing.HANG_S`` fail the run at the end.
+    """
+    seed = int(os.environ.get("DECODESPEC_FUZZ_SEED", "0"))
+    deadline = time.monotonic() + float(os.environ["DECODESPEC_FUZZ_SECONDS"])
+    c = Chooser(rng=random.Random(seed))
+    n_conformance, n_events = (int(k) for k in os.environ.get("DECODESPEC_FUZZ_MIX", "1:1").split(":"))
+    folder = tmp_path_factory.mktemp("fuzz-long")
+    ledger = Ledger()
+    rounds = 0
+    while time.monotonic() < deadline:
+        rounds += 1
+        for i in range(n_conformance):
+            ledger.run("replay_loader", lambda: _conformance_case(c, folder), where=f"seed {seed} round {rounds}.{i}")
+        for i in range(n_events):
+            ledger.run("validate_trace", lambda: _events_case(c, event_traces, folder), where=f"seed {seed} round {rounds}.{i}")
+    report = os.environ.get("DECODESPEC_FUZZ_REPORT")
+    if report:
+        Path(report).write_text(json.dumps({"seed": seed, "rounds": rounds, **ledger.to_json()}, indent=1) + "\n")
+    assert rounds > 0
+    assert not ledger.untyped, ledger.untyped[:5]
+    assert not ledger.hangs(), ledger.hangs()
+
+
+@FUZZ
+@given(data=st.data())
+def test_the_fast_schema_check_never_accepts_what_the_python_validator_refuses(data, event_traces) -> None:
+    """checks/fastschema.py: the Rust validator's acceptance is trusted, so it must imply the Python validator's,
+    for the ITF schema (mutated conformance traces) and the events schema (mutated event lines)."""
+    import jsonschema
+
+    from decodespec.checks.fastschema import FastAccept
+    from decodespec.checks.itf import ITF_SCHEMA
+    from decodespec.checks.trace_validation import EVENTS_SCHEMA_PATH
+
+    c = Chooser(data)
+    events_schema = json.loads(EVENTS_SCHEMA_PATH.read_text(encoding="utf-8"))
+    path = c.choice(CORPUS)
+    doc, _ = json_mutation(c, json.loads(path.read_bytes()), prefer=("#meta",) if c.bool() else ("states",))
+    line = c.choice(c.choice(event_traces).split(b"\n")[:-1])
+    record, _ = json_mutation(c, json.loads(line))
+    for schema, value in ((ITF_SCHEMA, doc), (events_schema, record)):
+        if json.dumps(DEEP)[1:-1] in json.dumps(value):  # a deep-nest marker: only the file readers expand it
+            continue
+        if FastAccept(schema)(value):
+            assert jsonschema.Draft202012Validator(schema).is_valid(value)
