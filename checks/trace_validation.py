@@ -25,6 +25,11 @@ completion, the model's depth); a ``snapshot`` event's ``state`` is, field by fi
 :func:`~decodespec.spec.snapshot.take_snapshot` of the matched state; the header's ``runtime``
 fields are in the runtime's domains (schema enums: name, model, device, dtype, attention, kernel).
 
+A ``cancel`` with ``source = "budget"`` (the request's own wall-clock budget fired) needs the
+header's ``timeout_ms``, ``kind = timeout``, ``at = before_launch`` and ``elapsed_ms >=
+timeout_ms``; a ``timeout`` without that source is an external interrupt (the spec enables it at
+every interrupt point).
+
 A trace is accepted when every line is consumed and the request ends terminal with a ``finish``
 event after its last state change (a trace that reaches a terminal state but lacks that
 ``finish`` is incomplete: the finish is what reports the outcome), or suspended right after a
@@ -323,6 +328,8 @@ class _Replay:
         self.decision_logprobs: dict[str, Any] = {}
         #: The model's layer count, as the trace's first ALL_NEW completion of a cached call states it.
         self.num_layers: int | None = None
+        #: The request's wall-clock budget (header ``timeout_ms``), ``None`` without one.
+        self.timeout_ms: int | None = header.get("timeout_ms")
 
     # -- the stop oracle over committed ids --------------------------------------------------------
     def _token_bytes(self, ids: Sequence[int]) -> list[bytes]:
@@ -552,7 +559,27 @@ class _Replay:
 
     def _on_cancel(self, rec, state):
         action = Cancel(FinishReason(rec["kind"]))
-        return [(action, lambda before, after: _differs("at", rec["at"], getattr(interrupt_point(before), "value", None)))]
+        why = self._budget_check(rec) if rec.get("source") == "budget" else None
+        return [(action, lambda before, after: why or _differs("at", rec["at"], getattr(interrupt_point(before), "value", None)))]
+
+    def _budget_check(self, rec) -> str | None:
+        """A timeout the request's own budget fired: a budget is declared, it is spent, and it fired at a call boundary.
+
+        The spec cannot predict wall time, so it accepts the budget's ``timeout`` wherever its
+        ``Cancel(timeout)`` is enabled; what the trace can be held to is the runtime's declared
+        contract (:class:`decodespec.impl.runtime.RequestRunner`): only with a header
+        ``timeout_ms``, only once ``elapsed_ms >= timeout_ms``, only before a launch (no call is
+        interrupted, so no committed token is lost: the finish frontier is then the spec's).
+        """
+        if self.timeout_ms is None:
+            return "a cancel with source 'budget' but the request header declares no wall-clock budget (timeout_ms)"
+        if rec["kind"] != FinishReason.TIMEOUT.value:
+            return f"the wall-clock budget finishes 'timeout', not {rec['kind']!r}"
+        if rec["at"] != "before_launch":
+            return f"the wall-clock budget fires at a call boundary (before_launch), not {rec['at']!r}"
+        if rec["elapsed_ms"] < self.timeout_ms:
+            return f"the budget fired after {rec['elapsed_ms']} ms, before its {self.timeout_ms} ms were spent"
+        return None
 
     def _on_recover(self, rec, state):
         return [(Recover(), lambda b, a: _first(_differs("generation", rec["generation"], a.generation),

@@ -303,7 +303,7 @@ _REQUEST_FIELDS: dict[str, tuple[Any, Any]] = {
     "static_capacity": ((int, type(None)), None), "prefill_chunk": ((int, type(None)), None), "zero_new_tokens": (str, None),
     "final_cache": (str, None), "max_retries": (int, None), "context_cap": ((int, type(None)), None), "stream": (bool, None),
     "stop_strings": (list, str), "structured": (str, None), "include_stop_str": (bool, None), "alignment": (str, None),
-    "vocab_hash": (str, None),
+    "vocab_hash": (str, None), "timeout_ms": ((int, type(None)), None),
 }
 
 
