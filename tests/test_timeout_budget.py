@@ -237,3 +237,18 @@ def test_cli_budget_flag_conflicts_with_a_request_file(capsys):
     assert main(["generate", "--model", "tiny", "--request", "docs/examples/tiny.request.json", "--timeout-ms", "5"]) == 2
     error = json.loads(capsys.readouterr().err)["error"]
     assert error["code"] == "runtime.invalid_request" and "--timeout-ms" in error["message"]
+
+
+def test_a_resumed_request_starts_a_fresh_budget_at_restore(tiny_model, prompt, unbudgeted):
+    # Declared choice: the budget bounds one run; a restore is a new run with the same budget.
+    holder: dict = {}
+    runner = RequestRunner(tiny_model, request(prompt, max_new_tokens=12, timeout_ms=25), clock=_per_call_clock(holder))
+    holder["runner"] = runner
+    runner.run(max_outputs=2)
+    assert runner.finish_reason is None and runner.output_count == 2
+    snapshot = runner.snapshot("pending_suffix")
+    assert snapshot.request.timeout_ms == 25
+    readings = iter([100.0, 100.01, 100.02, 100.03])  # restore, then 10 ms per boundary: spent at the third boundary
+    resumed = RequestRunner.restore(tiny_model, snapshot, clock=lambda: next(readings)).run()
+    assert resumed.finish_reason is FinishReason.TIMEOUT
+    assert resumed.output_count == 2 + 2 and resumed.output_ids == list(unbudgeted.output_ids[:4])
