@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+import attrs
+
 import pytest
 
 from decodespec.checks.cli import main
@@ -252,3 +254,59 @@ def test_a_resumed_request_starts_a_fresh_budget_at_restore(tiny_model, prompt, 
     resumed = RequestRunner.restore(tiny_model, snapshot, clock=lambda: next(readings)).run()
     assert resumed.finish_reason is FinishReason.TIMEOUT
     assert resumed.output_count == 2 + 2 and resumed.output_ids == list(unbudgeted.output_ids[:4])
+
+
+# -- the lock-step gate --------------------------------------------------------------------------
+# The gate's case configs carry no budget: its timeouts are its own cancel{kind: timeout} actions,
+# which both sides take.  A runtime that times out on its own there, or drops a committed token
+# when it times out, must fail the lock step.
+
+
+def _lockstep(runner_cls, actions):
+    from decodespec.checks.adapters import CaseConfig
+    from decodespec.checks.adapters.impl import ImplAdapter
+    from decodespec.checks.lockstep import LockStep
+
+    config = CaseConfig(model="tiny", prompt_ids=(1, 40, 41, 42), max_new_tokens=6, seed=0)
+    ls = LockStep(ImplAdapter(runner_cls=runner_cls), config)
+    ls.reset()
+    for action in actions:
+        if ls.failed:
+            break
+        ls.apply(action)
+    return ls
+
+
+class _OwnBudget(RequestRunner):
+    """A runtime that applies a budget the case never declared (spent after 2 calls of fake time)."""
+
+    def __init__(self, model, req, **kwargs):
+        super().__init__(model, attrs.evolve(req, timeout_ms=15), clock=lambda: self.num_calls * CALL_S, **kwargs)
+
+
+class _DropsOnTimeout(RequestRunner):
+    """A runtime whose timeout forgets the last committed token."""
+
+    def cancel(self, kind=FinishReason.CANCELLED):
+        at = super().cancel(kind)
+        if FinishReason(kind) is FinishReason.TIMEOUT and self.output_ids:
+            self.output_ids.pop()
+            self.logprobs.pop()
+        return at
+
+
+def test_the_gate_accepts_its_own_timeout_with_every_committed_token(tiny_model):
+    ls = _lockstep(RequestRunner, [{"op": "step"}, {"op": "step"}, {"op": "cancel", "kind": "timeout"}])
+    assert not ls.failed and ls.spec.state.finish_reason is FinishReason.TIMEOUT and len(ls.spec.state.output_ids) == 2
+
+
+def test_the_gate_refuses_a_timeout_without_a_budget(tiny_model):
+    ls = _lockstep(_OwnBudget, [{"op": "run"}])
+    # The runtime finished timeout after 2 calls; the spec (no budget declared) ran on: STATE fails.
+    assert ls.failed and ls.verdict.layer == "STATE" and ls.observation.finish_reason == "timeout"
+    assert ls.spec.state.finish_reason is FinishReason.LENGTH
+
+
+def test_the_gate_refuses_a_timeout_that_drops_a_committed_token(tiny_model):
+    ls = _lockstep(_DropsOnTimeout, [{"op": "step"}, {"op": "step"}, {"op": "cancel", "kind": "timeout"}])
+    assert ls.failed and ls.verdict.layer == "STATE" and ls.verdict.check == "output_ids"
