@@ -16,7 +16,9 @@ Before any replay, every line must match the published JSON Schema
 ``format`` is ``decodespec.events.v1``, and nested objects (frontier, params, output, runtime,
 the decision's receipt, the finish's stream report) are closed too.  A ``decision``'s embedded
 M3.8 receipt must be the receipt of that decision: its content hash ``receipt_id`` must match its
-body (:func:`decodespec.spec.policy.receipt.content_id`), and ``selected_id``, ``score_id``,
+body (:func:`decodespec.spec.policy.receipt.content_id`), its ``policy_digest`` must be the
+digest of the header's ``policy`` (written once per trace; receipts reference it instead of
+embedding it) and its applied ``transforms`` a subsequence of that policy's, and ``selected_id``, ``score_id``,
 ``draws``, ``raw_logprob``, the RNG counters, ``step`` (O at decision time) and ``vocab_size``
 must equal the event's fields and the spec state's.  A ``commit`` carries the ``logprob`` its
 decision recorded; a completion's ``layers_written`` agrees with its selection (no cache: 0; a
@@ -24,6 +26,11 @@ cached ALL_NEW call wrote every layer: at least one, and the count of the trace'
 completion, the model's depth); a ``snapshot`` event's ``state`` is, field by field, the spec's
 :func:`~decodespec.spec.snapshot.take_snapshot` of the matched state; the header's ``runtime``
 fields are in the runtime's domains (schema enums: name, model, device, dtype, attention, kernel).
+
+A ``cancel`` with ``source = "budget"`` (the request's own wall-clock budget fired) needs the
+header's ``timeout_ms``, ``kind = timeout``, ``at = before_launch`` and ``elapsed_ms >=
+timeout_ms``; a ``timeout`` without that source is an external interrupt (the spec enables it at
+every interrupt point).
 
 A trace is accepted when every line is consumed and the request ends terminal with a ``finish``
 event after its last state change (a trace that reaches a terminal state but lacks that
@@ -71,9 +78,9 @@ import jsonschema
 from decodespec.checks.fastschema import FastAccept
 from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure, action_label
 from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag, Selection
-from decodespec.spec.errors import DecodeSpecError, Rejection, register_code
-from decodespec.spec.policy.config import policy_config_from_json
-from decodespec.spec.policy.receipt import content_id
+from decodespec.spec.errors import DecodeSpecError, Rejection, quote, register_code
+from decodespec.spec.policy.config import PolicyConfig, policy_config_from_json
+from decodespec.spec.policy.receipt import content_id, receipt_policy_mismatch
 from decodespec.spec.profiles import profile_named
 from decodespec.spec.snapshot import SnapshotRecord, take_snapshot
 from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, interrupt_point, is_terminal
@@ -324,6 +331,18 @@ class _Replay:
         self.decision_logprobs: dict[str, Any] = {}
         #: The model's layer count, as the trace's first ALL_NEW completion of a cached call states it.
         self.num_layers: int | None = None
+        #: The header's policy, every receipt names it (:meth:`bind_policy`).
+        self.policy: PolicyConfig | None = None
+        #: The request's wall-clock budget (header ``timeout_ms``), ``None`` without one.
+        self.timeout_ms: int | None = header.get("timeout_ms")
+
+    def bind_policy(self, policy: PolicyConfig) -> None:
+        """Record the header policy every receipt must name (by :func:`~decodespec.spec.policy.receipt.policy_digest`)."""
+        self.policy = policy
+
+    def _policy_check(self, receipt: dict[str, Any]) -> str | None:
+        mismatch = None if self.policy is None else receipt_policy_mismatch(receipt, self.policy)
+        return None if mismatch is None else f"receipt.{mismatch[0]} {mismatch[1]}"
 
     # -- the stop oracle over committed ids --------------------------------------------------------
     def _token_bytes(self, ids: Sequence[int]) -> list[bytes]:
@@ -505,6 +524,7 @@ class _Replay:
             _differs("receipt.state_after.rng_counter", receipt["state_after"]["rng_counter"], rec["rng_counter_after"]),
             _differs("len(receipt.rng.addresses)", len(rng["addresses"]), rec["draws"]),
             _differs("receipt.vocab_size", receipt["vocab_size"], self.params.vocab_size),
+            self._policy_check(receipt),
         )
         if why is None:
             body = {k: v for k, v in receipt.items() if k != "receipt_id"}
@@ -553,7 +573,27 @@ class _Replay:
 
     def _on_cancel(self, rec, state):
         action = Cancel(FinishReason(rec["kind"]))
-        return [(action, lambda before, after: _differs("at", rec["at"], getattr(interrupt_point(before), "value", None)))]
+        why = self._budget_check(rec) if rec.get("source") == "budget" else None
+        return [(action, lambda before, after: why or _differs("at", rec["at"], getattr(interrupt_point(before), "value", None)))]
+
+    def _budget_check(self, rec) -> str | None:
+        """A timeout the request's own budget fired: a budget is declared, it is spent, and it fired at a call boundary.
+
+        The spec cannot predict wall time, so it accepts the budget's ``timeout`` wherever its
+        ``Cancel(timeout)`` is enabled; what the trace can be held to is the runtime's declared
+        contract (:class:`decodespec.impl.runtime.RequestRunner`): only with a header
+        ``timeout_ms``, only once ``elapsed_ms >= timeout_ms``, only before a launch (no call is
+        interrupted, so no committed token is lost: the finish frontier is then the spec's).
+        """
+        if self.timeout_ms is None:
+            return "a cancel with source 'budget' but the request header declares no wall-clock budget (timeout_ms)"
+        if rec["kind"] != FinishReason.TIMEOUT.value:
+            return f"the wall-clock budget finishes 'timeout', not {rec['kind']!r}"
+        if rec["at"] != "before_launch":
+            return f"the wall-clock budget fires at a call boundary (before_launch), not {rec['at']!r}"
+        if rec["elapsed_ms"] < self.timeout_ms:
+            return f"the budget fired after {rec['elapsed_ms']} ms, before its {self.timeout_ms} ms were spent"
+        return None
 
     def _on_recover(self, rec, state):
         return [(Recover(), lambda b, a: _first(_differs("generation", rec["generation"], a.generation),
@@ -813,7 +853,7 @@ def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = 
                 if event != "request":
                     raise _Mismatch(f"the first event must be 'request', got {event!r}")
                 replay = _Replay(rec, machine, token_bytes)
-                policy_config_from_json(rec["policy"])  # Rejection (policy.*) for a policy the runtime could not have run
+                replay.bind_policy(policy_config_from_json(rec["policy"]))  # Rejection (policy.*) for a policy the runtime could not have run
                 init = initial_state(replay.params)
                 candidates = {init}
                 try:

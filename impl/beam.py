@@ -673,6 +673,7 @@ def _validated_beam(model: LlamaForCausalLM, request: RuntimeRequest) -> Runtime
         (bool(request.stop_strings), "stop strings", "$.termination.stop_strings"),
         (request.structured != "none", "structured output", "$.termination.structured"),
         (request.final_cache == "all_outputs", "a final-cache promise (all_outputs)", "$.output.final_cache"),
+        (request.timeout_ms is not None, "a wall-clock budget (the beam loop has no timeout boundary)", "$.termination.timeout_ms"),
     ):
         if refused:
             raise Rejection(BEAM_UNSUPPORTED, f"beam search cannot honour {what}", path)

@@ -558,6 +558,7 @@ def decide(
         step=view.step,
         family=config.family.value,
         preset=config.preset,
+        policy=config,
         transforms=pr.applied,
         normalization=None if fallback else pr.normalization,
         selector="greedy" if fallback else pr.selector,

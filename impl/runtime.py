@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import time
 from typing import Any, Callable, Collection, Iterator, Protocol, Sequence
 
 import attrs
@@ -81,8 +82,8 @@ import torch
 
 from decodespec.spec.actions import TEXT_TRIGGERS
 from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
-from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED, AdmittedRequest
-from decodespec.spec.errors import NOT_ENABLED, DecodeSpecError, Rejection, ResourceLimit, register_code
+from decodespec.spec.envelope import MAX_TIMEOUT_MS, ZERO_NEW_TOKENS_REJECTED, AdmittedRequest
+from decodespec.spec.errors import NOT_ENABLED, DecodeSpecError, Rejection, ResourceLimit, quote, register_code
 from decodespec.spec.policy.codes import FAMILY_MISMATCH
 from decodespec.spec.policy.config import Family, Order, PolicyConfig, policy_config_from_json
 from decodespec.spec.policy.receipt import DecisionReceipt
@@ -164,6 +165,10 @@ class RuntimeRequest:
         alignment: The output contract after a cut: ``"token"`` (the envelope's default),
             ``"text"`` or ``"span"`` (M3.10 "Token-aligned and text-aligned outputs can diverge").
         vocab_hash: Ordered vocabulary hash recorded in receipts.
+        timeout_ms: The wall-clock budget in milliseconds (the envelope's
+            ``termination.timeout_ms``), or ``None`` for no budget: once the runner's monotonic
+            clock has advanced this much since :meth:`RequestRunner.admit`, the request finishes
+            ``timeout`` at the next call boundary.
         envelope: Canonical bytes of the admitted envelope (snapshots carry them), or ``None``.
     """
 
@@ -188,6 +193,7 @@ class RuntimeRequest:
     include_stop_str: bool = False
     alignment: str = "token"
     vocab_hash: str = ""
+    timeout_ms: int | None = None
     envelope: bytes | None = attrs.field(default=None, repr=False)
 
     @classmethod
@@ -225,6 +231,7 @@ class RuntimeRequest:
             include_stop_str=request.output.include_stop_str,
             alignment=request.output.alignment,
             vocab_hash=request.text_interface.tokenizer_sha256,
+            timeout_ms=term.timeout_ms,
             envelope=request.canonical,
         )
 
@@ -392,6 +399,18 @@ class RequestRunner:
         runtime_info: Extra ``runtime`` fields for the trace header (device, dtype, attention, decode_kernel).
         on_chunk: Consumer of published stream chunks (needs ``request.stream`` and the output
             observer); if it raises, the output closes with ``stream_error``.
+        clock: Monotonic clock in seconds (default :func:`time.monotonic`) that measures the
+            request's wall-clock budget ``request.timeout_ms``; read once at :meth:`admit` and
+            once per :meth:`step` at a call boundary (inject a fake one for deterministic tests).
+
+    Wall-clock budget (M3.10 0x06 "wall/device budget plus cancellation checkpoints", 0x02
+    "cancellation/timeout before launch"): with ``request.timeout_ms`` set, :meth:`step` checks
+    the clock whenever the request is READY (before launching the next call or recovering);
+    once ``(clock() - admitted_at) * 1000 >= timeout_ms`` it takes ``Cancel(timeout)`` there
+    (trace: ``cancel`` with ``source = "budget"`` and the elapsed milliseconds) instead of the
+    next call.  A call already running is never interrupted by the budget (declared contract:
+    the budget is observed at call boundaries only), so every committed token, its logprob and
+    receipt are kept, and a pending token is closed CLOSED_UNPROCESSED.
 
     Raises:
         Rejection: ``runtime.invalid_request`` (empty prompt, id outside ``[0, V)``, negative G,
@@ -416,6 +435,7 @@ class RequestRunner:
         tokenizer: Any = None,
         runtime_info: dict[str, Any] | None = None,
         on_chunk: Callable[[Any], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.model = model
         self.request = request = _validated(model, request)
@@ -468,6 +488,7 @@ class RequestRunner:
         self.generation = 0
         self.in_flight: CallRecord | None = None
         self._interrupts: set[FinishReason] = set()
+        self._budget_elapsed: int | None = None  # set while the budget's own Cancel(timeout) runs
         self._fault: str | None = None
         self.score: Score | None = None
         self.decision: Decision | None = None
@@ -480,6 +501,9 @@ class RequestRunner:
         self.num_calls = 0
         self.num_retries = 0
         self.suspended = False
+        self.clock = clock
+        #: Clock reading at admission (the budget's origin), ``None`` before :meth:`admit` or without a budget.
+        self.admitted_at: float | None = None
 
     # ---------------------------------------------------------------------------------------
     # Views.
@@ -528,6 +552,8 @@ class RequestRunner:
             Rejection: ``transition.not_enabled`` unless the phase is NEW.
         """
         self._require(self.phase is Phase.NEW, "transition.admit", "phase == NEW")
+        if self.request.timeout_ms is not None:
+            self.admitted_at = self.clock()
         self._emit_request()
         if self.request.max_new_tokens == 0 and self.request.zero_new_tokens == "no_call":
             self._finish({FinishReason.LENGTH})
@@ -553,6 +579,7 @@ class RequestRunner:
             profile="decoder_only",
             lanes=[_LANE] if r.cached else [],
             runtime={"name": "decodespec.impl", **self.runtime_info},
+            **({} if r.timeout_ms is None else {"timeout_ms": r.timeout_ms}),
             policy=self.policy.to_json(),
             seed=r.seed,
             params=self.spec_params(),
@@ -970,7 +997,8 @@ class RequestRunner:
         if at is InterruptPoint.IN_FLIGHT:
             self._require(reason not in self._interrupts, "transition.interrupt_in_flight", "reason not yet recorded for the call")
         if emit_cancel and self.sink is not None:
-            self.sink.emit("cancel", kind=reason.value, at=at.value)
+            budget = {} if self._budget_elapsed is None else {"source": "budget", "elapsed_ms": self._budget_elapsed}
+            self.sink.emit("cancel", kind=reason.value, at=at.value, **budget)
         if at is InterruptPoint.IN_FLIGHT:
             self._interrupts.add(reason)
             return at
@@ -1032,7 +1060,7 @@ class RequestRunner:
         if self.phase is Phase.NEW:
             self.admit()
             return "admit"
-        if self._plan_interrupt():
+        if self._plan_interrupt() or self._budget_interrupt():
             return "cancel"
         if self.in_flight is not None:
             self.complete()
@@ -1063,6 +1091,27 @@ class RequestRunner:
         if reason is None or (at is InterruptPoint.IN_FLIGHT and reason in self._interrupts):
             return False
         self.cancel(reason)
+        return True
+
+    def budget_elapsed_ms(self) -> int | None:
+        """Whole milliseconds of the wall-clock budget spent so far (one clock reading), or ``None`` without a budget."""
+        if self.admitted_at is None:
+            return None
+        return int((self.clock() - self.admitted_at) * 1000)
+
+    def _budget_interrupt(self) -> bool:
+        """At a call boundary (READY), finish ``timeout`` once the budget is spent (see the class docstring)."""
+        if self.phase is not Phase.READY or self.in_flight is not None or self.admitted_at is None:
+            return False
+        elapsed = self.budget_elapsed_ms()
+        assert elapsed is not None and self.request.timeout_ms is not None
+        if elapsed < self.request.timeout_ms:
+            return False
+        self._budget_elapsed = elapsed
+        try:
+            self.cancel(FinishReason.TIMEOUT)
+        finally:
+            self._budget_elapsed = None
         return True
 
     def run(self, *, max_outputs: int | None = None) -> "RequestRunner":
@@ -1150,6 +1199,8 @@ class RequestRunner:
         from .snapshot import restore_runner
 
         runner = restore_runner(cls, model, snapshot, request, **kwargs)
+        if runner.request.timeout_ms is not None:
+            runner.admitted_at = runner.clock()  # declared: a resumed run starts a fresh budget at restore
         observer = runner.observer
         if isinstance(observer, OutputObserver):
             if snapshot.observer_state is None and (runner.output_ids or runner.phase is Phase.FINISHED):
@@ -1207,6 +1258,10 @@ def _validated(model: LlamaForCausalLM, request: RuntimeRequest) -> RuntimeReque
         raise Rejection(INVALID_REQUEST, f"unknown structured output {request.structured!r} (none or json)", "$.termination.structured")
     if request.policy.family is Family.BEAM:
         raise Rejection(FAMILY_MISMATCH, "the request runner runs one sequence; the beam family needs a beam loop", "$.policy.family")
+    budget = request.timeout_ms
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_TIMEOUT_MS):
+        raise Rejection(INVALID_REQUEST, f"timeout_ms must be None or an int in [1, {MAX_TIMEOUT_MS}], got {quote(budget)}",
+                        "$.termination.timeout_ms")
     if g == 0 and request.zero_new_tokens == "reject":
         raise Rejection(ZERO_NEW_TOKENS_REJECTED, "max_new_tokens is 0 and the declared G=0 branch is 'reject'", "$.termination.max_new_tokens")
     changes: dict[str, Any] = {"prompt_ids": prompt, "eos_ids": frozenset(int(i) for i in request.eos_ids)}

@@ -68,7 +68,7 @@ from decodespec.spec.envelope import lone_surrogate_path
 from decodespec.spec.errors import DecodeSpecError, Rejection, quote
 from decodespec.spec.limits import MAX_SAFE_INT
 from decodespec.spec.policy.config import policy_config_from_json
-from decodespec.spec.policy.receipt import content_id
+from decodespec.spec.policy.receipt import content_id, receipt_policy_mismatch
 from decodespec.spec.policy.state import PolicyState
 from decodespec.spec.snapshot import (
     PENDING_SUFFIX,
@@ -303,7 +303,7 @@ _REQUEST_FIELDS: dict[str, tuple[Any, Any]] = {
     "static_capacity": ((int, type(None)), None), "prefill_chunk": ((int, type(None)), None), "zero_new_tokens": (str, None),
     "final_cache": (str, None), "max_retries": (int, None), "context_cap": ((int, type(None)), None), "stream": (bool, None),
     "stop_strings": (list, str), "structured": (str, None), "include_stop_str": (bool, None), "alignment": (str, None),
-    "vocab_hash": (str, None),
+    "vocab_hash": (str, None), "timeout_ms": ((int, type(None)), None),
 }
 
 
@@ -672,13 +672,19 @@ def _check_receipts(snapshot: RuntimeSnapshot) -> None:
     since), so the ``n`` receipts line up with the last ``n`` outputs: receipt ``j`` is output
     ``i = O - n + j`` and must name its token (``selected_id``), its logprob (``raw_logprob``, equal
     to ``logprobs[i]``), its step (``i``), score row, draws and RNG counter, and carry the content
-    hash of its own fields (``receipt_id``).  A pending token changed everywhere but in the last
-    receipt is refused here.
+    hash of its own fields (``receipt_id``), and name the request's effective policy by its
+    ``policy_digest`` (the snapshot's request carries the policy once) with its applied
+    ``transforms`` a subsequence of that policy's
+    (:func:`~decodespec.spec.policy.receipt.receipt_policy_mismatch`, which also reads the older
+    embedded form).  A pending token changed everywhere but in the last receipt is refused here.
 
     Source: M3.8 0x0B decision receipts; M3.10 0x06 "One selection is an output-state transaction".
     """
+    from .runtime import _with_min_new_tokens
+
     rec = snapshot.record
     receipts, outputs = snapshot.receipts, rec.output_ids
+    policy = _with_min_new_tokens(snapshot.request.policy, snapshot.request.min_new_tokens)
     if len(receipts) > len(outputs):
         raise _refuse(SNAPSHOT_LEDGER_INVALID, f"{len(receipts)} decision receipts for {len(outputs)} outputs", "$.receipts")
     offset = len(outputs) - len(receipts)
@@ -697,6 +703,9 @@ def _check_receipts(snapshot: RuntimeSnapshot) -> None:
         if not isinstance(rng, dict) or rng.get("counter_before") != consumed.rng_counter_before:
             raise _refuse(SNAPSHOT_LEDGER_INVALID, f"receipt {j} (output {i}) does not start at RNG counter {consumed.rng_counter_before}",
                           f"{path}.rng.counter_before")
+        mismatch = receipt_policy_mismatch(receipt, policy)
+        if mismatch is not None:
+            raise _refuse(SNAPSHOT_LEDGER_INVALID, f"receipt {j} (output {i}) {mismatch[1]}", f"{path}.{mismatch[0]}")
         body = {k: v for k, v in receipt.items() if k != "receipt_id"}
         try:
             digest = content_id(body)

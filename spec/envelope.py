@@ -46,6 +46,11 @@ Declared choices:
   are admitted (M3.10 "The first-output off-by-one").
 * **Empty prompt**: allowed only with ``text_interface.decoder_start_id`` (the start state
   becomes the single decoder input); encoder-decoder requests always start from it.
+* **Wall-clock budget**: ``termination.timeout_ms`` (an integer, ``1 ..`` :data:`MAX_TIMEOUT_MS`
+  milliseconds) is the request's timeout policy, so it is identity-bearing like every other
+  termination field (M3.10 lists "timeout/cancellation policy" in the termination plane; the
+  wall time a run actually took is a runtime observation and is not hashed).  Absent means no
+  budget (:data:`DEFAULT_TIMEOUT_MS` is ``None``); like every optional field, ``null`` is refused.
 * **Positions**: ``position_rule`` is ``valid_token_cumsum`` and ``cache_position_start`` is 0
   in v1 (resuming from a non-zero frontier is a snapshot contract, not an envelope field).
 
@@ -85,6 +90,7 @@ from .stop import MAX_STOP_PATTERN_BYTES, MAX_STOP_STRINGS, OutputAlignment, enc
 
 __all__ = [
     "AdmittedRequest",
+    "DEFAULT_TIMEOUT_MS",
     "DOMAIN_TAG",
     "MAX_ANNOTATIONS",
     "MAX_CONTEXT_TOKENS",
@@ -98,6 +104,7 @@ __all__ = [
     "MAX_RETRIES",
     "MAX_SAFE_INT",
     "MAX_STRING_CHARS",
+    "MAX_TIMEOUT_MS",
     "MAX_VOCAB_SIZE",
     "SCHEMA_NAME",
     "SCHEMA_PATH",
@@ -142,6 +149,10 @@ MAX_STRING_CHARS = 256
 MAX_ANNOTATIONS = 16
 #: Most retries of a failed call (``runtime.max_retries``).
 MAX_RETRIES = 8
+#: Largest wall-clock budget ``termination.timeout_ms``, in milliseconds (24 hours).
+MAX_TIMEOUT_MS = 24 * 60 * 60 * 1000
+#: The default wall-clock budget: ``None``, no budget (the field is absent).
+DEFAULT_TIMEOUT_MS: int | None = None
 # MAX_SAFE_INT (the I-JSON integer domain every integer literal lies in) is decodespec.spec.limits'.
 # MAX_STOP_STRINGS and MAX_STOP_PATTERN_BYTES are the stop matcher's (decodespec.spec.stop).
 
@@ -306,6 +317,7 @@ def _schema() -> dict[str, Any]:
                     "structured": {"enum": ["none", "json"], "default": "none"},
                     "zero_new_tokens": {"enum": ["reject", "no_call", "prefill_only"], "default": "no_call"},
                     "max_total_tokens": _int(1, MAX_CONTEXT_TOKENS),
+                    "timeout_ms": _int(1, MAX_TIMEOUT_MS),
                 },
                 ["max_new_tokens", "eos_ids"],
             ),
@@ -753,7 +765,15 @@ class RuntimeSpec:
 
 @attrs.frozen
 class Termination:
-    """Termination plane: G, min new tokens, EOS set, stop strings, structured stop, G=0 branch, total cap."""
+    """Termination plane: G, min new tokens, EOS set, stop strings, structured stop, G=0 branch, total cap, wall-clock budget.
+
+    ``timeout_ms`` is the request's wall-clock budget in milliseconds (``1 <= timeout_ms <=
+    MAX_TIMEOUT_MS``) or ``None`` (:data:`DEFAULT_TIMEOUT_MS`: no budget, the field absent).  The
+    runtime measures it on a monotonic clock from admission and, once it is spent, finishes
+    ``timeout`` at the next call boundary (before the next launch), keeping every committed token
+    (M3.10 0x02 "cancellation/timeout before launch"; 0x06 "wall/device budget plus cancellation
+    checkpoints").
+    """
 
     max_new_tokens: int
     eos_ids: tuple[int, ...]
@@ -762,6 +782,7 @@ class Termination:
     structured: str = "none"
     zero_new_tokens: str = "no_call"
     max_total_tokens: int | None = None
+    timeout_ms: int | None = DEFAULT_TIMEOUT_MS
 
 
 @attrs.frozen

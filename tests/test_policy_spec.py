@@ -31,6 +31,7 @@ from decodespec.spec.policy import (
     policy_config_from_json,
     processed_row,
 )
+from decodespec.spec.policy.receipt import content_id, policy_digest
 from decodespec.spec.policy.scores import softmax
 from decodespec.spec.policy.selectors import ACCEPTS, DRAWS, beam_select, greedy, multinomial
 from decodespec.spec.policy.transforms import TRANSFORMS
@@ -209,7 +210,7 @@ def test_temperature_divides_and_zero_is_the_greedy_branch():
     # the repetition penalty (a processor) still runs after the branch: 4 -> 1, so id 1 wins
     assert (receipt.selected_id, receipt.selector, receipt.greedy_reason) == (1, "greedy", "temperature_zero")
     assert receipt.draws == 0 and state.rng_counter == 0 and receipt.rng.addresses == ()
-    assert [t.name for t in receipt.transforms] == ["repetition_penalty"]
+    assert receipt.transforms == ("repetition_penalty",)
 
 
 @given(st.lists(st.floats(-20, 20, allow_nan=False, width=32), min_size=2, max_size=16, unique=True), st.integers(1, 16), st.floats(0.05, 20))
@@ -498,7 +499,10 @@ def test_receipt_is_json_with_a_content_hash_id():
     receipt, _ = decide(row([0.1, 0.5, 2.0, -1.0]), config, PolicyState(), view)
     body = json.loads(json.dumps(receipt.to_json()))
     assert body["receipt_id"] == receipt.receipt_id and body["receipt_id"].startswith("sha256:")
-    assert body["preset"] == "hf" and [t["name"] for t in body["transforms"]] == ["temperature", "top_p"]
+    assert body["preset"] == "hf" and body["transforms"] == ["temperature", "top_p"]
+    # The receipt names its policy by digest (bounded size) instead of embedding the parameters.
+    assert body["policy_digest"] == policy_digest(config) == content_id(config.to_json())
+    assert policy_digest(sampling({"name": "top_p", "p": 0.8}, order="hf")) != body["policy_digest"]
     assert body["tie_rule"] == "lowest_id" and body["vocab_hash"] == "vocab" and body["score_id"] == "row"
     assert body["raw_logprob"] == pytest.approx(float(np.log(softmax(np.array([0.1, 0.5, 2.0, -1.0])))[receipt.selected_id]))
     again, _ = decide(row([0.1, 0.5, 2.0, -1.0]), config, PolicyState(), view)

@@ -24,6 +24,11 @@ accidental damage only.  ``--capacity`` is checked at admission against the mode
 (``model.context_window_exceeded``) and the declared K/V memory bound (``cache.memory_exceeded``,
 :data:`decodespec.spec.limits.MAX_STATIC_CACHE_BYTES`) before anything is allocated.
 
+Wall-clock budget (M3.10 0x06): ``--timeout-ms N`` sets the envelope's ``termination.timeout_ms``;
+the runner finishes ``timeout`` at the first call boundary after N ms (monotonic clock, from
+admission), keeping every committed token; an out-of-range N is the envelope's
+``envelope.out_of_range`` at ``$.termination.timeout_ms``.
+
 Stop, structured completion and streaming (M3.10 0x06): ``--stop STR`` (repeatable; matched on
 the output's UTF-8 bytes, the earliest-ending match fires), ``--include-stop`` (keep the matched
 stop string in the text), ``--align {token,text,span}`` (the output contract after a cut;
@@ -102,6 +107,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "policy, termination and cache flags")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="G, the most tokens to generate (default 64)")
+    parser.add_argument("--timeout-ms", type=int, default=None, metavar="N",
+                        help="wall-clock budget (termination.timeout_ms, 1 <= N <= 86400000): finish 'timeout' at the first "
+                        "call boundary after N ms, keeping every committed token (default: no budget)")
     parser.add_argument("--seed", type=int, default=0, help="request seed; keys the RNG stream with the request identity (greedy draws nothing)")
     parser.add_argument("--do-sample", action="store_true", help="multinomial family (default: greedy)")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature T >= 0 (0 = greedy branch)")
@@ -224,7 +232,7 @@ _REQUEST_FLAGS = {
     "capacity": "--capacity", "prefill_chunk": "--prefill-chunk", "repair": "--repair", "stop": "--stop",
     "include_stop": "--include-stop", "align": "--align", "min_new_tokens": "--min-new-tokens",
     "json_mode": "--json-mode", "stream": "--stream", "num_beams": "--num-beams",
-    "length_penalty": "--length-penalty", "early_stopping": "--early-stopping",
+    "length_penalty": "--length-penalty", "early_stopping": "--early-stopping", "timeout_ms": "--timeout-ms",
 }
 _DEFAULTS: dict[str, Any] = {"max_new_tokens": 64, "seed": 0, "order": "default", "cache": "dynamic"}
 
@@ -499,6 +507,8 @@ def _termination(args: argparse.Namespace, eos: list[int]) -> dict[str, Any]:
         term["stop_strings"] = list(args.stop)
     if getattr(args, "json_mode", False):
         term["structured"] = "json"
+    if getattr(args, "timeout_ms", None) is not None:
+        term["timeout_ms"] = args.timeout_ms
     return term
 
 

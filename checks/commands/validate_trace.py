@@ -7,7 +7,8 @@ Reads a ``decodespec.events.v1`` trace (``decodespec generate --trace FILE``), r
 its ``seq`` and ``event``, the refusal ``code`` and the ``reason`` (the failing guard, the
 schema error with its JSON path, or the disagreeing field).  Refusal codes: ``trace.schema`` (a
 line outside the published schema ``spec/schemas/events.v1.json``: closed field sets, the header's
-``format``), ``trace.receipt`` (a decision's embedded receipt is not that decision's),
+``format``), ``trace.receipt`` (a decision's embedded receipt is not that decision's, or names another
+policy than the header's by its ``policy_digest``),
 ``trace.incomplete`` (the trace ends before the request is terminal, or without the ``finish``
 event that reports it: ``line`` is then ``num_lines + 1``), ``trace.invalid_header`` and
 ``trace.mismatch`` (no spec state matches the line).

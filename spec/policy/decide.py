@@ -303,6 +303,7 @@ def decide(row: ScoreRow, config: PolicyConfig, state: PolicyState, view: Reques
         step=view.step,
         family=config.family.value,
         preset=config.preset,
+        policy=config,
         transforms=pr.applied,
         normalization=pr.normalization,
         selector=pr.selector,
