@@ -385,7 +385,7 @@ class TransformSpec:
         return ids
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # hashed once: policy_digest looks a policy up per decision
 class PolicyConfig:
     """The immutable decoding policy of one request (M3.8 0x0B "immutable policy config").
 
