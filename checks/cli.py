@@ -12,6 +12,7 @@ Exit codes: 0 success, 1 a check failed / verdict not reproduced, 2 invalid inpu
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import sys
@@ -63,9 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@functools.lru_cache(maxsize=1)
+def _parser() -> argparse.ArgumentParser:
+    """:func:`build_parser`, built once per process (it costs more than a ``validate-trace`` of a short trace)."""
+    return build_parser()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``decodespec`` console script."""
-    parser = build_parser()
+    parser = _parser()
     args = parser.parse_args(argv)
     try:
         code = int(args._run(args) or 0)

@@ -270,13 +270,13 @@ def validate_trace(trace: Any) -> None:
     Raises:
         ItfError: naming the first problem.
     """
-    if not _FAST_ACCEPT(trace):  # the Rust validator's acceptance; any refusal is the Python validator's
-        validator = jsonschema.Draft202012Validator(ITF_SCHEMA)
-        error = jsonschema.exceptions.best_match(validator.iter_errors(trace))
-    else:
-        error = None
-    if error is not None:
-        raise ItfError(f"not an ITF trace at {list(error.absolute_path)}: {error.message}")
+    if not _FAST_ACCEPT(trace):  # checks/fastschema.py: the Rust validator first, the Python one where it cannot tell
+        fast = _FAST_ACCEPT.first_error(trace)
+        if fast is not None:
+            raise ItfError(f"not an ITF trace at {fast[0]}: {fast[1]}")
+        error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(ITF_SCHEMA).iter_errors(trace))
+        if error is not None:
+            raise ItfError(f"not an ITF trace at {list(error.absolute_path)}: {error.message}")
     for index, state in enumerate(trace["states"]):
         missing = [v for v in trace["vars"] if v not in state]
         if missing:
