@@ -71,6 +71,7 @@ __all__ = [
     "new_key",
     "passport_from_json",
     "quote_content",
+    "snapshot_passport",
 ]
 
 REDACTED = "redacted"
@@ -113,6 +114,7 @@ class DataPassport:
             unless redacted.
         clear_ids: Token ids left in clear in a redacted file (the request's EOS ids).
         digest: How the digests were made (:data:`DIGEST_SCHEME`), or ``None``.
+        note: What the file still holds, in words (a snapshot's token ids and K/V tensors), or ``None``.
     """
 
     classification: str
@@ -120,12 +122,17 @@ class DataPassport:
     redacted: tuple[str, ...] = ()
     clear_ids: tuple[int, ...] = ()
     digest: str | None = None
+    note: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The passport as the files carry it."""
         out: dict[str, Any] = {"classification": self.classification, "opt_in": self.opt_in}
+        if self.redacted:
+            out["redacted"] = list(self.redacted)
         if self.classification == REDACTED:
-            out.update(redacted=list(self.redacted), clear_ids=list(self.clear_ids), digest=self.digest)
+            out.update(clear_ids=list(self.clear_ids), digest=self.digest)
+        if self.note is not None:
+            out["note"] = self.note
         return out
 
 
@@ -160,16 +167,34 @@ def passport_from_json(value: Any, path: str = "$.data", *, missing: str | None 
         raise Rejection(DATA_UNKNOWN_CLASSIFICATION, "redacted must be a list of field names", f"{path}.redacted")
     if not isinstance(clear, list) or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**53 for x in clear):
         raise Rejection(DATA_UNKNOWN_CLASSIFICATION, "clear_ids must be a list of token ids", f"{path}.clear_ids")
-    digest = value.get("digest")
-    if digest is not None and not isinstance(digest, str):
-        raise Rejection(DATA_UNKNOWN_CLASSIFICATION, "digest must be a string", f"{path}.digest")
-    return DataPassport(cls, opt_in, tuple(redacted), tuple(clear), digest)
+    for key in ("digest", "note"):
+        if value.get(key) is not None and not isinstance(value.get(key), str):
+            raise Rejection(DATA_UNKNOWN_CLASSIFICATION, f"{key} must be a string", f"{path}.{key}")
+    return DataPassport(cls, opt_in, tuple(redacted), tuple(clear), value.get("digest"), value.get("note"))
 
 
 #: The passport of a file whose inputs the gate generated.
 SYNTHETIC_PASSPORT = DataPassport(SYNTHETIC)
 #: The passport of a file holding raw content by the user's explicit opt-in.
 CONTENT_PASSPORT = DataPassport(CONTENT, opt_in=True)
+
+
+#: What a snapshot drops unless the user opts in (``--snapshot-content``).
+SNAPSHOT_DROPPED = ("request.envelope.prompt.text",)
+#: What every snapshot keeps, said plainly in its passport.
+SNAPSHOT_NOTE = ("a snapshot keeps the token ids (prompt, output, pending), the stop strings, logprobs, receipts and the "
+                 "K/V tensors: it needs them to resume, and the K/V rows encode the prompt and the output (they are the "
+                 "content in another form). Only the prompt text is dropped by default.")
+
+
+def snapshot_passport(content: bool) -> DataPassport:
+    """A snapshot's passport: classification ``content`` (it holds token ids and K/V), the prompt text dropped unless ``content``.
+
+    Source: M3.10 0x06 (snapshots can contain user content); 0x0B (what a resumable snapshot must hold).
+    """
+    if content:
+        return DataPassport(CONTENT, True, note=SNAPSHOT_NOTE)
+    return DataPassport(CONTENT, False, SNAPSHOT_DROPPED, note=SNAPSHOT_NOTE)
 
 
 def new_key() -> bytes:
