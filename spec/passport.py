@@ -267,39 +267,46 @@ class Redactor:
         rec = dict(record)
         event = rec.get("event")
         if event == "request":
-            self.clear_ids = frozenset(int(i) for i in rec.get("eos_ids", ()))
-            rec["identity"] = self.identity(rec["identity"])
-            rec["prompt_ids"] = self.tokens(rec["prompt_ids"])
-            if isinstance(rec.get("params"), Mapping):
-                rec["params"] = {**rec["params"], "identity": rec["identity"]}
-            if isinstance(rec.get("output"), Mapping):
-                rec["output"] = {**rec["output"], "stop_strings": [self.text(s) for s in rec["output"].get("stop_strings", ())]}
+            self.clear_ids = frozenset(int(i) for i in rec.get("eos_ids", ()) if isinstance(i, int))
+            if "identity" in rec:
+                rec["identity"] = self.identity(rec["identity"])
+            if "prompt_ids" in rec:
+                rec["prompt_ids"] = self.tokens(rec["prompt_ids"])
+            if isinstance(rec.get("params"), Mapping) and "identity" in rec["params"]:
+                rec["params"] = {**rec["params"], "identity": self.identity(rec["params"]["identity"])}
+            if isinstance(rec.get("output"), Mapping) and "stop_strings" in rec["output"]:
+                rec["output"] = {**rec["output"], "stop_strings": [self.text(s) for s in rec["output"]["stop_strings"]]}
             rec["data"] = self.passport().to_json()
-        elif event == "call_launched":
+        elif event == "call_launched" and "input_ids" in rec:
             rec["input_ids"] = self.tokens(rec["input_ids"])
-        elif event == "decision":
-            rec["token_id"] = self.token(rec["token_id"])
-            receipt = dict(rec["receipt"])
-            receipt["selected_id"] = self.token(receipt["selected_id"])
-            if isinstance(receipt.get("rng"), Mapping):
-                receipt["rng"] = {**receipt["rng"], "key_id": self.identity(receipt["rng"]["key_id"])}
-            body = {k: v for k, v in receipt.items() if k != "receipt_id"}
-            rec["receipt"] = {"receipt_id": content_id(body), **body}
-        elif event == "commit":
-            rec["token_id"] = self.token(rec["token_id"])
-        elif event == "stream":
+        elif event in ("decision", "commit"):
+            if "token_id" in rec:
+                rec["token_id"] = self.token(rec["token_id"])
+            if isinstance(rec.get("receipt"), Mapping):
+                receipt = dict(rec["receipt"])
+                if "selected_id" in receipt:
+                    receipt["selected_id"] = self.token(receipt["selected_id"])
+                if isinstance(receipt.get("rng"), Mapping) and "key_id" in receipt["rng"]:
+                    receipt["rng"] = {**receipt["rng"], "key_id": self.identity(receipt["rng"]["key_id"])}
+                body = {k: v for k, v in receipt.items() if k != "receipt_id"}
+                rec["receipt"] = {"receipt_id": content_id(body), **body}
+        elif event == "stream" and "text" in rec:
             rec["text_redacted"] = self.text(rec.pop("text"))
-        elif event in ("snapshot", "restore"):
+        elif event in ("snapshot", "restore") and isinstance(rec.get("state"), Mapping):
             rec["state"] = self.snapshot_state(rec["state"])
         elif event == "beam_step":
-            rec["tokens"] = self.tokens(rec["tokens"])
-            rec["completed"] = [{**c, "token": self.token(c["token"])} for c in rec.get("completed", ())]
+            if "tokens" in rec:
+                rec["tokens"] = self.tokens(rec["tokens"])
+            if "completed" in rec:
+                rec["completed"] = [{**c, "token": self.token(c["token"])} if isinstance(c, Mapping) and "token" in c else c
+                                    for c in rec["completed"]]
         return rec
 
     def snapshot_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """A snapshot record's JSON (``SnapshotRecord.to_json()``) with its identity and token ids digested."""
         out = dict(state)
-        out["identity"] = self.identity(out["identity"])
+        if "identity" in out:
+            out["identity"] = self.identity(out["identity"])
         out["output_ids"] = self.tokens(out.get("output_ids", ()))
         out["pending_ids"] = self.tokens(out.get("pending_ids", ()))
         out["consumed"] = [{**c, "token_id": self.token(c["token_id"])} for c in out.get("consumed", ())]
