@@ -60,6 +60,13 @@ from .errors import Rejection, register_code
 __all__ = [
     "CLASSIFICATIONS",
     "CONTENT",
+    "CONTENT_PASSPORT",
+    "CONTENT_PATHS",
+    "EVENT_FIELDS",
+    "SNAPSHOT_DROPPED",
+    "SNAPSHOT_NOTE",
+    "SYNTHETIC_PASSPORT",
+    "is_content_path",
     "DATA_UNKNOWN_CLASSIFICATION",
     "DIGEST_SCHEME",
     "REDACTED",
@@ -311,6 +318,16 @@ class Redactor:
         out["pending_ids"] = self.tokens(out.get("pending_ids", ()))
         out["consumed"] = [{**c, "token_id": self.token(c["token_id"])} for c in out.get("consumed", ())]
         return out
+
+
+#: The envelope fields whose values are user content (``numinens.request.v1``): an error message about
+#: one of them (or anything inside it) quotes the value with :func:`quote_content`, never a prefix.
+CONTENT_PATHS = ("$.prompt", "$.termination.stop_strings", "$.annotations")
+
+
+def is_content_path(path: str) -> bool:
+    """Whether the JSON path ``path`` is (inside) one of :data:`CONTENT_PATHS`."""
+    return any(path == p or path.startswith(p + ".") or path.startswith(p + "[") for p in CONTENT_PATHS)
 
 
 def quote_content(value: Any) -> str:
