@@ -52,6 +52,14 @@ once finished), so no held-back byte of a stop string is ever published
 ``align_output`` gives (``invariant.stream_final``) unless the stream failed (then a prefix of it).
 A resumed trace continues the stream at the reference frontier of the restored output.
 
+A **redacted** trace (the header's ``data``, :mod:`decodespec.spec.passport`; the default of
+``decodespec generate --trace``) carries keyed digests instead of token ids and texts: each
+distinct digest is replayed as a distinct stand-in id (:class:`_Surrogates`), so every check above
+that compares ids runs unchanged; the receipt's content hash is checked over the body as written;
+a chunk's ``text_redacted.bytes`` must be its byte range; and the checks that need the bytes
+(:data:`CONTENT_CHECKS`) are not run and are listed in the verdict's ``needs_content``
+(``trace.redacted``).  Source: M3.10 0x06 "Bound parsers, matchers, traces, and sensitive data".
+
 Source: docs/design.md section 6 (the trace format); M3.10 0x0BA "Requirements for
 observability"; research/formal-anchors-survey.md (trace validation as membership of a
 runtime trace in the spec's behaviours, as in TLA+ trace validation).

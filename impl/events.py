@@ -49,6 +49,11 @@ event               spec action (or check)
                     ``decodespec.spec.beam.BeamStepRecord.to_event()`` for the same rows
 ==================  =====================================================================
 
+Every file is written through a :class:`decodespec.spec.passport.Redactor` unless the caller asks
+for content (``content=True``; ``decodespec generate --trace-content``): ids, texts, stop strings
+and identities become keyed digests and byte counts, and the ``request`` header gets ``data``, the
+trace passport (docs/design.md section 6).
+
 Cost when enabled: one ``json.dumps`` of lists of ints per event (logits are never
 converted); disabled, the runner skips building the fields (``sink is None``).
 

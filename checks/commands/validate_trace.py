@@ -12,6 +12,13 @@ line outside the published schema ``spec/schemas/events.v1.json``: closed field 
 event that reports it: ``line`` is then ``num_lines + 1``), ``trace.invalid_header`` and
 ``trace.mismatch`` (no spec state matches the line).
 
+The verdict also carries the trace's ``classification`` (its passport, the header's ``data``:
+``redacted``, the default of ``generate --trace``, or ``content`` with ``--trace-content``) and,
+for a redacted trace, ``needs_content``: ``{"code": "trace.redacted", "checks", "message"}``, the
+checks that need the token bytes and text the trace replaced by digests (stop oracle, chunk text,
+stream frontier and final text), which were not run; everything else is checked on the digests.
+An unknown classification is refused with ``data.unknown_classification`` at ``$.data.classification``.
+
 ``--tokenizer {auto,smollm2,tiny,none}`` supplies the token bytes for the stream-content and
 stop-oracle checks (``auto``: the model named in the header's ``runtime``; ``none``: structure
 only).
