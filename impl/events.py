@@ -67,6 +67,7 @@ import io
 import json
 import os
 import re
+import secrets
 import stat
 import time
 from pathlib import Path
@@ -109,12 +110,12 @@ class EventSink:
     """
 
     def __init__(self, stream: TextIO | None = None, *, content: bool = False):
-        from decodespec.spec.passport import Redactor, new_key
+        from decodespec.spec.passport import Redactor
 
         self._stream = stream if stream is not None else io.StringIO()
         self.seq = 0
         self.content = bool(content)
-        self.redactor = None if self.content else Redactor(new_key())
+        self.redactor = None if self.content else Redactor(secrets.token_bytes(32))  # the file's key: never stored
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         """Write one event line; returns the record as written (``{"v": 1, "seq", "event", **fields}``, redacted unless content)."""
@@ -122,6 +123,8 @@ class EventSink:
 
         record = {"v": 1, "seq": self.seq, "event": event, **fields}
         if self.redactor is not None:
+            if event == "request":
+                self.redactor = self.redactor.for_request(record)
             record = self.redactor.event(record)
         elif event == "request":
             record["data"] = CONTENT_PASSPORT.to_json()

@@ -43,14 +43,13 @@ encryption, retention and export policy, audit purpose) is the deployment's: a r
 still holds logprobs, the policy (whose logit biases, bad words or automaton may themselves be
 sensitive), counts and timings.
 
-Pure: no I/O; the caller draws the key (:func:`new_key` uses :mod:`secrets`).
+Pure: no I/O and no randomness; the caller draws the key (``impl/events.py``, with :mod:`secrets`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import secrets
 from typing import Any, Iterable, Mapping
 
 import attrs
@@ -75,7 +74,6 @@ __all__ = [
     "DataPassport",
     "Redactor",
     "is_token_digest",
-    "new_key",
     "passport_from_json",
     "quote_content",
     "snapshot_passport",
@@ -204,11 +202,6 @@ def snapshot_passport(content: bool) -> DataPassport:
     return DataPassport(CONTENT, False, SNAPSHOT_DROPPED, note=SNAPSHOT_NOTE)
 
 
-def new_key() -> bytes:
-    """A fresh 32-byte digest key (:mod:`secrets`); the caller must not store it."""
-    return secrets.token_bytes(32)
-
-
 def is_token_digest(value: Any) -> bool:
     """Whether ``value`` is a token digest (``"tok:<24 hex>"``)."""
     return (isinstance(value, str) and len(value) == len(TOKEN_PREFIX) + HEX_CHARS and value.startswith(TOKEN_PREFIX)
@@ -224,21 +217,27 @@ EVENT_FIELDS = (
 )
 
 
+@attrs.frozen
 class Redactor:
     """Replaces user content in runtime events by keyed digests and counters (module docstring).
 
-    Args:
-        key: The per-file digest key (:func:`new_key`); keep it only as long as the file is written.
+    Attributes:
+        key: The per-file digest key (``impl.events`` draws 32 bytes with :mod:`secrets`); held only
+            while the file is written, never stored.
+        clear_ids: Token ids left in clear (the request's EOS ids: :meth:`for_request`).
 
-    The request's EOS ids are learnt from the ``request`` event (its ``eos_ids``) and stay in clear.
+    Pure: :meth:`event` returns a new record; :meth:`for_request` a new redactor.
     """
 
-    def __init__(self, key: bytes):
-        self._key = bytes(key)
-        self.clear_ids: frozenset[int] = frozenset()
+    key: bytes = attrs.field(converter=bytes, repr=False)
+    clear_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+
+    def for_request(self, record: Mapping[str, Any]) -> "Redactor":
+        """The redactor for the request whose ``request`` event is ``record`` (its ``eos_ids`` stay in clear)."""
+        return attrs.evolve(self, clear_ids=frozenset(int(i) for i in record.get("eos_ids", ()) if isinstance(i, int)))
 
     def _hex(self, domain: bytes, data: bytes) -> str:
-        return hmac.new(self._key, domain + b"\x00" + data, hashlib.sha256).hexdigest()[:HEX_CHARS]
+        return hmac.new(self.key, domain + b"\x00" + data, hashlib.sha256).hexdigest()[:HEX_CHARS]
 
     def passport(self) -> DataPassport:
         """The passport of a file this redactor writes."""
@@ -260,21 +259,21 @@ class Redactor:
 
     def identity(self, identity: str) -> str:
         """An identity's (or key id's) keyed digest (``"hmac:<64 hex>"``)."""
-        return ID_PREFIX + hmac.new(self._key, b"identity\x00" + str(identity).encode(), hashlib.sha256).hexdigest()
+        return ID_PREFIX + hmac.new(self.key, b"identity\x00" + str(identity).encode(), hashlib.sha256).hexdigest()
 
     def event(self, record: Mapping[str, Any]) -> dict[str, Any]:
         """The redacted copy of one event record (``{"v", "seq", "event", ...}``); other fields are kept.
 
-        The ``request`` event gets the passport as ``data``; a decision's receipt keeps every
-        non-content field and its ``receipt_id`` is recomputed over the redacted body (the original
-        content hash would let one try every token id against it).
+        The ``request`` event gets the passport as ``data`` (call :meth:`for_request` on it first so
+        that its EOS ids stay in clear); a decision's receipt keeps every non-content field and its
+        ``receipt_id`` is recomputed over the redacted body (the original content hash would let one
+        try every token id against it).
         """
         from .policy.receipt import content_id
 
         rec = dict(record)
         event = rec.get("event")
         if event == "request":
-            self.clear_ids = frozenset(int(i) for i in rec.get("eos_ids", ()) if isinstance(i, int))
             if "identity" in rec:
                 rec["identity"] = self.identity(rec["identity"])
             if "prompt_ids" in rec:

@@ -391,9 +391,10 @@ def test_quote_content_and_content_paths():
 
 
 def test_the_redactor_is_keyed_and_keeps_eos_in_clear():
-    a, b = Redactor(b"a" * 32), Redactor(b"b" * 32)
-    for r in (a, b):
-        r.event({"event": "request", "eos_ids": [2], "identity": "sha256:" + "0" * 64, "prompt_ids": [5]})
+    header = {"event": "request", "eos_ids": [2], "identity": "sha256:" + "0" * 64, "prompt_ids": [5, 2]}
+    a, b = Redactor(b"a" * 32).for_request(header), Redactor(b"b" * 32).for_request(header)
+    assert a.event(header)["prompt_ids"] == [a.token(5), 2] and a.event(header)["data"]["clear_ids"] == [2]
+    assert header["prompt_ids"] == [5, 2]  # pure: the record is not changed
     assert a.token(2) == 2 and a.token(5) == a.token(5) != b.token(5)
     assert a.token(5) != a.token(6) and a.token(5).startswith("tok:") and len(a.token(5)) == 28
     assert a.text("hi") == {"digest": a.text("hi")["digest"], "bytes": 2} and a.text("hi") != b.text("hi")
