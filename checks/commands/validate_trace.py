@@ -97,10 +97,17 @@ def _token_bytes(choice: str, lines: list[str]):
     from decodespec.checks.trace_validation import token_bytes_of
 
     auto = choice == "auto"
+    try:
+        header = json.loads(lines[0])
+        redacted = header.get("data", {}).get("classification") == "redacted"
+    except (IndexError, ValueError, AttributeError, RecursionError):
+        header, redacted = {}, False
+    if redacted:  # digests, not ids: no token has bytes to look up (the verdict's needs_content says what is skipped)
+        return None
     if auto:
         try:
-            choice = str(json.loads(lines[0]).get("runtime", {}).get("model", "none"))
-        except (IndexError, ValueError, AttributeError, RecursionError):
+            choice = str(header.get("runtime", {}).get("model", "none"))
+        except AttributeError:
             choice = "none"
     if choice == "tiny":
         from decodespec.impl.tiny import TINY_VOCAB_SIZE
