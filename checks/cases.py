@@ -446,7 +446,10 @@ class CaseResult:
 
 
 def report_line(result: CaseResult) -> dict[str, Any]:
-    """One report line: ``case``, ``runtime``, ``model``, ``result``, ``layer``, ``rule``, ``check``, ``expected``, ``actual``, ``message``."""
+    """One report line: ``case``, ``runtime``, ``model``, ``result``, ``layer``, ``rule``, ``check``, ``expected``, ``actual``,
+    ``message``, and ``data``, the passport (``{"classification": "synthetic"}``: the gate generated every input)."""
+    from decodespec.spec.passport import SYNTHETIC_PASSPORT
+
     v = result.verdict.to_json()
     out = {"case": result.case, "runtime": result.runtime, "model": result.model, "result": result.result, "layer": v["layer"],
            "rule": v["rule"], "check": v["check"], "expected": v["expected"], "actual": v["actual"], "message": v["message"]}
@@ -454,6 +457,7 @@ def report_line(result: CaseResult) -> dict[str, Any]:
         out["deviation"] = result.deviation
     if result.reason:
         out["reason"] = result.reason
+    out["data"] = SYNTHETIC_PASSPORT.to_json()
     return out
 
 

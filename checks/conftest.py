@@ -150,7 +150,10 @@ class Report:
         """Every report line (case results, then unused expectations)."""
         from decodespec.checks.cases import report_line
 
-        return [report_line(r) for r in self.results] + self.extra
+        from decodespec.spec.passport import SYNTHETIC_PASSPORT
+
+        # Every line declares its passport: the gate generated every input (M3.10 0x06; spec/passport.py).
+        return [report_line(r) for r in self.results] + [{**line, "data": SYNTHETIC_PASSPORT.to_json()} for line in self.extra]
 
     def write(self) -> None:
         """Write the JSONL file (when ``--report`` was given)."""

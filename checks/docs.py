@@ -63,6 +63,7 @@ import attrs
 import networkx as nx
 
 from decodespec.spec.errors import ERROR_CODES, DecodeSpecError, ErrorCode
+from decodespec.spec.passport import SYNTHETIC, passport_from_json
 from decodespec.spec.rules import RULE_KINDS, RULES, Rule
 
 __all__ = [
@@ -750,6 +751,10 @@ def load_results(results_dir: Path) -> tuple[list[CaseResult], list[dict[str, An
                 raise DocsError(f"{where}: not JSON: {exc}") from exc
             if not isinstance(obj, dict):
                 raise DocsError(f"{where}: not a JSON object")
+            try:  # the passport; a line without one was written by the gate before it existed (synthetic)
+                passport_from_json(obj.get("data"), "$.data", missing=SYNTHETIC)
+            except DecodeSpecError as exc:
+                raise DocsError(f"{where}: [{exc.code}] {exc.path}: {exc.message}") from None
             if "mutant" in obj:
                 mutants.append({**obj, "_source": where})
                 continue

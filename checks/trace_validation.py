@@ -59,6 +59,14 @@ once finished), so no held-back byte of a stop string is ever published
 ``align_output`` gives (``invariant.stream_final``) unless the stream failed (then a prefix of it).
 A resumed trace continues the stream at the reference frontier of the restored output.
 
+A **redacted** trace (the header's ``data``, :mod:`decodespec.spec.passport`; the default of
+``decodespec generate --trace``) carries keyed digests instead of token ids and texts: each
+distinct digest is replayed as a distinct stand-in id (:class:`_Surrogates`), so every check above
+that compares ids runs unchanged; the receipt's content hash is checked over the body as written;
+a chunk's ``text_redacted.bytes`` must be its byte range; and the checks that need the bytes
+(:data:`CONTENT_CHECKS`) are not run and are listed in the verdict's ``needs_content``
+(``trace.redacted``).  Source: M3.10 0x06 "Bound parsers, matchers, traces, and sensitive data".
+
 Source: docs/design.md section 6 (the trace format); M3.10 0x0BA "Requirements for
 observability"; research/formal-anchors-survey.md (trace validation as membership of a
 runtime trace in the spec's behaviours, as in TLA+ trace validation).
@@ -79,6 +87,7 @@ from decodespec.checks.fastschema import FastAccept
 from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure, action_label
 from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag, Selection
 from decodespec.spec.errors import DecodeSpecError, Rejection, quote, register_code
+from decodespec.spec.passport import CONTENT, DATA_UNKNOWN_CLASSIFICATION, REDACTED, TRACE_REDACTED, DataPassport, is_token_digest, passport_from_json
 from decodespec.spec.policy.config import PolicyConfig, policy_config_from_json
 from decodespec.spec.policy.receipt import content_id, receipt_policy_mismatch
 from decodespec.spec.profiles import profile_named
@@ -180,8 +189,13 @@ class TraceVerdict:
         final_phase: The phase of the candidates after the last consumed line (``"mixed"`` when
             they differ).
         code: The refusal's registered code (``trace.schema``, ``trace.receipt``,
-            ``trace.incomplete``, ``trace.invalid_header``, ``trace.mismatch``), or ``None`` when
-            accepted.
+            ``trace.incomplete``, ``trace.invalid_header``, ``trace.mismatch``,
+            ``data.unknown_classification``), or ``None`` when accepted.
+        classification: The trace's declared data classification (the header's ``data``; a
+            header without one is a ``content`` trace written before the passport), or ``None``
+            when the header was not read.
+        needs_content: For a redacted trace, the checks that need the raw content and were not
+            run: ``{"code": "trace.redacted", "checks": [...], "message"}``; else ``None``.
     """
 
     accepted: bool
@@ -194,6 +208,8 @@ class TraceVerdict:
     num_candidates: int = 0
     final_phase: str | None = None
     code: str | None = None
+    classification: str | None = None
+    needs_content: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The verdict as a JSON object."""
@@ -249,11 +265,14 @@ def params_from_header(header: dict[str, Any]) -> RequestParams:
     return params
 
 
-def stop_config_from_header(header: dict[str, Any], params: RequestParams) -> StopConfig | None:
+def stop_config_from_header(header: dict[str, Any], params: RequestParams, *, redacted: bool = False) -> StopConfig | None:
     """The request's :class:`~decodespec.spec.stop.StopConfig`: the header's ``output`` object plus ``params``' counts.
 
     Returns ``None`` for a header without ``output`` whose params declare neither stop strings nor
     structured completion (the default output contract applies then: no cut).
+
+    In a ``redacted`` trace the stop strings are digests (``{"digest", "bytes"}``): the returned
+    configuration has none (the stop oracle, which needs them and the token bytes, is not run).
 
     Raises:
         Rejection: ``trace.invalid_header`` when ``output`` is missing although stop strings or
@@ -264,6 +283,13 @@ def stop_config_from_header(header: dict[str, Any], params: RequestParams) -> St
         if params.stop_strings or params.structured:
             raise Rejection(TRACE_INVALID, "params declare stop strings / structured completion but the header has no 'output'", "$.output")
         out = {}
+    stated_stops = out.get("stop_strings", ())
+    if redacted:
+        if not all(isinstance(x, dict) for x in stated_stops):
+            raise Rejection(TRACE_INVALID, "a redacted trace's stop strings are digests ({digest, bytes}), not text", "$.output.stop_strings")
+        out = {**out, "stop_strings": ()}
+    elif not all(isinstance(x, str) for x in stated_stops):
+        raise Rejection(TRACE_INVALID, "a stop string is a digest but the trace is not redacted", "$.output.stop_strings")
     try:
         config = StopConfig(
             max_new_tokens=params.max_new_tokens, eos_ids=params.eos_ids, min_new_tokens=params.min_new_tokens,
@@ -272,7 +298,7 @@ def stop_config_from_header(header: dict[str, Any], params: RequestParams) -> St
             json_completion=out.get("structured", "none") == "json", **({"max_json_depth": int(out["max_json_depth"])} if "max_json_depth" in out else {}))
     except (DecodeSpecError, TypeError, ValueError, AttributeError) as exc:
         raise Rejection(TRACE_INVALID, f"the header's output object is not a stop configuration: {exc}", "$.output") from None
-    declared = (bool(config.stop_strings), config.json_completion, bool(out.get("stream", params.stream)))
+    declared = (bool(stated_stops), config.json_completion, bool(out.get("stream", params.stream)))
     if declared != (params.stop_strings, params.structured, params.stream):
         raise Rejection(TRACE_INVALID, f"output (stop strings, structured, stream) = {declared} disagrees with params "
                         f"{(params.stop_strings, params.structured, params.stream)}", "$.output")
@@ -313,18 +339,89 @@ def _first(*checks: str | None) -> str | None:
 Check = Callable[[RequestState, RequestState], "str | None"]
 
 
+#: The checks of a trace that need the raw content (token bytes, text): not run on a redacted trace.
+CONTENT_CHECKS = ("invariant.stop_triggers", "invariant.chunk_metadata (chunk text)", "invariant.stream_frontier",
+                  "invariant.stream_no_stop_bytes", "invariant.stream_final (text)")
+
+
+class _Surrogates:
+    """Stand-in token ids for the digests of a redacted trace (M3.10 0x06, the trace passport).
+
+    Every distinct digest gets a distinct id of the vocabulary, counted down from ``vocab_size - 1``
+    and never one of the trace's clear ids (its EOS ids): the digests are keyed per trace, so equal
+    ids are equal digests and every equality the spec checks (a commit's token is its decision's,
+    a launch's inputs are the committed slice, a snapshot's ledger is the state's) holds exactly
+    when it held for the real ids.  A plain id outside the clear ids is refused (``trace.schema``):
+    the writer leaves only those in clear.
+    """
+
+    def __init__(self, passport: DataPassport, header: dict[str, Any]):
+        params = header.get("params") if isinstance(header.get("params"), dict) else {}
+        eos = params.get("eos_ids", ())
+        self.clear = frozenset(passport.clear_ids) | frozenset(i for i in eos if isinstance(i, int))
+        self.vocab_size = params.get("vocab_size") if isinstance(params.get("vocab_size"), int) else 0
+        self.ids: dict[str, int] = {}
+        self._next = self.vocab_size - 1
+
+    def id(self, value: Any, where: str) -> Any:
+        if is_token_digest(value):
+            known = self.ids.get(value)
+            if known is None:
+                while self._next in self.clear:
+                    self._next -= 1
+                if self._next < 0:
+                    raise _Mismatch(f"{where}: more distinct token digests than the vocabulary has ids", TRACE_MISMATCH)
+                known = self.ids[value] = self._next
+                self._next -= 1
+            return known
+        if isinstance(value, int) and not isinstance(value, bool) and value not in self.clear:
+            raise _Mismatch(f"{where}: token id {value} is in clear in a redacted trace, which leaves only its clear ids "
+                            f"{sorted(self.clear)} (the EOS ids) in clear", TRACE_SCHEMA)
+        return value
+
+    def ids_of(self, values: Any, where: str) -> Any:
+        return [self.id(v, f"{where}[{i}]") for i, v in enumerate(values)] if isinstance(values, list) else values
+
+    def apply(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """``rec`` with every token digest replaced by its stand-in id."""
+        rec = dict(rec)
+        event = rec.get("event")
+        if event == "request":
+            rec["prompt_ids"] = self.ids_of(rec.get("prompt_ids"), "$.prompt_ids")
+        elif event == "call_launched":
+            rec["input_ids"] = self.ids_of(rec.get("input_ids"), "$.input_ids")
+        elif event in ("decision", "commit"):
+            rec["token_id"] = self.id(rec.get("token_id"), "$.token_id")
+            if isinstance(rec.get("receipt"), dict):
+                rec["receipt"] = {**rec["receipt"], "selected_id": self.id(rec["receipt"].get("selected_id"), "$.receipt.selected_id")}
+        elif event in ("snapshot", "restore") and isinstance(rec.get("state"), dict):
+            state = dict(rec["state"])
+            for key in ("output_ids", "pending_ids"):
+                state[key] = self.ids_of(state.get(key), f"$.state.{key}")
+            if isinstance(state.get("consumed"), list):
+                state["consumed"] = [{**c, "token_id": self.id(c.get("token_id"), f"$.state.consumed[{i}].token_id")}
+                                     if isinstance(c, dict) else c for i, c in enumerate(state["consumed"])]
+            rec["state"] = state
+        return rec
+
+
 class _Replay:
-    def __init__(self, header: dict[str, Any], machine: Machine, token_bytes: Callable[[int], bytes] | None = None):
+    def __init__(self, header: dict[str, Any], machine: Machine, token_bytes: Callable[[int], bytes] | None = None,
+                 passport: DataPassport | None = None):
+        self.passport = passport or DataPassport(CONTENT)
+        self.redacted = self.passport.classification == REDACTED
         self.params = params_from_header(header)
         self.prompt_ids = tuple(int(t) for t in header["prompt_ids"])
         self.machine = machine
-        self.stop = stop_config_from_header(header, self.params)
-        self.token_bytes = token_bytes
+        self.stop = stop_config_from_header(header, self.params, redacted=self.redacted)
+        self.token_bytes = None if self.redacted else token_bytes
+        #: The line as written (before stand-in ids), for the receipt's content hash.
+        self.raw: dict[str, Any] | None = None
         if self.stop is None:
             self.stop = StopConfig(max_new_tokens=self.params.max_new_tokens, eos_ids=self.params.eos_ids,
                                    min_new_tokens=self.params.min_new_tokens, prompt_len=self.params.prompt_len,
                                    max_context_len=self.params.context_cap)
-        self.stream = _Stream()
+        self.stream = _Stream(text=None) if self.redacted else _Stream()
         self._bytes: dict[int, bytes] = {}
         self._memo: dict[tuple, Any] = {}
         #: receipt id -> the logprob its decision event recorded (a commit must carry the same value).
@@ -397,7 +494,7 @@ class _Replay:
         if event == "stream":
             st.num_chunks = int(rec["chunk_idx"]) + 1
             st.published = int(rec["byte_end"])
-            st.text = None if st.text is None else st.text + str(rec["text"])
+            st.text = None if st.text is None or "text" not in rec else st.text + str(rec["text"])
         elif event == "commit" and rec.get("stream_failed"):
             st.failed = True
         elif event == "fault" and rec.get("kind") == "stream_error":
@@ -527,7 +624,8 @@ class _Replay:
             self._policy_check(receipt),
         )
         if why is None:
-            body = {k: v for k, v in receipt.items() if k != "receipt_id"}
+            written = (self.raw or rec)["receipt"]  # a redacted receipt's hash is over its digests, as written
+            body = {k: v for k, v in written.items() if k != "receipt_id"}
             digest = content_id(body)
             if digest != receipt["receipt_id"]:
                 why = (f"the receipt's content hash is {digest} but its receipt_id says {receipt['receipt_id']}: "
@@ -697,7 +795,16 @@ class _Replay:
             if isinstance(value, bool) or not isinstance(value, int):
                 return f"field {name!r} is {value!r}, expected an int"
             fields[name] = value
-        if not isinstance(rec["text"], str):
+        if self.redacted:
+            if "text" in rec:
+                return "a redacted trace's stream event carries its text (a redacted chunk has text_redacted only)"
+            size = rec["text_redacted"]["bytes"]
+            if size != fields["byte_end"] - fields["byte_start"]:
+                return (f"field 'text_redacted.bytes' is {size} but the chunk [{fields['byte_start']}, {fields['byte_end']}) "
+                        f"has {fields['byte_end'] - fields['byte_start']} bytes")
+        elif "text" not in rec:
+            return "a stream event without its text in a trace that is not redacted (its header's data says content)"
+        elif not isinstance(rec["text"], str):
             return f"field 'text' is {rec['text']!r}, expected a str"
         idx, start, end = fields["chunk_idx"], fields["byte_start"], fields["byte_end"]
         if st.num_chunks is not None and idx != st.num_chunks:
@@ -838,6 +945,8 @@ def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = 
     if unsupported is not None:
         raise Rejection(TRACE_UNSUPPORTED, unsupported, "$[0]", details={"feature": "beam"})
     replay: _Replay | None = None
+    passport: DataPassport | None = None
+    surrogates: _Surrogates | None = None
     candidates: set[RequestState] = set()
     last_event = None
     reported = False  # a finish event (or the restore of a finished snapshot) followed the last state change
@@ -849,10 +958,15 @@ def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = 
             why = schema_error(rec)
             if why is not None:
                 raise _Mismatch(why, TRACE_SCHEMA)
+            raw_rec = rec
             if index == 0:
                 if event != "request":
                     raise _Mismatch(f"the first event must be 'request', got {event!r}")
-                replay = _Replay(rec, machine, token_bytes)
+                passport = passport_from_json(rec.get("data"), "$.data", missing=CONTENT)
+                if passport.classification == REDACTED:
+                    surrogates = _Surrogates(passport, rec)
+                    rec = surrogates.apply(rec)
+                replay = _Replay(rec, machine, token_bytes, passport)
                 replay.bind_policy(policy_config_from_json(rec["policy"]))  # Rejection (policy.*) for a policy the runtime could not have run
                 init = initial_state(replay.params)
                 candidates = {init}
@@ -865,6 +979,9 @@ def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = 
             if event == "request":
                 raise _Mismatch("a second request header")
             assert replay is not None
+            if surrogates is not None:
+                rec = surrogates.apply(rec)
+            replay.raw = raw_rec
             if event != "stream":
                 due = replay.stream_due(candidates)
                 if due is not None:
@@ -901,12 +1018,12 @@ def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = 
             reason = exc.args[0] if isinstance(exc, _Mismatch) else (
                 exc.message if isinstance(exc, DecodeSpecError) else f"malformed event: {type(exc).__name__}: {exc}")
             code = exc.code if isinstance(exc, (_Mismatch, DecodeSpecError)) else TRACE_SCHEMA
-            if isinstance(exc, DecodeSpecError) and not code.startswith("trace."):
+            if isinstance(exc, DecodeSpecError) and not code.startswith("trace.") and code != DATA_UNKNOWN_CLASSIFICATION:
                 reason, code = f"{code}: {reason}", TRACE_MISMATCH  # e.g. policy.* / snapshot.* from a field's parser
             if index == 0 and code == TRACE_MISMATCH:
                 code = TRACE_INVALID
             return TraceVerdict(False, len(items), index, index + 1, rec.get("seq"), rec.get("event"), reason,
-                                len(candidates), _phase(candidates), code)
+                                len(candidates), _phase(candidates), code, *_passport_fields(passport))
     if replay is None:
         return TraceVerdict(False, 0, 0, 1, None, None, "empty trace: no request header", 0, None, TRACE_INCOMPLETE)
     terminal = any(is_terminal(replay.params, s) for s in candidates)
@@ -914,8 +1031,23 @@ def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = 
         why = (f"the request is terminal (phase {_phase(candidates)}) but the trace ends without the finish event that reports it"
                if terminal else f"the trace ends before the request is terminal (phase {_phase(candidates)}) and not after a snapshot")
         return TraceVerdict(False, len(items), len(items), len(items) + 1, None, None, why,
-                            len(candidates), _phase(candidates), TRACE_INCOMPLETE)
-    return TraceVerdict(True, len(items), len(items), num_candidates=len(candidates), final_phase=_phase(candidates))
+                            len(candidates), _phase(candidates), TRACE_INCOMPLETE, *_passport_fields(passport))
+    cls, needs = _passport_fields(passport)
+    return TraceVerdict(True, len(items), len(items), num_candidates=len(candidates), final_phase=_phase(candidates),
+                        classification=cls, needs_content=needs)
+
+
+def _passport_fields(passport: DataPassport | None) -> tuple[str | None, dict[str, Any] | None]:
+    """``(classification, needs_content)`` of a verdict (``trace.redacted`` lists the checks a redacted trace skips)."""
+    if passport is None:
+        return None, None
+    if passport.classification != REDACTED:
+        return passport.classification, None
+    return passport.classification, {
+        "code": TRACE_REDACTED, "checks": list(CONTENT_CHECKS),
+        "message": "the trace is redacted: these checks need the token bytes and text it replaced by digests and were not run; "
+                   "every other check (frontiers, phases, receipts, commit against decision, stream byte counts) ran on "
+                   "the digests. Re-record with decodespec generate --trace-content to run them."}
 
 
 def _phase(states: set[RequestState]) -> str | None:

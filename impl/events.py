@@ -49,6 +49,11 @@ event               spec action (or check)
                     ``decodespec.spec.beam.BeamStepRecord.to_event()`` for the same rows
 ==================  =====================================================================
 
+Every file is written through a :class:`decodespec.spec.passport.Redactor` unless the caller asks
+for content (``content=True``; ``decodespec generate --trace-content``): ids, texts, stop strings
+and identities become keyed digests and byte counts, and the ``request`` header gets ``data``, the
+trace passport (docs/design.md section 6).
+
 Cost when enabled: one ``json.dumps`` of lists of ints per event (logits are never
 converted); disabled, the runner skips building the fields (``sink is None``).
 
@@ -62,6 +67,7 @@ import io
 import json
 import os
 import re
+import secrets
 import stat
 import time
 from pathlib import Path
@@ -83,23 +89,45 @@ BEAM_STEP_FIELDS = ("step", "parents", "tokens", "scores", "completed")
 
 
 class EventSink:
-    """Writes ``decodespec.events.v1`` lines to a text stream.
+    """Writes ``decodespec.events.v1`` lines to a text stream, redacted unless ``content`` is asked for.
 
     Args:
         stream: Any object with ``write(str)`` (a file opened for text, ``sys.stdout``,
             ``io.StringIO``).
+        content: ``False`` (the default): every line is written through a
+            :class:`decodespec.spec.passport.Redactor` keyed with a fresh random key that is
+            never stored (prompt and output ids, decoded and streamed text, stop strings and
+            identities become digests and byte counts; the header's ``data`` says
+            ``"classification": "redacted"``).  ``True``: the raw content, declared as
+            ``{"classification": "content", "opt_in": true}`` -- the caller's explicit opt-in
+            (``decodespec generate --trace-content``).
 
     Attributes:
         seq: The ``seq`` the next event gets.
+        redactor: The redactor, or ``None`` for a content trace.
+
+    Source: M3.10 0x06 "Bound parsers, matchers, traces, and sensitive data" (the trace passport).
     """
 
-    def __init__(self, stream: TextIO | None = None):
+    def __init__(self, stream: TextIO | None = None, *, content: bool = False):
+        from decodespec.spec.passport import Redactor
+
         self._stream = stream if stream is not None else io.StringIO()
         self.seq = 0
+        self.content = bool(content)
+        self.redactor = None if self.content else Redactor(secrets.token_bytes(32))  # the file's key: never stored
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        """Write one event line; returns the record (``{"v": 1, "seq", "event", **fields}``)."""
+        """Write one event line; returns the record as written (``{"v": 1, "seq", "event", **fields}``, redacted unless content)."""
+        from decodespec.spec.passport import CONTENT_PASSPORT
+
         record = {"v": 1, "seq": self.seq, "event": event, **fields}
+        if self.redactor is not None:
+            if event == "request":
+                self.redactor = self.redactor.for_request(record)
+            record = self.redactor.event(record)
+        elif event == "request":
+            record["data"] = CONTENT_PASSPORT.to_json()
         self.seq += 1
         self._stream.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
         return record
@@ -112,10 +140,14 @@ class EventSink:
 
 
 class ListSink(EventSink):
-    """An in-memory sink: :attr:`records` (dicts) and :meth:`lines` (the NDJSON text lines)."""
+    """An in-memory sink: :attr:`records` (dicts) and :meth:`lines` (the NDJSON text lines).
 
-    def __init__(self) -> None:
-        super().__init__(io.StringIO())
+    Keeps the content by default (``content=True``: an in-memory record for the caller's own
+    checks, never a file); ``content=False`` redacts like a file sink.
+    """
+
+    def __init__(self, *, content: bool = True) -> None:
+        super().__init__(io.StringIO(), content=content)
         self.records: list[dict[str, Any]] = []
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
@@ -250,16 +282,18 @@ def _remove_staging(folder: Path) -> None:
 class FileSink(EventSink):
     """A sink writing to ``path`` (truncated); use as a context manager or call :meth:`close`.
 
+    Redacted unless ``content=True`` (:class:`EventSink`).
+
     When ``path`` is a temporary of ours (:data:`TEMP_NAME`, what ``decodespec generate --trace``
     writes before renaming it into place), the sink holds an exclusive lock on it until it is
     renamed or removed, and first removes the stale temporaries a killed run left for the same
     target (:func:`clean_stale_temporaries`).
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, content: bool = False):
         self.path = Path(path)
         self._file = open(self.path, "w", encoding="utf-8")
-        super().__init__(self._file)
+        super().__init__(self._file, content=content)
         if TEMP_NAME.fullmatch(self.path.name):
             _lock(self.path)
             clean_stale_temporaries(self.path)

@@ -66,6 +66,7 @@ import torch
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
 from decodespec.spec.envelope import lone_surrogate_path
 from decodespec.spec.errors import DecodeSpecError, Rejection, quote
+from decodespec.spec.passport import CONTENT, passport_from_json, snapshot_passport
 from decodespec.spec.limits import MAX_SAFE_INT
 from decodespec.spec.policy.config import policy_config_from_json
 from decodespec.spec.policy.receipt import content_id, receipt_policy_mismatch
@@ -270,10 +271,22 @@ def request_from_json(obj: dict[str, Any]):
         except (rfc8785.CanonicalizationError, TypeError, ValueError, RecursionError) as exc:
             raise Rejection(SNAPSHOT_MALFORMED, f"the carried envelope is not canonical JSON: {quote(str(exc))}", "$.request.envelope") from None
         admitted, identity = validate_request_envelope(raw)
-        if identity != obj.get("identity"):
-            raise Rejection(SNAPSHOT_IDENTITY_MISMATCH, f"the carried envelope hashes to {identity}, not {quote(obj.get('identity'))}",
-                            "$.request.envelope")
-        return RuntimeRequest.from_admitted(admitted)
+        dropped = "envelope_identity" in obj  # the prompt text was dropped (save_snapshot without content)
+        if dropped and "text" in obj["envelope"].get("prompt", {}):
+            raise Rejection(SNAPSHOT_MALFORMED, "envelope_identity is recorded but the carried envelope still has its prompt text",
+                            "$.request.envelope_identity")
+        expected = obj.get("envelope_identity") if dropped else obj.get("identity")
+        if identity != expected:
+            field = "envelope_identity" if dropped else "identity"
+            raise Rejection(SNAPSHOT_IDENTITY_MISMATCH, f"the carried envelope hashes to {identity}, not the recorded {field} "
+                            f"{quote(expected)}", "$.request.envelope")
+        request = RuntimeRequest.from_admitted(admitted)
+        if dropped:  # the request identity (it keys the RNG) is the recorded one; without its text it cannot be recomputed
+            recorded = obj.get("identity")
+            if not isinstance(recorded, str) or not recorded.startswith("sha256:") or len(recorded) != 71:
+                raise Rejection(SNAPSHOT_MALFORMED, f"the request identity {quote(recorded)} is not sha256:<64 hex>", "$.request.identity")
+            request = attrs.evolve(request, identity=recorded)
+        return request
     path = "$.request"
     values: dict[str, Any] = {}
     for f in attrs.fields(RuntimeRequest):
@@ -340,11 +353,16 @@ def _authenticate(doc: dict[str, Any], key: bytes) -> None:
                         "or changed since", "$.authentication.mac")
 
 
-def save_snapshot(snapshot: RuntimeSnapshot, path: str | Path, key: bytes | str | None = None) -> tuple[Path, Path]:
+def save_snapshot(snapshot: RuntimeSnapshot, path: str | Path, key: bytes | str | None = None, *,
+                  content: bool = False) -> tuple[Path, Path]:
     """Write ``path`` (JSON) and ``path.safetensors`` (tensors); returns both paths.
 
     With a key (``key``, else ``$DECODESPEC_SNAPSHOT_KEY``) the JSON carries an HMAC-SHA256 of its
-    other fields (module docstring).
+    other fields (module docstring).  The JSON declares its passport as ``data``
+    (:func:`decodespec.spec.passport.snapshot_passport`): unless ``content``, the carried
+    envelope's ``prompt.text`` is dropped and ``request.envelope_identity`` records the identity of
+    the envelope as carried (the request identity, which keys the RNG, stays the recorded one);
+    the token ids and the K/V tensors, which encode the content, are always kept.
     """
     from safetensors.torch import save_file
 
@@ -367,7 +385,8 @@ def save_snapshot(snapshot: RuntimeSnapshot, path: str | Path, key: bytes | str 
         "logprobs": list(snapshot.logprobs),
         "policy_state": snapshot.policy_state.to_json(),
         "receipts": list(snapshot.receipts),
-        "request": request_to_json(snapshot.request),
+        "data": snapshot_passport(content).to_json(),
+        "request": _carried_request(request_to_json(snapshot.request), content),
         "cache": {
             "family": snapshot.cache_family,
             "abi": None if snapshot.cache_abi is None else snapshot.cache_abi.to_json(),
@@ -384,6 +403,26 @@ def save_snapshot(snapshot: RuntimeSnapshot, path: str | Path, key: bytes | str 
         doc["authentication"] = {"algorithm": SNAPSHOT_MAC_ALGORITHM, "mac": _mac(doc, secret)}
     path.write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     return path, tensor_path
+
+
+def _carried_request(request: dict[str, Any], content: bool) -> dict[str, Any]:
+    """``request_to_json`` output as a snapshot carries it: without the envelope's ``prompt.text`` unless ``content``.
+
+    When the carried envelope does not hash to the request identity (its text was dropped, now or by
+    the snapshot this run resumed), ``envelope_identity`` records the carried envelope's identity.
+    """
+    from decodespec.spec.envelope import identity_of
+
+    envelope = request.get("envelope")
+    if not isinstance(envelope, dict):
+        return request
+    if not content and isinstance(envelope.get("prompt"), dict) and "text" in envelope["prompt"]:
+        envelope = {**envelope, "prompt": {k: v for k, v in envelope["prompt"].items() if k != "text"}}
+    carried = identity_of(rfc8785.dumps(envelope))
+    out = {**request, "envelope": envelope}
+    if carried != request.get("identity"):
+        out["envelope_identity"] = carried
+    return out
 
 
 def load_snapshot(path: str | Path, key: bytes | str | None = None) -> RuntimeSnapshot:
@@ -415,6 +454,7 @@ def load_snapshot(path: str | Path, key: bytes | str | None = None) -> RuntimeSn
     secret = snapshot_key(key)
     if secret is not None:
         _authenticate(doc, secret)
+    passport_from_json(doc.get("data"), "$.data", missing=CONTENT)  # data.unknown_classification; no passport: an older snapshot
     try:
         cache = _field(doc, "cache", "$", dict)
         name = _field(cache, "tensors", "$.cache", str)

@@ -86,6 +86,7 @@ from .errors import DecodeSpecError, Rejection, ResourceLimit, quote, register_c
 from .limits import MAX_SAFE_INT
 from .policy import POLICY_JSON_SCHEMA, PolicyConfig, policy_config_from_json
 from .profiles import PROFILES
+from .passport import is_content_path, quote_content
 from .stop import MAX_STOP_PATTERN_BYTES, MAX_STOP_STRINGS, OutputAlignment, encode_stop_strings
 
 __all__ = [
@@ -606,6 +607,11 @@ def _schema_error(error: jsonschema.ValidationError) -> Rejection:
     path = _json_path(error.absolute_path)
     keyword = str(error.validator)
     instance = error.instance
+    if is_content_path(path) and isinstance(instance, (str, list, dict)):  # user content: length and fingerprint, never a prefix
+        bound = error.validator_value if isinstance(error.validator_value, (int, str)) and keyword != "type" else None
+        code = OUT_OF_RANGE if keyword in ("minimum", "maximum") else _KEYWORD_CODES.get(keyword, SCHEMA_VIOLATION)
+        return Rejection(code, f"{quote_content(instance)} fails the schema's {keyword}" + (f" {bound!r}" if bound is not None else "")
+                         + (f" (expected {error.validator_value})" if keyword == "type" else ""), path)
     if keyword in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         return _range_error(error, path)
     if keyword == "oneOf" and isinstance(instance, dict) and isinstance(instance.get("name"), str):

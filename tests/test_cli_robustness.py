@@ -97,8 +97,8 @@ def test_a_failure_after_generation_leaves_no_file(capsys, tmp_path, monkeypatch
 
     real = snap.save_snapshot
 
-    def failing(snapshot, path):
-        real(snapshot, path)  # the partial files exist ...
+    def failing(snapshot, path, **options):
+        real(snapshot, path, **options)  # the partial files exist ...
         raise Rejection("snapshot.malformed", "disk full (simulated)", "$")  # ... and then the write fails
 
     monkeypatch.setattr(snap, "save_snapshot", failing)

@@ -88,7 +88,7 @@ def test_bad_alignment_is_an_argument_error(capsys):
 def test_stream_trace_is_accepted_and_a_broken_one_rejected(capsys, tmp_path, free_text):
     path = tmp_path / "t.ndjson"
     stop = free_text[3:6]
-    assert main([*BASE, "--stream", "--stop", stop, "--align", "text", "--trace", str(path)]) == 0
+    assert main([*BASE, "--stream", "--stop", stop, "--align", "text", "--trace", str(path), "--trace-content"]) == 0  # checks the text
     capsys.readouterr()
     assert main(["validate-trace", str(path)]) == 0
     assert json.loads(capsys.readouterr().out)["accepted"] is True
@@ -121,7 +121,8 @@ def test_resumed_stream_continues_the_chunk_numbering(capsys, tmp_path, free_tex
 def test_smollm2_stream_with_a_stop_string(capsys, tmp_path, smollm2_model):
     path = tmp_path / "t.ndjson"
     argv = ["generate", "--chat", "--prompt", "What is the capital of France? Answer in one sentence.", "--max-new-tokens", "10",
-            "--device", "cpu", "--stop", " Paris", "--stream", "--json", "--trace", str(path)]
+            "--device", "cpu", "--stop", " Paris", "--stream", "--json", "--trace", str(path),
+            "--trace-content"]  # content: validate-trace then runs the stop oracle and the stream-text checks
     assert main(argv) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     chunks, result = lines[:-1], lines[-1]

@@ -33,8 +33,9 @@ BASE = ["generate", "--model", "tiny", "--prompt", "hi", "--device", "cpu"]
 
 
 def _generate(tmp_path: Path, name: str, *flags: str) -> Path:
+    """A content trace (``--trace-content``): these tamperings change raw ids and text (redacted ones: tests/test_passport.py)."""
     path = tmp_path / f"{name}.ndjson"
-    assert main([*BASE, "--trace", str(path), *flags]) == 0
+    assert main([*BASE, "--trace", str(path), "--trace-content", *flags]) == 0
     return path
 
 

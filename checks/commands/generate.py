@@ -13,7 +13,11 @@ Runtime flags: ``--cache {none,dynamic,static}`` (no cache = full recomputation,
 (``native``: one-row float32 CPU decode calls on a static cache run in the C kernel of
 :mod:`decodespec.impl.native`; refused with ``runtime.kernel_unavailable`` where it cannot
 run), ``--trace FILE`` (the
-``decodespec.events.v1`` event trace; check it with ``decodespec validate-trace FILE``),
+``decodespec.events.v1`` event trace; check it with ``decodespec validate-trace FILE``; redacted by
+default -- prompt and output ids, streamed text, stop strings and identities become keyed digests
+and byte counts, :mod:`decodespec.spec.passport` -- and raw only with ``--trace-content``, which the
+header's ``data`` records), ``--snapshot-content`` (keep the prompt text in the snapshot; by
+default it is dropped),
 ``--snapshot FILE`` (write a resumable snapshot: ``FILE`` JSON + ``FILE.safetensors``) with
 ``--snapshot-form {pending_suffix,repaired}`` and ``--snapshot-at N`` (suspend after N committed
 tokens; without it the snapshot is taken at finish), ``--resume FILE`` (continue a snapshot:
@@ -129,7 +133,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--decode-kernel", choices=("torch", "native"), default="torch",
                         help="native: one-row float32 CPU decode calls on a static cache run in the C kernel (default torch)")
     parser.add_argument("--trace", metavar="FILE", help="write the decodespec.events.v1 event trace (NDJSON) to FILE")
+    parser.add_argument("--trace-content", action="store_true",
+                        help="keep the raw content in the --trace file (prompt and output ids, streamed text, stop strings); "
+                        "recorded in its header as data.classification 'content', opt_in true. Default: redacted (digests and counts)")
     parser.add_argument("--snapshot", metavar="FILE", help="write a resumable snapshot to FILE (JSON) and FILE.safetensors")
+    parser.add_argument("--snapshot-content", action="store_true",
+                        help="keep the prompt text in the --snapshot file (default: dropped; token ids and K/V are always kept)")
     parser.add_argument("--snapshot-form", choices=("pending_suffix", "repaired"), default="pending_suffix",
                         help="snapshot form (default pending_suffix; repaired runs the append call first)")
     parser.add_argument("--snapshot-at", type=int, default=None, metavar="N",
@@ -184,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         request = None
         if args.request or snapshot is None:
             request = _admitted_request(args, model, tokenizer)
-        sink = FileSink(outputs.trace_temp()) if args.trace else None
+        sink = FileSink(outputs.trace_temp(), content=args.trace_content) if args.trace else None
         if request is not None and request.policy.family.value == "beam":
             code = _run_beams(args, model, tokenizer, request, sink, info)
             sink = _close(sink)
@@ -199,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
         runner.run(max_outputs=args.snapshot_at)
         snap = runner.snapshot(args.snapshot_form) if args.snapshot else None  # emits the trace's snapshot event
         sink = _close(sink)
-        outputs.commit(snap)
+        outputs.commit(snap, content=args.snapshot_content)
         result = runner.result()
     except DecodeSpecError as exc:
         print(json.dumps({"error": exc.to_json()}), file=sys.stderr)
@@ -267,6 +276,10 @@ def _flag_refusal(args: argparse.Namespace) -> dict[str, Any] | None:
         return error("$.snapshot_at", f"--snapshot-at {args.snapshot_at}: N counts committed tokens, N >= 0")
     if args.capacity is not None and args.cache != "static":
         return error("$.runtime.static_capacity", f"--capacity sizes a static cache; it needs --cache static, not --cache {args.cache}")
+    if getattr(args, "trace_content", False) and not args.trace:
+        return error("$.trace_content", "--trace-content keeps the content of the --trace file; it needs --trace FILE")
+    if getattr(args, "snapshot_content", False) and not args.snapshot:
+        return error("$.snapshot_content", "--snapshot-content keeps the prompt text of the --snapshot file; it needs --snapshot FILE")
     return None
 
 
@@ -326,8 +339,8 @@ class _Outputs:
         self._temps.append(self._trace_temp)
         return name
 
-    def commit(self, snapshot) -> None:
-        """Write ``snapshot`` (when given) and move every output into place."""
+    def commit(self, snapshot, *, content: bool = False) -> None:
+        """Write ``snapshot`` (when given; its prompt text only with ``content``) and move every output into place."""
         import os
         import shutil
 
@@ -337,7 +350,7 @@ class _Outputs:
         if snapshot is not None:
             folder = staging_folder(self.snapshot)  # locked; a killed run's stale folder is removed here
             self._temps.append(folder)
-            doc, tensors = save_snapshot(snapshot, folder / self.snapshot.name)
+            doc, tensors = save_snapshot(snapshot, folder / self.snapshot.name, content=content)
             os.chmod(tensors, 0o666 & ~_umask())
             os.replace(tensors, self.snapshot.with_name(tensors.name))
             os.replace(doc, self.snapshot)

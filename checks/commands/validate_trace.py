@@ -13,6 +13,13 @@ policy than the header's by its ``policy_digest``),
 event that reports it: ``line`` is then ``num_lines + 1``), ``trace.invalid_header`` and
 ``trace.mismatch`` (no spec state matches the line).
 
+The verdict also carries the trace's ``classification`` (its passport, the header's ``data``:
+``redacted``, the default of ``generate --trace``, or ``content`` with ``--trace-content``) and,
+for a redacted trace, ``needs_content``: ``{"code": "trace.redacted", "checks", "message"}``, the
+checks that need the token bytes and text the trace replaced by digests (stop oracle, chunk text,
+stream frontier and final text), which were not run; everything else is checked on the digests.
+An unknown classification is refused with ``data.unknown_classification`` at ``$.data.classification``.
+
 ``--tokenizer {auto,smollm2,tiny,none}`` supplies the token bytes for the stream-content and
 stop-oracle checks (``auto``: the model named in the header's ``runtime``; ``none``: structure
 only).
@@ -91,10 +98,17 @@ def _token_bytes(choice: str, lines: list[str]):
     from decodespec.checks.trace_validation import token_bytes_of
 
     auto = choice == "auto"
+    try:
+        header = json.loads(lines[0])
+        redacted = header.get("data", {}).get("classification") == "redacted"
+    except (IndexError, ValueError, AttributeError, RecursionError):
+        header, redacted = {}, False
+    if redacted:  # digests, not ids: no token has bytes to look up (the verdict's needs_content says what is skipped)
+        return None
     if auto:
         try:
-            choice = str(json.loads(lines[0]).get("runtime", {}).get("model", "none"))
-        except (IndexError, ValueError, AttributeError, RecursionError):
+            choice = str(header.get("runtime", {}).get("model", "none"))
+        except AttributeError:
             choice = "none"
     if choice == "tiny":
         from decodespec.impl.tiny import TINY_VOCAB_SIZE

@@ -305,6 +305,9 @@ class MutantResult:
                          "message": by.get("message")})
         if self.crash:
             line["crash"] = self.crash
+        from decodespec.spec.passport import SYNTHETIC_PASSPORT
+
+        line["data"] = SYNTHETIC_PASSPORT.to_json()  # the passport (spec/passport.py): gate-generated inputs
         return line
 
 
