@@ -2,7 +2,7 @@
 
 Seeds: every committed conformance trace (``traces/*.itf.json``) and event traces written by
 ``decodespec generate --trace`` (tiny model: greedy, sampled + streamed with a stop string, and
-suspended by a snapshot).  Each example applies a few mutations, at the byte level (flip, insert,
+suspended by a snapshot; redacted by default, two of them also with ``--trace-content``).  Each example applies a few mutations, at the byte level (flip, insert,
 delete, truncate, a byte that is not UTF-8) or the JSON level (replace a value anywhere, mostly in
 ``#meta`` / one event line, by a hostile one: another type, an integer above 2**53 or of 400 digits,
 a lone surrogate, a long string, a ``stdio:`` command, a deep nest; delete a key; add one).
@@ -202,7 +202,10 @@ def event_traces(tmp_path_factory) -> list[bytes]:
     folder = tmp_path_factory.mktemp("fuzz-events")
     base = ["generate", "--model", "tiny", "--prompt", "hi", "--device", "cpu"]
     runs = {
-        "greedy": ["--max-new-tokens", "4"],
+        "greedy": ["--max-new-tokens", "4"],  # redacted (the default passport)
+        "greedy-content": ["--max-new-tokens", "4", "--trace-content"],
+        "sampled-stream-content": ["--max-new-tokens", "8", "--do-sample", "--seed", "3", "--top-k", "20", "--stop", "BB", "--stream",
+                                   "--trace-content"],
         "sampled-stream": ["--max-new-tokens", "8", "--do-sample", "--seed", "3", "--top-k", "20", "--stop", "BB", "--stream"],
         "snapshot": ["--max-new-tokens", "4", "--snapshot", str(folder / "s.json"), "--snapshot-at", "2"],
     }
