@@ -49,6 +49,7 @@ from typing import Any
 
 import pytest
 
+from decodespec.impl.events import write_atomically
 from decodespec.impl.gguf import smollm2_available
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -160,7 +161,7 @@ class Report:
         if self.path:
             path = Path(self.path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in self.lines()), encoding="utf-8")
+            write_atomically(path, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in self.lines()))
 
 
 @pytest.fixture(scope="session")
@@ -250,7 +251,7 @@ def _coverage_outcome(session: pytest.Session, exitstatus: int) -> dict[str, Any
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         data = coverage.to_json(enforced, full=full)
         data.update({"runtime": runtime, "model": model, "enforced_this_run": enforce})
-        Path(path).write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        write_atomically(path, json.dumps(data, indent=1, ensure_ascii=False) + "\n")
     return out
 
 

@@ -43,6 +43,7 @@ import attrs
 import jsonschema
 
 from decodespec.checks.fastschema import FastAccept
+from decodespec.impl.events import write_atomically  # a kill leaves no partial trace (M3.10 0x06)
 from decodespec.spec.limits import MAX_SAFE_INT  # the largest integer ITF may write as a plain JSON number (I-JSON)
 
 __all__ = [
@@ -288,9 +289,7 @@ def validate_trace(trace: Any) -> None:
 def write_trace(path: str | Path, trace: Mapping[str, Any]) -> Path:
     """Validate and write ``trace`` as JSON (conventionally ``*.itf.json``); return the path."""
     validate_trace(trace)
-    path = Path(path)
-    path.write_text(json.dumps(trace, indent=1, sort_keys=False) + "\n")
-    return path
+    return write_atomically(path, json.dumps(trace, indent=1, sort_keys=False) + "\n")
 
 
 def read_trace(path: str | Path) -> dict[str, Any]:

@@ -114,8 +114,8 @@ _KILL_DURING_SAVE = """
 import os, signal, sys
 import decodespec.impl.snapshot as snapshot
 real = snapshot.save_snapshot
-def dying(state, path):
-    doc, tensors = real(state, path)  # both files written into the staging folder, not yet moved out
+def dying(state, path, **options):
+    doc, tensors = real(state, path, **options)  # both files written into the staging folder, not yet moved out
     os.kill(os.getpid(), signal.SIGKILL)
 snapshot.save_snapshot = dying
 from decodespec.checks.cli import main
@@ -162,3 +162,34 @@ def test_a_live_or_odd_staging_folder_is_left_alone(tmp_path) -> None:
     assert not stale.exists() and all(p.exists() for p in (odd, plain, other, live))
     second = staging_folder(tmp_path / "s.json")
     assert live.is_dir() and second.is_dir()       # a live writer's folder survives another writer's cleaning
+
+
+def test_write_atomically_replaces_whole_and_a_killed_writers_temporary_is_removed(tmp_path) -> None:
+    """``write_atomically`` (gate failure traces, results files, calibration) leaves the old file or the new one:
+    a writer killed before its rename leaves only its temporary, which the next write to the target removes."""
+    from decodespec.impl.events import write_atomically
+
+    target = tmp_path / "r.jsonl"
+    target.write_text("old\n")
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, signal, sys\n"
+        "import decodespec.impl.events as ev\n"
+        "real = os.replace\n"
+        "os.replace = lambda a, b: os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"ev.write_atomically({str(target)!r}, 'x' * 100000)\n")], capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert target.read_text() == "old\n"
+    (leftover,) = _temporaries(tmp_path, "r.jsonl")
+    assert leftover.stat().st_size == 100000
+    _age(leftover)
+    write_atomically(target, "new\n")
+    assert target.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
+    assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    with pytest.raises(OSError):
+        write_atomically(tmp_path / "missing" / "x.json", "y")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

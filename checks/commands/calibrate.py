@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     from decodespec.checks.calibrate import CALIBRATION_FILE, HEADROOM, derive, load_calibration, summarize, sweep
     from decodespec.checks.adapters import AdapterUnavailable
     from decodespec.checks.traces import check_runtime
+    from decodespec.impl.events import write_atomically
     from decodespec.spec.errors import DecodeSpecError
 
     if args.report:
@@ -137,13 +138,13 @@ def run(args: argparse.Namespace) -> int:
               f"K/V = {tol.kv:.3g} + {tol.kv_rel:.3g} * max|layer|; headroom {HEADROOM:g}x over the largest relative errors "
               f"{worst['row_max_rel']:.3g} (rows) and {worst['kv_max_rel']:.3g} (K/V)")
     if args.out:
-        args.out.write_text(json.dumps({"entries": entries}, indent=1) + "\n")
+        write_atomically(args.out, json.dumps({"entries": entries}, indent=1) + "\n")
     if args.update:
         data = load_calibration() if CALIBRATION_FILE.is_file() else {"entries": []}
         keys = {(e["runtime"], e["model"], e["dtype"]) for e in entries}
         data["entries"] = [e for e in data["entries"] if (e["runtime"], e["model"], e["dtype"]) not in keys] + entries
         data["entries"].sort(key=lambda e: (e["runtime"], e["model"], e["dtype"]))
         data["machine"] = _machine()
-        CALIBRATION_FILE.write_text(json.dumps(data, indent=1) + "\n")
+        write_atomically(CALIBRATION_FILE, json.dumps(data, indent=1) + "\n")
         print(f"updated {CALIBRATION_FILE}")
     return 0
