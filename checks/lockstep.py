@@ -61,7 +61,7 @@ from decodespec.spec.transitions import MACHINE, NOT_ENABLED, Machine, expected_
 
 from .reference import Reference64, load_gguf64
 from .reference.files import gguf_path
-from .adapters import Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
+from .adapters import ADAPTER_UNSUPPORTED, Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
 from .ladder import (FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, Tolerance, Verdict, compare, describe_probe,
                      decision_probe, score_row_failure, tolerance_for)
 
@@ -510,6 +510,10 @@ class LockStep:
         self.observation: Observation | None = None
         self.resume_reference: Observation | None = None
         self.reference_decisions: dict[tuple[int, ...], ReferenceDecision] = {}
+        #: Why the runtime refused the latest reset with ``adapter.unsupported`` (a config outside what it can run),
+        #: else ``None``.  The reset's verdict stays the disagreement; callers make the run a skip with this reason
+        #: (after a documented deviation that matches it), never a failure.
+        self.unsupported: str | None = None
         self._snapshot_count = 0
 
     # -- public ----------------------------------------------------------------------------
@@ -539,6 +543,9 @@ class LockStep:
         except DecodeSpecError as exc:
             runtime_error = exc
         action = {"op": "reset", "config": self.config.to_json()}
+        self.unsupported = None
+        if runtime_error is not None and runtime_error.code == ADAPTER_UNSUPPORTED:
+            self.unsupported = f"{self.runtime} refuses the config as unsupported (adapter.unsupported): {runtime_error.message}"
         runtime = {"status": "ok", "data": {}} if runtime_error is None else _refusal_json(runtime_error)
         spec = {"status": "ok"} if spec_error is None else _refusal_json(spec_error)
         verdict = self._agreement(spec, runtime)

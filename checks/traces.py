@@ -582,6 +582,8 @@ class ReplayResult:
         cannot_reproduce_here: When not reproduced and the trace's bit-exact verdict was recorded
             under another CPU capability, why this process cannot reproduce it
             (:func:`cannot_reproduce_here`), else ``None``.
+        unsupported: When the runtime refused the trace's config with ``adapter.unsupported``
+            (a config outside what it can run: the gate's skip, never a failure), its reason, else ``None``.
     """
 
     reproduced: bool
@@ -591,15 +593,18 @@ class ReplayResult:
     steps: int
     mutant: str | None = None
     cannot_reproduce_here: str | None = None
+    unsupported: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The result as JSON (``mutant`` only when one was installed, ``cannot_reproduce_here`` only when set)."""
+        """The result as JSON (``mutant``, ``cannot_reproduce_here`` and ``unsupported`` only when set)."""
         out = {"reproduced": self.reproduced, "runtime": self.runtime, "steps": self.steps,
                "expected": self.expected.to_json(), "actual": self.actual.to_json()}
         if self.mutant:
             out["mutant"] = self.mutant
         if self.cannot_reproduce_here:
             out["cannot_reproduce_here"] = self.cannot_reproduce_here
+        if self.unsupported:
+            out["unsupported"] = self.unsupported
         return out
 
 
@@ -646,6 +651,6 @@ def replay(trace: Mapping[str, Any], *, runtime: str | None = None, adapter: Ada
             actual = ls.verdict
             reproduced = expected.same_outcome(actual)
             return ReplayResult(reproduced, expected, actual, name, len(ls.records), mutant,
-                                None if reproduced else cannot_reproduce_here(meta))
+                                None if reproduced else cannot_reproduce_here(meta), ls.unsupported)
         finally:
             adapter.close()
