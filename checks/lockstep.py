@@ -728,11 +728,19 @@ class LockStep:
         s.pending_logprob = float(log_softmax(np.asarray(ref_raw, dtype=np.float64))[token])
         # The runtime processed its own row in its dtype: a processed score of magnitude M carries
         # rounding of M * 2^-mantissa (a logit bias of 1e4 in float32: ~1e-3), which moves each
-        # log-probability by at most twice that, beyond the raw-row tolerance.
+        # log-probability by at most twice that, beyond the raw-row tolerance.  M is the largest
+        # magnitude of any stage, not only the last: a bias of 1e4 rounds there even when a later
+        # truncation (epsilon, eta) renormalises to log-probabilities near 0 (found by the machines:
+        # logit_bias 1e4, then epsilon and eta, 4e-4 nats apart on tiny).
         slack = 0.0
         if cand_processed is not None:
             finite = cand_processed.values[np.isfinite(cand_processed.values)]
-            slack = 4.0 * _UNIT_ROUNDOFF.get(s.config.dtype, 2.0 ** -8) * (float(np.max(np.abs(finite))) if finite.size else 0.0)
+            raw = np.asarray(obs.score_row, dtype=np.float64)
+            raw = raw[np.isfinite(raw)]
+            biases = [abs(float(b)) for t in s.policy.transforms if t.name == "logit_bias" for _, b in t.get("bias")]
+            magnitude = max(float(np.max(np.abs(finite))) if finite.size else 0.0,
+                            (float(np.max(np.abs(raw))) if raw.size else 0.0) + sum(biases))
+            slack = 4.0 * _UNIT_ROUNDOFF.get(s.config.dtype, 2.0 ** -8) * magnitude
         s.last_decision = (token, s.pending_logprob, draws, (support, probe.probs[support], cand_processed is not None, slack))
 
     def _commit(self, receipt: str | None, obs: Observation) -> None:
