@@ -216,3 +216,15 @@ def test_a_stdio_runtime_that_declares_less_skips_what_it_lacks(tmp_path) -> Non
         result = run_case(_case(case_id), runtime)
         assert result.result == "skip" and "transform:logit_bias" in result.reason, result
     assert run_case(_case("boundary.one_token_prompt"), runtime).result == "pass"
+
+
+def test_an_adapter_refuses_an_undeclared_feature_at_its_field() -> None:
+    """The shared reset check (features.undeclared): adapter.unsupported naming every missing capability, at the first field."""
+    config = CaseConfig(model="tiny", prompt_ids=(1,), alignment="text",
+                        policy={"family": "greedy", "transforms": [{"name": "top_k", "k": 2}, {"name": "logit_bias", "bias": {"1": 1.0}}]})
+    refusal = features.undeclared(config, {"cache:dynamic", "transform:top_k"}, "mine")
+    assert refusal.code == ADAPTER_UNSUPPORTED and refusal.path == "$.alignment"
+    assert "['output.alignment:text', 'transform:logit_bias']" in refusal.message
+    assert features.undeclared(config, IMPL_CAPABILITIES, "impl") is None
+    only_bias = features.undeclared(config.evolve(alignment="token"), {"cache:dynamic", "transform:top_k"}, "mine")
+    assert only_bias.path == "$.policy.transforms[1]"

@@ -42,9 +42,9 @@ from typing import Any, Iterable, Mapping
 from decodespec.spec.envelope import request_schema
 from decodespec.spec.policy import POLICY_JSON_SCHEMA
 
-__all__ = ["CONFIG_FIELDS", "SECTIONS", "SHORT_NAMES", "config_capabilities", "config_features", "feature_capabilities",
+__all__ = ["CONFIG_FIELDS", "SECTIONS", "SHORT_NAMES", "config_capabilities", "config_features", "config_needs", "feature_capabilities",
            "envelope_features", "feature_of", "missing_capabilities", "names_at", "policy_feature", "sendable_features",
-           "transform_capability"]
+           "transform_capability", "undeclared"]
 
 #: The request envelope's sections whose properties are runtime choices (the rest -- artifact, text interface,
 #: prompt, RNG -- is the request's data, which every runtime takes).
@@ -261,6 +261,31 @@ def envelope_features() -> frozenset[str]:
                      and n not in SHORT_NAMES.values())
 
 
+def config_needs(config: Any) -> dict[str, str]:
+    """The capabilities a :class:`~decodespec.checks.adapters.CaseConfig` needs, each with the JSON path of the first
+    config field that needs it (``$.policy.transforms[0]``, ``$.alignment``): see :func:`config_capabilities`."""
+    need: dict[str, str] = {}
+
+    def add(name: str | None, path: str) -> None:
+        if name is not None:
+            need.setdefault(name, path)
+
+    envelope = _envelope_features()
+    policy = config.policy if isinstance(config.policy, Mapping) else {}
+    for index, transform in enumerate(policy.get("transforms", ()) or ()):
+        if isinstance(transform, Mapping) and isinstance(transform.get("name"), str):
+            add(transform_capability(transform["name"]), f"$.policy.transforms[{index}]")
+    for prop, feature in _policy_features().items():
+        add(feature.needs(policy.get(prop, feature.default if feature.default is not _ABSENT else None)), f"$.policy.{prop}")
+    for field, path in CONFIG_FIELDS.items():
+        add(envelope[path].needs(getattr(config, field)), f"$.{field}")
+    if getattr(config, "num_beams", 1) != 1:
+        add(SHORT_NAMES["policy.family:beam"], "$.num_beams")
+    if getattr(config, "decode_kernel", "torch") == "native":
+        add("decode_kernel:native", "$.decode_kernel")
+    return need
+
+
 def config_capabilities(config: Any) -> frozenset[str]:
     """The capabilities a :class:`~decodespec.checks.adapters.CaseConfig` needs: one per envelope feature it sets away from
     its baseline (:data:`CONFIG_FIELDS`), per policy field value and per transform, plus ``beam`` for ``num_beams > 1``
@@ -269,22 +294,22 @@ def config_capabilities(config: Any) -> frozenset[str]:
     Examples: greedy with a ``logit_bias`` transform needs ``{"cache:dynamic", "transform:logit_bias"}``; a streamed
     request with stop strings needs ``stream`` and ``stop_strings``.
     """
-    need: set[str | None] = set()
-    envelope = _envelope_features()
-    for field, path in CONFIG_FIELDS.items():
-        need.add(envelope[path].needs(getattr(config, field)))
-    policy = config.policy if isinstance(config.policy, Mapping) else {}
-    for prop, feature in _policy_features().items():
-        need.add(feature.needs(policy.get(prop, feature.default if feature.default is not _ABSENT else None)))
-    for transform in policy.get("transforms", ()) or ():
-        if isinstance(transform, Mapping) and isinstance(transform.get("name"), str):
-            need.add(transform_capability(transform["name"]))
-    if getattr(config, "num_beams", 1) != 1:
-        need.add(SHORT_NAMES["policy.family:beam"])
-    if getattr(config, "decode_kernel", "torch") == "native":
-        need.add("decode_kernel:native")
-    need.discard(None)
-    return frozenset(need)  # type: ignore[arg-type]
+    return frozenset(config_needs(config))
+
+
+def undeclared(config: Any, declared: Iterable[str], runtime: str) -> Any:
+    """The ``adapter.unsupported`` refusal of ``config`` by a runtime declaring ``declared``, or ``None`` when it needs nothing
+    more: the message names every missing capability, the path the field that needs the first of them."""
+    from decodespec.spec.errors import Rejection
+
+    from . import ADAPTER_UNSUPPORTED
+
+    have = frozenset(declared)
+    missing = {name: path for name, path in config_needs(config).items() if name not in have}
+    if not missing:
+        return None
+    first = sorted(missing.values())[0]
+    return Rejection(ADAPTER_UNSUPPORTED, f"{runtime} does not declare {sorted(missing)}", first)
 
 
 def missing_capabilities(configs: Iterable[Any], declared: Iterable[str]) -> list[str]:

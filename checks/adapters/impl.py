@@ -53,12 +53,11 @@ from . import (
     CaseConfig,
     Observation,
     check_action,
-    config_capabilities,
     corrupt_record,
     no_controller_action,
     required_capabilities,
 )
-from .features import names_at, sendable_features
+from .features import names_at, sendable_features, undeclared
 
 __all__ = ["IMPL_CAPABILITIES", "ImplAdapter", "available", "create", "load_model", "load_tokenizer",
            "model_window", "runtime_request"]
@@ -205,9 +204,9 @@ class ImplAdapter:
     def _start(self, config: CaseConfig, cache: Any) -> None:
         if config.num_beams != 1 or config.policy.get("family") == "beam":
             raise Rejection(ADAPTER_UNSUPPORTED, "the request runner decodes one sequence; beams need the 'beam' capability", "$.num_beams")
-        missing = config_capabilities(config) - self.capabilities()
-        if missing:
-            raise Rejection(ADAPTER_UNSUPPORTED, f"{self.name} does not declare {sorted(missing)}", "$")
+        refusal = undeclared(config, self.capabilities(), self.name)
+        if refusal is not None:
+            raise refusal
         model = load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
         request = runtime_request(config)
         if cache is None and self.cache_factory is not None and request.cache != "none":

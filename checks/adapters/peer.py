@@ -53,9 +53,9 @@ from . import (
     CaseConfig,
     Observation,
     check_action,
-    config_capabilities,
     required_capabilities,
 )
+from .features import undeclared
 
 __all__ = ["PeerAdapter", "PeerDecision", "PeerEngine", "log_softmax_at", "main_value", "register_tolerances", "unsupported"]
 
@@ -258,9 +258,9 @@ class PeerAdapter:
     def _admit(self, config: CaseConfig, *, reuse: bool) -> None:
         if config.num_beams != 1 or config.policy.get("family") == "beam":
             raise unsupported("the step-wise peer adapter decodes one sequence; beams run through generate(num_beams=...)", "$.num_beams")
-        missing = config_capabilities(config) - self.capabilities()
-        if missing:
-            raise unsupported(f"{self.name} does not declare {sorted(missing)}", "$")
+        refusal = undeclared(config, self.capabilities(), self.name)
+        if refusal is not None:
+            raise refusal
         if config.cache not in ("none", "dynamic", "static") or f"cache:{config.cache}" not in self.capabilities():
             raise unsupported(f"{self.name} has no {config.cache!r} cache family", "$.cache")
         if config.prefill_chunk is not None and "prefill_chunk" not in self.capabilities():
