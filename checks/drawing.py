@@ -198,9 +198,9 @@ def policies(draw, *, sampling: bool, vocab: int, ids: Sequence[int] = (), force
     family = draw(st.sampled_from(["greedy", "multinomial", "multinomial"])) if sampling else "greedy"
     order = draw(st.sampled_from([o for o in Order if _declared(caps, policy_feature("order", o.value))]))
     names = list(CATALOG) if order is Order.EXPLICIT else list(PRESET_ORDERS[order])
-    names = [n for n in names if _declared(caps, transform_capability(n))]
     if family == "multinomial" and order is Order.LLAMA_CPP:
         names.append("mirostat_v2")  # llama.cpp's Mirostat chain (LLAMA_CPP_MIROSTAT_ORDER)
+    names = [n for n in names if _declared(caps, transform_capability(n))]
     if family != "multinomial":
         names = [n for n in names if CATALOG[n].stage not in _WARPER_STAGES]
     # Each transform equally likely: a Random the draw controls picks them (lists of sampled_from, and permutations,

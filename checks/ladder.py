@@ -25,6 +25,10 @@ outcome -- the candidate row is within tolerance of the reference, the reference
 most 2 epsilon, and the candidate picked another id that the tolerance cannot rule out; it is
 neither a pass nor a fail.  Every non-passing verdict names its layer, the rule id
 (``ladder.<LAYER>``), the check that failed, the expected and actual values and a message.
+TENSOR and DECISION messages name the worst coordinate -- the vocabulary id of a score row; the
+layer, K or V, head, position and dimension of a committed K/V row -- with both values and the
+bound, and the verdict keeps a bounded :attr:`Verdict.probe` of the rows that failed (the worst
+entry and the :data:`PROBE_ENTRIES` largest differences, both sides), which failure traces carry.
 
 Tolerances are declared per (runtime, model, dtype) against the float64 reference in a stated
 form -- absolute plus relative to the row's largest magnitude for score rows, per layer and per
@@ -447,7 +451,9 @@ def score_row_failure(reference: Any, candidate: Any, epsilon: float, *, layer: 
         return None
     probe = score_row_probe(reference, candidate, epsilon)
     w = probe["worst"]
-    if math.isinf(w["error"]):
+    if w is None:
+        at = "the rows are empty"
+    elif math.isinf(w["error"]):
         at = (f"vocabulary id {w['id']} is finite on one side only (reference {w['reference']:.6g}, observed {w['observed']:.6g})")
     else:
         at = (f"worst at vocabulary id {w['id']}: reference {w['reference']:.6g}, observed {w['observed']:.6g}, "

@@ -228,3 +228,14 @@ def test_an_adapter_refuses_an_undeclared_feature_at_its_field() -> None:
     assert features.undeclared(config, IMPL_CAPABILITIES, "impl") is None
     only_bias = features.undeclared(config.evolve(alignment="token"), {"cache:dynamic", "transform:top_k"}, "mine")
     assert only_bias.path == "$.policy.transforms[1]"
+
+
+def test_coverage_enforces_only_declared_features() -> None:
+    """A runtime without ``transform:logit_bias`` or ``output.alignment:text`` is not asked to exercise them."""
+    from decodespec.checks.coverage import enforced_items
+
+    full = enforced_items(IMPL_CAPABILITIES, cuda=False)
+    less = enforced_items(IMPL_CAPABILITIES - {"transform:logit_bias", "output.alignment:text", "policy.order:vllm"}, cuda=False)
+    assert {"transform.logit_bias", "transform.logit_bias@hf", "enum.alignment.text", "transform.top_k@vllm"} <= set(full)
+    assert set(full) - set(less) == {k for k in full if k.startswith("transform.logit_bias") or k.endswith("@vllm")
+                                     or k in ("enum.alignment.text", "enum.policy.order.vllm")}
