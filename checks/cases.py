@@ -47,7 +47,8 @@ from decodespec.spec.errors import DecodeSpecError
 
 from .adapters import CORRUPTIONS, AdapterUnavailable, CaseConfig, config_capabilities
 from .coverage import record_items, record_lockstep
-from .ladder import FAILED, PASSED, UNDECIDED, Expected, Tolerance, Verdict, compare, greedy_comparator, tolerance_for
+from .ladder import (FAILED, PASSED, UNDECIDED, Expected, Tolerance, Verdict, compare, decision_probe, describe_probe, greedy_comparator,
+                     tolerance_for)
 from .lockstep import LockStep, ReferenceDecision, judge_decision, reference_for
 from .traces import make_trace, open_runtime
 
@@ -561,9 +562,10 @@ def pair_divergence_verdict(ref: ReferenceDecision, token_a: int, token_b: int, 
     margin = float(finite[-1] - finite[-2]) if finite.size > 1 else math.inf
     what = (f"the reference margin {margin:.3g} <= 2 epsilon = {2 * eps:.3g}" if ref.greedy else
             f"the uniform {ref.u:.6g} lies within the tolerance of both ids' CDF intervals")
+    probe = decision_probe([ref.token, int(token_a), int(token_b)], ref.values, what="processed")
     return Verdict(UNDECIDED, "DECISION", "ladder.DECISION", "pair.margin", int(token_a), int(token_b),
                    f"pair: the paths diverge at output {k} ({token_a} vs {token_b}) where {what}: the tolerance cannot decide "
-                   f"between them (the reference selects {ref.token})")
+                   f"between them (the reference selects {ref.token}; processed scores {describe_probe(probe)})", probe=probe)
 
 
 def path_divergence_verdict(ls: LockStep, ids: Sequence[int], other: Sequence[int], tol: Tolerance, *, layer: str, check: str,

@@ -213,3 +213,15 @@ def test_a_failure_lab_mutant_is_localized_to_its_chunk(tiny_model) -> None:
     assert (verdict["step"], verdict["check"]) == (2, "cache_probe.linf")
     assert verdict["probe"]["positions_over_bound"] == [2, 3] and verdict["probe"]["kv"] == "K"
     assert "positions over the bound: 2, 3;" in verdict["message"]
+
+
+def test_an_undecided_pair_names_the_ids_and_their_reference_scores() -> None:
+    from decodespec.checks.cases import pair_divergence_verdict
+    from decodespec.checks.lockstep import ReferenceDecision
+
+    greedy = policy_config_from_json({"family": "greedy"})
+    ref = ReferenceDecision(2, 0, np.array([2.0, 1.9995, 0.0]), np.array([0.5, 0.5, 0.0]), None, True, greedy, 1e-3)
+    verdict = pair_divergence_verdict(ref, 0, 1, TOL)
+    assert verdict.result == UNDECIDED and verdict.check == "pair.margin"
+    assert "processed scores id 0: reference 2; id 1: reference 1.9995" in verdict.message
+    assert [e["id"] for e in verdict.probe["ids"]] == [0, 1]
