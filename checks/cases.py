@@ -17,7 +17,10 @@ and llama.cpp.  A :class:`Case` is one of:
 
 :func:`run_case` returns a :class:`CaseResult` (``pass`` / ``fail`` / ``deviation`` /
 ``undecided`` / ``skip``, the ladder layer, rule and check, expected, actual, a message and, for
-a lock-step failure, the replayable trace).  A failure that a runtime's expectations file
+a lock-step failure, the replayable trace).  A case is a ``skip`` with the missing names when its
+configs need a capability the runtime does not declare (its ``requires`` and every feature the
+configs set, :func:`~decodespec.checks.adapters.config_capabilities`), and a ``skip`` with the
+runtime's reason when the runtime refuses a config with ``adapter.unsupported`` (never a fail).  A failure that a runtime's expectations file
 (``checks/expectations/<runtime>.toml``, :func:`load_expectations`) documents is reported as
 ``deviation``; :func:`unused_expectations` lists documented deviations of the cases that ran and
 did not occur (a fixed deviation must be removed from the file).
@@ -42,9 +45,10 @@ import numpy as np
 
 from decodespec.spec.errors import DecodeSpecError
 
-from .adapters import CORRUPTIONS, AdapterUnavailable, CaseConfig
+from .adapters import CORRUPTIONS, AdapterUnavailable, CaseConfig, config_capabilities
 from .coverage import record_items, record_lockstep
-from .ladder import FAILED, PASSED, UNDECIDED, Expected, Tolerance, Verdict, compare, greedy_comparator, tolerance_for
+from .ladder import (FAILED, PASSED, UNDECIDED, Expected, Tolerance, Verdict, compare, decision_probe, describe_probe, greedy_comparator,
+                     tolerance_for)
 from .lockstep import LockStep, ReferenceDecision, judge_decision, reference_for
 from .traces import make_trace, open_runtime
 
@@ -562,9 +566,10 @@ def pair_divergence_verdict(ref: ReferenceDecision, token_a: int, token_b: int, 
     margin = float(finite[-1] - finite[-2]) if finite.size > 1 else math.inf
     what = (f"the reference margin {margin:.3g} <= 2 epsilon = {2 * eps:.3g}" if ref.greedy else
             f"the uniform {ref.u:.6g} lies within the tolerance of both ids' CDF intervals")
+    probe = decision_probe([ref.token, int(token_a), int(token_b)], ref.values, what="processed")
     return Verdict(UNDECIDED, "DECISION", "ladder.DECISION", "pair.margin", int(token_a), int(token_b),
                    f"pair: the paths diverge at output {k} ({token_a} vs {token_b}) where {what}: the tolerance cannot decide "
-                   f"between them (the reference selects {ref.token})")
+                   f"between them (the reference selects {ref.token}; processed scores {describe_probe(probe)})", probe=probe)
 
 
 def path_divergence_verdict(ls: LockStep, ids: Sequence[int], other: Sequence[int], tol: Tolerance, *, layer: str, check: str,
@@ -609,11 +614,14 @@ def run_case(case: Case, runtime: str, *, adapter_factory: Callable[[], Any] | N
     """Run one case on ``runtime`` and classify the outcome (see the module docstring)."""
     model = case.config.model
 
-    def done(verdict: Verdict, *, trace: dict | None = None, action: Mapping[str, Any] | None = None) -> CaseResult:
+    def done(verdict: Verdict, *, trace: dict | None = None, action: Mapping[str, Any] | None = None,
+             unsupported: str | None = None) -> CaseResult:
         if verdict.result == FAILED:
             for e in expectations:
                 if e.matches(case.id, verdict, action, model=model):
                     return CaseResult(case.id, runtime, model, "deviation", verdict, e.id, e.reason, trace)
+            if unsupported is not None:  # an honest refusal of the config: not what the runtime declared it can run
+                return skip(unsupported)
             return CaseResult(case.id, runtime, model, "fail", verdict, trace=trace)
         return CaseResult(case.id, runtime, model, "undecided" if verdict.result == UNDECIDED else "pass", verdict)
 
@@ -631,11 +639,12 @@ def run_case(case: Case, runtime: str, *, adapter_factory: Callable[[], Any] | N
     except AdapterUnavailable as exc:
         return skip(str(exc))
     try:
-        missing = case.requires - adapter.capabilities()
-        if missing:
-            return skip(f"{runtime} does not declare {sorted(missing)}")
-        runs: list[LockStep] = []
         configs = [case.config] + ([case.other] if case.other is not None else [])
+        # The case's own needs (ops, probes) and every feature its configs set (features.config_capabilities).
+        missing = sorted(case.requires.union(*(config_capabilities(c) for c in configs)) - adapter.capabilities())
+        if missing:
+            return skip(f"{runtime} does not declare {missing}")
+        runs: list[LockStep] = []
         for config in configs:
             ls = LockStep(adapter, config, runtime=runtime)
             if case.kind == "resume":
@@ -647,13 +656,14 @@ def run_case(case: Case, runtime: str, *, adapter_factory: Callable[[], Any] | N
                         break
                     ls.apply(action)
             runs.append(ls)
-            record_lockstep(ls)
+            if ls.unsupported is None:
+                record_lockstep(ls)
             if ls.verdict.result == FAILED:
                 bad = ls.verdict
                 action = ls.records[bad.step].action if bad.step is not None and bad.step < len(ls.records) else None
                 trace = make_trace(runtime=runtime, config=config, records=ls.records, verdict=bad, tolerance=ls.tolerance,
                                    description=f"{case.id}: {case.description}", spec_refs=[case.id])
-                return done(bad, trace=trace, action=action)
+                return done(bad, trace=trace, action=action, unsupported=ls.unsupported)
         verdict = Verdict(PASSED)
         if case.kind == "pair":
             verdict = _pair_verdict(runs[0], runs[1], case.compare, runs[0].tolerance)

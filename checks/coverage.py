@@ -53,20 +53,17 @@ from decodespec.spec.policy.config import CATALOG, LLAMA_CPP_MIROSTAT_ORDER, PRE
 from decodespec.spec.stop import EXTERNAL_FINISH_REASONS, StopConfig, decoder_frontier, step_triggers, stop_holdback, token_ends
 
 from .adapters import _ENUMS, OPS, CaseConfig
+from .adapters.features import CONFIG_FIELDS, feature_of, policy_feature, transform_capability
 
 __all__ = ["Coverage", "EDGE_FRACTION", "SCHEMA_ENUMS", "SHAPES", "declared_items", "edge_items", "enforced_items",
            "record_items", "record_lockstep", "schema_enum", "session_coverage", "transform_orders", "unsupported_values"]
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "spec" / "schemas" / "request.v1.json"
-#: CaseConfig field -> the request schema's property path of its enum.
+#: CaseConfig field -> the request schema's property path of its enum (the enum fields of
+#: :data:`~decodespec.checks.adapters.features.CONFIG_FIELDS`).
 SCHEMA_ENUMS: dict[str, tuple[str, ...]] = {
-    "alignment": ("output", "alignment"),
-    "structured": ("termination", "structured"),
-    "cache": ("runtime", "cache_family"),
-    "zero_new_tokens": ("termination", "zero_new_tokens"),
-    "final_cache": ("output", "final_cache"),
-    "dtype": ("runtime", "compute_dtype"),
-    "attention": ("runtime", "attention"),
+    field: path for field, path in CONFIG_FIELDS.items()
+    if "enum" in json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))["properties"][path[0]]["properties"][path[1]]
 }
 #: A value within this fraction of its range from an exclusive bound counts as that edge.
 EDGE_FRACTION = 0.05
@@ -222,6 +219,8 @@ def enforced_items(capabilities: Iterable[str], runtime: str = "impl", *, model:
                    cuda: bool | None = None) -> dict[str, str]:
     """The declared items a runtime with ``capabilities`` must exercise in a full gate run on ``model``.
 
+    An item whose transform, policy order or enum value needs a feature capability the runtime does not declare
+    (:mod:`decodespec.checks.adapters.features`) is not enforced.
     Warpers (temperature and truncation transforms) need ``sampling``; the padded-batch, beam and
     beam-family items are our runtime's own procedures (``impl`` only); a stop match inside a
     token needs multi-byte tokens (not tiny); ``field.device`` needs CUDA here; an action's parameter
@@ -245,6 +244,9 @@ def enforced_items(capabilities: Iterable[str], runtime: str = "impl", *, model:
             continue
         if (key in _MULTI_BYTE_ONLY and model == "tiny") or (key == "field.device" and not cuda):
             continue
+        beam_family = key.startswith(("enum.policy.family.beam", "enum.policy.early_stopping"))  # our beam procedures, above
+        if not beam_family and not _item_capabilities(key) <= caps:  # a transform, order or enum value it does not declare
+            continue
         if group == "action" and key.count(".") >= 2:
             # An action's parameter values (``action.launch.decode``, ``action.restore.identity``) are reached
             # only by the random machines, not by the deterministic sweep: reported, not enforced (a full run
@@ -252,6 +254,28 @@ def enforced_items(capabilities: Iterable[str], runtime: str = "impl", *, model:
             continue
         out[key] = group
     return out
+
+
+def _item_capabilities(key: str) -> frozenset[str]:
+    """The feature capabilities (:mod:`decodespec.checks.adapters.features`) an item needs: its transform, its order, its
+    enum value (``transform.top_k@vllm``: ``transform:top_k`` and ``policy.order:vllm``)."""
+    kind, _, rest = key.partition(".")
+    need: set[str | None] = set()
+    if kind in ("transform", "edge") or (kind == "enum" and rest.split(".", 1)[0] in CATALOG):
+        name, _, order = rest.split(".", 1)[0].partition("@")
+        need.add(transform_capability(name))
+        if not order and "@" in rest:
+            order = rest.split("@", 1)[1]
+        if order:
+            need.add(policy_feature("order", order))
+    elif kind == "enum" and rest.startswith("policy."):
+        field, _, value = rest.removeprefix("policy.").partition(".")
+        need.add(policy_feature(field, value))
+    elif kind == "enum" and rest.split(".", 1)[0] in SCHEMA_ENUMS:
+        field, _, value = rest.partition(".")
+        need.add(feature_of(*SCHEMA_ENUMS[field], value))
+    need.discard(None)
+    return frozenset(need)  # type: ignore[arg-type]
 
 
 class Coverage:

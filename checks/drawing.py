@@ -4,8 +4,11 @@
 given capabilities: every field over its whole range, alone and in combination, where the
 runtime declares the capability (a runtime without ``sampling`` gets greedy policies only,
 without ``stop_strings`` no stop strings, without ``structured`` no JSON completion,
+without ``transform:logit_bias`` no logit bias, without ``output.alignment:text`` token
+alignment only -- every feature by its derived name, :mod:`decodespec.checks.adapters.features`;
 ``decode_kernel = native`` only where ``decode_kernel:native`` is declared; the cache family
-is the machine's):
+is the machine's).  A drawn config never needs an undeclared capability
+(:func:`~decodespec.checks.adapters.config_capabilities`):
 
 * **policy** (M3.8 0x0B): the family, every order of :class:`~decodespec.spec.policy.config.Order`
   (the presets and ``explicit``), a subset of the transforms that order has a place for
@@ -36,11 +39,14 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
+import attrs
+
 from hypothesis import strategies as st
 
 from decodespec.spec.policy.config import CATALOG, LLAMA_CPP_MIROSTAT_ORDER, PRESET_ORDERS, EmptySupport, Order, ParamSpec, Stage
 
-from .adapters import CaseConfig
+from .adapters import CaseConfig, config_capabilities
+from .adapters.features import CONFIG_FIELDS, feature_of, policy_feature, transform_capability
 from .coverage import EDGE_FRACTION, SCHEMA_ENUMS, schema_enum, unsupported_values
 
 __all__ = ["FORCED_TEXTS", "PRACTICAL_MAX", "case_configs", "greedy_continuation", "param_values", "policies", "prompt_pool"]
@@ -54,6 +60,8 @@ PRACTICAL_MAX: dict[tuple[str, str], float] = {
 FORCED_TEXTS = ("abab", "The cat", "héllo", "✓ 日本", "a🦙b", '{"a": 1}', '[1, "✓"]', '{"k": {"x": []}}', '"s"', "ab{}")
 _ALPHABET = "ab c{}\"é✓日"
 _WARPER_STAGES = (Stage.TEMPERATURE, Stage.TRUNCATION)
+#: A CaseConfig field's baseline: its default (what it is drawn as when the runtime does not declare the feature).
+_BASELINES = {name: attrs.fields_dict(CaseConfig)[name].default for name in CONFIG_FIELDS}
 
 
 @functools.lru_cache(maxsize=4)
@@ -172,18 +180,27 @@ def _small_automaton(draw, ids: Sequence[int], vocab: int) -> dict[str, Any]:
     return {"initial": "s0", "transitions": states}
 
 
+def _declared(caps: frozenset[str] | None, name: str | None) -> bool:
+    """Whether a feature is declared (``None``: a baseline value, needing nothing; ``caps`` ``None``: everything is)."""
+    return name is None or caps is None or name in caps
+
+
 @st.composite
-def policies(draw, *, sampling: bool, vocab: int, ids: Sequence[int] = (), forced: Sequence[int] | None = None) -> dict[str, Any]:
+def policies(draw, *, sampling: bool, vocab: int, ids: Sequence[int] = (), forced: Sequence[int] | None = None,
+             caps: frozenset[str] | None = None) -> dict[str, Any]:
     """An M3.8 policy object: family (multinomial twice as likely as greedy when sampling), order, up to four transforms the
     order has a place for (with parameters), empty support.
 
-    ``forced``: ids a constraint automaton forces in turn (the constraint is then always present).
+    ``forced``: ids a constraint automaton forces in turn (the constraint is then always present).  ``caps``: the
+    runtime's declared capabilities; only declared orders, transforms and empty-support values are drawn
+    (:func:`~decodespec.checks.adapters.features.config_capabilities`; ``None``: all).
     """
     family = draw(st.sampled_from(["greedy", "multinomial", "multinomial"])) if sampling else "greedy"
-    order = draw(st.sampled_from([o for o in Order]))
+    order = draw(st.sampled_from([o for o in Order if _declared(caps, policy_feature("order", o.value))]))
     names = list(CATALOG) if order is Order.EXPLICIT else list(PRESET_ORDERS[order])
     if family == "multinomial" and order is Order.LLAMA_CPP:
         names.append("mirostat_v2")  # llama.cpp's Mirostat chain (LLAMA_CPP_MIROSTAT_ORDER)
+    names = [n for n in names if _declared(caps, transform_capability(n))]
     if family != "multinomial":
         names = [n for n in names if CATALOG[n].stage not in _WARPER_STAGES]
     # Each transform equally likely: a Random the draw controls picks them (lists of sampled_from, and permutations,
@@ -199,7 +216,7 @@ def policies(draw, *, sampling: bool, vocab: int, ids: Sequence[int] = (), force
     transforms = [draw(_transform(n, vocab, ids, forced)) for n in chosen]
     policy: dict[str, Any] = {"family": family, "order": order.value, "transforms": transforms}
     if draw(st.booleans()):
-        policy["empty_support"] = draw(st.sampled_from([e.value for e in EmptySupport]))
+        policy["empty_support"] = draw(st.sampled_from([e.value for e in EmptySupport if _declared(caps, policy_feature("empty_support", e.value))]))
     return policy
 
 
@@ -259,7 +276,9 @@ def case_configs(draw, model: str, cache: str, caps: frozenset[str], *, max_new:
     sampling = "sampling" in caps
     forced = None
     forced_text = None
-    if draw(st.integers(0, 2)) == 0:  # a third of the examples force a text (the rest let the model and the policy decide)
+    declared = functools.partial(_declared, caps)
+    if declared(transform_capability("constraint")) and draw(st.integers(0, 2)) == 0:
+        # a third of the examples force a text (the rest let the model and the policy decide)
         forced_text = draw(st.sampled_from(FORCED_TEXTS))
         forced = _text_ids(model, forced_text)
         likely = tuple(forced[i % len(forced)] for i in range(g + 2))
@@ -269,19 +288,24 @@ def case_configs(draw, model: str, cache: str, caps: frozenset[str], *, max_new:
     pad = getattr(tok, "pad_token_id", None)
     candidates = sorted({eos_model, *(() if pad is None else (pad,)), *likely})
     eos = draw(st.lists(st.one_of(st.sampled_from(candidates), st.integers(0, vocab - 1)), max_size=3, unique=True))
-    policy = draw(policies(sampling=sampling, vocab=vocab, ids=tuple(candidates), forced=forced))
+    policy = draw(policies(sampling=sampling, vocab=vocab, ids=tuple(candidates), forced=forced, caps=caps))
     changes: dict[str, Any] = {}
     if "stop_strings" in caps:
         target = _bytes_of(model, likely)
         changes["stop_strings"] = draw(_stop_strings(target))
-        changes["include_stop_str"] = draw(st.booleans())
+        changes["include_stop_str"] = declared(feature_of("output", "include_stop_str", True)) and draw(st.booleans())
     structured = SCHEMA_ENUMS["structured"]
     if "structured" in caps and (forced_text is not None and forced_text[:1] in "{[\"" or draw(st.integers(0, 3)) == 0):
         changes["structured"] = draw(st.sampled_from(schema_enum(structured)))
     refused = unsupported_values()
 
     def enum(field: str) -> Any:
-        return draw(st.sampled_from([v for v in schema_enum(SCHEMA_ENUMS[field]) if v not in refused.get(field, ())]))
+        return draw(st.sampled_from([v for v in schema_enum(SCHEMA_ENUMS[field]) if v not in refused.get(field, ())
+                                     and declared(feature_of(*SCHEMA_ENUMS[field], v))]))
+
+    def field(name: str, value: Any) -> Any:
+        """``value`` when the feature it sets is declared, else the field's baseline (the envelope default)."""
+        return value if declared(feature_of(*CONFIG_FIELDS[name], value)) else _BASELINES[name]
 
     cached = cache != "none"
     final_cache = enum("final_cache")
@@ -290,21 +314,22 @@ def case_configs(draw, model: str, cache: str, caps: frozenset[str], *, max_new:
     need = len(prompt) + (1 if g else 0)
     capacity = None
     if cache == "static":
-        # Always declared: a machine's ``reuse`` keeps the cache object, whose slots a default capacity (L + G + 1 of the
-        # shorter prompt) would not match -- the spec side accepts that reuse, our runtime refuses it (an open question).
-        capacity = max(1, need + draw(st.integers(-1, g + 2)))
+        # Always declared (where the runtime declares runtime.static_capacity): a machine's ``reuse`` keeps the cache
+        # object, whose slots a default capacity (L + G + 1 of the shorter prompt) would not match -- the spec side
+        # accepts that reuse, our runtime refuses it (an open question).
+        capacity = field("static_capacity", max(1, need + draw(st.integers(-1, g + 2))))
     dtype = "float32" if draw(st.integers(0, 5)) else enum("dtype")
     kernel = "torch"
     if cache == "static" and "decode_kernel:native" in caps and dtype == "float32" and draw(st.integers(0, 3)) == 0:
         kernel = "native"
-    return CaseConfig(
+    config = CaseConfig(
         model=model,
         prompt_ids=prompt,
         policy=policy,
         max_new_tokens=g,
         # llama.cpp's preset has no place for the min_new_tokens transform both sides add for min_new_tokens > 0:
         # both refuse, but the harness's spec side raises building the LockStep (SpecSide._install), not at admission.
-        min_new_tokens=0 if policy["order"] == Order.LLAMA_CPP.value else draw(st.integers(0, g)),
+        min_new_tokens=0 if policy["order"] == Order.LLAMA_CPP.value else field("min_new_tokens", draw(st.integers(0, g))),
         eos_ids=eos,
         alignment=enum("alignment"),
         stream="stream" in caps and draw(st.booleans()),
@@ -315,8 +340,8 @@ def case_configs(draw, model: str, cache: str, caps: frozenset[str], *, max_new:
         # envelope.zero_new_tokens_rejected, our runtime runtime.invalid_request: an open question of precedence).
         zero_new_tokens="no_call" if outside and g == 0 else enum("zero_new_tokens"),
         final_cache=final_cache,
-        max_retries=draw(st.integers(0, 2)),
-        context_cap=draw(st.one_of(st.none(), st.integers(len(prompt) + 1, len(prompt) + g + 2))),
+        max_retries=field("max_retries", draw(st.integers(0, 2))),
+        context_cap=field("context_cap", draw(st.one_of(st.none(), st.integers(len(prompt) + 1, len(prompt) + g + 2)))),
         dtype=dtype,
         attention=enum("attention"),
         decode_kernel=kernel,
@@ -324,6 +349,9 @@ def case_configs(draw, model: str, cache: str, caps: frozenset[str], *, max_new:
         device="cuda" if _cuda() and draw(st.integers(0, 7)) == 0 else "cpu",
         **changes,
     )
+    undeclared = config_capabilities(config) - caps
+    assert not undeclared, f"case_configs drew {sorted(undeclared)}, which the runtime does not declare"
+    return config
 
 
 # --------------------------------------------------------------------------------------------

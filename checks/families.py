@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .cases import CUSTOM, Case, _greedy_continuation
-from .ladder import FAILED, PASSED, Verdict, compare_rows, tolerance_for
+from .ladder import FAILED, PASSED, Verdict, score_row_failure, tolerance_for
 from .lockstep import reference_for
 
 __all__ = ["ENCDEC_TOLERANCE", "beam_lockstep", "encdec_cached_vs_uncached", "encdec_reference"]
@@ -95,11 +95,11 @@ def beam_lockstep(case: Case, runtime: str) -> Verdict:
         for k, prefix in enumerate(prefixes):
             ref_row = ref.row(prefix)
             eps = tol.epsilon(ref_row)
-            cmp = compare_rows(ref_row, raw[k], eps)
-            if not cmp.within:
-                return _fail("TENSOR", "beam.score_row", f"<= {eps:.6g}", cmp.linf,
-                             f"step {runner.step_idx}: live beam {k}'s row is {cmp.linf:.3g} away from the reference row of its "
-                             f"prefix (the cache does not hold that beam's prefix)")
+            bad = score_row_failure(ref_row, raw[k], eps, check="beam.score_row",
+                                    where=f"step {runner.step_idx}: live beam {k}'s row against the reference row of its prefix: ",
+                                    suffix=" (the cache does not hold that beam's prefix)")
+            if bad is not None:
+                return bad
     edges = {s: {int(t): n for t, n in e.items()} for s, e in automaton["transitions"].items()}
     lanes = B.BranchLanes(constraint_init="even", constraint_step=lambda q, t: edges[q][t])
     state = B.initial_state(params, config.prompt_ids, request_id=request.identity, lanes=lanes)

@@ -25,6 +25,10 @@ outcome -- the candidate row is within tolerance of the reference, the reference
 most 2 epsilon, and the candidate picked another id that the tolerance cannot rule out; it is
 neither a pass nor a fail.  Every non-passing verdict names its layer, the rule id
 (``ladder.<LAYER>``), the check that failed, the expected and actual values and a message.
+TENSOR and DECISION messages name the worst coordinate -- the vocabulary id of a score row; the
+layer, K or V, head, position and dimension of a committed K/V row -- with both values and the
+bound, and the verdict keeps a bounded :attr:`Verdict.probe` of the rows that failed (the worst
+entry and the :data:`PROBE_ENTRIES` largest differences, both sides), which failure traces carry.
 
 Tolerances are declared per (runtime, model, dtype) against the float64 reference in a stated
 form -- absolute plus relative to the row's largest magnitude for score rows, per layer and per
@@ -56,15 +60,22 @@ __all__ = [
     "LAYERS",
     "PASSED",
     "TOLERANCES",
+    "PROBE_ENTRIES",
+    "PROBE_POSITIONS",
     "UNDECIDED",
     "DecisionCheck",
     "Expected",
     "Tolerance",
     "Verdict",
+    "cache_probe_failure",
     "combine",
     "compare",
     "compare_rows",
+    "decision_probe",
+    "describe_probe",
     "greedy_comparator",
+    "score_row_failure",
+    "score_row_probe",
     "tolerance_for",
 ]
 
@@ -231,6 +242,10 @@ class Verdict:
         actual: The observed value (JSON-able summary).
         message: One sentence.
         step: Index of the action after which it was found (set by the harness), or ``None``.
+        probe: A bounded probe of the rows that failed (JSON-able; :func:`score_row_probe`,
+            :func:`cache_probe_probe`, :func:`decision_probe`): the worst coordinate and the
+            largest differences, both sides, at most :data:`PROBE_ENTRIES` entries each; ``None``
+            for checks that compare no rows.  Failure traces keep it (``#meta.verdict.probe``).
     """
 
     result: str
@@ -241,6 +256,7 @@ class Verdict:
     actual: Any = None
     message: str = ""
     step: int | None = None
+    probe: dict[str, Any] | None = None
 
     @property
     def passed(self) -> bool:
@@ -248,15 +264,19 @@ class Verdict:
         return self.result == PASSED
 
     def to_json(self) -> dict[str, Any]:
-        """The verdict as JSON."""
-        return {"result": self.result, "layer": self.layer, "rule": self.rule, "check": self.check,
-                "expected": _jsonable(self.expected), "actual": _jsonable(self.actual), "message": self.message, "step": self.step}
+        """The verdict as JSON (``probe`` only when there is one, so verdicts without rows read as before)."""
+        out = {"result": self.result, "layer": self.layer, "rule": self.rule, "check": self.check,
+               "expected": _jsonable(self.expected), "actual": _jsonable(self.actual), "message": self.message, "step": self.step}
+        if self.probe is not None:
+            out["probe"] = _jsonable(self.probe)
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "Verdict":
         """Inverse of :meth:`to_json`."""
         return cls(result=obj["result"], layer=obj.get("layer"), rule=obj.get("rule"), check=obj.get("check"),
-                   expected=obj.get("expected"), actual=obj.get("actual"), message=obj.get("message", ""), step=obj.get("step"))
+                   expected=obj.get("expected"), actual=obj.get("actual"), message=obj.get("message", ""), step=obj.get("step"),
+                   probe=obj.get("probe"))
 
     def same_outcome(self, other: "Verdict") -> bool:
         """Whether two verdicts agree on result, layer and rule (what a replay must reproduce)."""
@@ -284,8 +304,8 @@ def _jsonable(value: Any) -> Any:
 PASS = Verdict(PASSED)
 
 
-def _fail(layer: str, check: str, expected: Any, actual: Any, message: str) -> Verdict:
-    return Verdict(FAILED, layer, f"ladder.{layer}", check, expected, actual, message)
+def _fail(layer: str, check: str, expected: Any, actual: Any, message: str, probe: dict[str, Any] | None = None) -> Verdict:
+    return Verdict(FAILED, layer, f"ladder.{layer}", check, expected, actual, message, probe=probe)
 
 
 def combine(verdicts: Sequence[Verdict]) -> Verdict:
@@ -362,6 +382,162 @@ def compare_rows(reference: Any, candidate: Any, epsilon: float) -> RowCompariso
     return RowComparison(linf, ref_top, cand_top, margin, epsilon)
 
 
+#: Most entries a probe lists (the largest differences, both sides): bounds a failure trace's size.
+PROBE_ENTRIES = 8
+#: Most positions and heads a K/V probe lists as over the bound.
+PROBE_POSITIONS = 16
+
+
+def _row_errors(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """``|ref - cand|`` where both are finite, ``inf`` where only one is (as :func:`compare_rows` counts), ``0`` where neither is."""
+    fr, fc = np.isfinite(ref), np.isfinite(cand)
+    with np.errstate(invalid="ignore"):
+        return np.where(fr & fc, np.abs(np.where(fr, ref, 0.0) - np.where(fc, cand, 0.0)), np.where(fr == fc, 0.0, np.inf))
+
+
+def _largest(errors: np.ndarray, count: int) -> np.ndarray:
+    """Flat indices of the ``count`` largest ``errors``, largest first, lowest index among equals (O(n) selection)."""
+    flat = errors.ravel()
+    if flat.size > count:
+        cut = np.argpartition(-flat, count - 1)[:count]
+        keep = np.flatnonzero(flat >= flat[cut].min())  # every entry tied with the smallest kept one
+    else:
+        keep = np.arange(flat.size)
+    order = np.lexsort((keep, -flat[keep]))
+    return keep[order][:count]
+
+
+def score_row_probe(reference: Any, candidate: Any, epsilon: float) -> dict[str, Any]:
+    """A bounded probe of one score-row comparison: the worst vocabulary id and the largest differences, both sides.
+
+    An id finite on one side only counts as an infinite error (as :func:`compare_rows` does), so
+    it is named first.  Ties go to the lowest id.
+
+    Shapes: both ``[V]``.
+
+    Returns:
+        ``{"kind": "score_row", "size": V, "bound": epsilon, "over_bound": n, "worst": {"id",
+        "reference", "observed", "error"}, "top": [the same, at most PROBE_ENTRIES, largest first]}``.
+    """
+    ref = np.asarray(reference, dtype=np.float64)
+    cand = np.asarray(candidate, dtype=np.float64)
+    errors = _row_errors(ref, cand)
+    top = [{"id": int(i), "reference": float(ref[i]), "observed": float(cand[i]), "error": float(errors[i])}
+           for i in _largest(errors, PROBE_ENTRIES)]
+    return {"kind": "score_row", "size": int(ref.size), "bound": float(epsilon), "over_bound": int(np.count_nonzero(errors > epsilon)),
+            "worst": top[0] if top else None, "top": top}
+
+
+def score_row_failure(reference: Any, candidate: Any, epsilon: float, *, layer: str = "TENSOR", check: str = "score_row.linf",
+                      where: str = "", suffix: str = "") -> Verdict | None:
+    """The failed verdict of a score row outside L-infinity ``epsilon`` of the reference row, else ``None``.
+
+    The message names the worst vocabulary id, both values there and the bound; the verdict's
+    :attr:`Verdict.probe` is :func:`score_row_probe`.  ``expected`` is ``"<= epsilon"`` and
+    ``actual`` the L-infinity error.
+
+    Args:
+        reference / candidate: The rows ``[V]`` (same shape).
+        epsilon: The declared tolerance of this row.
+        layer / check: Where the failure is reported (TENSOR ``score_row.linf``; RESUME, a beam row).
+        where: A prefix naming the row (``"output 3: "``).
+        suffix: Text appended to the message.
+
+    Raises:
+        ValueError: as :func:`compare_rows`.
+    """
+    cmp = compare_rows(reference, candidate, epsilon)
+    if cmp.within:
+        return None
+    probe = score_row_probe(reference, candidate, epsilon)
+    w = probe["worst"]
+    if w is None:
+        at = "the rows are empty"
+    elif math.isinf(w["error"]):
+        at = (f"vocabulary id {w['id']} is finite on one side only (reference {w['reference']:.6g}, observed {w['observed']:.6g})")
+    else:
+        at = (f"worst at vocabulary id {w['id']}: reference {w['reference']:.6g}, observed {w['observed']:.6g}, "
+              f"|error| {w['error']:.3g} > bound {epsilon:.3g}")
+    message = (f"{where}score row L-infinity error {cmp.linf:.3g} > epsilon {epsilon:.3g}; {at}; "
+               f"{probe['over_bound']} of {probe['size']} ids over the bound{suffix}")
+    return _fail(layer, check, f"<= {epsilon:.6g}", cmp.linf, message, probe)
+
+
+def cache_probe_failure(reference: Any, candidate: Any, tolerance: "Tolerance") -> Verdict | None:
+    """The failed TENSOR verdict of committed K/V rows outside the declared per-layer K / V bounds, else ``None``.
+
+    The layer reported is the first (in forward order, K before V) whose bound is exceeded: where
+    the error enters, since every later layer reads it.  Inside it the message names the worst
+    coordinate -- K or V, head, position (the absolute cache position), head dimension -- both
+    values and the bound, and the positions over the bound; the :attr:`Verdict.probe` keeps the
+    largest differences of that layer (both sides) and every exceeded layer / K-V bound, capped.
+
+    Shapes: both ``[layers, 2, H_kv, P, D]`` (K after RoPE, then V).
+    """
+    ref = np.asarray(reference, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(ref - np.asarray(candidate, dtype=np.float64))
+    diff = np.where(np.isnan(diff), np.inf, diff)  # a NaN is never within a bound
+    err = diff.reshape(ref.shape[0], 2, -1).max(axis=-1)  # [layers, 2]
+    bounds = tolerance.kv_bounds(ref)
+    _measure("cache_probe", err, ref)
+    bad = np.argwhere(~(err <= bounds))
+    if not bad.size:
+        return None
+    layer, kind = (int(i) for i in bad[0])
+    name = "KV"[kind]
+    bound = float(bounds[layer, kind])
+    block = diff[layer, kind]  # [H_kv, P, D]
+    cand = np.asarray(candidate, dtype=np.float64)[layer, kind]
+    over = block > bound
+    positions = np.flatnonzero(over.any(axis=(0, 2)))
+    heads = np.flatnonzero(over.any(axis=(1, 2)))
+    top = []
+    for flat in _largest(block, PROBE_ENTRIES):
+        h, p, d = (int(i) for i in np.unravel_index(flat, block.shape))
+        top.append({"head": h, "position": p, "dim": d, "reference": float(ref[layer, kind, h, p, d]),
+                    "observed": float(cand[h, p, d]), "error": float(block[h, p, d])})
+    w = top[0]
+    probe = {"kind": "cache_probe", "shape": list(ref.shape), "layer": layer, "kv": name, "bound": bound,
+             "worst": {"layer": layer, "kv": name, **w, "bound": bound}, "top": top,
+             "positions_over_bound": positions[:PROBE_POSITIONS].tolist(), "heads_over_bound": heads[:PROBE_POSITIONS].tolist(),
+             "exceeded": [{"layer": int(a), "kv": "KV"[int(b)], "error": float(err[a, b]), "bound": float(bounds[a, b])}
+                          for a, b in bad[:PROBE_ENTRIES]], "exceeded_count": int(len(bad))}
+    shown = ", ".join(str(q) for q in positions[:PROBE_POSITIONS]) + (" ..." if positions.size > PROBE_POSITIONS else "")
+    message = (f"committed {name} rows of layer {layer} differ by {err[layer, kind]:.3g} > {bound:.3g}: worst at layer {layer} {name}, "
+               f"head {w['head']}, position {w['position']} (dim {w['dim']}): reference {w['reference']:.6g}, observed "
+               f"{w['observed']:.6g}; positions over the bound: {shown}; {len(bad)} of {err.size} layer/K-V bounds exceeded")
+    return _fail("TENSOR", "cache_probe.linf", f"<= {bound:.6g}", float(err[layer, kind]), message, probe)
+
+
+def decision_probe(ids: Sequence[int], reference: Any = None, candidate: Any = None, *, what: str = "raw") -> dict[str, Any]:
+    """A bounded probe of a decision: each named id's value on the reference row and on the runtime's row.
+
+    Args:
+        ids: The ids that matter (the reference's id, the runtime's), at most :data:`PROBE_ENTRIES`.
+        reference / candidate: Rows ``[V]`` (``None``: not at hand); an id outside a row gives ``None``.
+        what: Which rows (``raw`` logits or ``processed`` scores).
+    """
+    def at(row: Any, i: int) -> float | None:
+        if row is None:
+            return None
+        arr = np.asarray(row)
+        return float(arr[i]) if 0 <= i < arr.shape[0] else None
+
+    unique = list(dict.fromkeys(int(i) for i in ids))[:PROBE_ENTRIES]
+    return {"kind": "decision", "rows": what, "ids": [{"id": i, "reference": at(reference, i), "observed": at(candidate, i)} for i in unique]}
+
+
+def describe_probe(probe: dict[str, Any]) -> str:
+    """``"id 3: reference 1.2, observed 1.1; id 7: ..."`` of a :func:`decision_probe` (sides not at hand left out)."""
+    parts = []
+    for entry in probe["ids"]:
+        sides = [f"{side} {entry[side]:.6g}" for side in ("reference", "observed") if entry[side] is not None]
+        if sides:
+            parts.append(f"id {entry['id']}: " + ", ".join(sides))
+    return "; ".join(parts)
+
+
 def greedy_comparator(reference: Any, candidate: Any, epsilon: float, *, candidate_id: int | None = None) -> Verdict:
     """The seed's valid greedy comparator, in its order: L-infinity <= epsilon, tie rule, margin > 2 epsilon, ids.
 
@@ -379,20 +555,22 @@ def greedy_comparator(reference: Any, candidate: Any, epsilon: float, *, candida
     """
     cmp = compare_rows(reference, candidate, epsilon)
     if not cmp.within:
-        return _fail("TENSOR", "score_row.linf", f"<= {epsilon}", cmp.linf,
-                     f"L-infinity error {cmp.linf:.3g} exceeds epsilon {epsilon:.3g} (ids {cmp.ref_top} / {cmp.cand_top} prove nothing)")
+        return score_row_failure(reference, candidate, epsilon, suffix=f" (ids {cmp.ref_top} / {cmp.cand_top} prove nothing)")
     chosen = cmp.cand_top if candidate_id is None else int(candidate_id)
+    probe = decision_probe([cmp.ref_top, cmp.cand_top, chosen], reference, candidate)
     if chosen != cmp.cand_top:
         return _fail("DECISION", "decision.tie_rule", cmp.cand_top, chosen,
-                     f"the runtime selected {chosen}, not its own row's greedy id {cmp.cand_top} (lowest-id tie rule)")
+                     f"the runtime selected {chosen}, not its own row's greedy id {cmp.cand_top} (lowest-id tie rule; {describe_probe(probe)})",
+                     probe)
     if chosen == cmp.ref_top:
         return PASS
     if cmp.stable:
         return _fail("DECISION", "decision.selected_id", cmp.ref_top, chosen,
-                     f"reference margin {cmp.margin:.3g} > 2 epsilon guarantees id {cmp.ref_top}, the runtime selected {chosen}")
+                     f"reference margin {cmp.margin:.3g} > 2 epsilon = {2 * epsilon:.3g} guarantees id {cmp.ref_top}, the runtime "
+                     f"selected {chosen} ({describe_probe(probe)})", probe)
     return Verdict(UNDECIDED, "DECISION", "ladder.DECISION", "decision.margin", cmp.ref_top, chosen,
                    f"reference margin {cmp.margin:.3g} <= 2 epsilon = {2 * epsilon:.3g}: the tolerance cannot decide between "
-                   f"{cmp.ref_top} and {chosen}")
+                   f"{cmp.ref_top} and {chosen} ({describe_probe(probe)})", probe=probe)
 
 
 # --------------------------------------------------------------------------------------------
@@ -528,35 +706,17 @@ def check_tensor(exp: Expected, obs: Observation) -> Verdict | None:
         if exp.score_row.shape != obs.score_row.shape:
             return _fail("TENSOR", "score_row.shape", list(exp.score_row.shape), list(obs.score_row.shape), "score row shape differs")
         eps = tol.epsilon(exp.score_row)
-        cmp = compare_rows(exp.score_row, obs.score_row, eps)
-        _measure("score_row", cmp.linf, exp.score_row)
-        if not cmp.within:
-            worst = _worst_index(exp.score_row, obs.score_row)
-            return _fail("TENSOR", "score_row.linf", f"<= {eps:.6g}", cmp.linf,
-                         f"score row L-infinity error {cmp.linf:.3g} > epsilon {eps:.3g} (worst id {worst})")
+        _measure("score_row", compare_rows(exp.score_row, obs.score_row, eps).linf, exp.score_row)
+        bad = score_row_failure(exp.score_row, obs.score_row, eps)
+        if bad is not None:
+            return bad
     if exp.cache_probe is not None and obs.cache_probe is not None:
         if exp.cache_probe.shape != obs.cache_probe.shape:
             return _fail("TENSOR", "cache_probe.shape", list(exp.cache_probe.shape), list(obs.cache_probe.shape),
                          "committed K/V rows have another shape (layers, K/V, H_kv, P, D)")
         if exp.cache_probe.size:
-            ref = exp.cache_probe.astype(np.float64)
-            diff = np.abs(ref - obs.cache_probe).reshape(ref.shape[0], 2, -1)  # [layers, 2, H_kv * P * D]
-            err = np.where(np.isnan(diff), np.inf, diff).max(axis=-1)  # [layers, 2]
-            bounds = tol.kv_bounds(ref)
-            _measure("cache_probe", err, ref)
-            bad = np.argwhere(~(err <= bounds))
-            if bad.size:
-                layer, kind = (int(i) for i in bad[0])
-                name = "KV"[kind]
-                return _fail("TENSOR", "cache_probe.linf", f"<= {bounds[layer, kind]:.6g}", float(err[layer, kind]),
-                             f"committed {name} rows of layer {layer} differ by {err[layer, kind]:.3g} > {bounds[layer, kind]:.3g} "
-                             f"({len(bad)} of {err.size} layer/K-V bounds exceeded)")
+            return cache_probe_failure(exp.cache_probe, obs.cache_probe, tol)
     return None
-
-
-def _worst_index(a: np.ndarray, b: np.ndarray) -> int:
-    diff = np.abs(np.nan_to_num(a.astype(np.float64), posinf=0, neginf=0) - np.nan_to_num(b.astype(np.float64), posinf=0, neginf=0))
-    return int(np.argmax(diff))
 
 
 @rule(
@@ -578,10 +738,16 @@ def check_policy(exp: Expected, obs: Observation) -> Verdict | None:
                          {"size": int(obs.support_ids.size), "extra": extra},
                          f"processed support differs ({exp.support_ids.size} vs {obs.support_ids.size} ids)")
         if exp.support_probs is not None and obs.support_probs is not None:
-            err = float(np.max(np.abs(exp.support_probs.astype(np.float64) - obs.support_probs))) if exp.support_probs.size else 0.0
+            diff = np.abs(exp.support_probs.astype(np.float64) - obs.support_probs)
+            err = float(np.max(diff)) if diff.size else 0.0
             if not err <= exp.tolerance.prob:
+                worst = int(np.argmax(np.where(np.isnan(diff), np.inf, diff)))
+                token = int(exp.support_ids[worst])
                 return _fail("POLICY", "support.probs", f"<= {exp.tolerance.prob}", err,
-                             f"processed probabilities differ by {err:.3g}")
+                             f"processed probabilities differ by {err:.3g} > {exp.tolerance.prob:.3g}: worst at vocabulary id {token} "
+                             f"(expected {float(exp.support_probs[worst]):.6g}, observed {float(obs.support_probs[worst]):.6g})",
+                             {"kind": "support_probs", "bound": exp.tolerance.prob,
+                              "worst": {"id": token, "expected": float(exp.support_probs[worst]), "observed": float(obs.support_probs[worst])}})
             bad = _support_logprobs(exp, obs)
             if bad is not None:
                 return bad
@@ -636,21 +802,35 @@ def check_decision(exp: Expected, obs: Observation) -> Verdict | None:
         if check.verdict.result == FAILED:
             return check.verdict
     if exp.decision_token is not None and obs.decision is not None:
-        bad = _eq("DECISION", "decision.selected_id", exp.decision_token, obs.decision.get("token_id"), "selected id")
-        if bad is not None:
-            return bad
+        got = obs.decision.get("token_id")
+        if got is not None and got != exp.decision_token:
+            # The rows are the decision's own when the latest exposed row is the one it decided on.
+            own = obs.score_row is not None and obs.decision.get("score_id") == obs.score_id
+            probe = decision_probe([exp.decision_token, int(got)], exp.score_row if own else None, obs.score_row if own else None)
+            values = describe_probe(probe)
+            return _fail("DECISION", "decision.selected_id", exp.decision_token, got,
+                         f"selected id: expected {exp.decision_token!r}, observed {got!r}" + (f" (raw scores {values})" if values else ""),
+                         probe)
     if exp.decision_logprob is not None and obs.decision is not None and obs.decision.get("logprob") is not None:
         got = float(obs.decision["logprob"])
         if not abs(got - exp.decision_logprob) <= exp.tolerance.logprob:
+            token = obs.decision.get("token_id")
             return _fail("DECISION", "decision.logprob", exp.decision_logprob, got,
-                         "the decision's logprob is not log-softmax of its own score row at the selected id")
+                         f"the decision's logprob at vocabulary id {token} is not log-softmax of its own score row there: expected "
+                         f"{exp.decision_logprob:.6g}, observed {got:.6g}, |error| {abs(got - exp.decision_logprob):.3g} > bound "
+                         f"{exp.tolerance.logprob:.3g}",
+                         {"kind": "logprob", "id": token, "expected": exp.decision_logprob, "observed": got, "bound": exp.tolerance.logprob})
     if exp.logprobs is not None and obs.logprobs:
         if len(exp.logprobs) != len(obs.logprobs):
             return _fail("DECISION", "logprobs.aligned", len(exp.logprobs), len(obs.logprobs), "one logprob per committed token")
         for index, (want, got) in enumerate(zip(exp.logprobs, obs.logprobs)):
             if not abs(want - got) <= exp.tolerance.logprob:
+                token = obs.output_ids[index] if index < len(obs.output_ids) else None
                 return _fail("DECISION", "logprobs.value", {"index": index, "logprob": want}, {"index": index, "logprob": got},
-                             f"logprob of output {index} is not the reference log-softmax at that token")
+                             f"logprob of output {index} (vocabulary id {token}) is not the reference log-softmax at that token: "
+                             f"expected {want:.6g}, observed {got:.6g}, |error| {abs(want - got):.3g} > bound {exp.tolerance.logprob:.3g}",
+                             {"kind": "logprob", "index": index, "id": token, "expected": want, "observed": got,
+                              "bound": exp.tolerance.logprob})
     for name, want, got in (("beam.tokens", exp.beam_tokens, obs.beam_tokens), ("beam.parents", exp.beam_parents, obs.beam_parents)):
         bad = _eq("DECISION", name, None if want is None else list(want), None if got is None else list(got), name)
         if bad is not None:
@@ -726,10 +906,10 @@ def check_resume(exp: Expected, obs: Observation) -> Verdict | None:
         if bad is not None:
             return bad
     if ref.score_row is not None and obs.score_row is not None and ref.score_output_count == obs.score_output_count:
-        eps = exp.tolerance.epsilon(ref.score_row)
-        cmp = compare_rows(ref.score_row, obs.score_row, eps)
-        if not cmp.within:
-            return _fail("RESUME", "resume.score_row", f"<= {eps:.6g}", cmp.linf, "score row after resume differs")
+        bad = score_row_failure(ref.score_row, obs.score_row, exp.tolerance.epsilon(ref.score_row), layer="RESUME",
+                                check="resume.score_row", where="after resume: ")
+        if bad is not None:
+            return bad
     return None
 
 

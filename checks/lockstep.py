@@ -61,8 +61,9 @@ from decodespec.spec.transitions import MACHINE, NOT_ENABLED, Machine, expected_
 
 from .reference import Reference64, load_gguf64
 from .reference.files import gguf_path
-from .adapters import Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
-from .ladder import FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, Tolerance, Verdict, compare, compare_rows, tolerance_for
+from .adapters import ADAPTER_UNSUPPORTED, Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
+from .ladder import (FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, Tolerance, Verdict, compare, describe_probe,
+                     decision_probe, score_row_failure, tolerance_for)
 
 __all__ = [
     "LockStep",
@@ -225,6 +226,7 @@ def judge_decision(
     u: float | None = None,
     output_index: int = 0,
     epsilon: float | None = None,
+    cand_values: np.ndarray | None = None,
 ) -> Verdict:
     """Judge a decision where the runtime may have picked another id than the spec on the reference row.
 
@@ -241,13 +243,17 @@ def judge_decision(
         output_index: O of the decision (for the message).
         epsilon: The row's epsilon (:meth:`~decodespec.checks.ladder.Tolerance.epsilon` of the raw
             reference row; default ``tolerance.logit``).
+        cand_values: The spec policy's processed row of the runtime's own raw row, when it exposed
+            one (named in the message and the probe beside the reference's).
 
     Returns:
         ``passed`` when the ids agree; ``failed`` (DECISION) when the runtime's id is not the
         policy's on its own row, or the reference margin rules it out; ``undecided`` when a row
         within epsilon of the reference could select it (greedy: the runtime's processed score
         is within 2 epsilon of the maximum; sampled: the uniform lies within ``2 epsilon / T``
-        of the runtime id's CDF interval, T the temperature).
+        of the runtime id's CDF interval, T the temperature).  A non-passing verdict names both
+        ids with their processed scores on the reference row (and on the runtime's row when
+        given) in its message and its probe (:func:`~decodespec.checks.ladder.decision_probe`).
 
     Source: M3.10 "A logit tolerance is not a token-equality proof" (margin > 2 epsilon;
     "equal seed is even weaker" for sampling).
@@ -255,21 +261,28 @@ def judge_decision(
     if runtime_token == ref_token:
         return Verdict(PASSED)
     where = f"output {output_index}"
+    ids = [ref_token, runtime_token] + ([cand_token] if cand_token is not None else [])
+    probe = decision_probe(ids, ref_values, cand_values, what="processed")
+    values = f" (processed scores {describe_probe(probe)})"
+
+    def verdict(result: str, check: str, expected: int, message: str) -> Verdict:
+        return Verdict(result, "DECISION", "ladder.DECISION", check, expected, runtime_token, message + values, probe=probe)
+
     if cand_token is not None and cand_token != runtime_token:
-        return Verdict(FAILED, "DECISION", "ladder.DECISION", "decision.policy", cand_token, runtime_token,
+        return verdict(FAILED, "decision.policy", cand_token,
                        f"{where}: the runtime selected {runtime_token}, but the policy selects {cand_token} on the runtime's own row")
     eps = tolerance.logit if epsilon is None else epsilon
     if not 0 <= runtime_token < ref_values.shape[0] or not math.isfinite(float(ref_values[runtime_token])):
-        return Verdict(FAILED, "DECISION", "ladder.DECISION", "decision.support", ref_token, runtime_token,
-                       f"{where}: the runtime selected {runtime_token}, outside the processed support")
+        return verdict(FAILED, "decision.support", ref_token, f"{where}: the runtime selected {runtime_token}, outside the processed support")
     if greedy:
         gap = float(ref_values[ref_token] - ref_values[runtime_token])
         if gap <= 2 * eps:
-            return Verdict(UNDECIDED, "DECISION", "ladder.DECISION", "decision.margin", ref_token, runtime_token,
+            return verdict(UNDECIDED, "decision.margin", ref_token,
                            f"{where}: reference margin {gap:.3g} <= 2 epsilon = {2 * eps:.3g}; the tolerance cannot decide between "
                            f"{ref_token} and {runtime_token}")
-        return Verdict(FAILED, "DECISION", "ladder.DECISION", "decision.selected_id", ref_token, runtime_token,
-                       f"{where}: reference margin {gap:.3g} > 2 epsilon guarantees {ref_token}; the runtime selected {runtime_token}")
+        return verdict(FAILED, "decision.selected_id", ref_token,
+                       f"{where}: reference margin {gap:.3g} > 2 epsilon = {2 * eps:.3g} guarantees {ref_token}; the runtime selected "
+                       f"{runtime_token}")
     assert ref_probs is not None and u is not None
     cdf = np.cumsum(ref_probs)
     low = float(cdf[runtime_token - 1]) if runtime_token else 0.0
@@ -277,11 +290,12 @@ def judge_decision(
     distance = max(low - u, u - high, 0.0)
     delta = 2 * eps / _temperature(policy)
     if distance <= delta:
-        return Verdict(UNDECIDED, "DECISION", "ladder.DECISION", "decision.draw_margin", ref_token, runtime_token,
+        return verdict(UNDECIDED, "decision.draw_margin", ref_token,
                        f"{where}: the uniform {u:.6g} is {distance:.3g} <= {delta:.3g} from the CDF interval of {runtime_token}; "
                        "the tolerance cannot decide the draw")
-    return Verdict(FAILED, "DECISION", "ladder.DECISION", "decision.draw", ref_token, runtime_token,
-                   f"{where}: the replayed draw selects {ref_token} (uniform {u:.6g} is {distance:.3g} from {runtime_token}'s interval)")
+    return verdict(FAILED, "decision.draw", ref_token,
+                   f"{where}: the replayed draw selects {ref_token} (uniform {u:.6g} is {distance:.3g} > {delta:.3g} from {runtime_token}'s "
+                   f"interval [{low:.6g}, {high:.6g}))")
 
 
 # --------------------------------------------------------------------------------------------
@@ -496,6 +510,10 @@ class LockStep:
         self.observation: Observation | None = None
         self.resume_reference: Observation | None = None
         self.reference_decisions: dict[tuple[int, ...], ReferenceDecision] = {}
+        #: Why the runtime refused the latest reset with ``adapter.unsupported`` (a config outside what it can run),
+        #: else ``None``.  The reset's verdict stays the disagreement; callers make the run a skip with this reason
+        #: (after a documented deviation that matches it), never a failure.
+        self.unsupported: str | None = None
         self._snapshot_count = 0
 
     # -- public ----------------------------------------------------------------------------
@@ -525,6 +543,9 @@ class LockStep:
         except DecodeSpecError as exc:
             runtime_error = exc
         action = {"op": "reset", "config": self.config.to_json()}
+        self.unsupported = None
+        if runtime_error is not None and runtime_error.code == ADAPTER_UNSUPPORTED:
+            self.unsupported = f"{self.runtime} refuses the config as unsupported (adapter.unsupported): {runtime_error.message}"
         runtime = {"status": "ok", "data": {}} if runtime_error is None else _refusal_json(runtime_error)
         spec = {"status": "ok"} if spec_error is None else _refusal_json(spec_error)
         verdict = self._agreement(spec, runtime)
@@ -681,12 +702,10 @@ class LockStep:
         own_row = obs.score_row is not None and obs.score_output_count == index
         eps = self.tolerance.epsilon(ref_raw)
         if own_row:
-            cmp = compare_rows(ref_raw, obs.score_row, eps)
-            if not cmp.within:
-                checks.append(DecisionCheck(index, Verdict(
-                    FAILED, "TENSOR", "ladder.TENSOR", "score_row.linf", f"<= {eps:.6g}", cmp.linf,
-                    f"output {index}: the runtime decided on a score row {cmp.linf:.3g} away from the reference row of the same "
-                    f"prefix (epsilon {eps:.3g})")))
+            bad = score_row_failure(ref_raw, obs.score_row, eps,
+                                    where=f"output {index}: the runtime decided on a score row away from the reference row of the same prefix: ")
+            if bad is not None:
+                checks.append(DecisionCheck(index, bad))
             cand_row = ScoreRow.create(obs.score_row, row_id=score.score_id)
             try:
                 cand_processed = processed_row(cand_row, s.policy, s.policy_state, view)
@@ -696,7 +715,8 @@ class LockStep:
         if runtime_token is not None and runtime_token != token:
             verdict = judge_decision(policy=s.policy, ref_values=ref_processed.values, ref_token=token, runtime_token=runtime_token,
                                      tolerance=self.tolerance, greedy=s.greedy(), cand_token=cand_token,
-                                     ref_probs=ref_processed.probs, u=u, output_index=index, epsilon=eps)
+                                     ref_probs=ref_processed.probs, u=u, output_index=index, epsilon=eps,
+                                     cand_values=None if cand_processed is None else cand_processed.values)
             checks.append(DecisionCheck(index, verdict))
             if verdict.result == UNDECIDED:
                 token = runtime_token
@@ -708,11 +728,19 @@ class LockStep:
         s.pending_logprob = float(log_softmax(np.asarray(ref_raw, dtype=np.float64))[token])
         # The runtime processed its own row in its dtype: a processed score of magnitude M carries
         # rounding of M * 2^-mantissa (a logit bias of 1e4 in float32: ~1e-3), which moves each
-        # log-probability by at most twice that, beyond the raw-row tolerance.
+        # log-probability by at most twice that, beyond the raw-row tolerance.  M is the largest
+        # magnitude of any stage, not only the last: a bias of 1e4 rounds there even when a later
+        # truncation (epsilon, eta) renormalises to log-probabilities near 0 (found by the machines:
+        # logit_bias 1e4, then epsilon and eta, 4e-4 nats apart on tiny).
         slack = 0.0
         if cand_processed is not None:
             finite = cand_processed.values[np.isfinite(cand_processed.values)]
-            slack = 4.0 * _UNIT_ROUNDOFF.get(s.config.dtype, 2.0 ** -8) * (float(np.max(np.abs(finite))) if finite.size else 0.0)
+            raw = np.asarray(obs.score_row, dtype=np.float64)
+            raw = raw[np.isfinite(raw)]
+            biases = [abs(float(b)) for t in s.policy.transforms if t.name == "logit_bias" for _, b in t.get("bias")]
+            magnitude = max(float(np.max(np.abs(finite))) if finite.size else 0.0,
+                            (float(np.max(np.abs(raw))) if raw.size else 0.0) + sum(biases))
+            slack = 4.0 * _UNIT_ROUNDOFF.get(s.config.dtype, 2.0 ** -8) * magnitude
         s.last_decision = (token, s.pending_logprob, draws, (support, probe.probs[support], cand_processed is not None, slack))
 
     def _commit(self, receipt: str | None, obs: Observation) -> None:

@@ -146,6 +146,12 @@ class GateMachine(RuleBasedStateMachine):
         config = data.draw(case_configs(self.model, self.cache, self.caps, max_new=self.max_new_tokens), label="config")
         self.ls = LockStep(self.adapter, config, runtime=self.runtime)
         record = self.ls.reset()
+        if self.ls.unsupported is not None and not self._documented(record):
+            # The runtime refuses a config it declared it could run with adapter.unsupported: an honest refusal is
+            # this example's skip (as a table case's), never a failure; nothing is left to drive.
+            self.refused = True
+            _event(f"skip: {self.ls.unsupported}")
+            return
         self._judge(record)
         # Both sides refused the request (they agree, with the same code): nothing is left to drive.
         self.refused = record.spec["status"] != "ok" and record.runtime["status"] != "ok"
@@ -165,6 +171,12 @@ class GateMachine(RuleBasedStateMachine):
     def _due(self) -> CallKind | None:
         due = due_call(self.params, self.state)
         return None if due is None else due[0]
+
+    def _documented(self, record) -> bool:
+        """Whether a documented deviation of this runtime matches the record's failed verdict."""
+        v = record.verdict
+        return v.result == FAILED and any(e.matches(f"machine.{self.cache}", v, record.action, model=self.model)
+                                          for e in self.expectations)
 
     def _judge(self, record) -> None:
         if record.verdict.result == FAILED:
@@ -324,8 +336,10 @@ class GateMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         from .coverage import record_lockstep
 
-        record_lockstep(self.ls)
-        if self.ls is not None and self.ls.failed and not self.diverged:  # a documented deviation is no counterexample
+        skipped = self.ls is not None and self.ls.unsupported is not None and self.refused
+        if not skipped:
+            record_lockstep(self.ls)
+        if self.ls is not None and self.ls.failed and not self.diverged and not skipped:  # a documented deviation is no counterexample
             try:
                 final = current_build_context().is_final
             except Exception:  # noqa: BLE001 - outside a Hypothesis test (a pasted program)
@@ -338,6 +352,14 @@ class GateMachine(RuleBasedStateMachine):
                 print(f"decodespec: counterexample trace written to {path}")
         if self.adapter is not None:
             self.adapter.close()
+
+
+def _event(text: str) -> None:
+    """A Hypothesis ``event`` (the statistics of ``--hypothesis-show-statistics``); nothing outside a test."""
+    try:
+        hypothesis.event(text[:200])
+    except Exception:  # noqa: BLE001 - outside a Hypothesis test (a pasted program)
+        pass
 
 
 def machine_for(runtime: str = "impl", model: str = "tiny", cache: str = "dynamic", *,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from decodespec.checks.adapters import AdapterUnavailable, required_capabilities
+from decodespec.checks.adapters import AdapterUnavailable, CaseConfig, config_capabilities, required_capabilities
 from decodespec.checks.testing import SMOLLM2_SKIP_REASON
 from decodespec.checks.traces import load_trace, open_runtime, replay
 from decodespec.impl.gguf import smollm2_available
@@ -25,9 +25,9 @@ CORPUS = sorted((Path(__file__).resolve().parent.parent / "traces").glob("*.json
 def test_corpus_trace(path: Path, gate_runtime: str, gate_expectations) -> None:
     """Replay one corpus trace (``ladder.*`` verdicts) against the gate's runtime.
 
-    A passed trace replayed on another runtime skips when its actions need a capability the
-    runtime does not declare or whose config it refuses as unsupported at the reset (e.g. the tiny
-    model or a static cache on llama.cpp), and names the documented deviation
+    A passed trace replayed on another runtime skips when its actions or its config need a capability
+    the runtime does not declare; any replay skips when the runtime refuses the config as unsupported
+    at the reset (e.g. the tiny model or a static cache on llama.cpp); a failure names the documented deviation
     (``checks/expectations``) that explains its failure there (the file name is the case id:
     ``boundary-stop-string-x`` is ``boundary.stop_string_x``).
     """
@@ -47,7 +47,9 @@ def test_corpus_trace(path: Path, gate_runtime: str, gate_expectations) -> None:
         adapter = open_runtime(runtime, meta["model"])
     except AdapterUnavailable as exc:
         pytest.skip(str(exc))
-    missing = set().union(*(required_capabilities(a) for a in meta["actions"])) - adapter.capabilities()
+    config = CaseConfig.from_json(meta["config"])
+    # As run_case: the actions' ops and every feature the config sets (features.config_capabilities).
+    missing = set().union(config_capabilities(config), *(required_capabilities(a) for a in meta["actions"])) - adapter.capabilities()
     if missing:  # as run_case skips a case whose requirements the runtime does not declare
         adapter.close()
         pytest.skip(f"{runtime} does not declare {sorted(missing)}")
@@ -61,7 +63,7 @@ def test_corpus_trace(path: Path, gate_runtime: str, gate_expectations) -> None:
         for e in gate_expectations:
             if e.matches(case_id, result.actual, action, model=meta["model"]):
                 pytest.skip(f"documented deviation {e.id} of {runtime}: {e.reason}")
-        if step == 0 and "adapter.unsupported" in str(result.actual.actual):  # the reset: a config outside its capabilities
-            pytest.skip(f"{runtime} refuses the trace's config: {result.actual.actual}")
+    if not result.reproduced and result.unsupported:  # the reset refused as unsupported: a skip, never a fail
+        pytest.skip(f"{path.name}: {result.unsupported}")
     assert result.reproduced, (f"{path.name}: recorded {result.expected.to_json()} but replay on {runtime} gave "
                                f"{result.actual.to_json()}")

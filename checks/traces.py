@@ -23,7 +23,10 @@ everything a replay needs, as plain JSON:
   says plainly that this process cannot reproduce it (:func:`cannot_reproduce_here`);
 * ``verdict``: the **expected verdict** -- ``passed``, or ``failed`` / ``undecided`` with its
   ladder ``layer``, ``rule`` and ``check``, the ``step`` it was found at, expected, actual and
-  the message;
+  the message, and (optional) ``probe``: a bounded probe of the rows that failed -- the worst
+  coordinate (vocabulary id; or layer, K / V, head, position, dim) with both values and the
+  bound, and the largest differences, both sides, capped (:attr:`~decodespec.checks.ladder.Verdict.probe`);
+  replay does not read it;
 * ``description``, ``features`` (the ops used), ``spec_refs`` (rule ids), ``generator``.
 
 ``vars`` / ``states`` record each step as ITF values for trace viewers: ``action``, the
@@ -49,6 +52,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -70,7 +74,9 @@ __all__ = [
     "RUNTIME_CHECKED_ENV",
     "TRACE_FORMAT",
     "TRACE_FORMAT_VERSION",
+    "MAX_NAME_PART",
     "MAX_TRACE_BYTES",
+    "MAX_TRACE_NAME",
     "META_SCHEMA",
     "TRACE_INVALID",
     "TRACE_RUNTIME_REFUSED",
@@ -85,6 +91,7 @@ __all__ = [
     "intra_op_threads",
     "make_trace",
     "mutant_installed",
+    "name_slug",
     "open_runtime",
     "record",
     "replay",
@@ -356,16 +363,42 @@ def record(runtime: str, config: CaseConfig, actions: Sequence[Mapping[str, Any]
                       description=description, **meta)
 
 
+#: Longest failure-trace file name, in characters (``.itf.json`` included): far below the 255-byte limit of common file systems.
+MAX_TRACE_NAME = 120
+#: Longest slug of one part of a failure-trace file name (a ``stdio:CMD`` runtime's command is cut to this).
+MAX_NAME_PART = 40
+_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._]+")
+_DOTS = re.compile(r"\.{2,}")
+
+
+def name_slug(text: str, limit: int = MAX_NAME_PART) -> str:
+    """``text`` as a safe file-name part: runs of characters outside ``[A-Za-z0-9._]`` become ``_``, no leading or trailing
+    ``.`` / ``_`` and no run of dots (no hidden file, no ``..``), at most ``limit`` characters; ``"x"`` when nothing is left."""
+    slug = _DOTS.sub(".", _UNSAFE_NAME.sub("_", text)).strip("._")[:limit].rstrip("._")
+    return slug or "x"
+
+
 def trace_file_name(trace: Mapping[str, Any]) -> str:
-    """``<runtime>[-<mutant>]-<model>-<result>[-<layer>]-<hash12>.itf.json`` (the hash of the meta's config and actions)."""
+    """``<runtime>[-<mutant>]-<model>-<result>[-<layer>]-<hash12>.itf.json``, each part a safe slug (:func:`name_slug`).
+
+    The hash is the first 12 hex digits of sha256 over the meta's config and actions -- and the
+    runtime name too when its slug is not the name itself (a ``stdio:CMD`` runtime: its command
+    line, spaces, slashes and quotes included, is cut to a slug, so two commands with the same
+    slug still get two names).  The name is at most :data:`MAX_TRACE_NAME` characters, holds no
+    path separator, space or shell metacharacter, and never starts with a dot.
+    """
     meta = trace["#meta"]
-    digest = hashlib.sha256(json.dumps([meta["config"], meta["actions"]], sort_keys=True).encode()).hexdigest()[:12]
+    runtime = str(meta["runtime"])
+    slug = name_slug(runtime)
+    key = [meta["config"], meta["actions"]] if slug == runtime else [runtime, meta["config"], meta["actions"]]
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     verdict = meta["verdict"]
-    parts = [meta["runtime"].replace(":", "_").replace("/", "_"), *([meta["mutant"]] if meta.get("mutant") else []),
-             meta["model"], verdict["result"]]
+    parts = [slug, *([name_slug(str(meta["mutant"]))] if meta.get("mutant") else []), name_slug(str(meta["model"])),
+             name_slug(str(verdict["result"]))]
     if verdict.get("layer"):
-        parts.append(verdict["layer"])
-    return "-".join(parts + [digest]) + ".itf.json"
+        parts.append(name_slug(str(verdict["layer"])))
+    stem = "-".join(parts)[:MAX_TRACE_NAME - len(".itf.json") - 13]
+    return f"{stem}-{digest}.itf.json"
 
 
 def write_trace(trace: Mapping[str, Any], directory: str | Path | None = None, name: str | None = None) -> Path:
@@ -587,6 +620,8 @@ class ReplayResult:
         cannot_reproduce_here: When not reproduced and the trace's bit-exact verdict was recorded
             under another CPU capability, why this process cannot reproduce it
             (:func:`cannot_reproduce_here`), else ``None``.
+        unsupported: When the runtime refused the trace's config with ``adapter.unsupported``
+            (a config outside what it can run: the gate's skip, never a failure), its reason, else ``None``.
     """
 
     reproduced: bool
@@ -596,15 +631,18 @@ class ReplayResult:
     steps: int
     mutant: str | None = None
     cannot_reproduce_here: str | None = None
+    unsupported: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The result as JSON (``mutant`` only when one was installed, ``cannot_reproduce_here`` only when set)."""
+        """The result as JSON (``mutant``, ``cannot_reproduce_here`` and ``unsupported`` only when set)."""
         out = {"reproduced": self.reproduced, "runtime": self.runtime, "steps": self.steps,
                "expected": self.expected.to_json(), "actual": self.actual.to_json()}
         if self.mutant:
             out["mutant"] = self.mutant
         if self.cannot_reproduce_here:
             out["cannot_reproduce_here"] = self.cannot_reproduce_here
+        if self.unsupported:
+            out["unsupported"] = self.unsupported
         return out
 
 
@@ -651,6 +689,6 @@ def replay(trace: Mapping[str, Any], *, runtime: str | None = None, adapter: Ada
             actual = ls.verdict
             reproduced = expected.same_outcome(actual)
             return ReplayResult(reproduced, expected, actual, name, len(ls.records), mutant,
-                                None if reproduced else cannot_reproduce_here(meta))
+                                None if reproduced else cannot_reproduce_here(meta), ls.unsupported)
         finally:
             adapter.close()

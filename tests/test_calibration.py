@@ -122,3 +122,25 @@ def test_merge_takes_the_entries_of_an_out_file_and_refuses_anything_else(tmp_pa
         path.write_text(bad)
         assert main(["calibrate", "--merge", str(path)]) == 2
         assert json.loads(capsys.readouterr().out)["error"]["code"] == "cli.invalid_argument", bad
+
+
+def test_a_large_logit_bias_before_a_renormalising_truncation_is_judged_with_its_rounding() -> None:
+    """The rounding of a 1e4 bias stays when epsilon / eta truncation renormalises to log-probabilities near 0 afterwards:
+    the slack takes the largest magnitude of any stage, not the last (found by the capability-aware machines: 4.4e-4 nats)."""
+    from decodespec.checks.adapters import CaseConfig
+    from decodespec.checks.lockstep import LockStep
+    from decodespec.checks.traces import open_runtime
+
+    config = CaseConfig(model="tiny", prompt_ids=(1,), max_new_tokens=1, attention="eager", seed=0, final_cache="none",
+                        cache="static", static_capacity=2, zero_new_tokens="reject",
+                        policy={"family": "multinomial", "order": "default", "transforms": [
+                            {"name": "logit_bias", "bias": {"1": 10000.0, "0": -10000.0, "2": 10000.0}},
+                            {"name": "epsilon", "epsilon": 0.025}, {"name": "eta", "epsilon": 0.025}]})
+    adapter = open_runtime("impl", "tiny")
+    try:
+        ls = LockStep(adapter, config)
+        ls.reset()
+        ls.apply({"op": "run"})
+    finally:
+        adapter.close()
+    assert ls.verdict.result == "passed", ls.verdict

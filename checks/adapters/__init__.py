@@ -79,13 +79,18 @@ Observation
     and ``{"dtype", "shape", "base64"}`` on the wire.
 
 Capabilities (:data:`CAPABILITIES`)
-    ``cache:none``, ``cache:dynamic``, ``cache:static``, ``prefill_chunk``, ``decide_commit``
-    (separate decide / commit ops), ``inflight`` (launch / complete / cancel in flight),
-    ``faults``, ``snapshot``, ``sampling`` (multinomial policies with the request RNG),
-    ``beam``, ``stream`` (stream chunks, ``stream_fail``), ``logits`` (the raw score row),
-    ``policy_rows`` (the processed-row probe), ``cache_probe`` (committed K/V rows),
-    ``reuse``, ``stop_strings``, ``structured``.  :data:`OP_CAPABILITIES` names what each op
-    needs.
+    The ops and probes (:data:`OP_AND_PROBE_CAPABILITIES`): ``decide_commit`` (separate decide /
+    commit ops), ``inflight`` (launch / complete / cancel in flight), ``faults``, ``snapshot``,
+    ``reuse``, ``logits`` (the raw score row), ``policy_rows`` (the processed-row probe),
+    ``cache_probe`` (committed K/V rows), ``decode_kernel:native``; :data:`OP_CAPABILITIES`
+    names what each op needs.  And one name per policy transform (``transform:logit_bias``) and
+    per envelope feature (``output.alignment:text``, ``termination.min_new_tokens``; the first
+    names keep their short form: ``cache:none`` / ``cache:dynamic`` / ``cache:static``,
+    ``prefill_chunk``, ``stop_strings``, ``structured``, ``stream`` (stream chunks,
+    ``stream_fail``), ``sampling`` (multinomial policies with the request RNG), ``beam``),
+    derived from the schemas (:mod:`decodespec.checks.adapters.features`);
+    :func:`config_capabilities` names what a case config needs.  The gate sends no config
+    outside the declared names, and a config refused with ``adapter.unsupported`` is a skip.
 
 Runtimes
     :func:`open_adapter` resolves ``impl``, ``hf``, ``llamacpp`` and ``stdio:CMD``: module
@@ -126,11 +131,13 @@ __all__ = [
     "CAPABILITIES",
     "CORRUPTIONS",
     "CaseConfig",
+    "OP_AND_PROBE_CAPABILITIES",
     "MODELS",
     "OPS",
     "OP_CAPABILITIES",
     "Observation",
     "check_action",
+    "config_capabilities",
     "corrupt_record",
     "no_controller_action",
     "open_adapter",
@@ -154,11 +161,11 @@ ADAPTER_PROTOCOL = register_code(
 
 #: Models the gate runs.
 MODELS = ("tiny", "smollm2")
-#: Every capability an adapter may declare.
-CAPABILITIES = frozenset({
-    "cache:none", "cache:dynamic", "cache:static", "prefill_chunk", "decide_commit", "inflight", "faults",
-    "snapshot", "sampling", "beam", "stream", "logits", "policy_rows", "cache_probe", "reuse", "stop_strings",
-    "structured", "decode_kernel:native",
+#: The capabilities that are not envelope features: the contract ops a runtime can take apart (separate decide /
+#: commit, calls in flight, faults, snapshots, cache reuse), what it can show (raw rows, processed rows, K/V rows)
+#: and our native decode kernel.  :data:`CAPABILITIES` adds the envelope's (:mod:`.features`).
+OP_AND_PROBE_CAPABILITIES = frozenset({
+    "decide_commit", "inflight", "faults", "snapshot", "logits", "policy_rows", "cache_probe", "reuse", "decode_kernel:native",
 })
 #: Deliberate corruptions of a snapshot's logical record a restore must refuse (:func:`corrupt_record`).
 CORRUPTIONS = ("identity", "processed_plus_one", "pending_dropped", "repaired_with_pending", "rng_counter")
@@ -442,6 +449,14 @@ class CaseConfig:
         request = {k: v for k, v in self.to_json().items() if k != "decode_kernel"}
         digest = hashlib.sha256(b"decodespec.case.v1\x00" + rfc8785.dumps(request)).hexdigest()
         return "sha256:" + digest
+
+
+from .features import config_capabilities, feature_capabilities  # noqa: E402 - needs CaseConfig's defaults
+
+#: Every capability an adapter may declare: :data:`OP_AND_PROBE_CAPABILITIES` plus one name per policy transform
+#: and per envelope feature, derived from the request and policy schemas
+#: (:func:`~decodespec.checks.adapters.features.feature_capabilities`).
+CAPABILITIES = OP_AND_PROBE_CAPABILITIES | frozenset(feature_capabilities())
 
 
 # --------------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ from decodespec.spec.policy.codes import EMPTY_SUPPORT
 from decodespec.spec.policy.config import EmptySupport, Family, policy_config_from_json
 
 from . import CaseConfig
+from .features import envelope_features, names_at, transform_capability
 from .peer import PeerAdapter, PeerDecision, main_value, unsupported
 
 __all__ = ["HF_CAPABILITIES", "HFEngine", "adopt_model", "available", "batch_generate", "constraint_fn", "create",
@@ -70,15 +71,19 @@ __all__ = ["HF_CAPABILITIES", "HFEngine", "adopt_model", "available", "batch_gen
            "hf_tokenizer"]
 
 #: What the step-wise HF adapter declares.
-HF_CAPABILITIES = frozenset({
-    "cache:none", "cache:dynamic", "cache:static", "prefill_chunk", "decide_commit", "inflight", "sampling", "logits",
-    "policy_rows", "cache_probe", "reuse", "snapshot", "stop_strings",
-})
 #: Policy transform -> the ``GenerationConfig`` field HF builds its processor from (its one parameter).
 _HF_FIELDS = {
     "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical": "typical_p",
     "epsilon": "epsilon_cutoff", "eta": "eta_cutoff", "repetition_penalty": "repetition_penalty", "no_repeat_ngram": "no_repeat_ngram_size",
 }
+#: Transforms :func:`generation_config` maps otherwise (bad words, a sequence bias, min_new_tokens, the constraint function).
+_HF_OTHER_TRANSFORMS = ("bad_words", "logit_bias", "min_new_tokens", "constraint")
+HF_CAPABILITIES = frozenset({
+    "cache:none", "cache:dynamic", "cache:static", "prefill_chunk", "decide_commit", "inflight", "sampling", "logits",
+    "policy_rows", "cache_probe", "reuse", "snapshot", "stop_strings",
+}) | envelope_features() | names_at("policy.order") | {transform_capability(n) for n in (*_HF_FIELDS, *_HF_OTHER_TRANSFORMS)}
+"""The ops and probes the step-wise adapter has, every envelope feature the gate sends (HF refuses what it cannot keep at
+reset: a skip), the policy orders, and the transforms :func:`generation_config` maps to HF processors."""
 _DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -57,6 +57,7 @@ from . import (
     no_controller_action,
     required_capabilities,
 )
+from .features import names_at, sendable_features, undeclared
 
 __all__ = ["IMPL_CAPABILITIES", "ImplAdapter", "available", "create", "load_model", "load_tokenizer",
            "model_window", "runtime_request"]
@@ -65,7 +66,10 @@ __all__ = ["IMPL_CAPABILITIES", "ImplAdapter", "available", "create", "load_mode
 IMPL_CAPABILITIES = frozenset({
     "cache:none", "cache:dynamic", "cache:static", "prefill_chunk", "decide_commit", "inflight", "faults", "snapshot",
     "sampling", "stream", "logits", "policy_rows", "cache_probe", "reuse", "stop_strings", "structured",
-})
+}) | (sendable_features() - names_at("policy.family", "policy.num_beams", "policy.length_penalty", "policy.early_stopping")) \
+    | {"sampling"}
+"""Every op and probe but the native kernel, and every envelope feature, policy field and transform the gate can send,
+except beams (the request runner decodes one sequence; :mod:`decodespec.checks.families` runs beams)."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -189,7 +193,8 @@ class ImplAdapter:
         """Build and admit the request of ``config`` (a fresh cache; snapshots of earlier requests are kept).
 
         Raises:
-            Rejection: ``adapter.unsupported`` for a beam config; the runner's typed errors
+            Rejection: ``adapter.unsupported`` for a beam config or one that needs a capability this adapter does not
+                declare (:func:`~decodespec.checks.adapters.config_capabilities`); the runner's typed errors
                 (``runtime.invalid_request``, ``envelope.zero_new_tokens_rejected``, ``policy.*``,
                 ``model.file_missing`` ...).
             ResourceLimit: ``model.context_window_exceeded``, ``cache.capacity_exceeded``.
@@ -199,6 +204,9 @@ class ImplAdapter:
     def _start(self, config: CaseConfig, cache: Any) -> None:
         if config.num_beams != 1 or config.policy.get("family") == "beam":
             raise Rejection(ADAPTER_UNSUPPORTED, "the request runner decodes one sequence; beams need the 'beam' capability", "$.num_beams")
+        refusal = undeclared(config, self.capabilities(), self.name)
+        if refusal is not None:
+            raise refusal
         model = load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
         request = runtime_request(config)
         if cache is None and self.cache_factory is not None and request.cache != "none":

@@ -68,6 +68,7 @@ from decodespec.spec.enums import FinishReason
 from decodespec.spec.policy.config import EmptySupport, Family, policy_config_from_json
 
 from . import CaseConfig
+from .features import envelope_features, names_at, transform_capability
 from .peer import PeerAdapter, PeerDecision, main_value, register_tolerances, unsupported
 
 __all__ = ["LLAMACPP_CAPABILITIES", "LLAMACPP_SKIP_REASON", "LlamaCppEngine", "N_CTX", "available", "create", "llama",
@@ -76,10 +77,7 @@ __all__ = ["LLAMACPP_CAPABILITIES", "LLAMACPP_SKIP_REASON", "LlamaCppEngine", "N
 LLAMACPP_SKIP_REASON = ("llama-cpp-python not installed: pip install 'decodespec[llamacpp]' "
                         "(CMAKE_ARGS=-DGGML_NATIVE=OFF; DECODESPEC_LLAMACPP=1 .ci/setup builds it)")
 #: What the llama.cpp adapter declares.
-LLAMACPP_CAPABILITIES = frozenset({
-    "cache:none", "cache:dynamic", "prefill_chunk", "decide_commit", "inflight", "sampling", "logits", "policy_rows", "reuse",
-    "snapshot",
-})
+
 #: The context the adapter creates (positions; the adapter's model window).
 N_CTX = 2048
 #: Policy transform -> the ``Llama._init_sampler`` keyword of its sampler (its one parameter).
@@ -87,6 +85,12 @@ _SAMPLER_FIELDS = {
     "temperature": "temp", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical": "typical_p",
     "repetition_penalty": "repeat_penalty", "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
 }
+LLAMACPP_CAPABILITIES = frozenset({
+    "cache:none", "cache:dynamic", "prefill_chunk", "decide_commit", "inflight", "sampling", "logits", "policy_rows", "reuse",
+    "snapshot",
+}) | envelope_features() | names_at("policy.order") | {transform_capability(n) for n in (*_SAMPLER_FIELDS, "mirostat_v2", "logit_bias")}
+"""The ops and probes the step-wise adapter has, every envelope feature the gate sends (llama.cpp refuses what it cannot
+keep at reset: a skip), the policy orders, and the transforms :func:`sampler_params` maps to llama.cpp samplers."""
 #: Neutral values: each sampler in ``_init_sampler``'s chain is then a no-op.
 _NEUTRAL = {"temp": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0,
             "frequency_penalty": 0.0, "presence_penalty": 0.0}

@@ -55,6 +55,7 @@ from . import (
     check_action,
     required_capabilities,
 )
+from .features import undeclared
 
 __all__ = ["PeerAdapter", "PeerDecision", "PeerEngine", "log_softmax_at", "main_value", "register_tolerances", "unsupported"]
 
@@ -257,6 +258,9 @@ class PeerAdapter:
     def _admit(self, config: CaseConfig, *, reuse: bool) -> None:
         if config.num_beams != 1 or config.policy.get("family") == "beam":
             raise unsupported("the step-wise peer adapter decodes one sequence; beams run through generate(num_beams=...)", "$.num_beams")
+        refusal = undeclared(config, self.capabilities(), self.name)
+        if refusal is not None:
+            raise refusal
         if config.cache not in ("none", "dynamic", "static") or f"cache:{config.cache}" not in self.capabilities():
             raise unsupported(f"{self.name} has no {config.cache!r} cache family", "$.cache")
         if config.prefill_chunk is not None and "prefill_chunk" not in self.capabilities():
