@@ -148,6 +148,9 @@ def test_reexport_is_byte_identical_and_replaces_an_earlier_export(exported: Pat
 
 
 def test_unwritable_or_foreign_output_is_refused_and_nothing_changes(tmp_path: Path, monkeypatch, capsys) -> None:
+    with pytest.raises(SystemExit) as bad_seed:
+        cli.main(["export-tiny", "--out-dir", str(tmp_path / "x"), "--seed", str(2**64)])
+    assert bad_seed.value.code == 2 and "outside [0, 2**63)" in capsys.readouterr().err
     missing = tmp_path / "no" / "tiny"
     proc = _export("--out-dir", str(missing))
     assert proc.returncode == 2 and json.loads(proc.stdout)["error"]["code"] == "cli.io_error"

@@ -35,8 +35,16 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     out = p.add_mutually_exclusive_group(required=True)
     out.add_argument("--out", type=Path, help="the .gguf file to write")
     out.add_argument("--out-dir", type=Path, help="the model folder to write (GGUF, safetensors, config, tokenizer table)")
-    p.add_argument("--seed", type=int, default=0, help="the tiny model's weight seed (the gate uses 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="the tiny model's weight seed, 0 <= SEED < 2**63 (the gate uses 0)")
     return p
+
+
+def _seed(text: str) -> int:
+    """A ``torch.Generator`` seed: an integer in ``[0, 2**63)`` (argparse refuses another with exit code 2)."""
+    value = int(text)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"seed {value} is outside [0, 2**63)")
+    return value
 
 
 def _refuse(json_path: str, message: str) -> int:

@@ -181,7 +181,7 @@ def byte_tokenizer_table(tokenizer) -> dict:
 
 _README = """decodespec tiny model, seed {seed}: a randomly initialised Llama (SmolLM2's architecture), float32.
 Regenerate: decodespec export-tiny --out-dir DIR --seed {seed}  (byte-identical for the same seed).
-Its weights are load_tiny(seed={seed}) in decodespec/impl/tiny.py; the gate's tiny model is seed 0.
+Its weights are decodespec.impl.tiny.load_tiny(seed={seed}) (impl/tiny.py); the gate's tiny model is seed 0.
 
 Architecture: vocab {vocab_size}, d_model {hidden_size}, {num_hidden_layers} layers,
   {num_attention_heads} query heads over {num_key_value_heads} K/V heads (GQA), head_dim {head_dim},
