@@ -93,7 +93,7 @@ from decodespec.spec.state import ENVIRONMENT_FAILURES, InterruptPoint, Phase
 from .cache import CacheABI, DynamicCache, StaticCache, check_static_reservation, make_cache
 from .events import EVENTS_FORMAT, EventSink
 from .faults import FaultPlan, InjectedDeviceFault
-from .model import CONTEXT_WINDOW_EXCEEDED, LlamaForCausalLM, StageObserver
+from .model import CONTEXT_WINDOW_EXCEEDED, TRAINING_MODE, LlamaForCausalLM, StageObserver
 from .output import OutputObserver, output_header, stop_config
 from .policy import decide as policy_decide
 from .rng import RequestRng
@@ -394,7 +394,9 @@ class RequestRunner:
             observer); if it raises, the output closes with ``stream_error``.
 
     Raises:
-        Rejection: ``runtime.invalid_request`` (empty prompt, id outside ``[0, V)``, negative G,
+        Rejection: ``model.training_mode`` when ``model`` or one of its modules is in
+            training mode (M3.10 0x0A: ``model.eval()`` is a separate control);
+            ``runtime.invalid_request`` (empty prompt, id outside ``[0, V)``, negative G,
             unknown cache family); ``policy.family_mismatch`` for a beam policy;
             ``envelope.zero_new_tokens_rejected`` for G = 0 under ``reject``;
             ``runtime.invalid_fault_plan``; ``cache.abi_mismatch`` for a cache of another ABI;
@@ -1188,6 +1190,10 @@ def _check_static_capacity(model: LlamaForCausalLM, capacity: int, batch_size: i
 
 
 def _validated(model: LlamaForCausalLM, request: RuntimeRequest) -> RuntimeRequest:
+    training = [name or "<model>" for name, module in model.named_modules() if module.training]
+    if training:
+        raise Rejection(TRAINING_MODE, f"the model is in training mode ({len(training)} modules, first {training[0]!r}); "
+                        "call model.eval() before running a request", "$.model.training")
     g = request.max_new_tokens
     if isinstance(g, bool) or not isinstance(g, int) or g < 0:
         raise Rejection(INVALID_REQUEST, f"max_new_tokens must be a non-negative int, got {g!r}", "$.max_new_tokens")

@@ -217,3 +217,24 @@ def test_every_other_action_is_refused_outside_its_phase(tiny_model, byte_tokeni
     runner.recover()
     assert not runner.quarantined and runner.cache.committed_length == runner.processed
     assert drive(runner)[1].output_ids == drive(RequestRunner(tiny_model, request(_prompt(byte_tokenizer), 3)))[1].output_ids
+
+
+def test_a_model_in_training_mode_is_refused(tiny_model, byte_tokenizer):
+    """M3.10 0x0A "Numerical and runtime execution contract": model.eval() is its own control; a model (or one module)
+    left in training mode is refused with model.training_mode before any state exists, and runs once in eval mode."""
+    prompt = _prompt(byte_tokenizer)
+    layer = tiny_model.model.layers[0]
+    try:
+        layer.train()
+        assert tiny_model.training is False and layer.training is True
+        with pytest.raises(Rejection) as info:
+            RequestRunner(tiny_model, request(prompt, 1))
+        assert info.value.code == "model.training_mode" and info.value.path == "$.model.training"
+        assert "model.layers.0" in info.value.message
+        tiny_model.train()
+        with pytest.raises(Rejection) as info:
+            RequestRunner(tiny_model, request(prompt, 1))
+        assert info.value.code == "model.training_mode"
+    finally:
+        tiny_model.eval()
+    assert RequestRunner(tiny_model, request(prompt, 1)).run().output_count == 1
