@@ -76,6 +76,7 @@ __all__ = [
     "candidate_actions",
     "corrupted_records",
     "explore",
+    "frontier_label",
     "params_for_bounds",
 ]
 
@@ -467,6 +468,20 @@ class ExploreResult:
         }
 
 
+def frontier_label(params: RequestParams, state: RequestState) -> str:
+    """The state's frontiers under its profile's names, e.g. ``P=3, K=3`` or ``P_dyn=3, F_lane={self_kv: 3, recurrent: 3}``.
+
+    See :meth:`decodespec.spec.state.RequestState.frontiers` (M3.10 0x01: a hybrid or recurrent
+    profile reports P_dyn and explicit F_lane values, never a K/V length).
+    """
+    parts = []
+    for name, value in state.frontiers(params).items():
+        if isinstance(value, dict):
+            value = "{" + ", ".join(f"{lane}: {frontier}" for lane, frontier in value.items()) + "}"
+        parts.append(f"{name}={value}")
+    return ", ".join(parts)
+
+
 def explore(
     params: RequestParams,
     bounds: ExploreBounds | None = None,
@@ -526,7 +541,7 @@ def explore(
     def check(state: RequestState) -> bool:
         broken = [rid for rid, predicate in checks.items() if not predicate(params, state)]
         for rid in broken:
-            report(rid, state, f"{rid} is false after {len(path_to(state)[1])} steps")
+            report(rid, state, f"{rid} is false after {len(path_to(state)[1])} steps ({frontier_label(params, state)})")
         return not broken
 
     def restore_round_trip(state: RequestState, form: str) -> bool:

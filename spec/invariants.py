@@ -77,10 +77,11 @@ def frontiers_balance(params: RequestParams, state: RequestState) -> bool:
 
 @rule(
     "invariant.cache_frontier_equals_processed",
-    title="K = P (every advancing lane frontier F_lane = P_dyn)",
-    section=S + "0x08 Output, input, and cache frontiers; 0x01 Recurrent and hybrid state",
-    statement="In a cached profile every advancing state lane's frontier equals P (None before the first call "
-    "completes); in the decoder-only profile this is K_frontier = P.",
+    title="Every advancing lane frontier F_lane = P_dyn (K = P in the decoder-only profile)",
+    section=S + "0x08 Output, input, and cache frontiers; 0x01 Recurrent and hybrid state generalize the cache frontier",
+    statement="In a cached profile every advancing state lane's frontier F_lane equals the processed frontier P_dyn "
+    "(None before the first call completes); only the decoder-only profile has a single K, and there K_frontier = P. "
+    "A hybrid or recurrent profile reports P_dyn and its F_lane values (RequestState.frontiers), never a K/V length.",
 )
 def cache_frontier_equals_processed(params: RequestParams, state: RequestState) -> bool:
     return _lanes_at(state, params.profile.advancing_lanes(), state.processed)

@@ -31,7 +31,7 @@ spine", "One request as a transition system", 0x08 "Output, input, and cache fro
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -309,10 +309,26 @@ class RequestState:
                 return frontier
         raise KeyError(name)
 
-    @property
-    def k_frontier(self) -> int | None:
-        """``K_frontier``: the self K/V lane frontier, or ``None`` when the state has no such lane."""
-        return dict(self.lanes).get("self_kv")
+    def frontiers(self, params: RequestParams) -> dict[str, Any]:
+        """The request's frontiers under the names its profile defines (what a report or trace prints).
+
+        The contiguous full-K/V decoder-only cached profile reports ``{"P": P, "K": K_frontier}``;
+        every other cached profile (hybrid, recurrent, prefix-LM, encoder-decoder) has no single
+        K and reports ``{"P_dyn": P, "F_lane": {lane: frontier or None}}``; a request without a
+        cache reports ``{"P": P}`` (no retained state).  Units: input positions.
+
+        Source: M3.10 0x01 "Recurrent and hybrid state generalize the cache frontier" ("use P_dyn
+        plus explicit F_lane values rather than inventing a physical K/V length").
+        """
+        if not params.cached:
+            return {"P": self.processed}
+        if params.profile.has_k_frontier:
+            return {"P": self.processed, "K": self.lane_frontier("self_kv")}
+        return {"P_dyn": self.processed, "F_lane": dict(self.lanes)}
+
+    def k_frontier(self, params: RequestParams) -> int | None:
+        """``K_frontier`` (the self K/V lane frontier) in the decoder-only cached profile, else ``None`` (no K defined)."""
+        return self.frontiers(params).get("K")
 
 
 def initial_state(params: RequestParams) -> RequestState:

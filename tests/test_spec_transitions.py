@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decodespec.checks.explore import ExploreBounds, candidate_actions, params_for_bounds
+from decodespec.checks.explore import ExploreBounds, candidate_actions, frontier_label, params_for_bounds
 from decodespec.spec import invariants as inv
 from decodespec.spec.actions import Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, StreamFailure
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection
@@ -141,14 +141,14 @@ def test_frontier_table_and_first_output_off_by_one() -> None:
     params = P(max_new_tokens=2, final_cache="all_outputs")
     L = params.prompt_len
     state = prefilled(params)
-    assert (state.output_count, len(state.pending_ids), state.processed, state.k_frontier) == (0, 0, L, L)
+    assert (state.output_count, len(state.pending_ids), state.processed, state.k_frontier(params)) == (0, 0, L, L)
     assert state.score == state.scores[-1] and (state.score.processed, state.score.output_count) == (L, 0)
     state = select(params, state, 0)
     assert (state.output_count, state.pending_ids, state.pending_tag, state.processed) == (1, (0,), PendingTag.PENDING_NEXT_CALL, L)
     state = step(params, state, Launch(DECODE, L, 1))
     assert state.in_flight.position_ids == (L,) and state.in_flight.decision_row == L
     state = done(params, state)
-    assert (state.output_count, state.pending_ids, state.processed, state.k_frontier) == (1, (), L + 1, L + 1)
+    assert (state.output_count, state.pending_ids, state.processed, state.k_frontier(params)) == (1, (), L + 1, L + 1)
     state = select(params, state, 1)  # O = G: length
     assert (state.phase, state.finish_reason, state.pending_tag, state.processed) == (
         Phase.FINISHED, FR.LENGTH, PendingTag.CLOSED_UNPROCESSED, L + 2 - 1)
@@ -156,7 +156,7 @@ def test_frontier_table_and_first_output_off_by_one() -> None:
     state = step(params, state, Launch(REPAIR, L + 1, 1))
     assert state.phase is Phase.FINISHED and state.in_flight.decision_row is None
     state = done(params, state)
-    assert (state.processed, state.pending_tag, state.score, state.k_frontier) == (L + 2, PendingTag.EMPTY, None, L + 2)
+    assert (state.processed, state.pending_tag, state.score, state.k_frontier(params)) == (L + 2, PendingTag.EMPTY, None, L + 2)
     assert is_terminal(params, state) and state.output_ids == (0, 1)
     assert state.output_logprobs == tuple(r.score_id for r in state.consumed)
 
@@ -182,7 +182,7 @@ def test_uncached_calls_recompute_the_full_prefix() -> None:
     failed = step(params, state, attrs.evolve(expected_report(params, state), stages_ok=False))
     assert failed.phase is Phase.READY and not failed.quarantined
     state = done(params, state)
-    assert (state.processed, state.lanes, state.k_frontier) == (4, (), None)
+    assert (state.processed, state.lanes, state.k_frontier(params)) == (4, (), None)
 
 
 def test_launch_repair_guard() -> None:
@@ -372,7 +372,8 @@ def test_encoder_decoder_fixed_lanes() -> None:
     assert dict(state.lanes) == {"encoder_memory": 4, "cross_kv": 4, "self_kv": 1}
     state = done(params, step(params, select(params, state, 0), Launch(DECODE, 1, 1)))
     assert dict(state.lanes) == {"encoder_memory": 4, "cross_kv": 4, "self_kv": 2}
-    assert state.k_frontier == 2 == state.processed
+    assert state.k_frontier(params) is None and state.frontiers(params) == {
+        "P_dyn": 2, "F_lane": {"encoder_memory": 4, "cross_kv": 4, "self_kv": 2}}
 
 
 def test_prefix_lm_prefix_is_one_call() -> None:
@@ -393,7 +394,12 @@ def test_hybrid_lanes_advance_together() -> None:
     assert report.lanes == (("self_kv", 3), ("recurrent", 3))
     assert completion_reason(params, state, attrs.evolve(report, lanes=(("self_kv", 3),))) == "missing_lane"
     state = done(params, state)
-    assert dict(state.lanes) == {"self_kv": 3, "recurrent": 3} and state.k_frontier == 3
+    assert dict(state.lanes) == {"self_kv": 3, "recurrent": 3}
+    # M3.10 0x01: a hybrid has no single K; it reports P_dyn and one F_lane per lane.
+    assert state.frontiers(params) == {"P_dyn": 3, "F_lane": {"self_kv": 3, "recurrent": 3}} and state.k_frontier(params) is None
+    decoder = P()
+    assert done(decoder, run(decoder, Admit(), Launch(PREFILL, 0, 3))).frontiers(decoder) == {"P": 3, "K": 3}
+    assert frontier_label(params, state) == "P_dyn=3, F_lane={self_kv: 3, recurrent: 3}"
 
 
 def test_disabled_action_names_the_guard_and_changes_nothing() -> None:
