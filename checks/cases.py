@@ -308,8 +308,15 @@ def cases_for(model: str) -> tuple[Case, ...]:
     empty = forced([40, 2])  # the second decision may only take EOS, which bad_words bans: an empty legal set
     empty["transforms"].append({"name": "bad_words", "sequences": [[2]]})
     add("boundary.empty_support", "lockstep", "The legal set empties at the second decision (the constraint allows only EOS, "
-        "bad_words bans it): both sides refuse (policy.empty_support; no fallback declared).", _B + "; M3.8 0x12 item 42",
+        "bad_words bans it, no fallback declared): both sides finish with constraint_error, keeping the committed token "
+        "(M3.10 0x02 branch table: a constraint error is a typed terminal finish).", _B + "; M3.8 0x12 item 42; M3.10 0x02 branch table",
         base.evolve(policy=empty), ({"op": "step"}, {"op": "decode"}, {"op": "decide"}), requires=frozenset({"decide_commit"}))
+    partial = output_ids(model, "✓")[:-1]  # the check mark's first bytes: an incomplete UTF-8 tail
+    add("boundary.empty_support_streamed", "lockstep", "The legal set empties after the first bytes of a multi-byte character that "
+        "also start the stop string '✓!': constraint_error closes the output from outside a commit, so the held-back bytes "
+        "(UTF-8 tail and stop prefix) are flushed to the stream and returned.", _B + "; M3.10 0x02 branch table; 0x06 Deriving the "
+        "stream holdback", base.evolve(policy=forced(partial), stop_strings=["✓!"], stream=True, max_new_tokens=len(partial) + 2),
+        (*_steps(len(partial)), {"op": "step"}), requires=frozenset({"stream", "stop_strings"}))
     doc = output_ids(model, '{"a": {"b": [1, 2]}, "c": "}"}')
     add("boundary.structured_nested_json", "lockstep", "A forced nested JSON document with a '}' inside a string: structured "
         "completion only at its last byte.", _B + "; docs/design.md structured completion",

@@ -3,7 +3,7 @@
 :func:`explore` enumerates every state reachable from the initial state of one
 :class:`~decodespec.spec.state.RequestParams` under the environment's full action alphabet:
 controller actions (admit, launch every legal prefill chunk / decode / repair, decide every
-token with every allowed draw count, commit with every declared text trigger, with and without
+token with every allowed draw count or find the support empty (``SupportEmpty``), commit with every declared text trigger, with and without
 a failure of the commit's own delivery, recover) and
 adversarial environment actions (cancel and timeout at every point, streamer failure, device
 fault and missing-lane faults, completion reports with a missing lane, a stale generation, a
@@ -52,6 +52,7 @@ from decodespec.spec.actions import (
     Restore,
     Snapshot,
     StreamFailure,
+    SupportEmpty,
     action_json,
     action_label,
 )
@@ -290,9 +291,11 @@ def candidate_actions(params: RequestParams, state: RequestState, bounds: Explor
         for token in range(params.vocab_size):
             for draws in range(params.max_draws + 1):
                 yield Decide(state.score.score_id, token, draws)
+        yield SupportEmpty(state.score.score_id)  # the policy finds no legal token (constraint_error)
         if bounds.adversarial:
             for stale in state.scores[:-1][-1:]:
                 yield Decide(stale.score_id, 0, 0)
+                yield SupportEmpty(stale.score_id)
     elif phase is Phase.DECIDED:
         assert state.receipt is not None
         for triggers in _text_trigger_sets(params):

@@ -68,7 +68,7 @@ from typing import Any, Callable, Iterable, Sequence
 import attrs
 import jsonschema
 
-from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure, action_label
+from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure, SupportEmpty, action_label
 from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag, Selection
 from decodespec.spec.errors import DecodeSpecError, Rejection, register_code
 from decodespec.spec.policy.config import policy_config_from_json
@@ -464,6 +464,15 @@ class _Replay:
         elif self.num_layers is not None and written > self.num_layers:
             return f"field 'layers_written' is {written}, more than the model's {self.num_layers} layers"
         return None
+
+    def _on_empty_support(self, rec, state):
+        """``SupportEmpty(score_id)``: the policy found no legal token; the spec finishes with constraint_error."""
+        action = SupportEmpty(str(rec["score_id"]))
+
+        def check(before, after):
+            return _differs("rng_counter", rec["rng_counter"], before.rng_counter)
+
+        return [(action, check)]
 
     def _on_decision(self, rec, state):
         self._receipt_check(rec)

@@ -10,7 +10,7 @@ runner method               spec action / rule
 :meth:`admit`               ``Admit`` (``admit`` / ``admit_no_call``)
 :meth:`launch`              ``Launch(kind, start, length)`` (prefill chunk / decode / repair)
 :meth:`complete`            ``Fault`` (if the call raised) then ``Complete`` (ALL_NEW / ALL_OLD)
-:meth:`decide`              ``Decide(score_id, token_id, draws)``
+:meth:`decide`              ``Decide(score_id, token_id, draws)``, or ``SupportEmpty(score_id)``
 :meth:`commit`              ``Commit(receipt_id, text_triggers)``
 :meth:`cancel`              ``Cancel(cancelled | timeout)`` at the current interrupt point
 :meth:`stream_failure`      ``StreamFailure()``
@@ -83,7 +83,7 @@ from decodespec.spec.actions import TEXT_TRIGGERS
 from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
 from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED, AdmittedRequest
 from decodespec.spec.errors import NOT_ENABLED, DecodeSpecError, Rejection, ResourceLimit, register_code
-from decodespec.spec.policy.codes import FAMILY_MISMATCH
+from decodespec.spec.policy.codes import FAMILY_MISMATCH, TERMINAL_DECISION_CODES
 from decodespec.spec.policy.config import Family, Order, PolicyConfig, policy_config_from_json
 from decodespec.spec.policy.receipt import DecisionReceipt
 from decodespec.spec.policy.state import PolicyState, RequestView, initial_policy_state
@@ -817,12 +817,23 @@ class RequestRunner:
     # ---------------------------------------------------------------------------------------
     # Decision and commit.
     # ---------------------------------------------------------------------------------------
-    def decide(self) -> Decision:
+    def decide(self) -> Decision | None:
         """``Decide``: apply the M3.8 policy to the current score row and issue a receipt.
+
+        When the policy finds the legal support empty (``policy.empty_support``: the constraint
+        admits no token and no fallback is declared) the request finishes instead
+        (``SupportEmpty``, M3.10 0x02 branch table "constraint/parser error"): finish reason
+        ``constraint_error``, no receipt, no draw, every committed token and logprob kept, the
+        output observer closed (its held-back bytes flushed), and the trace gets an
+        ``empty_support`` event and the ``finish``.
+
+        Returns:
+            The decision, or ``None`` when the support was empty (the request is then finished).
 
         Raises:
             Rejection: ``transition.not_enabled`` unless SCORED with a score of the current
-                generation; ``policy.*`` when the policy refuses the row.  Nothing changes.
+                generation; any other ``policy.*`` code when the policy refuses the row.  Nothing
+                changes.
         """
         score = self.score
         self._require(self.phase is Phase.SCORED and score is not None, "transition.decide", "phase == SCORED")
@@ -831,9 +842,20 @@ class RequestRunner:
         r = self.request
         view = RequestView(prompt_ids=r.prompt_ids, output_ids=self.output_ids, eos_ids=sorted(r.eos_ids),
                            min_new_tokens=r.min_new_tokens, identity=r.identity, seed=r.seed)
-        with torch.inference_mode():
-            receipt, after = policy_decide(score.logits, self.policy, self.policy_state, view, score_id=score.score_id,
-                                           vocab_hash=r.vocab_hash, rng=self.rng)
+        try:
+            with torch.inference_mode():
+                receipt, after = policy_decide(score.logits, self.policy, self.policy_state, view, score_id=score.score_id,
+                                               vocab_hash=r.vocab_hash, rng=self.rng)
+        except DecodeSpecError as exc:
+            reason = TERMINAL_DECISION_CODES.get(exc.code)
+            if reason is None:
+                raise
+            self.score = None
+            if self.sink is not None:
+                self.sink.emit("empty_support", score_id=score.score_id, code=exc.code, message=exc.message,
+                               rng_counter=self.policy_state.rng_counter)
+            self._finish({reason})
+            return None
         decision = Decision(f"receipt-{len(self.issued)}", score.score_id, receipt.selected_id, receipt.raw_logprob,
                             receipt.draws, self.policy_state.rng_counter, receipt, after)
         self.issued.append(decision.receipt_id)

@@ -65,12 +65,23 @@ class Selection(str, enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    """Why a request is terminal.  The declared precedence is :data:`FINISH_PRECEDENCE`."""
+    """Why a request is terminal.  The declared precedence is :data:`FINISH_PRECEDENCE`.
+
+    ``CONSTRAINT_ERROR``: the M3.8 policy found the legal support of the current score row empty
+    (``policy.empty_support``: the constraint / parser state admits no token, and no declared
+    fallback applies).  M3.10 0x02 branch table: "constraint/parser error -- typed terminal error
+    with no unsupported next call"; M3.8 "Hard constraints define a conditional support" (raise,
+    never silently restore the raw row or force EOS).  The request finishes at the decision with
+    every committed token kept, no receipt issued and no RNG draw consumed.  ``STRUCTURED_ERROR``
+    is the other parser role (M3.10 0x06 "Constraints before selection, completion after
+    selection"): a committed token's bytes make the structured prefix invalid.
+    """
 
     CANCELLED = "cancelled"
     TIMEOUT = "timeout"
     DEVICE_ERROR = "device_error"
     STREAM_ERROR = "stream_error"
+    CONSTRAINT_ERROR = "constraint_error"
     STRUCTURED_ERROR = "structured_error"
     STOP_STRING = "stop_string"
     STRUCTURED = "structured"
@@ -82,8 +93,8 @@ class FinishReason(str, enum.Enum):
 #: Finish precedence, highest first (M3.10 0x06 "Finish reason and RNG precedence": "Freeze a
 #: precedence rule ... Record every trigger for diagnostics and publish one canonical finish
 #: reason").  This project's declared choice:
-#: cancelled > timeout > device_error > stream_error > structured_error > stop_string >
-#: structured > eos > context_length > length.
+#: cancelled > timeout > device_error > stream_error > constraint_error > structured_error >
+#: stop_string > structured > eos > context_length > length.
 #: Environment failures outrank content triggers; an explicit user stop string outranks a
 #: structured completion and EOS; the total-context cap outranks ``max_new_tokens``.
 FINISH_PRECEDENCE: tuple[FinishReason, ...] = (
@@ -91,6 +102,7 @@ FINISH_PRECEDENCE: tuple[FinishReason, ...] = (
     FinishReason.TIMEOUT,
     FinishReason.DEVICE_ERROR,
     FinishReason.STREAM_ERROR,
+    FinishReason.CONSTRAINT_ERROR,
     FinishReason.STRUCTURED_ERROR,
     FinishReason.STOP_STRING,
     FinishReason.STRUCTURED,

@@ -15,7 +15,8 @@ The transitions, grouped by the four events of the commit spine:
   token), ``launch_repair`` (the closed final token, logits discarded), ``fault``,
   ``complete_all_new`` / ``complete_all_old`` (SELECT LOGICAL STATE from the closed rosters),
   ``recover`` (a quarantined handle proven reusable);
-* decision: ``decide`` (bind an M3.8 receipt to the current score);
+* decision: ``decide`` (bind an M3.8 receipt to the current score), ``decide_empty_support``
+  (the policy found no legal token: the typed terminal finish ``constraint_error``);
 * logical commit: ``commit`` (consume the receipt exactly once);
 * interrupts (cancel, timeout, streamer failure): ``interrupt_before_launch``,
   ``interrupt_in_flight``, ``interrupt_after_completion``, ``interrupt_after_decision``;
@@ -59,6 +60,7 @@ from .actions import (
     Restore,
     Snapshot,
     StreamFailure,
+    SupportEmpty,
 )
 from .enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
 from .errors import ERROR_CODES, NOT_ENABLED, Rejection, ResourceLimit, register_code
@@ -485,6 +487,21 @@ def decide(params: RequestParams, state: RequestState, action: Action) -> Reques
     return attrs.evolve(state, phase=Phase.DECIDED, receipt=receipt, issued=state.issued + (receipt.receipt_id,))
 
 
+@rule(
+    "transition.decide_empty_support",
+    title="The policy finds no legal token: finish with constraint_error",
+    section=S + "0x02 branch table (constraint/parser error: typed terminal error with no unsupported next call); "
+    "M3.8 Hard constraints define a conditional support",
+    statement="Guard: phase SCORED; the action names the current score, bound to the current generation. Effect: "
+    "the score is discarded, no receipt is issued and no draw consumed (RNG counter unchanged); phase FINISHED with "
+    "finish reason constraint_error; every committed token, logprob and P stay (U = [] at SCORED, so no repair "
+    "is owed and no further call runs).",
+)
+def decide_empty_support(params: RequestParams, state: RequestState, action: Action) -> RequestState:
+    assert isinstance(action, SupportEmpty)
+    return _finish(state, frozenset({FinishReason.CONSTRAINT_ERROR}), score=None)
+
+
 def commit_triggers(params: RequestParams, output_count: int, token_id: int, text: frozenset[FinishReason]) -> frozenset[FinishReason]:
     """Finish triggers fired by committing ``token_id`` as output number ``output_count`` (1-based after commit).
 
@@ -753,6 +770,17 @@ TRANSITIONS: tuple[Transition, ...] = (
             Clause("0 <= draws <= max_draws", lambda p, s, a: 0 <= a.draws <= p.max_draws),
         ),
         decide,
+    ),
+    Transition(
+        "transition.decide_empty_support",
+        SupportEmpty,
+        lambda p, s, a: True,
+        (
+            Clause("phase == SCORED", lambda p, s, a: s.phase is Phase.SCORED and s.score is not None),
+            Clause("score_id is the current score", lambda p, s, a: a.score_id == s.score.score_id),
+            _CURRENT_SCORE,
+        ),
+        decide_empty_support,
     ),
     Transition(
         "transition.commit",

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from decodespec.checks.explore import ExploreBounds, candidate_actions, frontier_label, params_for_bounds
 from decodespec.spec import invariants as inv
-from decodespec.spec.actions import Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, StreamFailure
+from decodespec.spec.actions import Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, StreamFailure, SupportEmpty
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection
 from decodespec.spec.errors import ERROR_CODES, Rejection, ResourceLimit
 from decodespec.spec.rules import RULES, rules_of_kind
@@ -71,7 +71,7 @@ def rejected(params: RequestParams, state: RequestState, action) -> Rejection:
 def test_only_transition_code_is_not_enabled_and_every_rule_is_registered() -> None:
     assert {c for c in ERROR_CODES if c.startswith("transition.")} == {"transition.not_enabled"}
     mine = {r.id for r in rules_of_kind("transition") if r.obj.__module__ == "decodespec.spec.transitions"}
-    assert set(MACHINE.rule_ids()) == mine and len(mine) == 18
+    assert set(MACHINE.rule_ids()) == mine and len(mine) == 19
     for rule in (RULES[rid] for rid in mine):
         assert rule.section.startswith("M3.10") and "Guard" in rule.statement and "Effect" in rule.statement
 
@@ -459,3 +459,32 @@ def test_random_walks_keep_every_invariant(bounds: ExploreBounds, data: st.DataO
         assert enabled(params, state, action)
         assert not inv.violated(params, nxt), (action, inv.violated(params, nxt))
         state = nxt
+
+
+def test_empty_support_is_a_typed_terminal_finish_that_keeps_the_output() -> None:
+    """transition.decide_empty_support (M3.10 0x02 branch table "constraint/parser error"; M3.8 hard constraints):
+    an empty legal support finishes with constraint_error; committed tokens, logprobs, P and the RNG counter stay,
+    no receipt is issued, no call is due (not even the repair of an all_outputs promise)."""
+    params = P(final_cache="all_outputs", max_draws=1)
+    state = select(params, prefilled(params), 1, draws=1)
+    state = done(params, step(params, state, Launch(DECODE, 3, 1)))
+    assert state.phase is Phase.SCORED
+    rejected(params, state, SupportEmpty("score-0"))  # a stale score
+    before = state
+    state = run_from(params, state, SupportEmpty(state.score.score_id))
+    assert (state.phase, state.finish_reason, state.triggers) == (Phase.FINISHED, FR.CONSTRAINT_ERROR, frozenset({FR.CONSTRAINT_ERROR}))
+    assert (state.output_ids, state.output_logprobs, state.processed, state.rng_counter, state.issued) == (
+        before.output_ids, before.output_logprobs, before.processed, before.rng_counter, before.issued)
+    assert state.score is None and state.receipt is None and state.pending_tag is PendingTag.EMPTY
+    assert is_terminal(params, state) and interrupt_point(state) is None
+    rejected(params, state, SupportEmpty(before.score.score_id))  # once only
+    rejected(params, state, Launch(REPAIR, 4, 1))
+    rejected(params, prefilled(params), SupportEmpty("score-x"))
+    rejected(params, select(params, prefilled(params), 0), SupportEmpty("score-1"))  # READY: nothing to decide
+
+
+def run_from(params: RequestParams, state: RequestState, *actions) -> RequestState:
+    for action in actions:
+        state = step(params, state, action)
+        assert not inv.violated(params, state), inv.violated(params, state)
+    return state

@@ -41,6 +41,7 @@ import numpy as np
 from decodespec.spec.enums import FINISH_PRECEDENCE, FinishReason, PendingTag, canonical_finish_reason
 from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED
 from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit
+from decodespec.spec.policy.codes import TERMINAL_DECISION_CODES
 from decodespec.spec.snapshot import SNAPSHOT_FORM_UNAVAILABLE
 from decodespec.spec.state import InterruptPoint, Phase
 from decodespec.spec.transitions import NOT_ENABLED
@@ -524,7 +525,16 @@ class PeerAdapter:
     def _op_decide(self, act: dict[str, Any]) -> dict[str, Any]:
         self._require(self.phase is Phase.SCORED and self.score is not None, "transition.decide", "phase == SCORED")
         score_id, row, _ = self.score
-        made = self.engine.decide(row, self._sequence(), len(self.output_ids))
+        try:
+            made = self.engine.decide(row, self._sequence(), len(self.output_ids))
+        except DecodeSpecError as exc:
+            reason = TERMINAL_DECISION_CODES.get(exc.code)
+            if reason is None:
+                raise
+            # The peer's own "unsatisfiable constraint" is the typed terminal finish (M3.10 0x02 branch table).
+            self.score = None
+            self._finish({reason})
+            return {"finish_reason": reason.value}
         probe = None
         if made.support_ids is not None:
             probe = (np.asarray(made.support_ids, dtype=np.int64), np.asarray(made.support_probs, dtype=np.float32))
