@@ -290,6 +290,16 @@ def cases_for(model: str) -> tuple[Case, ...]:
          *({"op": "restore", "snapshot": "s0", "corrupt": c} for c in CORRUPTIONS), {"op": "run"}), requires=frozenset({"snapshot"}))
     add("adversarial.stream_failure", "lockstep", "A streamer failure between calls closes with stream_error; committed tokens stay.", _B,
         base.evolve(stream=True), (*_steps(2), {"op": "stream_fail"}), requires=frozenset({"stream"}))
+    add("adversarial.repair_fault_after_finish", "lockstep", "The repair call fails after length closed the output (no retries): "
+        "device_error is recorded, length stays the published finish reason, the repair is abandoned.",
+        "M3.10 The first-output off-by-one; 0x06 Finish reason and RNG precedence", base.evolve(final_cache="all_outputs"),
+        (*_steps(g), {"op": "launch", "kind": None, "length": None}, {"op": "fault", "kind": "device_fault", "layer": 1},
+         {"op": "complete"}), requires=frozenset({"faults", "inflight"}))
+    add("adversarial.timeout_during_repair", "lockstep", "A timeout arrives while the repair call runs after the close: it lands "
+        "in flight, the call is awaited and selects ALL_OLD, the repair is abandoned, length stays published.",
+        _B + " (cancellation/timeout in flight); M3.10 The first-output off-by-one", base.evolve(final_cache="all_outputs"),
+        (*_steps(g), {"op": "launch", "kind": None, "length": None}, {"op": "cancel", "kind": "timeout"}, {"op": "complete"}),
+        requires=frozenset({"inflight"}))
     add("adversarial.repair_after_finish", "lockstep", "The append/repair call processes the final token after finish.",
         "M3.10 The first-output off-by-one", base.evolve(final_cache="all_outputs"),
         (*_steps(g), {"op": "snapshot", "form": "repaired", "id": "r"}), requires=frozenset({"snapshot"}))

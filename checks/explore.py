@@ -262,7 +262,7 @@ def candidate_actions(params: RequestParams, state: RequestState, bounds: Explor
         return
     if phase is Phase.REJECTED:
         return
-    if bounds.interrupts and phase is not Phase.FINISHED:
+    if bounds.interrupts and (phase is not Phase.FINISHED or state.in_flight is not None):  # incl. the repair call
         yield Cancel(FinishReason.CANCELLED)
         yield Cancel(FinishReason.TIMEOUT)
     if params.stream and phase is not Phase.FINISHED:

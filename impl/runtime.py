@@ -80,7 +80,7 @@ import attrs
 import torch
 
 from decodespec.spec.actions import TEXT_TRIGGERS
-from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
+from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason, published_finish_reason
 from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED, AdmittedRequest
 from decodespec.spec.errors import NOT_ENABLED, DecodeSpecError, Rejection, ResourceLimit, register_code
 from decodespec.spec.policy.codes import FAMILY_MISMATCH, TERMINAL_DECISION_CODES
@@ -505,14 +505,19 @@ class RequestRunner:
         """Whether the declared append/repair call still has to process the closed final token."""
         return (self.phase is Phase.FINISHED and self.request.final_cache == "all_outputs" and self.request.cached
                 and self.pending_tag is PendingTag.CLOSED_UNPROCESSED and self.finish_reason is not None
-                and self.finish_reason not in ENVIRONMENT_FAILURES)
+                and not self.triggers & ENVIRONMENT_FAILURES)
 
     def terminal(self) -> bool:
         """Whether no further controller action is required (FINISHED, no call in flight, no repair owed)."""
         return self.phase is Phase.FINISHED and self.in_flight is None and not self.repair_owed()
 
     def interrupt_point(self) -> InterruptPoint | None:
-        """Where an interrupt arriving now lands, or ``None`` (NEW or FINISHED)."""
+        """Where an interrupt arriving now lands, or ``None`` (NEW, or FINISHED with no repair call in flight).
+
+        The repair call in flight after the close is ``IN_FLIGHT`` too (a cancel or timeout lands on it).
+        """
+        if self.in_flight is not None:
+            return InterruptPoint.IN_FLIGHT
         return {Phase.READY: InterruptPoint.BEFORE_LAUNCH, Phase.IN_FLIGHT: InterruptPoint.IN_FLIGHT,
                 Phase.SCORED: InterruptPoint.AFTER_COMPLETION, Phase.DECIDED: InterruptPoint.AFTER_DECISION}.get(self.phase)
 
@@ -938,7 +943,7 @@ class RequestRunner:
         if fired:
             self.phase = Phase.FINISHED
             self.triggers |= fired
-            self.finish_reason = canonical_finish_reason(self.triggers)
+            self.finish_reason = published_finish_reason(self.triggers)
             self.pending_tag = PendingTag.CLOSED_UNPROCESSED
         else:
             self.phase = Phase.READY
@@ -963,13 +968,17 @@ class RequestRunner:
         Before launch: finish at once (a pending token becomes CLOSED_UNPROCESSED).  In flight:
         recorded; :meth:`complete` then awaits the call and selects ALL_OLD.  After completion /
         after decision: the score (and receipt) are discarded unconsumed and the request finishes.
+        During the repair call after the close: recorded the same way; the awaited call selects
+        ALL_OLD, the repair is abandoned (the final-cache promise is not kept) and the reason joins
+        the triggers without rewriting the published finish reason.
 
         Returns:
             Where the interrupt landed.
 
         Raises:
             Rejection: ``transition.not_enabled`` for a reason other than cancelled / timeout, in
-                phase NEW or FINISHED, or when the reason is already recorded for the call.
+                phase NEW or FINISHED without a repair call in flight, or when the reason is
+                already recorded for the call.
         """
         reason = FinishReason(kind)
         self._require(reason in (FinishReason.CANCELLED, FinishReason.TIMEOUT), "transition.interrupt_before_launch",
@@ -983,6 +992,7 @@ class RequestRunner:
             Rejection: ``transition.not_enabled`` when the request does not stream, or as :meth:`cancel`.
         """
         self._require(self.request.stream, "transition.interrupt_before_launch", "cancel reason is cancelled or timeout; stream failure needs a stream")
+        self._require(self.phase is not Phase.FINISHED, "transition.interrupt_before_launch", "phase == READY (before launch)")
         if self.sink is not None and self.interrupt_point() is not None:
             self.sink.emit("fault", kind="stream_error", call_id=None if self.in_flight is None else self.in_flight.call_id)
         return self._interrupt(FinishReason.STREAM_ERROR, emit_cancel=False)
@@ -1004,8 +1014,10 @@ class RequestRunner:
         return at
 
     def _finish(self, triggers: set[FinishReason], *, emit: bool = True) -> None:
+        # After a content close (the repair call) a cancel / timeout / device_error is recorded but the
+        # published finish reason stays the closing one (spec.enums.published_finish_reason).
         self.triggers |= triggers
-        self.finish_reason = canonical_finish_reason(self.triggers)
+        self.finish_reason = published_finish_reason(self.triggers)
         self.phase = Phase.FINISHED
         self.pending_tag = PendingTag.CLOSED_UNPROCESSED if self.pending_ids else PendingTag.EMPTY
         close = getattr(self.observer, "close", None)

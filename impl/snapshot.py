@@ -63,7 +63,7 @@ import attrs
 import rfc8785
 import torch
 
-from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
+from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection, published_finish_reason
 from decodespec.spec.envelope import lone_surrogate_path
 from decodespec.spec.errors import DecodeSpecError, Rejection, quote
 from decodespec.spec.limits import MAX_SAFE_INT
@@ -639,7 +639,7 @@ def _check_ledger(snapshot: RuntimeSnapshot, model, request) -> None:
     # finish state
     if (rec.phase is Phase.FINISHED) != (rec.finish_reason is not None):
         raise _refuse(SNAPSHOT_LEDGER_INVALID, "a finish reason exists exactly in FINISHED", "$.state.finish_reason")
-    if rec.phase is Phase.FINISHED and (not rec.triggers or rec.finish_reason is not canonical_finish_reason(rec.triggers)):
+    if rec.phase is Phase.FINISHED and (not rec.triggers or rec.finish_reason is not published_finish_reason(rec.triggers)):
         raise _refuse(SNAPSHOT_LEDGER_INVALID, f"finish reason {rec.finish_reason} is not the first of the triggers "
                       f"{sorted(t.value for t in rec.triggers)} under the finish precedence", "$.state.triggers")
     if rec.phase is not Phase.FINISHED and rec.triggers:

@@ -14,12 +14,15 @@ from __future__ import annotations
 import enum
 
 __all__ = [
+    "AFTER_CLOSE_FAILURES",
     "CallKind",
+    "ENVIRONMENT_FAILURES",
     "FINISH_PRECEDENCE",
     "FinishReason",
     "PendingTag",
     "Selection",
     "canonical_finish_reason",
+    "published_finish_reason",
 ]
 
 
@@ -126,3 +129,35 @@ def canonical_finish_reason(triggers: "frozenset[FinishReason] | set[FinishReaso
         if reason in fired:
             return reason
     return None
+
+
+#: Finish reasons caused by the environment rather than the output content.  A request that
+#: finished for one of these never runs the repair call.
+ENVIRONMENT_FAILURES = frozenset(
+    {FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR, FinishReason.STREAM_ERROR}
+)
+#: What can still happen after a content trigger closed the output: the declared repair call is
+#: cancelled, times out, or fails past its retries.  Recorded as triggers (diagnostics; the repair is
+#: then abandoned and the final-cache promise not kept), never published as the finish reason.
+AFTER_CLOSE_FAILURES = frozenset({FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR})
+
+
+def published_finish_reason(triggers: "frozenset[FinishReason] | set[FinishReason] | tuple[FinishReason, ...]") -> FinishReason | None:
+    """The finish reason a request publishes for every trigger it recorded, or ``None`` if none.
+
+    The canonical reason (:func:`canonical_finish_reason`) of the triggers that closed the output.
+    When a content trigger closed it (no environment failure among the closing triggers), an
+    :data:`AFTER_CLOSE_FAILURES` trigger can only have been recorded afterwards, by the repair call
+    (M3.10 "The first-output off-by-one": the repair call "is not another output decision"), and
+    does not rewrite the published reason: ``{length, device_error}`` publishes ``length``.  At a
+    close the result is always the canonical reason (no closing trigger set mixes a content
+    trigger with cancelled / timeout / device_error).
+
+    Source: M3.10 0x06 "Finish reason and RNG precedence" (one canonical reason; record every
+    trigger for diagnostics), "The first-output off-by-one" (optional append/repair).
+    """
+    fired = frozenset(triggers)
+    closing = fired - AFTER_CLOSE_FAILURES
+    if closing - ENVIRONMENT_FAILURES:
+        return canonical_finish_reason(closing)
+    return canonical_finish_reason(fired)

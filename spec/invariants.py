@@ -16,7 +16,7 @@ from typing import Callable
 
 import attrs
 
-from .enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
+from .enums import CallKind, FinishReason, PendingTag, Selection, published_finish_reason
 from .rules import RULES, rule
 from .snapshot import restore_failure, restore_state, snapshot_forms, take_snapshot
 from .state import Phase, RequestParams, RequestState, repair_outstanding
@@ -273,15 +273,17 @@ def eos_closes_output(params: RequestParams, state: RequestState) -> bool:
 
 @rule(
     "invariant.finish_reason_canonical",
-    title="The finish reason is the canonical one of every recorded trigger",
+    title="The finish reason is the canonical one of the triggers that closed the output",
     section=S + "0x06 Finish reason and RNG precedence",
-    statement="In FINISHED the finish reason is canonical_finish_reason(triggers) over a non-empty trigger set; "
+    statement="In FINISHED the finish reason is published_finish_reason(triggers) over a non-empty trigger set (the "
+    "canonical reason of the closing triggers; a cancel, timeout or device error of the repair call after the close "
+    "is recorded but never rewrites it); "
     "before finish no trigger is recorded.",
 )
 def finish_reason_canonical(params: RequestParams, state: RequestState) -> bool:
     if state.phase is not Phase.FINISHED:
         return not state.triggers and state.finish_reason is None
-    return bool(state.triggers) and state.finish_reason is canonical_finish_reason(state.triggers)
+    return bool(state.triggers) and state.finish_reason is published_finish_reason(state.triggers)
 
 
 @rule(

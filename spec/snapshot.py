@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 import attrs
 
-from .enums import FinishReason, PendingTag, canonical_finish_reason
+from .enums import FinishReason, PendingTag, published_finish_reason
 from .errors import Rejection, register_code
 from .state import Phase, Receipt, RequestParams, RequestState, Score
 
@@ -390,7 +390,7 @@ def _finish_ok(params: RequestParams, r: SnapshotRecord) -> bool:
     if (r.phase is Phase.FINISHED) != (r.finish_reason is not None):
         return False
     if r.phase is Phase.FINISHED:
-        if not r.triggers or r.finish_reason is not canonical_finish_reason(r.triggers):
+        if not r.triggers or r.finish_reason is not published_finish_reason(r.triggers):
             return False
     elif r.triggers:
         return False

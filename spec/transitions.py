@@ -62,7 +62,7 @@ from .actions import (
     StreamFailure,
     SupportEmpty,
 )
-from .enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
+from .enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason, published_finish_reason
 from .errors import ERROR_CODES, NOT_ENABLED, Rejection, ResourceLimit, register_code
 from .positions import CACHE_CAPACITY_EXCEEDED
 from .rules import rule
@@ -233,7 +233,7 @@ def _finish(state: RequestState, triggers: frozenset[FinishReason], **changes: o
         state,
         phase=Phase.FINISHED,
         triggers=fired,
-        finish_reason=canonical_finish_reason(fired),
+        finish_reason=published_finish_reason(fired),
         pending_tag=_close_pending(state),
         **changes,
     )
@@ -430,7 +430,8 @@ def _completed(state: RequestState, call: InFlightCall, selection: Selection, sc
     "recorded. Effect: P, U, O, lanes and generation unchanged; no consumable score; a cached handle is "
     "quarantined. With interrupts: finish with every trigger (plus device_error when the call itself failed). "
     "Otherwise retry (READY, or FINISHED with repair still owed) while retries remain, else add device_error "
-    "and finish.",
+    "and finish. After the close (the repair call) the triggers are recorded but the published finish reason "
+    "stays the closing one (published_finish_reason), and the repair is no longer owed.",
 )
 def complete_all_old(params: RequestParams, state: RequestState, action: Action) -> RequestState:
     call = state.in_flight
@@ -584,8 +585,10 @@ def interrupt_before_launch(params: RequestParams, state: RequestState, action: 
     "transition.interrupt_in_flight",
     title="Cancel / timeout / stream failure while a call is in flight",
     section=S + "0x02 branch table (in flight: await, select ALL_OLD, expose nothing partial)",
-    statement="Guard: phase IN_FLIGHT and the reason is not yet recorded for the call. Effect: the reason is "
-    "recorded on the call; its completion must select ALL_OLD and then finishes the request.",
+    statement="Guard: phase IN_FLIGHT, or a cancel / timeout while the repair call runs after the close (phase "
+    "FINISHED); the reason is not yet recorded for the call. Effect: the reason is recorded on the call; its "
+    "completion must select ALL_OLD and then finishes the request -- or, for the repair call, records the reason "
+    "as a trigger and abandons the repair without rewriting the published finish reason.",
 )
 def interrupt_in_flight(params: RequestParams, state: RequestState, action: Action) -> RequestState:
     call = state.in_flight
@@ -670,6 +673,11 @@ def _kind(kind: CallKind) -> Callable[[RequestParams, RequestState, Action], boo
 
 def _selection(selection: Selection) -> Callable[[RequestParams, RequestState, Action], bool]:
     return lambda p, s, a: select_logical_state(p, s, a) is selection
+
+
+def _in_flight_interrupt(p: RequestParams, s: RequestState, a: Action) -> bool:
+    """A call is in flight: phase IN_FLIGHT, or the repair call after the close (a cancel or timeout only)."""
+    return s.phase is Phase.IN_FLIGHT or (s.in_flight is not None and isinstance(a, Cancel))
 
 
 def _interrupt_phase(phase: Phase) -> Callable[[RequestParams, RequestState, Action], bool]:
@@ -809,7 +817,7 @@ TRANSITIONS: tuple[Transition, ...] = (
 
 for _action_type in (Cancel, StreamFailure):
     TRANSITIONS += (
-        Transition("transition.interrupt_in_flight", _action_type, _interrupt_phase(Phase.IN_FLIGHT),
+        Transition("transition.interrupt_in_flight", _action_type, _in_flight_interrupt,
                    (_INTERRUPT_KIND, Clause("reason not yet recorded for the call", lambda p, s, a: _reason(a) not in s.in_flight.interrupts)),
                    interrupt_in_flight),
         Transition("transition.interrupt_after_completion", _action_type, _interrupt_phase(Phase.SCORED), (_INTERRUPT_KIND,), interrupt_after_completion),

@@ -17,7 +17,7 @@ from decodespec.spec.actions import Admit, Cancel, Commit, Complete, Decide, Fau
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection
 from decodespec.spec.errors import ERROR_CODES, Rejection, ResourceLimit
 from decodespec.spec.rules import RULES, rules_of_kind
-from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, interrupt_point, is_terminal
+from decodespec.spec.state import InterruptPoint, Phase, RequestParams, RequestState, initial_state, interrupt_point, is_terminal
 from decodespec.spec.transitions import (
     MACHINE,
     completion_reason,
@@ -488,3 +488,39 @@ def run_from(params: RequestParams, state: RequestState, *actions) -> RequestSta
         state = step(params, state, action)
         assert not inv.violated(params, state), inv.violated(params, state)
     return state
+
+
+def _closed_with_repair_owed(**kw) -> tuple[RequestParams, RequestState]:
+    params = P(max_new_tokens=1, final_cache="all_outputs", **kw)
+    state = select(params, prefilled(params), 0)  # O = G: length closes the output, the repair is owed
+    assert state.finish_reason is FR.LENGTH and not is_terminal(params, state)
+    return params, run_from(params, state, Launch(REPAIR, 3, 1))
+
+
+def test_a_failed_repair_does_not_rewrite_the_published_finish_reason() -> None:
+    """transition.complete_all_old after the close (M3.10 "The first-output off-by-one": the repair call is not another
+    output decision; 0x06: record every trigger, publish one reason): device_error is recorded, length stays published,
+    the repair is abandoned and the request is terminal."""
+    params, state = _closed_with_repair_owed(max_retries=0)
+    state = run_from(params, state, attrs.evolve(expected_report(params, state), stages_ok=False))
+    assert (state.finish_reason, state.triggers) == (FR.LENGTH, frozenset({FR.LENGTH, FR.DEVICE_ERROR}))
+    assert state.pending_tag is PendingTag.CLOSED_UNPROCESSED and state.processed == 3 and is_terminal(params, state)
+    rejected(params, state, Launch(REPAIR, 3, 1))  # abandoned, not owed again
+    rejected(params, state, Recover())
+
+
+@pytest.mark.parametrize("reason", [FR.CANCELLED, FR.TIMEOUT])
+def test_a_cancel_or_timeout_during_the_repair_call_lands(reason) -> None:
+    """transition.interrupt_in_flight on the repair call (phase FINISHED): the interrupt is recorded, the awaited call
+    selects ALL_OLD, the repair is abandoned; the published finish reason stays length.  A stream failure cannot land
+    on a closed stream."""
+    params, state = _closed_with_repair_owed(stream=True)
+    assert interrupt_point(state) is InterruptPoint.IN_FLIGHT
+    rejected(params, state, StreamFailure())
+    state = run_from(params, state, Cancel(reason))
+    assert state.in_flight.interrupts == frozenset({reason}) and state.finish_reason is FR.LENGTH
+    rejected(params, state, Cancel(reason))  # once per call
+    state = run_from(params, state, expected_report(params, state))
+    assert state.last_completion.selection is Selection.ALL_OLD and state.processed == 3
+    assert (state.finish_reason, state.triggers) == (FR.LENGTH, frozenset({FR.LENGTH, reason}))
+    assert is_terminal(params, state) and interrupt_point(state) is None

@@ -38,7 +38,7 @@ from typing import Any, Mapping, Protocol
 import attrs
 import numpy as np
 
-from decodespec.spec.enums import FINISH_PRECEDENCE, FinishReason, PendingTag, canonical_finish_reason
+from decodespec.spec.enums import ENVIRONMENT_FAILURES, FINISH_PRECEDENCE, FinishReason, PendingTag, canonical_finish_reason, published_finish_reason
 from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED
 from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit
 from decodespec.spec.policy.codes import TERMINAL_DECISION_CODES
@@ -397,8 +397,7 @@ class PeerAdapter:
     def _repair_owed(self) -> bool:
         return (self.phase is Phase.FINISHED and self.config.final_cache == "all_outputs" and self.config.cache != "none"
                 and self.pending_tag is PendingTag.CLOSED_UNPROCESSED and self.finish_reason is not None
-                and self.finish_reason not in (FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR,
-                                               FinishReason.STREAM_ERROR))
+                and not self.triggers & ENVIRONMENT_FAILURES)
 
     def _next_call(self) -> tuple[str, int, int] | None:
         """The due call ``(kind, start, length)``, or ``None``."""
@@ -419,12 +418,14 @@ class PeerAdapter:
         return None
 
     def _interrupt_point(self) -> InterruptPoint | None:
+        if self.in_flight is not None:  # also the repair call after the close
+            return InterruptPoint.IN_FLIGHT
         return {Phase.READY: InterruptPoint.BEFORE_LAUNCH, Phase.IN_FLIGHT: InterruptPoint.IN_FLIGHT,
                 Phase.SCORED: InterruptPoint.AFTER_COMPLETION, Phase.DECIDED: InterruptPoint.AFTER_DECISION}.get(self.phase)
 
     def _finish(self, triggers: set[FinishReason]) -> None:
         self.triggers |= triggers
-        self.finish_reason = canonical_finish_reason(self.triggers)
+        self.finish_reason = published_finish_reason(self.triggers)
         self.phase = Phase.FINISHED
         self.pending_tag = PendingTag.CLOSED_UNPROCESSED if self.pending_ids else PendingTag.EMPTY
 
