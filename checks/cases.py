@@ -285,7 +285,7 @@ def cases_for(model: str) -> tuple[Case, ...]:
         base, (*_steps(2), {"op": "snapshot", "form": "pending_suffix", "id": "s0"}, {"op": "run"},
                {"op": "restore", "snapshot": "s0", "corrupt": None}, {"op": "run"}), requires=frozenset({"snapshot"}))
     add("adversarial.corrupt_restore", "lockstep", "Corrupted snapshot records are refused and change nothing.",
-        "M3.10 0x0B A completed output is not automatically a resumable snapshot", base,
+        "M3.10 0x0BA A completed output is not automatically a resumable snapshot", base,
         (*_steps(2), {"op": "snapshot", "form": "pending_suffix", "id": "s0"},
          *({"op": "restore", "snapshot": "s0", "corrupt": c} for c in CORRUPTIONS), {"op": "run"}), requires=frozenset({"snapshot"}))
     add("adversarial.stream_failure", "lockstep", "A streamer failure between calls closes with stream_error; committed tokens stay.", _B,

@@ -19,7 +19,7 @@ With a user key (``DECODESPEC_SNAPSHOT_KEY``, or ``key=``) the JSON also carries
 rest of the document (so over the tensor hash too), and loading with a key refuses a file
 without a matching one (``snapshot.unauthenticated``); see :mod:`decodespec.spec.snapshot`.
 
-Forms (M3.10 0x0B "A completed output is not automatically a resumable snapshot"):
+Forms (M3.10 0x0BA "A completed output is not automatically a resumable snapshot"):
 
 * ``pending_suffix``: between calls (READY) or after finish; U (``[u_O]``, PENDING_NEXT_CALL or
   CLOSED_UNPROCESSED) is serialized, the cache holds exactly P = L + O - |U| rows.
@@ -44,7 +44,7 @@ score rows and finish state consistent, and the call counters against P (process
 >= 1; the spec's check "finish state, bounds and counters are consistent").  Restoring and continuing
 gives the same tokens and logprobs as never stopping (tests/test_snapshot*.py).
 
-Source: M3.10 0x0B "A completed output is not automatically a resumable snapshot", "Immutable
+Source: M3.10 0x0BA "A completed output is not automatically a resumable snapshot", "Immutable
 identity versus mutable request state" (restoring token ids while resetting RNG, parser, stream
 suffix, finish state or positions is a different continuation).
 """
@@ -588,7 +588,7 @@ def _check_ledger(snapshot: RuntimeSnapshot, model, request) -> None:
     trigger; EOS only as the last output; and the counters: P > 0 needs a model call under a
     generation >= 1, each score row its own generation, retries within ``max_retries``.
 
-    Source: M3.10 0x06 "One selection is an output-state transaction", 0x0B "Immutable identity
+    Source: M3.10 0x06 "One selection is an output-state transaction", 0x00 "Immutable identity
     versus mutable request state".
     """
     rec = snapshot.record

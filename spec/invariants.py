@@ -216,7 +216,10 @@ def rng_counter_matches_draws(params: RequestParams, state: RequestState) -> boo
 @rule(
     "invariant.logprobs_aligned",
     title="One logprob per output token, owned by its score row",
-    section=S + "0x06 Stop criteria (token and logprob lists stay aligned); 0x02 Prompt logprobs",
+    section=S + "0x06 One selection is an output-state transaction (the policy records the score/logprob row that owns "
+    "the token); 0x06 Stop criteria and active rows (trimming keeps the token list and the logprob list aligned); 0x02 "
+    "Prompt logprobs versus generated-token logprobs (a generated token's logprob is read from its own score row z_t, "
+    "before the model advances; prompt logprobs are not part of this ledger)",
     statement="|output_logprobs| = O = |consumed|; output i is the token of consumed receipt i and its logprob "
     "belongs to that receipt's score row.",
 )
@@ -316,7 +319,7 @@ def quarantine_blocks_calls(params: RequestParams, state: RequestState) -> bool:
 @rule(
     "invariant.snapshot_round_trip",
     title="Restoring a snapshot gives back the state it was taken in",
-    section=S + "0x0B A completed output is not automatically a resumable snapshot",
+    section=S + "0x0BA A completed output is not automatically a resumable snapshot",
     statement="For every snapshot form the state admits, a repaired record has U = [] and restoring the record "
     "(when the restore checks accept it) gives back the state without its diagnostic last completion: the pending "
     "token stays unprocessed, the ledger, RNG counter, generation and finish state are the same.",

@@ -626,7 +626,7 @@ def interrupt_after_decision(params: RequestParams, state: RequestState, action:
 @rule(
     "transition.snapshot",
     title="Take a resumable snapshot (pending-suffix or repaired form)",
-    section=S + "0x0B A completed output is not automatically a resumable snapshot",
+    section=S + "0x0BA A completed output is not automatically a resumable snapshot",
     statement="Guard: no call in flight, no pending decision, not quarantined; pending_suffix: phase READY or "
     "FINISHED; repaired: U = [] and phase READY, SCORED or FINISHED (a pending token must first pass through a valid "
     "append call). Effect: none (the snapshot records the state; the request may continue).",
@@ -638,7 +638,7 @@ def snapshot(params: RequestParams, state: RequestState, action: Action) -> Requ
 @rule(
     "transition.restore",
     title="Restore a snapshot into a fresh request of the same identity",
-    section=S + "0x0B A completed output is not automatically a resumable snapshot; Immutable identity versus mutable "
+    section=S + "0x0BA A completed output is not automatically a resumable snapshot; Immutable identity versus mutable "
     "request state",
     statement="Guard: phase NEW and every restore check of decodespec.spec.snapshot holds (identity, lane roster, form, "
     "pending suffix, P + |U| = L + O, capacity, lane frontiers, receipt ledger, finish state). Effect: the snapshot's "
