@@ -289,11 +289,21 @@ def cases_for(model: str) -> tuple[Case, ...]:
         base, (*_steps(2), {"op": "snapshot", "form": "pending_suffix", "id": "s0"}, {"op": "run"},
                {"op": "restore", "snapshot": "s0", "corrupt": None}, {"op": "run"}), requires=frozenset({"snapshot"}))
     add("adversarial.corrupt_restore", "lockstep", "Corrupted snapshot records are refused and change nothing.",
-        "M3.10 0x0B A completed output is not automatically a resumable snapshot", base,
+        "M3.10 0x0BA A completed output is not automatically a resumable snapshot", base,
         (*_steps(2), {"op": "snapshot", "form": "pending_suffix", "id": "s0"},
          *({"op": "restore", "snapshot": "s0", "corrupt": c} for c in CORRUPTIONS), {"op": "run"}), requires=frozenset({"snapshot"}))
     add("adversarial.stream_failure", "lockstep", "A streamer failure between calls closes with stream_error; committed tokens stay.", _B,
         base.evolve(stream=True), (*_steps(2), {"op": "stream_fail"}), requires=frozenset({"stream"}))
+    add("adversarial.repair_fault_after_finish", "lockstep", "The repair call fails after length closed the output (no retries): "
+        "device_error is recorded, length stays the published finish reason, the repair is abandoned.",
+        "M3.10 The first-output off-by-one; 0x06 Finish reason and RNG precedence", base.evolve(final_cache="all_outputs"),
+        (*_steps(g), {"op": "launch", "kind": None, "length": None}, {"op": "fault", "kind": "device_fault", "layer": 1},
+         {"op": "complete"}), requires=frozenset({"faults", "inflight"}))
+    add("adversarial.timeout_during_repair", "lockstep", "A timeout arrives while the repair call runs after the close: it lands "
+        "in flight, the call is awaited and selects ALL_OLD, the repair is abandoned, length stays published.",
+        _B + " (cancellation/timeout in flight); M3.10 The first-output off-by-one", base.evolve(final_cache="all_outputs"),
+        (*_steps(g), {"op": "launch", "kind": None, "length": None}, {"op": "cancel", "kind": "timeout"}, {"op": "complete"}),
+        requires=frozenset({"inflight"}))
     add("adversarial.repair_after_finish", "lockstep", "The append/repair call processes the final token after finish.",
         "M3.10 The first-output off-by-one", base.evolve(final_cache="all_outputs"),
         (*_steps(g), {"op": "snapshot", "form": "repaired", "id": "r"}), requires=frozenset({"snapshot"}))
@@ -312,8 +322,15 @@ def cases_for(model: str) -> tuple[Case, ...]:
     empty = forced([40, 2])  # the second decision may only take EOS, which bad_words bans: an empty legal set
     empty["transforms"].append({"name": "bad_words", "sequences": [[2]]})
     add("boundary.empty_support", "lockstep", "The legal set empties at the second decision (the constraint allows only EOS, "
-        "bad_words bans it): both sides refuse (policy.empty_support; no fallback declared).", _B + "; M3.8 0x12 item 42",
+        "bad_words bans it, no fallback declared): both sides finish with constraint_error, keeping the committed token "
+        "(M3.10 0x02 branch table: a constraint error is a typed terminal finish).", _B + "; M3.8 0x12 item 42; M3.10 0x02 branch table",
         base.evolve(policy=empty), ({"op": "step"}, {"op": "decode"}, {"op": "decide"}), requires=frozenset({"decide_commit"}))
+    partial = output_ids(model, "✓")[:-1]  # the check mark's first bytes: an incomplete UTF-8 tail
+    add("boundary.empty_support_streamed", "lockstep", "The legal set empties after the first bytes of a multi-byte character that "
+        "also start the stop string '✓!': constraint_error closes the output from outside a commit, so the held-back bytes "
+        "(UTF-8 tail and stop prefix) are flushed to the stream and returned.", _B + "; M3.10 0x02 branch table; 0x06 Deriving the "
+        "stream holdback", base.evolve(policy=forced(partial), stop_strings=["✓!"], stream=True, max_new_tokens=len(partial) + 2),
+        (*_steps(len(partial)), {"op": "step"}), requires=frozenset({"stream", "stop_strings"}))
     doc = output_ids(model, '{"a": {"b": [1, 2]}, "c": "}"}')
     add("boundary.structured_nested_json", "lockstep", "A forced nested JSON document with a '}' inside a string: structured "
         "completion only at its last byte.", _B + "; docs/design.md structured completion",

@@ -627,7 +627,7 @@ def spec_frontier_observations(
                 continue
             if b.after_repair != (st.last_completion is not None and _value(st.last_completion.kind) == "repair"):
                 continue
-            k = st.k_frontier
+            k = st.k_frontier(params)
             seen.add((st.output_count, len(st.pending_ids), st.processed - L, None if k is None else k - L))
         observed.append(seen)
     return observed, f"explored {graph.number_of_nodes()} states of a decoder-only request with L={L}, G=3"

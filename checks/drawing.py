@@ -532,4 +532,20 @@ def sweep_cases(model: str) -> tuple[Any, ...]:
                               max_new_tokens=len(ids))
             add(f"held.{reason}.utf8_tail", f"{reason} after {k} token(s) of {text!r}: an incomplete UTF-8 character is held back.",
                 cfg, ({"op": "step"},) * k + tail, requires=req)
+    # constraint_error closes the output from outside a commit too (M3.10 0x02 branch table): a constraint that allows
+    # exactly the first k tokens leaves the next decision an empty legal set, and the held-back bytes are flushed.
+    def ending(ids: Sequence[int]) -> dict[str, Any]:
+        states: dict[str, Any] = {f"s{i}": {str(t): f"s{i + 1}"} for i, t in enumerate(ids)}
+        return {"family": "greedy", "transforms": [{"name": "constraint", "automaton": {"initial": "s0", "transitions": {
+            **states, f"s{len(ids)}": {}}}}]}
+
+    add("held.constraint_error.stop_prefix", f"constraint_error after one token while {first[-1:]!r} is held back as a stop prefix.",
+        base.evolve(policy=ending(forced[:1]), stop_strings=(first[-1:] + "#",), alignment="text", stream=True,
+                    max_new_tokens=len(forced)), ({"op": "step"},) * 2, requires=frozenset({"stream", "stop_strings"}))
+    if held_utf8 is not None:
+        text, k = held_utf8
+        ids = _text_ids(model, text)
+        add("held.constraint_error.utf8_tail", f"constraint_error after {k} token(s) of {text!r}: an incomplete UTF-8 character is "
+            "held back.", base.evolve(policy=ending(ids[:k]), stream=True, max_new_tokens=len(ids)), ({"op": "step"},) * (k + 1),
+            requires=frozenset({"stream"}))
     return tuple(out)

@@ -3,7 +3,7 @@
 :func:`explore` enumerates every state reachable from the initial state of one
 :class:`~decodespec.spec.state.RequestParams` under the environment's full action alphabet:
 controller actions (admit, launch every legal prefill chunk / decode / repair, decide every
-token with every allowed draw count, commit with every declared text trigger, with and without
+token with every allowed draw count or find the support empty (``SupportEmpty``), commit with every declared text trigger, with and without
 a failure of the commit's own delivery, recover) and
 adversarial environment actions (cancel and timeout at every point, streamer failure, device
 fault and missing-lane faults, completion reports with a missing lane, a stale generation, a
@@ -52,6 +52,7 @@ from decodespec.spec.actions import (
     Restore,
     Snapshot,
     StreamFailure,
+    SupportEmpty,
     action_json,
     action_label,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "candidate_actions",
     "corrupted_records",
     "explore",
+    "frontier_label",
     "params_for_bounds",
 ]
 
@@ -260,7 +262,7 @@ def candidate_actions(params: RequestParams, state: RequestState, bounds: Explor
         return
     if phase is Phase.REJECTED:
         return
-    if bounds.interrupts and phase is not Phase.FINISHED:
+    if bounds.interrupts and (phase is not Phase.FINISHED or state.in_flight is not None):  # incl. the repair call
         yield Cancel(FinishReason.CANCELLED)
         yield Cancel(FinishReason.TIMEOUT)
     if params.stream and phase is not Phase.FINISHED:
@@ -289,9 +291,11 @@ def candidate_actions(params: RequestParams, state: RequestState, bounds: Explor
         for token in range(params.vocab_size):
             for draws in range(params.max_draws + 1):
                 yield Decide(state.score.score_id, token, draws)
+        yield SupportEmpty(state.score.score_id)  # the policy finds no legal token (constraint_error)
         if bounds.adversarial:
             for stale in state.scores[:-1][-1:]:
                 yield Decide(stale.score_id, 0, 0)
+                yield SupportEmpty(stale.score_id)
     elif phase is Phase.DECIDED:
         assert state.receipt is not None
         for triggers in _text_trigger_sets(params):
@@ -467,6 +471,20 @@ class ExploreResult:
         }
 
 
+def frontier_label(params: RequestParams, state: RequestState) -> str:
+    """The state's frontiers under its profile's names, e.g. ``P=3, K=3`` or ``P_dyn=3, F_lane={self_kv: 3, recurrent: 3}``.
+
+    See :meth:`decodespec.spec.state.RequestState.frontiers` (M3.10 0x01: a hybrid or recurrent
+    profile reports P_dyn and explicit F_lane values, never a K/V length).
+    """
+    parts = []
+    for name, value in state.frontiers(params).items():
+        if isinstance(value, dict):
+            value = "{" + ", ".join(f"{lane}: {frontier}" for lane, frontier in value.items()) + "}"
+        parts.append(f"{name}={value}")
+    return ", ".join(parts)
+
+
 def explore(
     params: RequestParams,
     bounds: ExploreBounds | None = None,
@@ -526,7 +544,7 @@ def explore(
     def check(state: RequestState) -> bool:
         broken = [rid for rid, predicate in checks.items() if not predicate(params, state)]
         for rid in broken:
-            report(rid, state, f"{rid} is false after {len(path_to(state)[1])} steps")
+            report(rid, state, f"{rid} is false after {len(path_to(state)[1])} steps ({frontier_label(params, state)})")
         return not broken
 
     def restore_round_trip(state: RequestState, form: str) -> bool:

@@ -886,7 +886,7 @@ _RESUME_FIELDS = ("phase", "output_ids", "logprobs", "frontier", "finish_reason"
 @rule(
     "ladder.RESUME",
     title="Resume equivalence: a restored request continues like the uninterrupted one",
-    section="M3.10 0x0B A completed output is not automatically a resumable snapshot; Correctness matrix (6. resume)",
+    section="M3.10 0x0BA A completed output is not automatically a resumable snapshot; Correctness matrix (6. resume)",
     statement="After restoring a snapshot, the runtime's observable state (phase, outputs, logprobs, frontiers, finish "
     "state, RNG counter, committed cache rows, text) equals the uninterrupted run's at the same point, and its score "
     "row (when both expose one) agrees within the logit tolerance: Continue(Restore(S), n) == Continue(S, n).",

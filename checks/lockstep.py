@@ -45,18 +45,19 @@ from typing import Any, Mapping, Sequence
 import attrs
 import numpy as np
 
-from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure
+from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure, SupportEmpty
 from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag
 from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED
 from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit
 from decodespec.spec.policy import PolicyConfig, PolicyState, RequestView, ScoreRow, child_state, decide, policy_config_from_json, processed_row
+from decodespec.spec.policy.codes import TERMINAL_DECISION_CODES
 from decodespec.spec.policy.config import Family
 from decodespec.spec.policy.rng import rng_key, uniform
 from decodespec.spec.policy.scores import log_softmax
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
 from decodespec.spec.snapshot import REPAIRED, SnapshotRecord, take_snapshot
 from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, repair_outstanding
-from decodespec.spec.stop import StopConfig, align_output, reference_stream, step_triggers
+from decodespec.spec.stop import EXTERNAL_FINISH_REASONS, StopConfig, align_output, reference_stream, step_triggers
 from decodespec.spec.transitions import MACHINE, NOT_ENABLED, Machine, expected_report, expected_start
 
 from .reference import Reference64, load_gguf64
@@ -691,7 +692,14 @@ class LockStep:
         view = s.view(state)
         ref_raw = s.reference.row(s.sequence)
         ref_row = ScoreRow.create(ref_raw, row_id=score.score_id)
-        receipt, after = decide(ref_row, s.policy, s.policy_state, view)
+        try:
+            receipt, after = decide(ref_row, s.policy, s.policy_state, view)
+        except DecodeSpecError as exc:
+            if exc.code not in TERMINAL_DECISION_CODES:
+                raise
+            # An empty legal support is the typed terminal finish constraint_error (M3.10 0x02 branch table).
+            self._step(SupportEmpty(score.score_id))
+            return
         ref_processed = processed_row(ref_row, s.policy, s.policy_state, view)
         token, draws = receipt.selected_id, receipt.draws
         u = None if s.greedy() else uniform(rng_key(s.params.identity, s.config.seed), view.step, 0)
@@ -927,12 +935,11 @@ class LockStep:
         if not ids:
             return "", (() if stream else None), (() if state.phase is Phase.FINISHED else None)
         tb = s.token_bytes(ids)
-        external = {FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR, FinishReason.STREAM_ERROR}
         flush = None
         returned = None
         if state.phase is not Phase.FINISHED:
             text = b"".join(tb).decode("utf-8", errors="replace")
-        elif state.triggers - external:  # a commit closed the output
+        elif state.triggers - EXTERNAL_FINISH_REASONS:  # a commit closed the output
             fired, match, structured_end = step_triggers(s.stop, ids, tb)
             aligned = align_output(s.stop, ids, tb, None, fired, match, structured_end)
             text, returned = aligned.text, aligned.output_ids

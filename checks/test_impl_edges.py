@@ -9,7 +9,7 @@ keeps snapshots in memory only.  Each check names the mutant it kills.  They dri
 they run for ``--runtime impl`` only (any ``--model``: the procedure is runtime-internal).
 
 Source: M3.10 0x06 "Streaming has a commit horizon", "One selection is an output-state
-transaction"; 0x0B "Immutable identity versus mutable request state" (RESUME with the stream);
+transaction"; 0x00 "Immutable identity versus mutable request state" (RESUME with the stream);
 docs/design.md section 2 (the declared output-transaction and delivery-failure policy).
 """
 

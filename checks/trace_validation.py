@@ -84,7 +84,7 @@ import attrs
 import jsonschema
 
 from decodespec.checks.fastschema import FastAccept
-from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure, action_label
+from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure, SupportEmpty, action_label
 from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag, Selection
 from decodespec.spec.errors import DecodeSpecError, Rejection, quote, register_code
 from decodespec.spec.passport import CONTENT, DATA_UNKNOWN_CLASSIFICATION, REDACTED, TRACE_REDACTED, DataPassport, is_token_digest, passport_from_json
@@ -581,6 +581,15 @@ class _Replay:
         elif self.num_layers is not None and written > self.num_layers:
             return f"field 'layers_written' is {written}, more than the model's {self.num_layers} layers"
         return None
+
+    def _on_empty_support(self, rec, state):
+        """``SupportEmpty(score_id)``: the policy found no legal token; the spec finishes with constraint_error."""
+        action = SupportEmpty(str(rec["score_id"]))
+
+        def check(before, after):
+            return _differs("rng_counter", rec["rng_counter"], before.rng_counter)
+
+        return [(action, check)]
 
     def _on_decision(self, rec, state):
         self._receipt_check(rec)

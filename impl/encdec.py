@@ -45,6 +45,7 @@ from decodespec.spec.errors import Rejection, register_code
 from decodespec.spec.positions import INVALID_MASK
 
 from .batch import check_attention_mask
+from .model import TRAINING_MODE
 
 __all__ = [
     "Decoder",
@@ -63,13 +64,6 @@ __all__ = [
     "make_model",
     "subsequent_mask",
 ]
-
-TRAINING_MODE = register_code(
-    "model.training_mode",
-    "rejection",
-    "M3.10 0x0B Shape-correct failure lab (running inference with model.train())",
-    "Inference was asked of a model in training mode (dropout and training behaviour would be active).",
-)
 
 #: The cached state lanes, in the roster order of the spec's ``encoder_decoder`` profile.
 LANES = ("encoder_memory", "cross_kv", "self_kv")

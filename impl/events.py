@@ -25,6 +25,9 @@ event               spec action (or check)
 ``recover``         ``Recover()``
 ``decision``        ``Decide(score_id, token_id, draws)``; ``receipt_id`` and
                     ``rng_counter_before`` must be the spec's; ``logprob`` a finite value <= 0
+``empty_support``   ``SupportEmpty(score_id)``: the policy found no legal token
+                    (``code`` ``policy.empty_support``, ``message``); ``rng_counter`` must be
+                    the spec's (no draw); a ``finish`` with ``constraint_error`` follows
 ``commit``          ``Commit(receipt_id, text_triggers, stream_failed)`` (text triggers =
                     ``triggers`` among stop_string / structured / structured_error;
                     ``stream_failed``: this commit's delivery failed, so ``stream_error`` is

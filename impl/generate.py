@@ -16,7 +16,7 @@ Declared choices implemented by the controller (docs/design.md section 2):
 * Context window C = ``max_position_embeddings`` (and the static capacity): a prompt needs
   ``L < C``; generation stops with ``context_length`` when ``L + O == C``.
 * The last committed token is never processed: it is ``CLOSED_UNPROCESSED`` at finish
-  (P = L + O - 1, |U| = 1), M3.10 0x08 "The first-output off-by-one".
+  (P = L + O - 1, |U| = 1), M3.10 0x00 "The first-output off-by-one".
 
 Stop strings, ``include_stop_str``, the output ``alignment``, structured (JSON) completion and
 streaming (``stream`` / ``on_chunk``) are carried out by the runner's output observer

@@ -75,6 +75,13 @@ INVALID_MODEL_INPUT = register_code(
     "A model call's input_ids, position_ids, cache_position, attention_mask or logits_to_keep has the wrong rank, "
     "shape, dtype or value range.",
 )
+TRAINING_MODE = register_code(
+    "model.training_mode",
+    "rejection",
+    "M3.10 0x0B Shape-correct failure lab (running inference with model.train())",
+    "Inference was asked of a model in training mode (dropout and training behaviour would be active).",
+)
+
 CONTEXT_WINDOW_EXCEEDED = register_code(
     "model.context_window_exceeded",
     "resource_limit",

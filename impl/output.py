@@ -38,7 +38,7 @@ indices and offsets, as one that never stopped.
 Source: M3.10 0x06 "Streaming has a commit horizon", "One selection is an output-state
 transaction", "Deriving the stream holdback", "Token-aligned and text-aligned outputs can
 diverge", "Finish reason and RNG precedence", "Constraints before selection, completion after
-selection"; 0x0B "Immutable identity versus mutable request state" (restoring ids while
+selection"; 0x00 "Immutable identity versus mutable request state" (restoring ids while
 resetting the parser or the stream suffix is a different continuation).
 """
 

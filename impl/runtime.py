@@ -10,7 +10,7 @@ runner method               spec action / rule
 :meth:`admit`               ``Admit`` (``admit`` / ``admit_no_call``)
 :meth:`launch`              ``Launch(kind, start, length)`` (prefill chunk / decode / repair)
 :meth:`complete`            ``Fault`` (if the call raised) then ``Complete`` (ALL_NEW / ALL_OLD)
-:meth:`decide`              ``Decide(score_id, token_id, draws)``
+:meth:`decide`              ``Decide(score_id, token_id, draws)``, or ``SupportEmpty(score_id)``
 :meth:`commit`              ``Commit(receipt_id, text_triggers)``
 :meth:`cancel`              ``Cancel(cancelled | timeout)`` at the current interrupt point
 :meth:`stream_failure`      ``StreamFailure()``
@@ -81,10 +81,10 @@ import attrs
 import torch
 
 from decodespec.spec.actions import TEXT_TRIGGERS
-from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
+from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason, published_finish_reason
 from decodespec.spec.envelope import MAX_TIMEOUT_MS, ZERO_NEW_TOKENS_REJECTED, AdmittedRequest
 from decodespec.spec.errors import NOT_ENABLED, DecodeSpecError, Rejection, ResourceLimit, quote, register_code
-from decodespec.spec.policy.codes import FAMILY_MISMATCH
+from decodespec.spec.policy.codes import FAMILY_MISMATCH, TERMINAL_DECISION_CODES
 from decodespec.spec.policy.config import Family, Order, PolicyConfig, policy_config_from_json
 from decodespec.spec.policy.receipt import DecisionReceipt
 from decodespec.spec.policy.state import PolicyState, RequestView, initial_policy_state
@@ -94,7 +94,7 @@ from decodespec.spec.state import ENVIRONMENT_FAILURES, InterruptPoint, Phase
 from .cache import CacheABI, DynamicCache, StaticCache, check_static_reservation, make_cache
 from .events import EVENTS_FORMAT, EventSink
 from .faults import FaultPlan, InjectedDeviceFault
-from .model import CONTEXT_WINDOW_EXCEEDED, LlamaForCausalLM, StageObserver
+from .model import CONTEXT_WINDOW_EXCEEDED, TRAINING_MODE, LlamaForCausalLM, StageObserver
 from .output import OutputObserver, output_header, stop_config
 from .policy import decide as policy_decide
 from .rng import RequestRng
@@ -413,7 +413,9 @@ class RequestRunner:
     receipt are kept, and a pending token is closed CLOSED_UNPROCESSED.
 
     Raises:
-        Rejection: ``runtime.invalid_request`` (empty prompt, id outside ``[0, V)``, negative G,
+        Rejection: ``model.training_mode`` when ``model`` or one of its modules is in
+            training mode (M3.10 0x0A: ``model.eval()`` is a separate control);
+            ``runtime.invalid_request`` (empty prompt, id outside ``[0, V)``, negative G,
             unknown cache family); ``policy.family_mismatch`` for a beam policy;
             ``envelope.zero_new_tokens_rejected`` for G = 0 under ``reject``;
             ``runtime.invalid_fault_plan``; ``cache.abi_mismatch`` for a cache of another ABI;
@@ -527,14 +529,19 @@ class RequestRunner:
         """Whether the declared append/repair call still has to process the closed final token."""
         return (self.phase is Phase.FINISHED and self.request.final_cache == "all_outputs" and self.request.cached
                 and self.pending_tag is PendingTag.CLOSED_UNPROCESSED and self.finish_reason is not None
-                and self.finish_reason not in ENVIRONMENT_FAILURES)
+                and not self.triggers & ENVIRONMENT_FAILURES)
 
     def terminal(self) -> bool:
         """Whether no further controller action is required (FINISHED, no call in flight, no repair owed)."""
         return self.phase is Phase.FINISHED and self.in_flight is None and not self.repair_owed()
 
     def interrupt_point(self) -> InterruptPoint | None:
-        """Where an interrupt arriving now lands, or ``None`` (NEW or FINISHED)."""
+        """Where an interrupt arriving now lands, or ``None`` (NEW, or FINISHED with no repair call in flight).
+
+        The repair call in flight after the close is ``IN_FLIGHT`` too (a cancel or timeout lands on it).
+        """
+        if self.in_flight is not None:
+            return InterruptPoint.IN_FLIGHT
         return {Phase.READY: InterruptPoint.BEFORE_LAUNCH, Phase.IN_FLIGHT: InterruptPoint.IN_FLIGHT,
                 Phase.SCORED: InterruptPoint.AFTER_COMPLETION, Phase.DECIDED: InterruptPoint.AFTER_DECISION}.get(self.phase)
 
@@ -842,12 +849,23 @@ class RequestRunner:
     # ---------------------------------------------------------------------------------------
     # Decision and commit.
     # ---------------------------------------------------------------------------------------
-    def decide(self) -> Decision:
+    def decide(self) -> Decision | None:
         """``Decide``: apply the M3.8 policy to the current score row and issue a receipt.
+
+        When the policy finds the legal support empty (``policy.empty_support``: the constraint
+        admits no token and no fallback is declared) the request finishes instead
+        (``SupportEmpty``, M3.10 0x02 branch table "constraint/parser error"): finish reason
+        ``constraint_error``, no receipt, no draw, every committed token and logprob kept, the
+        output observer closed (its held-back bytes flushed), and the trace gets an
+        ``empty_support`` event and the ``finish``.
+
+        Returns:
+            The decision, or ``None`` when the support was empty (the request is then finished).
 
         Raises:
             Rejection: ``transition.not_enabled`` unless SCORED with a score of the current
-                generation; ``policy.*`` when the policy refuses the row.  Nothing changes.
+                generation; any other ``policy.*`` code when the policy refuses the row.  Nothing
+                changes.
         """
         score = self.score
         self._require(self.phase is Phase.SCORED and score is not None, "transition.decide", "phase == SCORED")
@@ -856,9 +874,20 @@ class RequestRunner:
         r = self.request
         view = RequestView(prompt_ids=r.prompt_ids, output_ids=self.output_ids, eos_ids=sorted(r.eos_ids),
                            min_new_tokens=r.min_new_tokens, identity=r.identity, seed=r.seed)
-        with torch.inference_mode():
-            receipt, after = policy_decide(score.logits, self.policy, self.policy_state, view, score_id=score.score_id,
-                                           vocab_hash=r.vocab_hash, rng=self.rng)
+        try:
+            with torch.inference_mode():
+                receipt, after = policy_decide(score.logits, self.policy, self.policy_state, view, score_id=score.score_id,
+                                               vocab_hash=r.vocab_hash, rng=self.rng)
+        except DecodeSpecError as exc:
+            reason = TERMINAL_DECISION_CODES.get(exc.code)
+            if reason is None:
+                raise
+            self.score = None
+            if self.sink is not None:
+                self.sink.emit("empty_support", score_id=score.score_id, code=exc.code, message=exc.message,
+                               rng_counter=self.policy_state.rng_counter)
+            self._finish({reason})
+            return None
         decision = Decision(f"receipt-{len(self.issued)}", score.score_id, receipt.selected_id, receipt.raw_logprob,
                             receipt.draws, self.policy_state.rng_counter, receipt, after)
         self.issued.append(decision.receipt_id)
@@ -941,7 +970,7 @@ class RequestRunner:
         if fired:
             self.phase = Phase.FINISHED
             self.triggers |= fired
-            self.finish_reason = canonical_finish_reason(self.triggers)
+            self.finish_reason = published_finish_reason(self.triggers)
             self.pending_tag = PendingTag.CLOSED_UNPROCESSED
         else:
             self.phase = Phase.READY
@@ -966,13 +995,17 @@ class RequestRunner:
         Before launch: finish at once (a pending token becomes CLOSED_UNPROCESSED).  In flight:
         recorded; :meth:`complete` then awaits the call and selects ALL_OLD.  After completion /
         after decision: the score (and receipt) are discarded unconsumed and the request finishes.
+        During the repair call after the close: recorded the same way; the awaited call selects
+        ALL_OLD, the repair is abandoned (the final-cache promise is not kept) and the reason joins
+        the triggers without rewriting the published finish reason.
 
         Returns:
             Where the interrupt landed.
 
         Raises:
             Rejection: ``transition.not_enabled`` for a reason other than cancelled / timeout, in
-                phase NEW or FINISHED, or when the reason is already recorded for the call.
+                phase NEW or FINISHED without a repair call in flight, or when the reason is
+                already recorded for the call.
         """
         reason = FinishReason(kind)
         self._require(reason in (FinishReason.CANCELLED, FinishReason.TIMEOUT), "transition.interrupt_before_launch",
@@ -986,6 +1019,7 @@ class RequestRunner:
             Rejection: ``transition.not_enabled`` when the request does not stream, or as :meth:`cancel`.
         """
         self._require(self.request.stream, "transition.interrupt_before_launch", "cancel reason is cancelled or timeout; stream failure needs a stream")
+        self._require(self.phase is not Phase.FINISHED, "transition.interrupt_before_launch", "phase == READY (before launch)")
         if self.sink is not None and self.interrupt_point() is not None:
             self.sink.emit("fault", kind="stream_error", call_id=None if self.in_flight is None else self.in_flight.call_id)
         return self._interrupt(FinishReason.STREAM_ERROR, emit_cancel=False)
@@ -1008,8 +1042,10 @@ class RequestRunner:
         return at
 
     def _finish(self, triggers: set[FinishReason], *, emit: bool = True) -> None:
+        # After a content close (the repair call) a cancel / timeout / device_error is recorded but the
+        # published finish reason stays the closing one (spec.enums.published_finish_reason).
         self.triggers |= triggers
-        self.finish_reason = canonical_finish_reason(self.triggers)
+        self.finish_reason = published_finish_reason(self.triggers)
         self.phase = Phase.FINISHED
         self.pending_tag = PendingTag.CLOSED_UNPROCESSED if self.pending_ids else PendingTag.EMPTY
         close = getattr(self.observer, "close", None)
@@ -1239,6 +1275,10 @@ def _check_static_capacity(model: LlamaForCausalLM, capacity: int, batch_size: i
 
 
 def _validated(model: LlamaForCausalLM, request: RuntimeRequest) -> RuntimeRequest:
+    training = [name or "<model>" for name, module in model.named_modules() if module.training]
+    if training:
+        raise Rejection(TRAINING_MODE, f"the model is in training mode ({len(training)} modules, first {training[0]!r}); "
+                        "call model.eval() before running a request", "$.model.training")
     g = request.max_new_tokens
     if isinstance(g, bool) or not isinstance(g, int) or g < 0:
         raise Rejection(INVALID_REQUEST, f"max_new_tokens must be a non-negative int, got {g!r}", "$.max_new_tokens")

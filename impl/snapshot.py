@@ -19,7 +19,7 @@ With a user key (``DECODESPEC_SNAPSHOT_KEY``, or ``key=``) the JSON also carries
 rest of the document (so over the tensor hash too), and loading with a key refuses a file
 without a matching one (``snapshot.unauthenticated``); see :mod:`decodespec.spec.snapshot`.
 
-Forms (M3.10 0x0B "A completed output is not automatically a resumable snapshot"):
+Forms (M3.10 0x0BA "A completed output is not automatically a resumable snapshot"):
 
 * ``pending_suffix``: between calls (READY) or after finish; U (``[u_O]``, PENDING_NEXT_CALL or
   CLOSED_UNPROCESSED) is serialized, the cache holds exactly P = L + O - |U| rows.
@@ -44,7 +44,7 @@ score rows and finish state consistent, and the call counters against P (process
 >= 1; the spec's check "finish state, bounds and counters are consistent").  Restoring and continuing
 gives the same tokens and logprobs as never stopping (tests/test_snapshot*.py).
 
-Source: M3.10 0x0B "A completed output is not automatically a resumable snapshot", "Immutable
+Source: M3.10 0x0BA "A completed output is not automatically a resumable snapshot", "Immutable
 identity versus mutable request state" (restoring token ids while resetting RNG, parser, stream
 suffix, finish state or positions is a different continuation).
 """
@@ -63,7 +63,7 @@ import attrs
 import rfc8785
 import torch
 
-from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
+from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection, published_finish_reason
 from decodespec.spec.envelope import lone_surrogate_path
 from decodespec.spec.errors import DecodeSpecError, Rejection, quote
 from decodespec.spec.passport import CONTENT, passport_from_json, snapshot_passport
@@ -628,7 +628,7 @@ def _check_ledger(snapshot: RuntimeSnapshot, model, request) -> None:
     trigger; EOS only as the last output; and the counters: P > 0 needs a model call under a
     generation >= 1, each score row its own generation, retries within ``max_retries``.
 
-    Source: M3.10 0x06 "One selection is an output-state transaction", 0x0B "Immutable identity
+    Source: M3.10 0x06 "One selection is an output-state transaction", 0x00 "Immutable identity
     versus mutable request state".
     """
     rec = snapshot.record
@@ -679,7 +679,7 @@ def _check_ledger(snapshot: RuntimeSnapshot, model, request) -> None:
     # finish state
     if (rec.phase is Phase.FINISHED) != (rec.finish_reason is not None):
         raise _refuse(SNAPSHOT_LEDGER_INVALID, "a finish reason exists exactly in FINISHED", "$.state.finish_reason")
-    if rec.phase is Phase.FINISHED and (not rec.triggers or rec.finish_reason is not canonical_finish_reason(rec.triggers)):
+    if rec.phase is Phase.FINISHED and (not rec.triggers or rec.finish_reason is not published_finish_reason(rec.triggers)):
         raise _refuse(SNAPSHOT_LEDGER_INVALID, f"finish reason {rec.finish_reason} is not the first of the triggers "
                       f"{sorted(t.value for t in rec.triggers)} under the finish precedence", "$.state.triggers")
     if rec.phase is not Phase.FINISHED and rec.triggers:

@@ -39,6 +39,7 @@ __all__ = [
     "Restore",
     "Snapshot",
     "StreamFailure",
+    "SupportEmpty",
     "TEXT_TRIGGERS",
     "action_json",
     "action_label",
@@ -120,6 +121,20 @@ class Decide:
 
 
 @attrs.frozen
+class SupportEmpty:
+    """The M3.8 policy found no legal token for the current score row: no receipt (``policy.empty_support``).
+
+    M3.8 "Hard constraints define a conditional support" raises rather than restoring the raw
+    row; M3.10 0x02 makes it a typed terminal finish (``constraint_error``) with no further call.
+
+    Attributes:
+        score_id: The score row the policy read.
+    """
+
+    score_id: str
+
+
+@attrs.frozen
 class Commit:
     """Consume the pending receipt exactly once into the output ledger.
 
@@ -176,7 +191,7 @@ class Restore:
     record: "SnapshotRecord"
 
 
-Action = Union[Admit, Launch, Fault, Complete, Decide, Commit, Cancel, StreamFailure, Recover, Snapshot, Restore]
+Action = Union[Admit, Launch, Fault, Complete, Decide, SupportEmpty, Commit, Cancel, StreamFailure, Recover, Snapshot, Restore]
 
 
 def _jsonable(value: Any) -> Any:

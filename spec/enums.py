@@ -14,12 +14,15 @@ from __future__ import annotations
 import enum
 
 __all__ = [
+    "AFTER_CLOSE_FAILURES",
     "CallKind",
+    "ENVIRONMENT_FAILURES",
     "FINISH_PRECEDENCE",
     "FinishReason",
     "PendingTag",
     "Selection",
     "canonical_finish_reason",
+    "published_finish_reason",
 ]
 
 
@@ -65,12 +68,23 @@ class Selection(str, enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    """Why a request is terminal.  The declared precedence is :data:`FINISH_PRECEDENCE`."""
+    """Why a request is terminal.  The declared precedence is :data:`FINISH_PRECEDENCE`.
+
+    ``CONSTRAINT_ERROR``: the M3.8 policy found the legal support of the current score row empty
+    (``policy.empty_support``: the constraint / parser state admits no token, and no declared
+    fallback applies).  M3.10 0x02 branch table: "constraint/parser error -- typed terminal error
+    with no unsupported next call"; M3.8 "Hard constraints define a conditional support" (raise,
+    never silently restore the raw row or force EOS).  The request finishes at the decision with
+    every committed token kept, no receipt issued and no RNG draw consumed.  ``STRUCTURED_ERROR``
+    is the other parser role (M3.10 0x06 "Constraints before selection, completion after
+    selection"): a committed token's bytes make the structured prefix invalid.
+    """
 
     CANCELLED = "cancelled"
     TIMEOUT = "timeout"
     DEVICE_ERROR = "device_error"
     STREAM_ERROR = "stream_error"
+    CONSTRAINT_ERROR = "constraint_error"
     STRUCTURED_ERROR = "structured_error"
     STOP_STRING = "stop_string"
     STRUCTURED = "structured"
@@ -82,8 +96,8 @@ class FinishReason(str, enum.Enum):
 #: Finish precedence, highest first (M3.10 0x06 "Finish reason and RNG precedence": "Freeze a
 #: precedence rule ... Record every trigger for diagnostics and publish one canonical finish
 #: reason").  This project's declared choice:
-#: cancelled > timeout > device_error > stream_error > structured_error > stop_string >
-#: structured > eos > context_length > length.
+#: cancelled > timeout > device_error > stream_error > constraint_error > structured_error >
+#: stop_string > structured > eos > context_length > length.
 #: Environment failures outrank content triggers; an explicit user stop string outranks a
 #: structured completion and EOS; the total-context cap outranks ``max_new_tokens``.
 FINISH_PRECEDENCE: tuple[FinishReason, ...] = (
@@ -91,6 +105,7 @@ FINISH_PRECEDENCE: tuple[FinishReason, ...] = (
     FinishReason.TIMEOUT,
     FinishReason.DEVICE_ERROR,
     FinishReason.STREAM_ERROR,
+    FinishReason.CONSTRAINT_ERROR,
     FinishReason.STRUCTURED_ERROR,
     FinishReason.STOP_STRING,
     FinishReason.STRUCTURED,
@@ -114,3 +129,35 @@ def canonical_finish_reason(triggers: "frozenset[FinishReason] | set[FinishReaso
         if reason in fired:
             return reason
     return None
+
+
+#: Finish reasons caused by the environment rather than the output content.  A request that
+#: finished for one of these never runs the repair call.
+ENVIRONMENT_FAILURES = frozenset(
+    {FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR, FinishReason.STREAM_ERROR}
+)
+#: What can still happen after a content trigger closed the output: the declared repair call is
+#: cancelled, times out, or fails past its retries.  Recorded as triggers (diagnostics; the repair is
+#: then abandoned and the final-cache promise not kept), never published as the finish reason.
+AFTER_CLOSE_FAILURES = frozenset({FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR})
+
+
+def published_finish_reason(triggers: "frozenset[FinishReason] | set[FinishReason] | tuple[FinishReason, ...]") -> FinishReason | None:
+    """The finish reason a request publishes for every trigger it recorded, or ``None`` if none.
+
+    The canonical reason (:func:`canonical_finish_reason`) of the triggers that closed the output.
+    When a content trigger closed it (no environment failure among the closing triggers), an
+    :data:`AFTER_CLOSE_FAILURES` trigger can only have been recorded afterwards, by the repair call
+    (M3.10 "The first-output off-by-one": the repair call "is not another output decision"), and
+    does not rewrite the published reason: ``{length, device_error}`` publishes ``length``.  At a
+    close the result is always the canonical reason (no closing trigger set mixes a content
+    trigger with cancelled / timeout / device_error).
+
+    Source: M3.10 0x06 "Finish reason and RNG precedence" (one canonical reason; record every
+    trigger for diagnostics), "The first-output off-by-one" (optional append/repair).
+    """
+    fired = frozenset(triggers)
+    closing = fired - AFTER_CLOSE_FAILURES
+    if closing - ENVIRONMENT_FAILURES:
+        return canonical_finish_reason(closing)
+    return canonical_finish_reason(fired)

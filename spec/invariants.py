@@ -16,7 +16,7 @@ from typing import Callable
 
 import attrs
 
-from .enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
+from .enums import CallKind, FinishReason, PendingTag, Selection, published_finish_reason
 from .rules import RULES, rule
 from .snapshot import restore_failure, restore_state, snapshot_forms, take_snapshot
 from .state import Phase, RequestParams, RequestState, repair_outstanding
@@ -77,10 +77,11 @@ def frontiers_balance(params: RequestParams, state: RequestState) -> bool:
 
 @rule(
     "invariant.cache_frontier_equals_processed",
-    title="K = P (every advancing lane frontier F_lane = P_dyn)",
-    section=S + "0x08 Output, input, and cache frontiers; 0x01 Recurrent and hybrid state",
-    statement="In a cached profile every advancing state lane's frontier equals P (None before the first call "
-    "completes); in the decoder-only profile this is K_frontier = P.",
+    title="Every advancing lane frontier F_lane = P_dyn (K = P in the decoder-only profile)",
+    section=S + "0x08 Output, input, and cache frontiers; 0x01 Recurrent and hybrid state generalize the cache frontier",
+    statement="In a cached profile every advancing state lane's frontier F_lane equals the processed frontier P_dyn "
+    "(None before the first call completes); only the decoder-only profile has a single K, and there K_frontier = P. "
+    "A hybrid or recurrent profile reports P_dyn and its F_lane values (RequestState.frontiers), never a K/V length.",
 )
 def cache_frontier_equals_processed(params: RequestParams, state: RequestState) -> bool:
     return _lanes_at(state, params.profile.advancing_lanes(), state.processed)
@@ -215,7 +216,10 @@ def rng_counter_matches_draws(params: RequestParams, state: RequestState) -> boo
 @rule(
     "invariant.logprobs_aligned",
     title="One logprob per output token, owned by its score row",
-    section=S + "0x06 Stop criteria (token and logprob lists stay aligned); 0x02 Prompt logprobs",
+    section=S + "0x06 One selection is an output-state transaction (the policy records the score/logprob row that owns "
+    "the token); 0x06 Stop criteria and active rows (trimming keeps the token list and the logprob list aligned); 0x02 "
+    "Prompt logprobs versus generated-token logprobs (a generated token's logprob is read from its own score row z_t, "
+    "before the model advances; prompt logprobs are not part of this ledger)",
     statement="|output_logprobs| = O = |consumed|; output i is the token of consumed receipt i and its logprob "
     "belongs to that receipt's score row.",
 )
@@ -272,15 +276,17 @@ def eos_closes_output(params: RequestParams, state: RequestState) -> bool:
 
 @rule(
     "invariant.finish_reason_canonical",
-    title="The finish reason is the canonical one of every recorded trigger",
+    title="The finish reason is the canonical one of the triggers that closed the output",
     section=S + "0x06 Finish reason and RNG precedence",
-    statement="In FINISHED the finish reason is canonical_finish_reason(triggers) over a non-empty trigger set; "
+    statement="In FINISHED the finish reason is published_finish_reason(triggers) over a non-empty trigger set (the "
+    "canonical reason of the closing triggers; a cancel, timeout or device error of the repair call after the close "
+    "is recorded but never rewrites it); "
     "before finish no trigger is recorded.",
 )
 def finish_reason_canonical(params: RequestParams, state: RequestState) -> bool:
     if state.phase is not Phase.FINISHED:
         return not state.triggers and state.finish_reason is None
-    return bool(state.triggers) and state.finish_reason is canonical_finish_reason(state.triggers)
+    return bool(state.triggers) and state.finish_reason is published_finish_reason(state.triggers)
 
 
 @rule(
@@ -313,7 +319,7 @@ def quarantine_blocks_calls(params: RequestParams, state: RequestState) -> bool:
 @rule(
     "invariant.snapshot_round_trip",
     title="Restoring a snapshot gives back the state it was taken in",
-    section=S + "0x0B A completed output is not automatically a resumable snapshot",
+    section=S + "0x0BA A completed output is not automatically a resumable snapshot",
     statement="For every snapshot form the state admits, a repaired record has U = [] and restoring the record "
     "(when the restore checks accept it) gives back the state without its diagnostic last completion: the pending "
     "token stays unprocessed, the ledger, RNG counter, generation and finish state are the same.",

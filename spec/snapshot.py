@@ -40,7 +40,7 @@ HMAC-SHA256 (:data:`SNAPSHOT_MAC_ALGORITHM`) over the document's RFC 8785 bytes 
 the tensor file's SHA-256), and the reader refuses a file without a matching HMAC
 (``snapshot.unauthenticated``).  Without a key the HMAC is neither written nor checked.
 
-Source: M3.10 0x0B "A completed output is not automatically a resumable snapshot" (both
+Source: M3.10 0x0BA "A completed output is not automatically a resumable snapshot" (both
 forms; "never copy the rejected/candidate row, increment a length field, or relabel a cache
 slot"), "Immutable identity versus mutable request state" (a resume snapshot binds identity and
 mutable state), 0x0A (resume equivalence is the RESUME comparison level).
@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 import attrs
 
-from .enums import FinishReason, PendingTag, canonical_finish_reason
+from .enums import FinishReason, PendingTag, published_finish_reason
 from .errors import Rejection, register_code
 from .state import Phase, Receipt, RequestParams, RequestState, Score
 
@@ -85,7 +85,7 @@ REPAIRED = "repaired"
 #: The two declared snapshot forms.
 SNAPSHOT_FORMS = (PENDING_SUFFIX, REPAIRED)
 
-_S = "M3.10 0x0B A completed output is not automatically a resumable snapshot"
+_S = "M3.10 0x0BA A completed output is not automatically a resumable snapshot"
 SNAPSHOT_FORM_UNAVAILABLE = register_code(
     "snapshot.form_unavailable", "rejection", _S,
     "No snapshot of the requested form exists in this state (a call in flight, a pending decision, a quarantined handle, "
@@ -390,7 +390,7 @@ def _finish_ok(params: RequestParams, r: SnapshotRecord) -> bool:
     if (r.phase is Phase.FINISHED) != (r.finish_reason is not None):
         return False
     if r.phase is Phase.FINISHED:
-        if not r.triggers or r.finish_reason is not canonical_finish_reason(r.triggers):
+        if not r.triggers or r.finish_reason is not published_finish_reason(r.triggers):
             return False
     elif r.triggers:
         return False

@@ -31,11 +31,11 @@ spine", "One request as a transition system", 0x08 "Output, input, and cache fro
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .enums import CallKind, FinishReason, PendingTag, Selection
+from .enums import ENVIRONMENT_FAILURES, CallKind, FinishReason, PendingTag, Selection
 from .profiles import Profile, profile_named
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,11 +68,8 @@ CACHE_FAMILIES = ("none", "dynamic", "static")
 ZERO_NEW_TOKENS_BRANCHES = ("reject", "no_call", "prefill_only")
 #: The envelope's ``output.final_cache`` promise.
 FINAL_CACHE_PROMISES = ("none", "processed_inputs_only", "all_outputs")
-#: Finish reasons caused by the environment rather than the output content.  A request that
-#: finished for one of these never runs the repair call.
-ENVIRONMENT_FAILURES = frozenset(
-    {FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR, FinishReason.STREAM_ERROR}
-)
+# ENVIRONMENT_FAILURES (finish reasons caused by the environment, not the output content) is defined in
+# .enums beside the precedence and re-exported here.
 
 
 class Phase(str, enum.Enum):
@@ -309,10 +306,26 @@ class RequestState:
                 return frontier
         raise KeyError(name)
 
-    @property
-    def k_frontier(self) -> int | None:
-        """``K_frontier``: the self K/V lane frontier, or ``None`` when the state has no such lane."""
-        return dict(self.lanes).get("self_kv")
+    def frontiers(self, params: RequestParams) -> dict[str, Any]:
+        """The request's frontiers under the names its profile defines (what a report or trace prints).
+
+        The contiguous full-K/V decoder-only cached profile reports ``{"P": P, "K": K_frontier}``;
+        every other cached profile (hybrid, recurrent, prefix-LM, encoder-decoder) has no single
+        K and reports ``{"P_dyn": P, "F_lane": {lane: frontier or None}}``; a request without a
+        cache reports ``{"P": P}`` (no retained state).  Units: input positions.
+
+        Source: M3.10 0x01 "Recurrent and hybrid state generalize the cache frontier" ("use P_dyn
+        plus explicit F_lane values rather than inventing a physical K/V length").
+        """
+        if not params.cached:
+            return {"P": self.processed}
+        if params.profile.has_k_frontier:
+            return {"P": self.processed, "K": self.lane_frontier("self_kv")}
+        return {"P_dyn": self.processed, "F_lane": dict(self.lanes)}
+
+    def k_frontier(self, params: RequestParams) -> int | None:
+        """``K_frontier`` (the self K/V lane frontier) in the decoder-only cached profile, else ``None`` (no K defined)."""
+        return self.frontiers(params).get("K")
 
 
 def initial_state(params: RequestParams) -> RequestState:
@@ -329,8 +342,9 @@ def repair_outstanding(params: RequestParams, state: RequestState) -> bool:
     """Whether the declared append/repair call still has to process the closed final token.
 
     True when the request finished for a content reason (EOS, length, stop string, structured,
-    context length), the output promises ``final_cache == "all_outputs"``, and the last output is
-    still CLOSED_UNPROCESSED.
+    context length), the output promises ``final_cache == "all_outputs"``, the last output is
+    still CLOSED_UNPROCESSED, and no environment failure is recorded (not at the close, and not
+    after it: a repair call that was cancelled, timed out or failed past its retries is abandoned).
 
     Source: M3.10 "The first-output off-by-one" (``P = L + G`` only after an explicit append).
     """
@@ -339,7 +353,7 @@ def repair_outstanding(params: RequestParams, state: RequestState) -> bool:
         and params.repair_required
         and state.pending_tag is PendingTag.CLOSED_UNPROCESSED
         and state.finish_reason is not None
-        and state.finish_reason not in ENVIRONMENT_FAILURES
+        and not state.triggers & ENVIRONMENT_FAILURES
     )
 
 
@@ -351,7 +365,13 @@ def is_terminal(params: RequestParams, state: RequestState) -> bool:
 
 
 def interrupt_point(state: RequestState) -> InterruptPoint | None:
-    """Where an interrupt arriving now would land, or ``None`` when the phase admits none."""
+    """Where an interrupt arriving now would land, or ``None`` when the phase admits none.
+
+    A repair call in flight after the close (phase FINISHED) is ``IN_FLIGHT`` too: a cancel or
+    timeout lands on it (the stream is closed, so a stream failure does not).
+    """
+    if state.in_flight is not None:
+        return InterruptPoint.IN_FLIGHT
     return {
         Phase.READY: InterruptPoint.BEFORE_LAUNCH,
         Phase.IN_FLIGHT: InterruptPoint.IN_FLIGHT,

@@ -153,9 +153,11 @@ MAX_STOP_STRINGS = 64
 #: Declared bound on one stop string's UTF-8 length in bytes.
 MAX_STOP_PATTERN_BYTES = 512
 
-#: Reasons a runtime may close the output with from outside a token commit (between commits).
+#: Reasons a runtime may close the output with from outside a token commit (between commits);
+#: ``constraint_error`` closes it at a decision whose legal support is empty (M3.10 0x02 branch table).
 EXTERNAL_FINISH_REASONS = frozenset({
     FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR, FinishReason.STREAM_ERROR,
+    FinishReason.CONSTRAINT_ERROR,
 })
 
 
@@ -553,7 +555,7 @@ def step_triggers(config: StopConfig, token_ids: Sequence[int], token_bytes: Seq
     statement=(
         "Every trigger that fires at one commit is recorded; the published finish reason is the "
         "highest of them under FINISH_PRECEDENCE (cancelled > timeout > device_error > "
-        "stream_error > structured_error > stop_string > structured > eos > context_length > length)."
+        "stream_error > constraint_error > structured_error > stop_string > structured > eos > context_length > length)."
     ),
 )
 def resolve_finish(triggers: frozenset[FinishReason] | set[FinishReason]) -> tuple[FinishReason, tuple[FinishReason, ...]]:

@@ -15,7 +15,8 @@ The transitions, grouped by the four events of the commit spine:
   token), ``launch_repair`` (the closed final token, logits discarded), ``fault``,
   ``complete_all_new`` / ``complete_all_old`` (SELECT LOGICAL STATE from the closed rosters),
   ``recover`` (a quarantined handle proven reusable);
-* decision: ``decide`` (bind an M3.8 receipt to the current score);
+* decision: ``decide`` (bind an M3.8 receipt to the current score), ``decide_empty_support``
+  (the policy found no legal token: the typed terminal finish ``constraint_error``);
 * logical commit: ``commit`` (consume the receipt exactly once);
 * interrupts (cancel, timeout, streamer failure): ``interrupt_before_launch``,
   ``interrupt_in_flight``, ``interrupt_after_completion``, ``interrupt_after_decision``;
@@ -59,8 +60,9 @@ from .actions import (
     Restore,
     Snapshot,
     StreamFailure,
+    SupportEmpty,
 )
-from .enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason
+from .enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason, published_finish_reason
 from .errors import ERROR_CODES, NOT_ENABLED, Rejection, ResourceLimit, register_code
 from .positions import CACHE_CAPACITY_EXCEEDED
 from .rules import rule
@@ -231,7 +233,7 @@ def _finish(state: RequestState, triggers: frozenset[FinishReason], **changes: o
         state,
         phase=Phase.FINISHED,
         triggers=fired,
-        finish_reason=canonical_finish_reason(fired),
+        finish_reason=published_finish_reason(fired),
         pending_tag=_close_pending(state),
         **changes,
     )
@@ -428,7 +430,8 @@ def _completed(state: RequestState, call: InFlightCall, selection: Selection, sc
     "recorded. Effect: P, U, O, lanes and generation unchanged; no consumable score; a cached handle is "
     "quarantined. With interrupts: finish with every trigger (plus device_error when the call itself failed). "
     "Otherwise retry (READY, or FINISHED with repair still owed) while retries remain, else add device_error "
-    "and finish.",
+    "and finish. After the close (the repair call) the triggers are recorded but the published finish reason "
+    "stays the closing one (published_finish_reason), and the repair is no longer owed.",
 )
 def complete_all_old(params: RequestParams, state: RequestState, action: Action) -> RequestState:
     call = state.in_flight
@@ -483,6 +486,21 @@ def decide(params: RequestParams, state: RequestState, action: Action) -> Reques
         rng_counter_before=state.rng_counter,
     )
     return attrs.evolve(state, phase=Phase.DECIDED, receipt=receipt, issued=state.issued + (receipt.receipt_id,))
+
+
+@rule(
+    "transition.decide_empty_support",
+    title="The policy finds no legal token: finish with constraint_error",
+    section=S + "0x02 branch table (constraint/parser error: typed terminal error with no unsupported next call); "
+    "M3.8 Hard constraints define a conditional support",
+    statement="Guard: phase SCORED; the action names the current score, bound to the current generation. Effect: "
+    "the score is discarded, no receipt is issued and no draw consumed (RNG counter unchanged); phase FINISHED with "
+    "finish reason constraint_error; every committed token, logprob and P stay (U = [] at SCORED, so no repair "
+    "is owed and no further call runs).",
+)
+def decide_empty_support(params: RequestParams, state: RequestState, action: Action) -> RequestState:
+    assert isinstance(action, SupportEmpty)
+    return _finish(state, frozenset({FinishReason.CONSTRAINT_ERROR}), score=None)
 
 
 def commit_triggers(params: RequestParams, output_count: int, token_id: int, text: frozenset[FinishReason]) -> frozenset[FinishReason]:
@@ -567,8 +585,10 @@ def interrupt_before_launch(params: RequestParams, state: RequestState, action: 
     "transition.interrupt_in_flight",
     title="Cancel / timeout / stream failure while a call is in flight",
     section=S + "0x02 branch table (in flight: await, select ALL_OLD, expose nothing partial)",
-    statement="Guard: phase IN_FLIGHT and the reason is not yet recorded for the call. Effect: the reason is "
-    "recorded on the call; its completion must select ALL_OLD and then finishes the request.",
+    statement="Guard: phase IN_FLIGHT, or a cancel / timeout while the repair call runs after the close (phase "
+    "FINISHED); the reason is not yet recorded for the call. Effect: the reason is recorded on the call; its "
+    "completion must select ALL_OLD and then finishes the request -- or, for the repair call, records the reason "
+    "as a trigger and abandons the repair without rewriting the published finish reason.",
 )
 def interrupt_in_flight(params: RequestParams, state: RequestState, action: Action) -> RequestState:
     call = state.in_flight
@@ -606,7 +626,7 @@ def interrupt_after_decision(params: RequestParams, state: RequestState, action:
 @rule(
     "transition.snapshot",
     title="Take a resumable snapshot (pending-suffix or repaired form)",
-    section=S + "0x0B A completed output is not automatically a resumable snapshot",
+    section=S + "0x0BA A completed output is not automatically a resumable snapshot",
     statement="Guard: no call in flight, no pending decision, not quarantined; pending_suffix: phase READY or "
     "FINISHED; repaired: U = [] and phase READY, SCORED or FINISHED (a pending token must first pass through a valid "
     "append call). Effect: none (the snapshot records the state; the request may continue).",
@@ -618,7 +638,7 @@ def snapshot(params: RequestParams, state: RequestState, action: Action) -> Requ
 @rule(
     "transition.restore",
     title="Restore a snapshot into a fresh request of the same identity",
-    section=S + "0x0B A completed output is not automatically a resumable snapshot; Immutable identity versus mutable "
+    section=S + "0x0BA A completed output is not automatically a resumable snapshot; Immutable identity versus mutable "
     "request state",
     statement="Guard: phase NEW and every restore check of decodespec.spec.snapshot holds (identity, lane roster, form, "
     "pending suffix, P + |U| = L + O, capacity, lane frontiers, receipt ledger, finish state). Effect: the snapshot's "
@@ -653,6 +673,11 @@ def _kind(kind: CallKind) -> Callable[[RequestParams, RequestState, Action], boo
 
 def _selection(selection: Selection) -> Callable[[RequestParams, RequestState, Action], bool]:
     return lambda p, s, a: select_logical_state(p, s, a) is selection
+
+
+def _in_flight_interrupt(p: RequestParams, s: RequestState, a: Action) -> bool:
+    """A call is in flight: phase IN_FLIGHT, or the repair call after the close (a cancel or timeout only)."""
+    return s.phase is Phase.IN_FLIGHT or (s.in_flight is not None and isinstance(a, Cancel))
 
 
 def _interrupt_phase(phase: Phase) -> Callable[[RequestParams, RequestState, Action], bool]:
@@ -755,6 +780,17 @@ TRANSITIONS: tuple[Transition, ...] = (
         decide,
     ),
     Transition(
+        "transition.decide_empty_support",
+        SupportEmpty,
+        lambda p, s, a: True,
+        (
+            Clause("phase == SCORED", lambda p, s, a: s.phase is Phase.SCORED and s.score is not None),
+            Clause("score_id is the current score", lambda p, s, a: a.score_id == s.score.score_id),
+            _CURRENT_SCORE,
+        ),
+        decide_empty_support,
+    ),
+    Transition(
         "transition.commit",
         Commit,
         lambda p, s, a: True,
@@ -781,7 +817,7 @@ TRANSITIONS: tuple[Transition, ...] = (
 
 for _action_type in (Cancel, StreamFailure):
     TRANSITIONS += (
-        Transition("transition.interrupt_in_flight", _action_type, _interrupt_phase(Phase.IN_FLIGHT),
+        Transition("transition.interrupt_in_flight", _action_type, _in_flight_interrupt,
                    (_INTERRUPT_KIND, Clause("reason not yet recorded for the call", lambda p, s, a: _reason(a) not in s.in_flight.interrupts)),
                    interrupt_in_flight),
         Transition("transition.interrupt_after_completion", _action_type, _interrupt_phase(Phase.SCORED), (_INTERRUPT_KIND,), interrupt_after_completion),

@@ -310,10 +310,10 @@ def test_smollm2_step_wise_greedy_is_hfs_generate(adapter, hf_smollm2):
 
 def test_a_forced_constraint_is_hfs_prefix_allowed_tokens_fn(adapter):
     """policy constraint -> generate(prefix_allowed_tokens_fn=...): step-wise and generate both emit exactly the forced ids;
-    an id without a transition leaves HF an empty allowed list, which is the spec's policy.empty_support."""
+    an id without a transition leaves HF an empty allowed list, which is the spec's policy.empty_support: the decision
+    finishes the request with constraint_error (M3.10 0x02 branch table), keeping the committed id."""
     from decodespec.checks.adapters.hf import constraint_fn, generate_sequence
     from decodespec.checks.cases import forced
-    from decodespec.spec.policy.codes import EMPTY_SUPPORT
 
     config = tiny(policy=forced([77, 78, 79]), max_new_tokens=3)
     allowed = constraint_fn(config)
@@ -324,6 +324,8 @@ def test_a_forced_constraint_is_hfs_prefix_allowed_tokens_fn(adapter):
     adapter.reset(tiny(policy=forced([77]), max_new_tokens=3))
     assert adapter.apply({"op": "step"}).ok
     assert adapter.apply({"op": "decode"}).ok
-    refused = adapter.apply({"op": "decide"})
-    assert not refused.ok and refused.code == EMPTY_SUPPORT
-    assert list(adapter.observe().output_ids) == [77]
+    finished = adapter.apply({"op": "decide"})
+    assert finished.ok and finished.data == {"finish_reason": "constraint_error"}
+    obs = adapter.observe()
+    assert list(obs.output_ids) == [77] and obs.phase == "finished" and obs.finish_reason == "constraint_error"
+    assert not adapter.apply({"op": "decide"}).ok

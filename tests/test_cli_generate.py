@@ -85,3 +85,25 @@ def test_smollm2_chat_answers_paris(capsys, smollm2_model):
     assert payload["finish_reason"] in ("eos", "length")
     if payload["finish_reason"] == "eos":
         assert payload["output_ids"][-1] == 2 and "<|im_end|>" not in payload["text"]
+
+
+def test_an_empty_support_finishes_with_constraint_error_and_writes_the_trace(tmp_path, capsys):
+    """M3.10 0x02 branch table (constraint/parser error is a typed terminal finish): a constraint that allows only
+    "ab" empties the legal set at the third decision; generate exits 0 with finish_reason constraint_error, keeps
+    both tokens, and writes a trace that validate-trace accepts."""
+    from pathlib import Path
+
+    envelope = json.loads((Path(__file__).resolve().parent.parent / "docs" / "examples" / "tiny.request.json").read_text())
+    forced = [ord("a") + 3, ord("b") + 3]  # the byte tokenizer's ids (3 special ids first)
+    states = {"s0": {str(forced[0]): "s1"}, "s1": {str(forced[1]): "s2"}, "s2": {}}
+    envelope["policy"] = {"family": "greedy", "transforms": [{"name": "constraint", "automaton": {"initial": "s0", "transitions": states}}]}
+    envelope["termination"].update(stop_strings=[], min_new_tokens=0)
+    request, trace = tmp_path / "r.json", tmp_path / "t.ndjson"
+    request.write_text(json.dumps(envelope))
+    assert main(["generate", "--model", "tiny", "--request", str(request), "--trace", str(trace), "--device", "cpu", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    payload = json.loads(lines[-1])
+    assert payload["finish_reason"] == "constraint_error" and payload["output_ids"] == forced and len(payload["logprobs"]) == 2
+    events = [json.loads(line)["event"] for line in trace.read_text().splitlines()]
+    assert events[-2:] == ["empty_support", "finish"]
+    assert main(["validate-trace", str(trace)]) == 0

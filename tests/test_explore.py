@@ -127,7 +127,7 @@ def test_coverage_reports_unexercised_transitions_and_rejections() -> None:
     assert result.rejected[("Launch", "transition.not_enabled")] > 0  # reset cache_position tried
     assert ("in_flight", "scored") in result.phase_edges and ("finished", "finished") in result.phase_edges
     assert set(result.action_counts) == {"Admit", "Launch", "Complete", "Fault", "Decide", "Commit", "Cancel",
-                                         "StreamFailure", "Recover", "Snapshot", "Restore"}
+                                         "StreamFailure", "Recover", "Snapshot", "Restore", "SupportEmpty"}
     summary = result.summary()
     assert json.loads(json.dumps(summary))["states"] == result.num_states
 

@@ -10,7 +10,7 @@ both attention implementations (ours and HF's switched together):
   ``output_logits`` through log-softmax within 1e-4.
 
 Source: M3.10 "A logit tolerance is not a token-equality proof" (the TENSOR layer is checked
-before the DECISION layer); M3.10 0x09 "Pinned official runtime reconciliation".
+before the DECISION layer); M3.10 0x0A "Pinned official runtime reconciliation".
 """
 
 from __future__ import annotations

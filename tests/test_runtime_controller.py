@@ -217,3 +217,63 @@ def test_every_other_action_is_refused_outside_its_phase(tiny_model, byte_tokeni
     runner.recover()
     assert not runner.quarantined and runner.cache.committed_length == runner.processed
     assert drive(runner)[1].output_ids == drive(RequestRunner(tiny_model, request(_prompt(byte_tokenizer), 3)))[1].output_ids
+
+
+def test_a_model_in_training_mode_is_refused(tiny_model, byte_tokenizer):
+    """M3.10 0x0A "Numerical and runtime execution contract": model.eval() is its own control; a model (or one module)
+    left in training mode is refused with model.training_mode before any state exists, and runs once in eval mode."""
+    prompt = _prompt(byte_tokenizer)
+    layer = tiny_model.model.layers[0]
+    try:
+        layer.train()
+        assert tiny_model.training is False and layer.training is True
+        with pytest.raises(Rejection) as info:
+            RequestRunner(tiny_model, request(prompt, 1))
+        assert info.value.code == "model.training_mode" and info.value.path == "$.model.training"
+        assert "model.layers.0" in info.value.message
+        tiny_model.train()
+        with pytest.raises(Rejection) as info:
+            RequestRunner(tiny_model, request(prompt, 1))
+        assert info.value.code == "model.training_mode"
+    finally:
+        tiny_model.eval()
+    assert RequestRunner(tiny_model, request(prompt, 1)).run().output_count == 1
+
+
+def _forced(ids) -> "PolicyConfig":
+    """Greedy under a constraint automaton that allows exactly ``ids`` in order, then nothing (an empty legal set)."""
+    from decodespec.spec.policy import policy_config_from_json
+
+    states = {f"s{i}": {str(t): f"s{i + 1}"} for i, t in enumerate(ids)}
+    states[f"s{len(ids)}"] = {}
+    return policy_config_from_json({"family": "greedy", "transforms": [
+        {"name": "constraint", "automaton": {"initial": "s0", "transitions": states}}]})
+
+
+@pytest.mark.parametrize("final_cache", ["processed_inputs_only", "all_outputs"])
+def test_empty_support_finishes_with_constraint_error_and_keeps_the_output(tiny_model, byte_tokenizer, final_cache):
+    """M3.10 0x02 branch table ("constraint/parser error: typed terminal error with no unsupported next call"),
+    M3.8 hard constraints: the third decision's legal set is empty, so the request finishes with constraint_error
+    keeping both committed tokens and their logprobs; no receipt, no draw, no further call (not even a repair);
+    the trace (empty_support, then finish) replays against the spec."""
+    from decodespec.checks.trace_validation import validate_trace
+    from decodespec.impl.events import ListSink
+
+    sink = ListSink()
+    forced = tuple(byte_tokenizer.encode("ab"))
+    runner = RequestRunner(tiny_model, request(_prompt(byte_tokenizer), 5, policy=_forced(forced), final_cache=final_cache),
+                           sink=sink, tokenizer=byte_tokenizer).run()
+    assert runner.finish_reason is FinishReason.CONSTRAINT_ERROR and runner.terminal()
+    assert tuple(runner.output_ids) == forced and len(runner.logprobs) == 2 and len(runner.issued) == 2
+    assert runner.score is None and runner.decision is None and runner.num_calls == 3  # prefill, decode a, decode b
+    result = runner.result()
+    assert result.output_ids == forced and result.text == "ab" and result.finish_reason is FinishReason.CONSTRAINT_ERROR
+    events = [r["event"] for r in sink.records]
+    assert events[-2:] == ["empty_support", "finish"] and events.count("decision") == 2
+    empty = sink.records[-2]
+    assert (empty["code"], empty["rng_counter"]) == ("policy.empty_support", 0)
+    assert sink.records[-1]["finish_reason"] == "constraint_error"
+    verdict = validate_trace(sink.lines())
+    assert verdict.accepted, verdict
+    with pytest.raises(Rejection):
+        runner.decide()  # FINISHED: nothing left to decide

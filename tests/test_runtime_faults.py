@@ -116,3 +116,41 @@ def test_faulted_repair_call_is_retried(tiny_model, clean):
     runner = _run(tiny_model, prompt, "static", FaultPlan.of(DeviceFault(G, layer=2)), final_cache="all_outputs", max_retries=1)
     assert runner.output_ids == runs["static"].output_ids and runner.pending_tag is PendingTag.EMPTY
     assert runner.processed == len(prompt) + G and runner.num_retries == 1 and runner.finish_reason is FinishReason.LENGTH
+
+
+def test_a_failed_repair_call_keeps_the_published_finish_reason(tiny_model, clean):
+    """M3.10 "The first-output off-by-one" (the repair call is not another output decision), 0x06 (record every trigger,
+    publish one reason): the repair call fails past its retries after length closed the output; device_error joins the
+    triggers, length stays the finish reason (in the result and in both finish events), the repair is abandoned."""
+    prompt, runs = clean
+    sink = ListSink()
+    runner = RequestRunner(tiny_model, request(prompt, G, cache="static", final_cache="all_outputs", max_retries=0), sink=sink,
+                           faults=FaultPlan.of(DeviceFault(G))).run()
+    assert runner.finish_reason is FinishReason.LENGTH and runner.ordered_triggers() == (FinishReason.DEVICE_ERROR, FinishReason.LENGTH)
+    assert runner.output_ids == runs["static"].output_ids and runner.pending_tag is PendingTag.CLOSED_UNPROCESSED
+    assert runner.processed == len(prompt) + G - 1 and runner.terminal() and not runner.repair_owed()
+    assert runner.result().finish_reason is FinishReason.LENGTH
+    finishes = [r for r in sink.records if r["event"] == "finish"]
+    assert [f["finish_reason"] for f in finishes] == ["length", "length"] and finishes[-1]["triggers"] == ["device_error", "length"]
+    assert validate_trace(sink.lines()).accepted
+
+
+@pytest.mark.parametrize("reason", [FinishReason.CANCELLED, FinishReason.TIMEOUT])
+def test_a_cancel_or_timeout_during_the_repair_call_lands(tiny_model, clean, reason):
+    """M3.10 0x02 branch table (cancellation/timeout in flight: await, ALL_OLD): an interrupt during the repair call after
+    the close lands on it (interrupt point in_flight); the call selects ALL_OLD, the repair is abandoned, and the reason
+    joins the triggers without rewriting the published finish reason."""
+    prompt, runs = clean
+    runner = _run(tiny_model, prompt, "static", FaultPlan.of(Interrupt(reason, G, InterruptPoint.IN_FLIGHT)), final_cache="all_outputs")
+    assert runner.finish_reason is FinishReason.LENGTH and set(runner.triggers) == {FinishReason.LENGTH, reason}
+    assert runner.output_ids == runs["static"].output_ids and runner.processed == len(prompt) + G - 1
+    assert runner.terminal() and runner.quarantined and runner.num_calls == G + 1
+    direct = RequestRunner(tiny_model, request(prompt, G, cache="static", final_cache="all_outputs"))
+    while not direct.repair_owed():
+        direct.step()
+    direct.launch()
+    assert direct.cancel(reason) is InterruptPoint.IN_FLIGHT
+    with pytest.raises(Rejection):
+        direct.cancel(reason)  # once per call
+    direct.complete()
+    assert direct.finish_reason is FinishReason.LENGTH and direct.terminal()

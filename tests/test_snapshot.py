@@ -1,6 +1,6 @@
 """Snapshots: resume equivalence for both forms at every step, and typed refusals of bad snapshots.
 
-* M3.10 0x0B "A completed output is not automatically a resumable snapshot" / RESUME level:
+* M3.10 0x0BA "A completed output is not automatically a resumable snapshot" / RESUME level:
   ``Continue(Restore(S), n) == Continue(S, n)`` -- restoring a snapshot written to disk (JSON +
   safetensors) and continuing gives the same tokens and logprobs as never stopping, for greedy
   and seeded sampling, at every step, in both forms, for every cache family (tiny model), and

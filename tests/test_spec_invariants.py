@@ -67,7 +67,7 @@ CASES: list[tuple[str, RequestState, Breaker]] = [
     ("invariant.output_bounded", FINISHED, lambda s: attrs.evolve(s, output_ids=(0, 2, 1, 0))),
     ("invariant.eos_closes_output", FINISHED, lambda s: attrs.evolve(s, finish_reason=FinishReason.LENGTH, triggers=frozenset({FinishReason.LENGTH}))),
     ("invariant.finish_reason_canonical", FINISHED, lambda s: attrs.evolve(
-        s, triggers=s.triggers | {FinishReason.CANCELLED})),
+        s, triggers=s.triggers | {FinishReason.STREAM_ERROR})),  # cancelled after an EOS close is a repair's, and legal
     ("invariant.static_capacity", IN_FLIGHT, lambda s: attrs.evolve(s, in_flight=attrs.evolve(s.in_flight, length=3))),
     ("invariant.quarantine_blocks_calls", IN_FLIGHT, lambda s: attrs.evolve(s, quarantined=True)),
     # A logprob owner that is not its receipt's score row does not survive a snapshot round trip.

@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decodespec.checks.explore import ExploreBounds, candidate_actions, params_for_bounds
+from decodespec.checks.explore import ExploreBounds, candidate_actions, frontier_label, params_for_bounds
 from decodespec.spec import invariants as inv
-from decodespec.spec.actions import Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, StreamFailure
+from decodespec.spec.actions import Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, StreamFailure, SupportEmpty
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection
 from decodespec.spec.errors import ERROR_CODES, Rejection, ResourceLimit
 from decodespec.spec.rules import RULES, rules_of_kind
-from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, interrupt_point, is_terminal
+from decodespec.spec.state import InterruptPoint, Phase, RequestParams, RequestState, initial_state, interrupt_point, is_terminal
 from decodespec.spec.transitions import (
     MACHINE,
     completion_reason,
@@ -71,7 +71,7 @@ def rejected(params: RequestParams, state: RequestState, action) -> Rejection:
 def test_only_transition_code_is_not_enabled_and_every_rule_is_registered() -> None:
     assert {c for c in ERROR_CODES if c.startswith("transition.")} == {"transition.not_enabled"}
     mine = {r.id for r in rules_of_kind("transition") if r.obj.__module__ == "decodespec.spec.transitions"}
-    assert set(MACHINE.rule_ids()) == mine and len(mine) == 18
+    assert set(MACHINE.rule_ids()) == mine and len(mine) == 19
     for rule in (RULES[rid] for rid in mine):
         assert rule.section.startswith("M3.10") and "Guard" in rule.statement and "Effect" in rule.statement
 
@@ -141,14 +141,14 @@ def test_frontier_table_and_first_output_off_by_one() -> None:
     params = P(max_new_tokens=2, final_cache="all_outputs")
     L = params.prompt_len
     state = prefilled(params)
-    assert (state.output_count, len(state.pending_ids), state.processed, state.k_frontier) == (0, 0, L, L)
+    assert (state.output_count, len(state.pending_ids), state.processed, state.k_frontier(params)) == (0, 0, L, L)
     assert state.score == state.scores[-1] and (state.score.processed, state.score.output_count) == (L, 0)
     state = select(params, state, 0)
     assert (state.output_count, state.pending_ids, state.pending_tag, state.processed) == (1, (0,), PendingTag.PENDING_NEXT_CALL, L)
     state = step(params, state, Launch(DECODE, L, 1))
     assert state.in_flight.position_ids == (L,) and state.in_flight.decision_row == L
     state = done(params, state)
-    assert (state.output_count, state.pending_ids, state.processed, state.k_frontier) == (1, (), L + 1, L + 1)
+    assert (state.output_count, state.pending_ids, state.processed, state.k_frontier(params)) == (1, (), L + 1, L + 1)
     state = select(params, state, 1)  # O = G: length
     assert (state.phase, state.finish_reason, state.pending_tag, state.processed) == (
         Phase.FINISHED, FR.LENGTH, PendingTag.CLOSED_UNPROCESSED, L + 2 - 1)
@@ -156,7 +156,7 @@ def test_frontier_table_and_first_output_off_by_one() -> None:
     state = step(params, state, Launch(REPAIR, L + 1, 1))
     assert state.phase is Phase.FINISHED and state.in_flight.decision_row is None
     state = done(params, state)
-    assert (state.processed, state.pending_tag, state.score, state.k_frontier) == (L + 2, PendingTag.EMPTY, None, L + 2)
+    assert (state.processed, state.pending_tag, state.score, state.k_frontier(params)) == (L + 2, PendingTag.EMPTY, None, L + 2)
     assert is_terminal(params, state) and state.output_ids == (0, 1)
     assert state.output_logprobs == tuple(r.score_id for r in state.consumed)
 
@@ -182,7 +182,7 @@ def test_uncached_calls_recompute_the_full_prefix() -> None:
     failed = step(params, state, attrs.evolve(expected_report(params, state), stages_ok=False))
     assert failed.phase is Phase.READY and not failed.quarantined
     state = done(params, state)
-    assert (state.processed, state.lanes, state.k_frontier) == (4, (), None)
+    assert (state.processed, state.lanes, state.k_frontier(params)) == (4, (), None)
 
 
 def test_launch_repair_guard() -> None:
@@ -372,7 +372,8 @@ def test_encoder_decoder_fixed_lanes() -> None:
     assert dict(state.lanes) == {"encoder_memory": 4, "cross_kv": 4, "self_kv": 1}
     state = done(params, step(params, select(params, state, 0), Launch(DECODE, 1, 1)))
     assert dict(state.lanes) == {"encoder_memory": 4, "cross_kv": 4, "self_kv": 2}
-    assert state.k_frontier == 2 == state.processed
+    assert state.k_frontier(params) is None and state.frontiers(params) == {
+        "P_dyn": 2, "F_lane": {"encoder_memory": 4, "cross_kv": 4, "self_kv": 2}}
 
 
 def test_prefix_lm_prefix_is_one_call() -> None:
@@ -393,7 +394,12 @@ def test_hybrid_lanes_advance_together() -> None:
     assert report.lanes == (("self_kv", 3), ("recurrent", 3))
     assert completion_reason(params, state, attrs.evolve(report, lanes=(("self_kv", 3),))) == "missing_lane"
     state = done(params, state)
-    assert dict(state.lanes) == {"self_kv": 3, "recurrent": 3} and state.k_frontier == 3
+    assert dict(state.lanes) == {"self_kv": 3, "recurrent": 3}
+    # M3.10 0x01: a hybrid has no single K; it reports P_dyn and one F_lane per lane.
+    assert state.frontiers(params) == {"P_dyn": 3, "F_lane": {"self_kv": 3, "recurrent": 3}} and state.k_frontier(params) is None
+    decoder = P()
+    assert done(decoder, run(decoder, Admit(), Launch(PREFILL, 0, 3))).frontiers(decoder) == {"P": 3, "K": 3}
+    assert frontier_label(params, state) == "P_dyn=3, F_lane={self_kv: 3, recurrent: 3}"
 
 
 def test_disabled_action_names_the_guard_and_changes_nothing() -> None:
@@ -453,3 +459,68 @@ def test_random_walks_keep_every_invariant(bounds: ExploreBounds, data: st.DataO
         assert enabled(params, state, action)
         assert not inv.violated(params, nxt), (action, inv.violated(params, nxt))
         state = nxt
+
+
+def test_empty_support_is_a_typed_terminal_finish_that_keeps_the_output() -> None:
+    """transition.decide_empty_support (M3.10 0x02 branch table "constraint/parser error"; M3.8 hard constraints):
+    an empty legal support finishes with constraint_error; committed tokens, logprobs, P and the RNG counter stay,
+    no receipt is issued, no call is due (not even the repair of an all_outputs promise)."""
+    params = P(final_cache="all_outputs", max_draws=1)
+    state = select(params, prefilled(params), 1, draws=1)
+    state = done(params, step(params, state, Launch(DECODE, 3, 1)))
+    assert state.phase is Phase.SCORED
+    rejected(params, state, SupportEmpty("score-0"))  # a stale score
+    before = state
+    state = run_from(params, state, SupportEmpty(state.score.score_id))
+    assert (state.phase, state.finish_reason, state.triggers) == (Phase.FINISHED, FR.CONSTRAINT_ERROR, frozenset({FR.CONSTRAINT_ERROR}))
+    assert (state.output_ids, state.output_logprobs, state.processed, state.rng_counter, state.issued) == (
+        before.output_ids, before.output_logprobs, before.processed, before.rng_counter, before.issued)
+    assert state.score is None and state.receipt is None and state.pending_tag is PendingTag.EMPTY
+    assert is_terminal(params, state) and interrupt_point(state) is None
+    rejected(params, state, SupportEmpty(before.score.score_id))  # once only
+    rejected(params, state, Launch(REPAIR, 4, 1))
+    rejected(params, prefilled(params), SupportEmpty("score-x"))
+    rejected(params, select(params, prefilled(params), 0), SupportEmpty("score-1"))  # READY: nothing to decide
+
+
+def run_from(params: RequestParams, state: RequestState, *actions) -> RequestState:
+    for action in actions:
+        state = step(params, state, action)
+        assert not inv.violated(params, state), inv.violated(params, state)
+    return state
+
+
+def _closed_with_repair_owed(**kw) -> tuple[RequestParams, RequestState]:
+    params = P(max_new_tokens=1, final_cache="all_outputs", **kw)
+    state = select(params, prefilled(params), 0)  # O = G: length closes the output, the repair is owed
+    assert state.finish_reason is FR.LENGTH and not is_terminal(params, state)
+    return params, run_from(params, state, Launch(REPAIR, 3, 1))
+
+
+def test_a_failed_repair_does_not_rewrite_the_published_finish_reason() -> None:
+    """transition.complete_all_old after the close (M3.10 "The first-output off-by-one": the repair call is not another
+    output decision; 0x06: record every trigger, publish one reason): device_error is recorded, length stays published,
+    the repair is abandoned and the request is terminal."""
+    params, state = _closed_with_repair_owed(max_retries=0)
+    state = run_from(params, state, attrs.evolve(expected_report(params, state), stages_ok=False))
+    assert (state.finish_reason, state.triggers) == (FR.LENGTH, frozenset({FR.LENGTH, FR.DEVICE_ERROR}))
+    assert state.pending_tag is PendingTag.CLOSED_UNPROCESSED and state.processed == 3 and is_terminal(params, state)
+    rejected(params, state, Launch(REPAIR, 3, 1))  # abandoned, not owed again
+    rejected(params, state, Recover())
+
+
+@pytest.mark.parametrize("reason", [FR.CANCELLED, FR.TIMEOUT])
+def test_a_cancel_or_timeout_during_the_repair_call_lands(reason) -> None:
+    """transition.interrupt_in_flight on the repair call (phase FINISHED): the interrupt is recorded, the awaited call
+    selects ALL_OLD, the repair is abandoned; the published finish reason stays length.  A stream failure cannot land
+    on a closed stream."""
+    params, state = _closed_with_repair_owed(stream=True)
+    assert interrupt_point(state) is InterruptPoint.IN_FLIGHT
+    rejected(params, state, StreamFailure())
+    state = run_from(params, state, Cancel(reason))
+    assert state.in_flight.interrupts == frozenset({reason}) and state.finish_reason is FR.LENGTH
+    rejected(params, state, Cancel(reason))  # once per call
+    state = run_from(params, state, expected_report(params, state))
+    assert state.last_completion.selection is Selection.ALL_OLD and state.processed == 3
+    assert (state.finish_reason, state.triggers) == (FR.LENGTH, frozenset({FR.LENGTH, reason}))
+    assert is_terminal(params, state) and interrupt_point(state) is None

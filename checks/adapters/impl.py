@@ -381,6 +381,8 @@ class ImplAdapter:
 
     def _op_decide(self, act: dict[str, Any]) -> dict[str, Any]:
         d = self.runner.decide()
+        if d is None:  # the support was empty: the request finished with constraint_error
+            return {"finish_reason": self.runner.finish_reason.value}
         self._record_probe()
         return {"receipt_id": d.receipt_id, "token_id": d.token_id, "logprob": d.logprob, "draws": d.draws}
 

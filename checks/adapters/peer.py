@@ -38,9 +38,10 @@ from typing import Any, Mapping, Protocol
 import attrs
 import numpy as np
 
-from decodespec.spec.enums import FINISH_PRECEDENCE, FinishReason, PendingTag, canonical_finish_reason
+from decodespec.spec.enums import ENVIRONMENT_FAILURES, FINISH_PRECEDENCE, FinishReason, PendingTag, canonical_finish_reason, published_finish_reason
 from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED
 from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit
+from decodespec.spec.policy.codes import TERMINAL_DECISION_CODES
 from decodespec.spec.snapshot import SNAPSHOT_FORM_UNAVAILABLE
 from decodespec.spec.state import InterruptPoint, Phase
 from decodespec.spec.transitions import NOT_ENABLED
@@ -400,8 +401,7 @@ class PeerAdapter:
     def _repair_owed(self) -> bool:
         return (self.phase is Phase.FINISHED and self.config.final_cache == "all_outputs" and self.config.cache != "none"
                 and self.pending_tag is PendingTag.CLOSED_UNPROCESSED and self.finish_reason is not None
-                and self.finish_reason not in (FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR,
-                                               FinishReason.STREAM_ERROR))
+                and not self.triggers & ENVIRONMENT_FAILURES)
 
     def _next_call(self) -> tuple[str, int, int] | None:
         """The due call ``(kind, start, length)``, or ``None``."""
@@ -422,12 +422,14 @@ class PeerAdapter:
         return None
 
     def _interrupt_point(self) -> InterruptPoint | None:
+        if self.in_flight is not None:  # also the repair call after the close
+            return InterruptPoint.IN_FLIGHT
         return {Phase.READY: InterruptPoint.BEFORE_LAUNCH, Phase.IN_FLIGHT: InterruptPoint.IN_FLIGHT,
                 Phase.SCORED: InterruptPoint.AFTER_COMPLETION, Phase.DECIDED: InterruptPoint.AFTER_DECISION}.get(self.phase)
 
     def _finish(self, triggers: set[FinishReason]) -> None:
         self.triggers |= triggers
-        self.finish_reason = canonical_finish_reason(self.triggers)
+        self.finish_reason = published_finish_reason(self.triggers)
         self.phase = Phase.FINISHED
         self.pending_tag = PendingTag.CLOSED_UNPROCESSED if self.pending_ids else PendingTag.EMPTY
 
@@ -528,7 +530,16 @@ class PeerAdapter:
     def _op_decide(self, act: dict[str, Any]) -> dict[str, Any]:
         self._require(self.phase is Phase.SCORED and self.score is not None, "transition.decide", "phase == SCORED")
         score_id, row, _ = self.score
-        made = self.engine.decide(row, self._sequence(), len(self.output_ids))
+        try:
+            made = self.engine.decide(row, self._sequence(), len(self.output_ids))
+        except DecodeSpecError as exc:
+            reason = TERMINAL_DECISION_CODES.get(exc.code)
+            if reason is None:
+                raise
+            # The peer's own "unsatisfiable constraint" is the typed terminal finish (M3.10 0x02 branch table).
+            self.score = None
+            self._finish({reason})
+            return {"finish_reason": reason.value}
         probe = None
         if made.support_ids is not None:
             probe = (np.asarray(made.support_ids, dtype=np.int64), np.asarray(made.support_probs, dtype=np.float32))

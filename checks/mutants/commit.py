@@ -89,3 +89,39 @@ def _receipt_consumed_twice():
          "self.score.generation == self.generation"),
         ("pending.rng_counter_before == self.policy_state.rng_counter", "True"),
     ])]
+
+
+@mutant(
+    "empty_support_refused", group=_G,
+    title="An empty legal support refuses the decision instead of finishing the request",
+    section="M3.10 0x02 branch table (constraint/parser error: typed terminal error with no unsupported next call)",
+    statement="impl/runtime.py RequestRunner.decide re-raises policy.empty_support when the constraint leaves no legal "
+    "token: the request stays SCORED, no finish is published and a generate --trace run loses its trace. STATE fails "
+    "(the spec finishes with constraint_error, the runtime refuses the decision).",
+)
+def _empty_support_refused():
+    return [Patch(f"{_RUNNER}.decide", edits=[("reason = TERMINAL_DECISION_CODES.get(exc.code)", "reason = None")])]
+
+
+@mutant(
+    "repair_failure_rewrites_finish", group=_G,
+    title="A failed repair call rewrites the published finish reason",
+    section="M3.10 The first-output off-by-one (the repair call is not another output decision); 0x06 Finish reason and RNG precedence",
+    statement="impl/runtime.py RequestRunner._finish takes the canonical reason of every trigger, so a repair call that "
+    "fails after length closed the output publishes device_error instead of length. SEQUENCE fails (finish reason).",
+)
+def _repair_failure_rewrites_finish():
+    return [Patch(f"{_RUNNER}._finish", edits=[(
+        "self.finish_reason = published_finish_reason(self.triggers)", "self.finish_reason = canonical_finish_reason(self.triggers)")])]
+
+
+@mutant(
+    "repair_ignores_interrupts", group=_G,
+    title="A cancel or timeout during the repair call is refused",
+    section="M3.10 0x02 branch table (cancellation/timeout in flight: await, select ALL_OLD)",
+    statement="impl/runtime.py RequestRunner.interrupt_point maps the FINISHED phase to no interrupt point even while the "
+    "repair call is in flight, so a timeout during the repair call is refused and the repair completes. STATE fails "
+    "(the spec accepts the interrupt, the runtime refuses it).",
+)
+def _repair_ignores_interrupts():
+    return [Patch(f"{_RUNNER}.interrupt_point", edits=[("if self.in_flight is not None:", "if self.phase is Phase.IN_FLIGHT:")])]

@@ -52,7 +52,7 @@ def _greedy_consumes_draws():
 @mutant(
     "rng_counter_not_restored", group=_G,
     title="Resume restarts the RNG counter",
-    section="M3.10 0x0B A completed output is not automatically a resumable snapshot; RNG and policy-state bugs",
+    section="M3.10 0x0BA A completed output is not automatically a resumable snapshot; RNG and policy-state bugs",
     statement="impl/snapshot.py restore_runner restores the policy state with the request's initial RNG counter "
     "instead of the snapshot's: a resumed sampled request replays draw addresses it already consumed. STATE / RESUME "
     "fail (RNG counter after restore).",

@@ -159,7 +159,8 @@ def _top_k_keeps_ties():
     section="M3.8 0x12 item 42 (masking every token to negative infinity: raise or provide an explicit legal fallback)",
     statement="impl/policy.py _apply_fallback forces an EOS id whenever the support is empty, ignoring the policy's "
     "declared empty_support = raise and whether a legality transform banned that EOS: the runtime emits a token "
-    "where the spec refuses the decision (policy.empty_support). STATE fails (the spec rejects, the runtime accepts).",
+    "where the spec finishes the request with constraint_error (policy.empty_support, M3.10 0x02 branch table). STATE "
+    "fails (phase: the spec is finished, the runtime decided).",
 )
 def _empty_support_undeclared_fallback():
     return [Patch("decodespec.impl.policy:_apply_fallback", edits=[(

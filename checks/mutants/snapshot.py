@@ -1,6 +1,6 @@
 """Failure lab, snapshot group: a restored request does not continue like the uninterrupted one.
 
-Source: M3.10 0x0B "A completed output is not automatically a resumable snapshot" (the snapshot
+Source: M3.10 0x0BA "A completed output is not automatically a resumable snapshot" (the snapshot
 binds P and U with P + |U| = L + O, the stop matcher and the stream holdback), 0x06 "Deriving the
 stream holdback".
 """
@@ -15,7 +15,7 @@ _G = "snapshot"
 @mutant(
     "resume_resets_stop_matcher", group=_G, text=True, representative=True,
     title="Resume restarts the stop matcher and the stream holdback",
-    section="M3.10 0x0B A completed output is not automatically a resumable snapshot (stop matcher and holdback state)",
+    section="M3.10 0x0BA A completed output is not automatically a resumable snapshot (stop matcher and holdback state)",
     statement="impl/output.py OutputObserver.restore_state replays the committed tokens but then resets the stop "
     "automaton to its start state: a stop string whose first bytes were committed before the snapshot is not "
     "matched after the restore, and the held-back bytes are published. RESUME / SEQUENCE fail (finish reason, text, "
@@ -31,7 +31,7 @@ def _resume_resets_stop_matcher():
 @mutant(
     "resume_drops_pending_token", group=_G,
     title="Resume drops the pending token",
-    section="M3.10 0x0B A completed output is not automatically a resumable snapshot (P + |U| = L + O)",
+    section="M3.10 0x0BA A completed output is not automatically a resumable snapshot (P + |U| = L + O)",
     statement="impl/snapshot.py restore_runner restores U = [] (tag EMPTY) from a pending-suffix snapshot whose "
     "committed token was not yet processed: P + |U| < L + O, so the resumed request never feeds that token. STATE "
     "fails (frontier pending / tag) right after the restore.",

@@ -11,6 +11,7 @@ rows), M3.10 0x02 branch table (typed rejection changes nothing).
 
 from __future__ import annotations
 
+from decodespec.spec.enums import FinishReason
 from decodespec.spec.errors import register_code
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "MISSING_FIELD",
     "NAN_SCORES",
     "SCORE_KIND_MISMATCH",
+    "TERMINAL_DECISION_CODES",
     "TOKEN_OUT_OF_RANGE",
     "TOO_LARGE",
     "TRANSFORM_NOT_IN_PRESET",
@@ -50,9 +52,16 @@ SCORE_KIND_MISMATCH = register_code("policy.score_kind_mismatch", "rejection", "
 NAN_SCORES = register_code("policy.nan_scores", "rejection", "M3.8 0x04 Dtype and degenerate-row policy", "The score row contains NaN, or a transform produced NaN; the row is never sampled.")
 INFINITE_SCORES = register_code("policy.infinite_scores", "rejection", "M3.8 0x04 Dtype and degenerate-row policy", "The score row contains +inf, or a transform overflowed to +inf (only -inf, meaning 'forbidden', is a legal non-finite score).")
 INVALID_ROW = register_code("policy.invalid_row", "rejection", "M3.8 0x04 Logits, probabilities, and log-probabilities", "The score row is malformed: not one-dimensional, empty, or its values contradict its declared kind (probabilities outside [0, 1] or not summing to one, log-probabilities not normalized).")
-EMPTY_SUPPORT = register_code("policy.empty_support", "rejection", "M3.8 0x0B Hard constraints define a conditional support", "No token has a finite score after the configured transforms, and no declared fallback applies (fallback_eos needs a legal EOS id); the raw row is never silently restored.")
+EMPTY_SUPPORT = register_code("policy.empty_support", "rejection", "M3.8 0x0B Hard constraints define a conditional support", "No token has a finite score after the configured transforms, and no declared fallback applies (fallback_eos needs a legal EOS id); the raw row is never silently restored. At a request's decision this is the typed terminal finish constraint_error (M3.10 0x02 branch table), not a refused action.")
 TOKEN_OUT_OF_RANGE = register_code("policy.token_out_of_range", "rejection", "M3.8 0x08 The vocabulary-axis identity contract", "A token id in the policy configuration or request view is outside [0, V) for the score row being decided.")
 INVALID_VIEW = register_code("policy.invalid_view", "rejection", "M3.8 0x0B Policy state is typed and partly mutable", "The read-only request view is malformed (negative step, negative min_new_tokens, non-integer ids).")
 INVALID_STATE = register_code("policy.invalid_state", "rejection", "M3.8 0x0B Policy state is typed and partly mutable", "The policy state does not belong to this configuration (unknown constraint state, missing Mirostat mu, negative RNG counter).")
 TOO_LARGE = register_code("policy.too_large", "resource_limit", "M3.10 0x06 Bound parsers, matchers, traces, and sensitive data", "A policy table exceeds its declared size bound (decodespec.spec.limits: logit_bias entries, bad_words sequences or sequence length, automaton states or edges); refused before anything is built.")
 FAMILY_MISMATCH = register_code("policy.family_mismatch", "rejection", _S, "A single-row decision was requested for the beam family, or beam candidates for a non-beam family.")
+
+#: Decision refusals that finish the request rather than refuse the action: code -> finish reason.
+#: M3.10 0x02 branch table: "constraint/parser error -- typed terminal error with no unsupported next
+#: call"; M3.8 "Hard constraints define a conditional support" (raise; never restore the raw row).
+#: The spec steps ``SupportEmpty`` (``transition.decide_empty_support``); a runtime finishes with the
+#: reason, keeping every committed token.
+TERMINAL_DECISION_CODES: dict[str, FinishReason] = {EMPTY_SUPPORT: FinishReason.CONSTRAINT_ERROR}
