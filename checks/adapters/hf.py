@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from decodespec.impl.runtime import INVALID_REQUEST  # the registered code (runtime.invalid_request)
 from decodespec.spec.enums import FinishReason
 from decodespec.spec.errors import Rejection
 from decodespec.spec.policy.codes import EMPTY_SUPPORT
@@ -291,6 +292,11 @@ class HFEngine:
         if config.stop_strings and config.model == "tiny":
             raise unsupported("the tiny model has no HF tokenizer, so HF cannot match stop strings", "$.stop_strings")
         model = hf_model(config.model, config.dtype, config.device, config.attention)
+        vocab = int(model.config.vocab_size)
+        outside = next((i for i, t in enumerate(config.prompt_ids) if not 0 <= t < vocab), None)
+        if outside is not None:  # HF's embedding would raise IndexError: the typed refusal every runtime gives
+            raise Rejection(INVALID_REQUEST, f"prompt_ids[{outside}] = {config.prompt_ids[outside]} is not an id in [0, {vocab})",
+                            f"$.prompt_ids[{outside}]")
         L, G = config.prompt_len, config.max_new_tokens
         gen = generation_config(config, max_length=min(L + G, context_cap))
         tokenizer = hf_tokenizer(config.model) if config.stop_strings else None  # StopStringCriteria needs it now
