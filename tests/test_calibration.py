@@ -86,21 +86,12 @@ def test_a_large_logit_bias_is_judged_with_the_runtime_dtype_rounding() -> None:
     """A processed score of 1e4 in float32 carries ~1e-3 of rounding; POLICY's log-probability check on the
     runtime's own row allows for it (found by the widened machines: 1.6e-4 nats on tiny)."""
     from decodespec.checks.adapters import CaseConfig
-    from decodespec.checks.lockstep import LockStep
-    from decodespec.checks.traces import open_runtime
 
     config = CaseConfig(model="tiny", prompt_ids=(1,), max_new_tokens=1, attention="eager", seed=0, final_cache="none",
                         policy={"family": "greedy", "order": "default", "transforms": [
                             {"name": "frequency_penalty", "penalty": -2.0}, {"name": "no_repeat_ngram", "n": 1},
                             {"name": "logit_bias", "bias": {"0": 10000.0, "35": 10000.0}}]})
-    adapter = open_runtime("impl", "tiny")
-    try:
-        ls = LockStep(adapter, config)
-        ls.reset()
-        ls.apply({"op": "run"})
-    finally:
-        adapter.close()
-    assert ls.verdict.result == "passed", ls.verdict
+    _assert_lockstep_passes(config)
 
 
 def test_merge_takes_the_entries_of_an_out_file_and_refuses_anything_else(tmp_path, capsys) -> None:
@@ -128,14 +119,20 @@ def test_a_large_logit_bias_before_a_renormalising_truncation_is_judged_with_its
     """The rounding of a 1e4 bias stays when epsilon / eta truncation renormalises to log-probabilities near 0 afterwards:
     the slack takes the largest magnitude of any stage, not the last (found by the capability-aware machines: 4.4e-4 nats)."""
     from decodespec.checks.adapters import CaseConfig
-    from decodespec.checks.lockstep import LockStep
-    from decodespec.checks.traces import open_runtime
 
     config = CaseConfig(model="tiny", prompt_ids=(1,), max_new_tokens=1, attention="eager", seed=0, final_cache="none",
                         cache="static", static_capacity=2, zero_new_tokens="reject",
                         policy={"family": "multinomial", "order": "default", "transforms": [
                             {"name": "logit_bias", "bias": {"1": 10000.0, "0": -10000.0, "2": 10000.0}},
                             {"name": "epsilon", "epsilon": 0.025}, {"name": "eta", "epsilon": 0.025}]})
+    _assert_lockstep_passes(config)
+
+
+def _assert_lockstep_passes(config) -> None:
+    """Run ``config`` on our runtime in lock step (one ``run``) and assert the verdict passed."""
+    from decodespec.checks.lockstep import LockStep
+    from decodespec.checks.traces import open_runtime
+
     adapter = open_runtime("impl", "tiny")
     try:
         ls = LockStep(adapter, config)
