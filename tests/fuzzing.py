@@ -10,6 +10,7 @@ Source: issue 16 deliverable 7 (a short CI profile and an hour-long run of the s
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import struct
@@ -90,3 +91,108 @@ class Ledger:
                 "slowest_s": {s: round(t, 3) for s, t in self.slowest.items()},
                 "outcomes": {s: dict(c.most_common()) for s, c in self.counts.items()},
                 "untyped": self.untyped[:50]}
+
+
+#: Values a JSON-level mutation puts in place of another (each a type, size or content some reader mishandled once).
+HOSTILE: list[Any] = [
+    None, True, False, 0, -1, 1, 7, 2**31, 2**53 - 1, 2**53 + 1, 2**63, -(2**63) - 1, 2**64, 10**400, 0.5, -0.0, 1e308, -1e308,
+    "", "x", "\ud800", "a\udc00b", "é✓日本", "x" * 5000, "stdio:touch /nonexistent/decodespec-fuzz-marker", "impl", "hf",
+    "impl.broken.nope", "passed", "failed", "ALL_NEW", "ALL_OLD", "sha256:" + "0" * 64, "cuda:0", "float64",
+    [], [1], [None], [-1], [2**60], ["x"], [[1, 2]], {}, {"op": "run"}, {"op": "stdio"}, {"#bigint": "12"}, {"tag": "None"},
+    {"family": "greedy"}, {"result": "passed"}, {"a": {"b": {"c": [1]}}},
+]
+
+
+#: A deep-nest marker: :func:`_dumps` splices that many nested arrays in as text.
+DEEP = "\x00deep:"
+
+
+def _dumps(doc: Any) -> bytes:
+    """``json.dumps(doc)`` with every deep-nest marker replaced by that many nested arrays around ``1``."""
+    text = json.dumps(doc)
+    marker = json.dumps(DEEP)[1:-1]
+    while '"' + marker in text:
+        start = text.index('"' + marker)
+        end = text.index('"', start + 1)
+        depth = int(text[start + 1 + len(marker):end])
+        text = text[:start] + "[" * depth + "1" + "]" * depth + text[end + 1:]
+    return text.encode()
+
+
+def _paths(value: Any, prefix: tuple = (), limit: int = 4000) -> list[tuple]:
+    """Every path (keys / indices) into ``value``, breadth-first, at most ``limit``."""
+    out, queue = [], [(value, prefix)]
+    while queue and len(out) < limit:
+        item, where = queue.pop(0)
+        out.append(where)
+        if isinstance(item, dict):
+            queue.extend((v, (*where, k)) for k, v in item.items())
+        elif isinstance(item, list):
+            queue.extend((v, (*where, i)) for i, v in enumerate(item))
+    return out
+
+
+def _set(root: Any, path: tuple, value: Any, delete: bool = False) -> Any:
+    if not path:
+        return value
+    parent = root
+    for key in path[:-1]:
+        parent = parent[key]
+    if delete:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    return root
+
+
+def json_mutation(c: Chooser, doc: Any, prefer: tuple = ()) -> tuple[Any, str]:
+    """One JSON-level mutation of ``doc`` (a deep copy); returns the new document and a description."""
+    doc = json.loads(json.dumps(doc))
+    base = doc
+    for key in prefer:
+        if isinstance(base, dict) and key in base and c.int(0, 9) < 8:
+            base = base[key]
+        else:
+            prefer = ()
+            break
+    paths = _paths(base, tuple(prefer))
+    path = c.choice(paths)
+    kind = c.choice(["replace", "replace", "replace", "delete", "add", "deep", "number"])
+    if kind == "delete" and path:
+        return _set(doc, path, None, delete=True), f"delete {list(path)}"
+    if kind == "add":
+        target = doc
+        for key in path:
+            target = target[key]
+        if isinstance(target, dict):
+            name = c.choice(["note", "op", "#meta", "runtime", "\ud800", "x" * 300])
+            target[name] = c.choice(HOSTILE)
+            return doc, f"add {list(path)}.{name!r}"
+        if isinstance(target, list):
+            target.append(c.choice(HOSTILE))
+            return doc, f"append {list(path)}"
+    if kind == "deep":  # a marker, spliced in as text by _dumps (a Python object this deep could not be serialised)
+        depth = c.choice([50, 2000, 200_000])
+        return _set(doc, path, f"{DEEP}{depth}"), f"deep {list(path)} x{depth}"
+    if kind == "number":
+        value = c.int(-(2**70), 2**70) if c.bool() else c.float()
+        return _set(doc, path, value), f"number {list(path)} = {value!r}"
+    value = c.choice(HOSTILE)
+    return _set(doc, path, value), f"replace {list(path)} = {str(value)[:40]!r}"
+
+
+def byte_mutation(c: Chooser, data: bytes) -> tuple[bytes, str]:
+    """One byte-level mutation: flip, insert, delete a range, truncate or splice a non-UTF-8 byte."""
+    kind = c.choice(["flip", "insert", "delete", "truncate", "non_utf8"])
+    at = c.int(0, max(len(data) - 1, 0))
+    if kind == "flip" and data:
+        return data[:at] + bytes([data[at] ^ c.int(1, 255)]) + data[at + 1:], f"flip @{at}"
+    if kind == "insert":
+        return data[:at] + c.bytes(c.int(1, 8)) + data[at:], f"insert @{at}"
+    if kind == "delete":
+        return data[:at] + data[at + c.int(1, 64):], f"delete @{at}"
+    if kind == "truncate":
+        return data[:at], f"truncate @{at}"
+    return data[:at] + c.choice([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\x00"]) + data[at:], f"non-utf8 @{at}"
+
+

@@ -39,6 +39,7 @@ import json
 from typing import Any, Mapping
 
 import attrs
+import jsonschema
 import numpy as np
 
 from decodespec.spec.errors import Rejection
@@ -108,6 +109,48 @@ def observation_to_json(obs: Observation) -> dict[str, Any]:
     return out
 
 
+def _null_or(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [{"type": "null"}, schema]}
+
+
+_INTS = {"type": "array", "items": {"type": "integer"}}
+_NUMBERS = {"type": "array", "items": {"type": "number"}}
+_ARRAY = {"type": "object"}  # decoded and checked by array_from_json
+#: The JSON types of an observation's fields (what :func:`observation_to_json` writes); a value of
+#: another type is ``adapter.protocol`` here, before any comparison reads it.
+OBSERVATION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "phase": _null_or({"type": "string"}),
+        "output_ids": _null_or(_INTS),
+        "logprobs": _null_or(_NUMBERS),
+        "frontier": _null_or({"type": "object", "properties": {
+            **{k: {"type": "integer", "minimum": 0} for k in ("prompt_len", "output_count", "pending", "processed")},
+            "pending_tag": _null_or({"type": "string"})}}),
+        "finish_reason": _null_or({"type": "string"}),
+        "triggers": _null_or({"type": "array", "items": {"type": "string"}}),
+        **{k: _null_or({"type": "integer"}) for k in ("rng_counter", "generation", "score_output_count", "cache_committed", "cache_physical")},
+        "quarantined": _null_or({"type": "boolean"}),
+        "decision": _null_or({"type": "object", "properties": {
+            "receipt_id": _null_or({"type": "string"}), "score_id": _null_or({"type": "string"}),
+            "token_id": _null_or({"type": "integer"}), "logprob": _null_or({"type": "number"}), "draws": _null_or({"type": "integer"})}}),
+        **{k: _null_or(_ARRAY) for k in _ARRAY_FIELDS},
+        "score_id": _null_or({"type": "string"}),
+        "text": _null_or({"type": "string"}),
+        "chunks": _null_or({"type": "array", "items": {"type": "object", "properties": {
+            "chunk_idx": {"type": "integer"}, "text": {"type": "string"},
+            **{k: {"type": "integer"} for k in ("byte_start", "byte_end", "token_start", "token_end")}}}}),
+        "call": _null_or({"type": "object", "properties": {
+            "call_id": {"type": ["integer", "string"]}, "kind": {"type": "string"}, "start": {"type": "integer"},
+            "length": {"type": "integer"}, "position_ids": _null_or(_INTS), "cache_position": _null_or(_INTS),
+            "in_flight": {"type": "boolean"}}}),
+        **{k: _null_or(_INTS) for k in ("beam_tokens", "beam_parents", "returned_ids")},
+        "returned_logprobs": _null_or(_NUMBERS),
+    },
+}
+_OBSERVATION_VALIDATOR = jsonschema.Draft202012Validator(OBSERVATION_SCHEMA)
+
+
 def observation_from_json(obj: Any) -> Observation:
     """Inverse of :func:`observation_to_json` (absent fields are not exposed: ``None`` / empty).
 
@@ -120,6 +163,10 @@ def observation_from_json(obj: Any) -> Observation:
     unknown = sorted(set(obj) - names)
     if unknown:
         raise _protocol(f"unknown observation field(s) {unknown}", f"$.observation.{unknown[0]}")
+    error = next(iter(_OBSERVATION_VALIDATOR.iter_errors(obj)), None)
+    if error is not None:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+        raise _protocol(f"bad observation field: {error.message[:200]}", f"$.observation{where}")
     values = {}
     for name, value in obj.items():
         if name in _ARRAY_FIELDS and value is not None:
