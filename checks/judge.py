@@ -95,6 +95,7 @@ __all__ = [
     "ROWS_SCHEMA_PATH",
     "Judgement",
     "judge_rows",
+    "parse_line",
     "read_rows",
     "record_rows",
     "write_rows",
@@ -202,7 +203,7 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _parse_line(index: int, raw: str | dict[str, Any]) -> dict[str, Any]:
+def parse_line(index: int, raw: str | dict[str, Any]) -> dict[str, Any]:
     """One line as a schema-valid object.
 
     Raises:
@@ -443,6 +444,9 @@ class _Judge:
             verdict = judge_decision(policy=self.policy, ref_values=processed.values, ref_token=receipt.selected_id, runtime_token=token,
                                      tolerance=self.tolerance, greedy=greedy, ref_probs=processed.probs, u=u, output_index=index_o,
                                      epsilon=eps)
+            # The margin rule on the runtime's own row: the "reference" row of the message is the spec policy's processing of it.
+            verdict = attrs.evolve(verdict, message=verdict.message + " [judged on the recorded row: 'reference' is the spec policy's "
+                                   "processed row of it]")
             if verdict.result == FAILED:
                 raise _Broken(verdict)
             if verdict.result == UNDECIDED and self.undecided is None:
@@ -526,7 +530,7 @@ def judge_rows(lines: Iterable[str | dict[str, Any]], *, tolerance: Tolerance, r
         raise Rejection(JUDGE_UNREADABLE, "no lines: no request header", "$")
     if len(items) > MAX_LINES:
         raise ResourceLimit(JUDGE_TOO_LARGE, f"more than {MAX_LINES} lines", f"$[{MAX_LINES}]", {"limit": MAX_LINES})
-    records = [_parse_line(i, raw) for i, raw in enumerate(items)]  # every line is well-formed before any judgement
+    records = [parse_line(i, raw) for i, raw in enumerate(items)]  # every line is well-formed before any judgement
     for i, rec in enumerate(records):
         if (rec["event"] == "request") != (i == 0):
             raise Rejection(JUDGE_SCHEMA, "the request header is the first line and only there" if i else

@@ -59,7 +59,7 @@ def _error(exc) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Judge (or record) and print; returns the exit code."""
-    from decodespec.checks.judge import JUDGE_NO_TOLERANCE, judge_rows, read_rows
+    from decodespec.checks.judge import JUDGE_NO_TOLERANCE, JUDGE_SCHEMA, judge_rows, parse_line, read_rows
     from decodespec.checks.ladder import Tolerance, tolerance_for
     from decodespec.spec.errors import DecodeSpecError, Rejection
 
@@ -67,12 +67,10 @@ def run(args: argparse.Namespace) -> int:
         return _record(args)
     try:
         lines = read_rows(args.file)
-        try:
-            header = json.loads(lines[0])
-            info = header.get("runtime", {}) if isinstance(header, dict) else {}
-            info = info if isinstance(info, dict) else {}
-        except (ValueError, RecursionError):
-            info = {}  # judge_rows names the schema error
+        header = parse_line(0, lines[0])  # judge.schema before anything is read from it
+        if header["event"] != "request":
+            raise Rejection(JUDGE_SCHEMA, f"the first line is a {header['event']!r} line, not the request header", "$[0].event")
+        info = header.get("runtime", {})
         model, dtype, name = info.get("model"), info.get("dtype", "float32"), info.get("name", "*")
         if args.epsilon is not None:
             if not (args.epsilon >= 0 and args.epsilon < float("inf")):
