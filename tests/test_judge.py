@@ -271,3 +271,41 @@ def test_cli_exit_codes(greedy_rows, tmp_path, capsys):
     capsys.readouterr()
     assert [json.loads(line) for line in read_rows(recorded)] == json.loads(json.dumps(greedy_rows))
     assert main(["judge", str(recorded), "--reference"]) == 0
+
+
+def test_a_tie_within_the_tolerance_is_undecided_not_failed(greedy_rows):
+    rows = copy.deepcopy(greedy_rows)
+    line = tokens(rows)[1]
+    row = np.asarray(rows[line]["row"])
+    top = int(np.argmax(row))
+    other = int(np.argsort(row)[-2])
+    row[other] = row[top] - 1e-6  # the runner-up within 2 epsilon of the top: the margin rule cannot decide
+    rows[line]["row"] = row.tolist()
+    rows[line]["token_id"], rows[line]["logprob"] = other, float(log_softmax(row)[other])
+    rows = rows[:line + 1]
+    verdict = judge(rows)
+    assert verdict.verdict.result == "failed" and verdict.verdict.check == "phase"  # ends open: the undecided one is not reported over a failure
+    full = copy.deepcopy(greedy_rows)
+    full[line] = rows[line]
+    full[-1].pop("output_ids")
+    verdict = judge(full)
+    assert (verdict.verdict.result, verdict.verdict.check, verdict.line) == ("undecided", "decision.margin", line + 1)
+    assert verdict.conforming
+
+
+def test_zero_new_tokens_and_bounds(tiny_model, byte_tokenizer, tmp_path, monkeypatch):
+    env = envelope(max_new_tokens=0)
+    env["termination"]["min_new_tokens"] = 0
+    rows = record(tiny_model, byte_tokenizer, env)
+    assert [r["event"] for r in rows] == ["request", "finish"] and rows[-1]["finish_reason"] == "length"
+    assert judge(rows).verdict.result == "passed"
+    rows[-1]["finish_reason"] = "eos"
+    assert (judge(rows).verdict.layer, judge(rows).verdict.check) == ("SEQUENCE", "finish_reason")
+    import decodespec.checks.judge as J
+
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps(rows[0]) + "\n")
+    monkeypatch.setattr(J, "MAX_LINE_BYTES", 100)
+    with pytest.raises(DecodeSpecError) as info:
+        read_rows(path)
+    assert (info.value.code, info.value.kind, info.value.path) == ("judge.too_large", "resource_limit", "$[0]")
