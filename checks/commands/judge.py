@@ -100,14 +100,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _token_bytes(choice: str, model):
+    """The token bytes of ``choice`` (``auto``: the header's model), loaded on first use (only stop strings need them), or ``None``."""
     if choice == "auto":
         choice = model if model in ("tiny", "smollm2") else "none"
     if choice == "none":
         return None
-    from decodespec.checks.adapters.impl import load_tokenizer
-    from decodespec.checks.trace_validation import token_bytes_of
+    loaded: list = []
 
-    return token_bytes_of(load_tokenizer(choice))
+    def token_bytes(token_id: int) -> bytes:
+        if not loaded:
+            from decodespec.checks.adapters.impl import load_tokenizer
+            from decodespec.checks.trace_validation import token_bytes_of
+
+            loaded.append(token_bytes_of(load_tokenizer(choice)))
+        return loaded[0](token_id)
+
+    return token_bytes
 
 
 def _record(args: argparse.Namespace) -> int:
