@@ -59,6 +59,7 @@ request as a transition system"; M3.8 0x0B; issue 22 item 5 (the rows-in oracle)
 from __future__ import annotations
 
 import json
+import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -203,6 +204,13 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {quote(text)} overflows to infinity")
+    return value
+
+
 def parse_line(index: int, raw: str | dict[str, Any]) -> dict[str, Any]:
     """One line as a schema-valid object.
 
@@ -214,7 +222,8 @@ def parse_line(index: int, raw: str | dict[str, Any]) -> dict[str, Any]:
         rec: Any = raw
     else:
         try:
-            rec = json.loads(raw, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+            rec = json.loads(raw, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant,
+                             parse_float=_finite_float)
         except (ValueError, RecursionError) as exc:
             raise Rejection(JUDGE_SCHEMA, f"line {index + 1} is not one JSON object: {exc}", where) from None
     if not isinstance(rec, dict):

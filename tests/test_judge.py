@@ -216,6 +216,10 @@ def test_bad_files_are_typed_errors(greedy_rows, tmp_path):
     line = tokens(greedy_rows)[0]
     text = lines[line].replace('"row": [', '"row": [NaN, ', 1)
     assert error(lines[:line] + [text] + lines[line + 1:]).code == JUDGE_SCHEMA
+    text = lines[line].replace('"row": [', '"row": [1e400, ', 1)  # overflows to infinity
+    assert (error(lines[:line] + [text] + lines[line + 1:]).code, error(lines[:line] + [text] + lines[line + 1:]).path) == (JUDGE_SCHEMA, f"$[{line}]")
+    text = lines[1].replace('"start": 0', '"start": 0, "start": 1', 1)  # a duplicate key
+    assert error(lines[:1] + [text] + lines[2:]).code == JUDGE_SCHEMA
     bad = copy.deepcopy(greedy_rows)
     bad[line]["row"][5] = "x"
     assert (error(bad).code, error(bad).path) == (JUDGE_SCHEMA, f"$[{line}].row[5]")
