@@ -329,7 +329,10 @@ class _Judge:
     def __init__(self, admitted: AdmittedRequest, tolerance: Tolerance, reference: Any, token_bytes: Callable[[int], bytes] | None,
                  machine: Machine):
         self.admitted = admitted
-        self.params = params_from_request(admitted)
+        params = params_from_request(admitted)
+        if reference is not None and reference.window < params.context_cap:  # the gate's cap (lockstep.params_for): the model window
+            params = attrs.evolve(params, context_cap=reference.window)
+        self.params = params
         self.policy = with_min_new_tokens(admitted.policy, self.params.min_new_tokens)
         self.tolerance = tolerance
         self.reference = reference
@@ -519,8 +522,10 @@ def judge_rows(lines: Iterable[str | dict[str, Any]], *, tolerance: Tolerance, r
         lines: The recording's lines (JSON text or parsed objects), the ``request`` header first.
         tolerance: The declared tolerance (:func:`decodespec.checks.ladder.tolerance_for`): epsilon
             of the margin rule and the logprob bound; with ``reference``, the TENSOR bound.
-        reference: A float64 reference with ``row(ids) -> [V]`` (:class:`~decodespec.checks.reference.Reference64`)
-            of the recorded model, or ``None`` (then TENSOR checks only the row's shape).
+        reference: A float64 reference with ``row(ids) -> [V]`` and ``window``
+            (:class:`~decodespec.checks.reference.Reference64`) of the recorded model, or ``None``
+            (then TENSOR checks only the row's shape).  Its window also caps the context
+            (``context_length`` fires at the least of the envelope's caps and the window, as in the gate).
         token_bytes: The bytes of each id (:func:`decodespec.checks.trace_validation.token_bytes_of`),
             needed when the request declares stop strings or structured completion.
         machine: The spec transition machine (tests plug in broken ones).

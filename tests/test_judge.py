@@ -313,3 +313,19 @@ def test_zero_new_tokens_and_bounds(tiny_model, byte_tokenizer, tmp_path, monkey
     with pytest.raises(DecodeSpecError) as info:
         read_rows(path)
     assert (info.value.code, info.value.kind, info.value.path) == ("judge.too_large", "resource_limit", "$[0]")
+
+
+def test_the_reference_window_caps_the_context(greedy_rows):
+    """With a reference, context_length fires at the model window (the gate's cap), not only at the envelope's."""
+    real = reference_for("tiny")
+
+    class Narrow:
+        window = greedy_rows[-1]["frontier"]["prompt_len"] + 3
+
+        def row(self, ids):
+            return real.row(ids)
+
+    verdict = judge(greedy_rows, reference=Narrow())
+    line = tokens(greedy_rows)[2]  # L + 3 reached at the third commit: the spec closes the output there
+    assert (verdict.verdict.layer, verdict.verdict.check, verdict.line) == ("SEQUENCE", "triggers", line + 1)
+    assert verdict.verdict.expected == ["context_length"] and verdict.verdict.actual == []
