@@ -275,6 +275,11 @@ def test_cli_exit_codes(greedy_rows, tmp_path, capsys):
     capsys.readouterr()
     assert [json.loads(line) for line in read_rows(recorded)] == json.loads(json.dumps(greedy_rows))
     assert main(["judge", str(recorded), "--reference"]) == 0
+    capsys.readouterr()
+    assert main(["judge", "--record", str(envelope_file), str(tmp_path / "no" / "such" / "folder.jsonl")]) == 2
+    assert json.loads(capsys.readouterr().err)["error"]["code"] == "cli.io_error"
+    assert main(["judge", str(recorded), "--epsilon", "nan"]) == 2
+    assert json.loads(capsys.readouterr().err)["error"]["code"] == "judge.no_tolerance"
 
 
 def test_a_tie_within_the_tolerance_is_undecided_not_failed(greedy_rows):
