@@ -334,3 +334,28 @@ def test_the_reference_window_caps_the_context(greedy_rows):
     line = tokens(greedy_rows)[2]  # L + 3 reached at the third commit: the spec closes the output there
     assert (verdict.verdict.layer, verdict.verdict.check, verdict.line) == ("SEQUENCE", "triggers", line + 1)
     assert verdict.verdict.expected == ["context_length"] and verdict.verdict.actual == []
+
+
+def test_an_empty_support_finishes_constraint_error(tiny_model, byte_tokenizer, greedy_rows):
+    """A constraint that allows only "ab" empties the legal set at the third decision: the empty_support line is judged."""
+    forced = [ord("a") + 3, ord("b") + 3]  # the byte tokenizer's ids (3 special ids first)
+    states = {"s0": {str(forced[0]): "s1"}, "s1": {str(forced[1]): "s2"}, "s2": {}}
+    env = envelope(policy={"family": "greedy", "transforms": [{"name": "constraint", "automaton": {"initial": "s0", "transitions": states}}]})
+    env["termination"]["min_new_tokens"] = 0
+    rows = record(tiny_model, byte_tokenizer, env)
+    assert [r["event"] for r in rows][-2:] == ["empty_support", "finish"] and rows[-1]["finish_reason"] == "constraint_error"
+    assert rows[-1]["output_ids"] == forced
+    assert judge(rows).verdict.result == "passed"
+    # A token where the policy finds no legal id is a DECISION failure.
+    bad = copy.deepcopy(rows)
+    row = bad[-2]["row"]
+    bad[-2] = {"event": "token", "row": row, "token_id": 70, "logprob": float(log_softmax(np.asarray(row))[70])}
+    verdict = judge(bad)
+    assert (verdict.verdict.layer, verdict.verdict.check, verdict.line) == ("DECISION", "decision.empty_support", len(rows) - 1)
+    # An empty_support line where the policy selects a token is a DECISION failure too.
+    bad = copy.deepcopy(greedy_rows)
+    line = tokens(bad)[0]
+    bad[line] = {"event": "empty_support", "row": bad[line]["row"]}
+    verdict = judge(bad)
+    assert (verdict.verdict.layer, verdict.verdict.check, verdict.verdict.expected) == ("DECISION", "decision.empty_support",
+                                                                                        greedy_rows[line]["token_id"])
