@@ -40,6 +40,7 @@ COMMANDS: dict[str, str] = {
     "validate": "validate",
     "explore": "explore",
     "validate-trace": "validate_trace",
+    "judge": "judge",
     "mutants": "mutants",
     "check": "check",
     "calibrate": "calibrate",
