@@ -21,7 +21,7 @@ import torch
 
 from decodespec.spec.prompt_logprobs import FirstTokenPolicy, PromptLogprob, PromptLogprobsSpec
 
-__all__ = ["BLOCK_ELEMENTS", "first_entries", "score_rows"]
+__all__ = ["BLOCK_ELEMENTS", "entries_from_logits", "first_entries", "score_rows"]
 
 #: Most logits materialised at once (rows per block = BLOCK_ELEMENTS // V, at least 1): 16 Mi floats, 64 MiB.
 BLOCK_ELEMENTS = 1 << 24
@@ -51,26 +51,43 @@ def score_rows(lm_head: torch.nn.Module, hidden: torch.Tensor, start: int, promp
     if rows == 0:
         return out
     block = max(1, BLOCK_ELEMENTS // int(lm_head.weight.shape[0]))  # rows per block
-    row = 0
-    while row < rows:
-        logits = lm_head(hidden[row:min(rows, row + block)]).to(torch.float32)  # [R, V] raw scores
-        logprobs = torch.log_softmax(logits, dim=-1)  # [R, V]
-        n = logprobs.shape[0]
-        targets = torch.tensor([prompt_ids[start + row + j + 1] for j in range(n)], dtype=torch.long, device=logprobs.device)  # [R]
-        own = logprobs.gather(1, targets[:, None])  # [R, 1]
-        ids = torch.arange(logprobs.shape[1], device=logprobs.device)  # [V]
-        greater = (logprobs > own).sum(dim=1)  # [R]
-        tied_lower = ((logprobs == own) & (ids[None, :] < targets[:, None])).sum(dim=1)  # [R]
-        ranks = (1 + greater + tied_lower).tolist()
-        if top_k:
-            values, order = torch.sort(logprobs, dim=-1, descending=True, stable=True)  # [R, V]: ties keep the lower id first
-            top_ids, top_values = order[:, :top_k].tolist(), values[:, :top_k].tolist()
-        for j in range(n):
-            position = start + row + j + 1
-            top = tuple(zip(top_ids[j], top_values[j])) if top_k else ()
-            out.append(PromptLogprob(position, int(prompt_ids[position]), float(own[j, 0]), int(ranks[j]), top))
-        row += n
+    for row in range(0, rows, block):
+        logits = lm_head(hidden[row:min(rows, row + block)])  # [R, V] raw scores
+        out.extend(entries_from_logits(logits, start + row + 1, prompt_ids, top_k))
     return out
+
+
+def entries_from_logits(logits: torch.Tensor, first_position: int, prompt_ids: Sequence[int], top_k: int) -> list[PromptLogprob]:
+    """Entries of ``R`` consecutive raw score rows: row ``j`` scores the prompt token at ``first_position + j``.
+
+    Args:
+        logits: ``[R, V]`` raw logits (any float dtype; the log-softmax runs in float32).
+        first_position: The position of the token row 0 scores (``>= 1``; ``first_position + R <= L``).
+        prompt_ids: The ``L`` decoder input ids.
+        top_k: Alternatives per row.
+
+    Returns:
+        ``R`` :class:`PromptLogprob` values: logprob, rank (higher logprob first, lower id first on
+        ties) and the first ``top_k`` ids of that order (a stable descending sort).
+
+    Shapes: ``logits [R, V]``.  Units: nats.
+    """
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [R, V]
+    n = logprobs.shape[0]
+    assert first_position >= 1 and first_position + n <= len(prompt_ids), "row 0 scores x_1 at the earliest; no row scores past x_{L-1}"
+    targets = torch.tensor(list(prompt_ids[first_position:first_position + n]), dtype=torch.long, device=logprobs.device)  # [R]
+    own = logprobs.gather(1, targets[:, None])  # [R, 1]
+    ids = torch.arange(logprobs.shape[1], device=logprobs.device)  # [V]
+    greater = (logprobs > own).sum(dim=1)  # [R]
+    tied_lower = ((logprobs == own) & (ids[None, :] < targets[:, None])).sum(dim=1)  # [R]
+    ranks = (1 + greater + tied_lower).tolist()
+    top_ids: list[list[int]] = [[] for _ in range(n)]
+    top_values: list[list[float]] = [[] for _ in range(n)]
+    if top_k:
+        values, order = torch.sort(logprobs, dim=-1, descending=True, stable=True)  # [R, V]: ties keep the lower id first
+        top_ids, top_values = order[:, :top_k].tolist(), values[:, :top_k].tolist()
+    return [PromptLogprob(first_position + j, int(prompt_ids[first_position + j]), float(own[j, 0]), int(ranks[j]),
+                          tuple(zip(top_ids[j], top_values[j]))) for j in range(n)]
 
 
 def first_entries(prompt_ids: Sequence[int], spec: PromptLogprobsSpec) -> list[PromptLogprob]:
