@@ -299,3 +299,29 @@ def test_hf_through_its_logits_agrees_with_the_reference_and_with_ours(model):
         assert theirs[0] == PromptLogprob(0, config.prompt_ids[0])  # HF's omitted first entry, mapped to the spec's 'none'
         bound = tol.scaled(2).logprob + tolerance_for("impl", model, "float32").logprob
         assert max(abs(a.logprob - b.logprob) for a, b in zip(ours[1:], theirs[1:])) <= bound
+
+
+def test_admitted_envelope_prefill_only_and_the_native_kernel():
+    """The envelope's field reaches the runner; G = 0 under prefill_only still scores every row; one-row prefill
+    chunks on a static cache (the native decode kernel's shape) score the same rows within tolerance."""
+    env = copy.deepcopy(TINY)
+    env["output"]["prompt_logprobs"] = {"first_token": "omitted", "top_k": 1}
+    env["termination"].update(max_new_tokens=0, min_new_tokens=0, zero_new_tokens="prefill_only")
+    admitted, _ = E.validate_request_envelope(json.dumps(env).encode())
+    request = RuntimeRequest.from_admitted(admitted)
+    assert request.prompt_logprobs == PromptLogprobsSpec(first_token="omitted", top_k=1)
+    runner = RequestRunner(load_model("tiny"), request)
+    runner.admit()
+    runner.run()
+    entries = runner.result().prompt_logprobs
+    assert runner.output_ids == [] and prompt_logprobs_aligned(request.prompt_ids, request.prompt_logprobs, entries)
+    assert len(entries) == request.prompt_len - 1
+    config = _config("tiny", cache="static", prefill_chunk=1)
+    tol = tolerance_for("impl", "tiny", "float32")
+    for kernel in ("torch", "native"):
+        try:
+            answer = ImplAdapter().prompt_logprobs(config.evolve(decode_kernel=kernel), SPEC3)
+        except Rejection as exc:  # the native kernel is not built here
+            assert kernel == "native", exc
+            continue
+        assert judge("tiny", config.prompt_ids, SPEC3, answer, tol, what=kernel).passed
