@@ -13,7 +13,11 @@ and llama.cpp.  A :class:`Case` is one of:
 * ``resume``: an uninterrupted run versus the same request snapshotted after ``resume_at``
   actions, restored and continued (RESUME: ``Continue(Restore(S), n) == Continue(S, n)``);
 * ``custom``: a runtime-specific procedure (padded batches, beam width 1), registered per
-  runtime in :data:`CUSTOM` (a runtime without one skips the case with that reason).
+  runtime in :data:`CUSTOM` (a runtime without one skips the case with that reason);
+* ``prompt_logprobs``: the runtime's prompt logprobs (M3.10 0x02) under one-shot and chunked
+  prefill, the static cache and the no-cache path, judged against the float64 reference at
+  STATE / TENSOR / DECISION (:func:`~decodespec.checks.prompt_logprobs.run_prompt_logprobs_case`;
+  needs the ``output.prompt_logprobs`` capability).
 
 :func:`run_case` returns a :class:`CaseResult` (``pass`` / ``fail`` / ``deviation`` /
 ``undecided`` / ``skip``, the ladder layer, rule and check, expected, actual, a message and, for
@@ -83,7 +87,7 @@ class Case:
 
     Attributes:
         id: Stable id, ``matrix.*``, ``boundary.*`` or ``adversarial.*``.
-        kind: ``lockstep``, ``pair``, ``resume`` or ``custom``.
+        kind: ``lockstep``, ``pair``, ``resume``, ``custom`` or ``prompt_logprobs``.
         description: One sentence.
         section: The seed section it checks.
         config: The case config (the first side of a pair).
@@ -224,6 +228,10 @@ def cases_for(model: str) -> tuple[Case, ...]:
     for side in ("left", "right"):
         add(f"matrix.padded_batch_{side}", "custom", f"Batch size one versus a {side}-padded batch: per-row logits and token path.",
             _M + "; 0x07", base)
+
+    add("matrix.prompt_logprobs", "prompt_logprobs", "Prompt logprobs (row i scores x_{i+1}; first token none / omitted; "
+        "top-3 with ranks) against the float64 reference, one-shot versus chunked prefill, static cache and no cache.",
+        _M + '; M3.10 0x02 "Prompt logprobs versus generated-token logprobs"', base, requires=frozenset({"output.prompt_logprobs"}))
 
     # -- boundary cases -------------------------------------------------------------------------
     one = prompt_ids(model, "")[:1]
@@ -661,6 +669,10 @@ def run_case(case: Case, runtime: str, *, adapter_factory: Callable[[], Any] | N
         missing = sorted(case.requires.union(*(config_capabilities(c) for c in configs)) - adapter.capabilities())
         if missing:
             return skip(f"{runtime} does not declare {missing}")
+        if case.kind == "prompt_logprobs":
+            from .prompt_logprobs import run_prompt_logprobs_case
+
+            return done(run_prompt_logprobs_case(adapter, case, runtime))
         runs: list[LockStep] = []
         for config in configs:
             ls = LockStep(adapter, config, runtime=runtime)

@@ -82,6 +82,9 @@ class GenerationResult:
         chunks: The stream chunks delivered (:class:`~decodespec.spec.stop.Chunk`).
         stream: The stream report (``chunks``, ``delivered_bytes``, ``delivered_tokens``,
             ``failed``, ``error``) of a streamed request, else ``None``.
+        prompt_logprobs: The requested prompt logprobs
+            (:class:`~decodespec.spec.prompt_logprobs.PromptLogprob` each, M3.10 0x02), or ``None``
+            when not requested.
     """
 
     prompt_ids: tuple[int, ...]
@@ -102,15 +105,18 @@ class GenerationResult:
     structured_end: int | None = None
     chunks: tuple[Any, ...] = ()
     stream: dict[str, Any] | None = None
+    prompt_logprobs: tuple[Any, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict (``finish_reason`` and ``triggers`` as their string values, ``overhang`` as hex).
 
         ``stop_match`` is ``{"stop", "start", "end"}``; ``token_spans`` a list of ``[start, end]``;
         the chunks themselves are not included (``decodespec generate --stream --json`` prints
-        them as lines), only the ``stream`` report.
+        them as lines), only the ``stream`` report; ``prompt_logprobs`` (a list of
+        :meth:`~decodespec.spec.prompt_logprobs.PromptLogprob.to_json`) only when requested.
         """
         match = self.stop_match
+        extra = {} if self.prompt_logprobs is None else {"prompt_logprobs": [e.to_json() for e in self.prompt_logprobs]}
         return {
             "prompt_ids": list(self.prompt_ids),
             "output_ids": list(self.output_ids),
@@ -129,6 +135,7 @@ class GenerationResult:
             "stop_match": None if match is None else {"stop": match[0], "start": match[1], "end": match[2]},
             "structured_end": self.structured_end,
             "stream": None if self.stream is None else dict(self.stream),
+            **extra,
         }
 
 

@@ -605,10 +605,13 @@ class CausalLMOutput:
         logits: ``[B, T_kept, V]`` raw scores in the model dtype (``T_kept`` rows chosen by
             ``logits_to_keep``).
         past_key_values: The cache the call wrote into (``None`` without a cache).
+        hidden_states: ``[B, T, d_model]`` final-normed hidden states of every row (the head's
+            input) when the call asked for them (``return_hidden_states``), else ``None``.
     """
 
     logits: torch.Tensor
     past_key_values: DynamicCache | None
+    hidden_states: torch.Tensor | None = None
 
 
 class LlamaModel(nn.Module):
@@ -882,6 +885,7 @@ class LlamaForCausalLM(nn.Module):
         use_cache: bool = False,
         cache_position: torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        return_hidden_states: bool = False,
     ) -> CausalLMOutput:
         """One model call: process ``T`` rows at explicit coordinates and return their logits.
 
@@ -904,6 +908,9 @@ class LlamaForCausalLM(nn.Module):
                 (an explicit integer; 0 without a cache).
             logits_to_keep: ``0`` keeps every row; ``n > 0`` keeps the last ``n`` rows; an
                 ``int64[k]`` tensor keeps those rows.
+            return_hidden_states: Also return every row's final-normed hidden state (prompt
+                logprobs score each prefill row with the head in bounded blocks,
+                :mod:`decodespec.impl.prompt_logprobs`, instead of keeping ``[T, V]`` logits).
 
         Returns:
             :class:`CausalLMOutput` with ``logits [B, T_kept, V]`` (model dtype).
@@ -976,6 +983,7 @@ class LlamaForCausalLM(nn.Module):
         observer = self.model.observer
         if observer is not None:
             observer.completed("norm")
+        every_row = hidden_states if return_hidden_states else None  # [B, T, d_model]
         hidden_states = hidden_states[:, keep, :] if isinstance(keep, torch.Tensor) else hidden_states[:, -keep:, :]  # [B, T_kept, d_model]
         native_logits = self.model.native_logits
         if native_logits is not None:
@@ -984,7 +992,7 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head(hidden_states)  # [B, T_kept, V]
         if observer is not None:
             observer.completed("lm_head")
-        return CausalLMOutput(logits=logits, past_key_values=past_key_values)
+        return CausalLMOutput(logits=logits, past_key_values=past_key_values, hidden_states=every_row)
 
     def _check_input_ids(self, input_ids: torch.Tensor) -> tuple[int, int]:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:

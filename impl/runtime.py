@@ -89,6 +89,7 @@ from decodespec.spec.policy.config import Family, Order, PolicyConfig, policy_co
 from decodespec.spec.policy.receipt import DecisionReceipt
 from decodespec.spec.policy.state import PolicyState, RequestView, initial_policy_state
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
+from decodespec.spec.prompt_logprobs import PromptLogprob, PromptLogprobsSpec
 from decodespec.spec.state import ENVIRONMENT_FAILURES, InterruptPoint, Phase
 
 from .cache import CacheABI, DynamicCache, StaticCache, check_static_reservation, make_cache
@@ -97,6 +98,7 @@ from .faults import FaultPlan, InjectedDeviceFault
 from .model import CONTEXT_WINDOW_EXCEEDED, TRAINING_MODE, LlamaForCausalLM, StageObserver
 from .output import OutputObserver, output_header, stop_config
 from .policy import decide as policy_decide
+from .prompt_logprobs import first_entries, score_rows
 from .rng import RequestRng
 
 __all__ = [
@@ -170,6 +172,9 @@ class RuntimeRequest:
             clock has advanced this much since :meth:`RequestRunner.admit`, the request finishes
             ``timeout`` at the next call boundary.
         envelope: Canonical bytes of the admitted envelope (snapshots carry them), or ``None``.
+        prompt_logprobs: The requested prompt logprobs (the envelope's ``output.prompt_logprobs``),
+            or ``None`` (not requested): every prefill call then scores its rows
+            (M3.10 0x02, :mod:`decodespec.impl.prompt_logprobs`).
     """
 
     identity: str
@@ -195,6 +200,7 @@ class RuntimeRequest:
     vocab_hash: str = ""
     timeout_ms: int | None = None
     envelope: bytes | None = attrs.field(default=None, repr=False)
+    prompt_logprobs: PromptLogprobsSpec | None = None
 
     @classmethod
     def from_admitted(cls, request: AdmittedRequest) -> "RuntimeRequest":
@@ -233,6 +239,7 @@ class RuntimeRequest:
             vocab_hash=request.text_interface.tokenizer_sha256,
             timeout_ms=term.timeout_ms,
             envelope=request.canonical,
+            prompt_logprobs=request.output.prompt_logprobs,
         )
 
     @property
@@ -375,6 +382,7 @@ class _Report:
     generation: int
     output_row: int | None
     logits: torch.Tensor | None
+    prompt_rows: tuple[PromptLogprob, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -496,6 +504,8 @@ class RequestRunner:
         self.decision: Decision | None = None
         self.issued: list[str] = []
         self.scores: list[tuple[str, int, int, int]] = []  # (score_id, generation, processed, output_count)
+        #: Prompt-logprob entries of the prefill rows published so far (ALL_NEW calls only), in position order.
+        self.prompt_rows: list[PromptLogprob] = []
         self.policy_state = attrs.evolve(initial_policy_state(self.policy), rng_counter=request.rng_counter_start)
         self.finish_reason: FinishReason | None = None
         self.triggers: set[FinishReason] = set()
@@ -742,11 +752,18 @@ class RequestRunner:
         mask = cache.key_validity(call.length, device) if isinstance(cache, StaticCache) else None  # [1, S] or None
         stages: list[str] = []
         logits = None
+        prompt_rows: list[PromptLogprob] = []
+        spec = self.request.prompt_logprobs
+        score_prompt = spec is not None and call.kind is CallKind.PREFILL
         fault_layer = self.faults.device_fault_layer(call.call_id)
         try:
             with torch.inference_mode(), _stage_roster(model, stages, fault_layer):
-                out = model(ids, attention_mask=mask, past_key_values=cache, cache_position=cache_position, logits_to_keep=1)
+                out = model(ids, attention_mask=mask, past_key_values=cache, cache_position=cache_position, logits_to_keep=1,
+                            return_hidden_states=score_prompt)
                 logits = out.logits[0, -1]  # [V] raw scores of the call's last row
+                if score_prompt:  # M3.10 0x02: row p scores x_{p+1}; staged until ALL_NEW publishes them
+                    assert spec is not None and out.hidden_states is not None
+                    prompt_rows = score_rows(model.lm_head, out.hidden_states[0], call.start, self.request.prompt_ids, spec.top_k)
                 if logits.is_cuda:
                     torch.cuda.current_stream(logits.device).synchronize()  # the declared completion boundary
         except InjectedDeviceFault:
@@ -763,7 +780,8 @@ class RequestRunner:
         else:
             complete, lanes = 0, ()
         output_row = call.decision_row if stages_ok else None
-        return _Report(stages_ok, lanes, complete, call.generation, output_row, logits if stages_ok else None)
+        return _Report(stages_ok, lanes, complete, call.generation, output_row, logits if stages_ok else None,
+                       tuple(prompt_rows) if stages_ok else ())
 
     def _report_fault(self, kind: str, call: CallRecord) -> None:
         self._fault = kind
@@ -792,6 +810,7 @@ class RequestRunner:
         self.in_flight = None
         self.processed = call.end
         self.generation = generation
+        self.prompt_rows.extend(report.prompt_rows)
         if call.kind is CallKind.PREFILL and call.end < r.prompt_len:
             self.phase = Phase.READY
             return None
@@ -1181,7 +1200,8 @@ class RequestRunner:
 
         common = dict(prompt_ids=self.request.prompt_ids, finish_reason=self.finish_reason, triggers=self.ordered_triggers(),
                       frontier=self.frontier(), receipts=tuple(self.receipts), rng_counter=self.policy_state.rng_counter,
-                      num_committed=self.output_count, stream=self.stream_report() if self.request.stream else None)
+                      num_committed=self.output_count, stream=self.stream_report() if self.request.stream else None,
+                      prompt_logprobs=self.prompt_logprobs())
         out = getattr(self.observer, "output", None) if self.phase is Phase.FINISHED else None
         if out is not None:
             match = out.stop_match
@@ -1199,6 +1219,21 @@ class RequestRunner:
             text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else ""
         chunks = tuple(getattr(self.observer, "chunks", ()))
         return GenerationResult(output_ids=tuple(ids), text=text, logprobs=tuple(self.logprobs), chunks=chunks, **common)
+
+    def prompt_logprobs(self) -> tuple[PromptLogprob, ...] | None:
+        """The requested prompt logprobs (``invariant.prompt_logprobs_aligned``), or ``None`` when not requested.
+
+        Complete once every prefill call selected ALL_NEW (``L`` entries under ``first_token =
+        none``, ``L - 1`` under ``omitted``); before that, the entries of the rows published so
+        far.  Each is the natural log-softmax of the raw float32 logits of prefill row ``i - 1``
+        at ``x_i``, with its rank and the requested top-k.
+
+        Source: M3.10 0x02 "Prompt logprobs versus generated-token logprobs".
+        """
+        spec = self.request.prompt_logprobs
+        if spec is None:
+            return None
+        return tuple(first_entries(self.request.prompt_ids, spec)) + tuple(self.prompt_rows)
 
     # ---------------------------------------------------------------------------------------
     # Snapshots.

@@ -169,6 +169,8 @@ def take_runtime_snapshot(runner, form: str) -> RuntimeSnapshot:
 
     if form not in SNAPSHOT_FORMS:
         raise refuse(f"unknown snapshot form {form!r}; expected one of {SNAPSHOT_FORMS}")
+    if runner.request.prompt_logprobs is not None:  # declared limit: the published prompt rows are not part of the v1 record
+        raise refuse("a request with prompt logprobs (output.prompt_logprobs) cannot be snapshotted: v1 snapshots do not carry them")
     if runner.in_flight is not None:
         raise refuse("a call is in flight")
     if runner.quarantined:
@@ -248,6 +250,7 @@ def request_to_json(request) -> dict[str, Any]:
     out["eos_ids"] = sorted(request.eos_ids)
     out["stop_strings"] = list(request.stop_strings)
     out["envelope"] = None if request.envelope is None else json.loads(request.envelope)
+    assert out.pop("prompt_logprobs") is None, "take_runtime_snapshot refuses a request with prompt logprobs"
     return out
 
 

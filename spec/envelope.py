@@ -86,6 +86,7 @@ from .errors import DecodeSpecError, Rejection, ResourceLimit, quote, register_c
 from .limits import MAX_SAFE_INT
 from .policy import POLICY_JSON_SCHEMA, PolicyConfig, policy_config_from_json
 from .profiles import PROFILES
+from .prompt_logprobs import PROMPT_LOGPROBS_JSON_SCHEMA, PromptLogprobsSpec
 from .passport import is_content_path, quote_content
 from .stop import MAX_STOP_PATTERN_BYTES, MAX_STOP_STRINGS, OutputAlignment, encode_stop_strings
 
@@ -190,7 +191,7 @@ SPECIAL_IDS_DISAGREE = _code("special_ids_disagree", "Special ids disagree with 
 MIN_EXCEEDS_MAX = _code("min_exceeds_max", "termination.min_new_tokens exceeds max_new_tokens.")
 VISIBILITY_INCOMPATIBLE = _code("visibility_incompatible", "The visibility mode or prefix length does not match the architecture (decoder_only/hybrid: causal; prefix_lm: prefix_lm with 1 <= prefix_length <= L; encoder_decoder: encoder_decoder).")
 CACHE_ABI_INCOMPATIBLE = _code("cache_abi_incompatible", "The cache family / ABI / capacity / chunking does not fit the architecture and position plane.")
-OUTPUT_UNIMPLEMENTABLE = _code("output_unimplementable", "The output promise cannot be kept (a final cache without a cache, all_outputs without append repair, streamed beams).")
+OUTPUT_UNIMPLEMENTABLE = _code("output_unimplementable", "The output promise cannot be kept (a final cache without a cache, all_outputs without append repair, streamed beams, prompt logprobs without a prefill call or of an encoder-decoder source, or more prompt-logprob alternatives than the vocabulary).")
 ZERO_NEW_TOKENS_REJECTED = _code("zero_new_tokens_rejected", "max_new_tokens = 0 under the declared 'reject' branch of the G=0 union.", section="M3.10 The first-output off-by-one (G=0 union)")
 
 # --------------------------------------------------------------------------------------------
@@ -330,6 +331,7 @@ def _schema() -> dict[str, Any]:
                     "include_stop_str": {"type": "boolean", "default": False},
                     "alignment": {"enum": [a.value for a in OutputAlignment], "default": OutputAlignment.TOKEN.value},
                     "stream": {"type": "boolean", "default": False},
+                    "prompt_logprobs": PROMPT_LOGPROBS_JSON_SCHEMA,
                 },
                 ["return_token_ids", "return_logprobs", "final_cache"],
             ),
@@ -793,7 +795,11 @@ class Termination:
 
 @attrs.frozen
 class OutputSpec:
-    """Output plane: returned fields, final-cache promise, stop-string inclusion, alignment, stream."""
+    """Output plane: returned fields, final-cache promise, stop-string inclusion, alignment, stream, prompt logprobs.
+
+    ``prompt_logprobs`` is ``None`` when not requested (the field is absent), else the
+    :class:`~decodespec.spec.prompt_logprobs.PromptLogprobsSpec` (M3.10 0x02).
+    """
 
     return_token_ids: bool
     return_logprobs: bool
@@ -801,6 +807,8 @@ class OutputSpec:
     include_stop_str: bool = False
     alignment: str = "token"
     stream: bool = False
+    prompt_logprobs: PromptLogprobsSpec | None = attrs.field(
+        default=None, converter=lambda v: PromptLogprobsSpec.from_json(v) if isinstance(v, Mapping) else v)
 
 
 @attrs.frozen
@@ -999,6 +1007,17 @@ def _check_output(v: Mapping[str, Any]) -> None:
                         "$.output.final_cache")
     if out["stream"] and v["policy"].get("num_beams", 1) > 1:
         raise Rejection(OUTPUT_UNIMPLEMENTABLE, "beam search cannot stream: no hypothesis is final before the search ends", "$.output.stream")
+    plp = out.get("prompt_logprobs")
+    if plp is not None:
+        if v["artifact"]["architecture"] == "encoder_decoder":
+            raise Rejection(OUTPUT_UNIMPLEMENTABLE, "prompt logprobs score decoder prompt rows; an encoder-decoder source has no score rows",
+                            "$.output.prompt_logprobs")
+        if v["termination"]["max_new_tokens"] == 0 and v["termination"]["zero_new_tokens"] == "no_call":
+            raise Rejection(OUTPUT_UNIMPLEMENTABLE, "prompt logprobs come from the prefill, and max_new_tokens 0 under 'no_call' "
+                            "makes no call (declare zero_new_tokens 'prefill_only')", "$.output.prompt_logprobs")
+        if plp["top_k"] > v["text_interface"]["vocab_size"]:
+            raise Rejection(OUTPUT_UNIMPLEMENTABLE, f"prompt_logprobs.top_k {plp['top_k']} exceeds vocab_size "
+                            f"{v['text_interface']['vocab_size']}", "$.output.prompt_logprobs.top_k")
 
 
 def validate_request_envelope(raw: bytes) -> tuple[AdmittedRequest, str]:

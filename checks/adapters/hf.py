@@ -81,7 +81,7 @@ _HF_FIELDS = {
 _HF_OTHER_TRANSFORMS = ("bad_words", "logit_bias", "min_new_tokens", "constraint")
 HF_CAPABILITIES = frozenset({
     "cache:none", "cache:dynamic", "cache:static", "prefill_chunk", "decide_commit", "inflight", "sampling", "logits",
-    "policy_rows", "cache_probe", "reuse", "snapshot", "stop_strings",
+    "policy_rows", "cache_probe", "reuse", "snapshot", "stop_strings", "output.prompt_logprobs",
 }) | envelope_features() | names_at("policy.order") | {transform_capability(n) for n in (*_HF_FIELDS, *_HF_OTHER_TRANSFORMS)}
 """The ops and probes the step-wise adapter has, every envelope feature the gate sends (HF refuses what it cannot keep at
 reset: a skip), the policy orders, and the transforms :func:`generation_config` maps to HF processors."""
@@ -345,10 +345,12 @@ class HFEngine:
         return int(layer.keys.shape[-2]) if getattr(layer, "is_initialized", False) and layer.keys is not None else 0
 
     # -- calls ---------------------------------------------------------------------------
-    def forward(self, sequence: list[int], start: int, length: int) -> np.ndarray:
+    def forward(self, sequence: list[int], start: int, length: int, *, every_row: bool = False) -> np.ndarray:
         """One HF forward prepared by ``prepare_inputs_for_generation`` (see the module docstring).
 
-        Shapes: returns ``float32[V]``.
+        ``every_row``: ``logits_to_keep=0`` (HF keeps every row of the call) instead of 1.
+
+        Shapes: returns ``float32[V]`` (``float32[T, V]`` with ``every_row``; T = ``length``, or P + T without a cache).
         """
         import torch
 
@@ -357,7 +359,7 @@ class HFEngine:
         ids = torch.tensor([sequence[:end]], dtype=torch.long, device=model.device)  # [1, P + T]: HF's growing input_ids
         mask = torch.ones_like(ids)  # [1, P + T]
         use_cache = self.cache is not None
-        kwargs: dict[str, Any] = {"attention_mask": mask, "use_cache": use_cache, "logits_to_keep": 1}
+        kwargs: dict[str, Any] = {"attention_mask": mask, "use_cache": use_cache, "logits_to_keep": 0 if every_row else 1}
         if use_cache:
             kwargs["cache"] = self.cache
         inputs = model.prepare_inputs_for_generation(ids, next_sequence_length=length if use_cache else None,
@@ -366,7 +368,30 @@ class HFEngine:
             out = model(**inputs, return_dict=True)
         if use_cache:
             self.cache = out.cache
+        if every_row:
+            return out.logits[0].to(dtype=torch.float32).cpu().numpy()  # [T, V]
         return out.logits[0, -1].to(dtype=torch.float32).cpu().numpy()  # `_sample`: logits[:, -1] in float32
+
+    def prompt_logprobs(self, config: CaseConfig, spec: Any) -> list[Any]:
+        """Prompt logprobs through HF's logits (M3.10 0x02): the started request's prefill (one shot, or HF's ``_prefill``
+        chunks of ``prefill_chunk`` rows) with every row kept, row ``i`` log-softmaxed (float32) at ``x_{i+1}``.
+
+        HF has no prompt-logprob API; the usual recipe (``logits[:, :-1]`` scored at ``input_ids[:, 1:]``) has no entry
+        for ``x_0`` (first-token policy ``omitted``, ``checks/expectations/hf.toml`` ``[prompt_logprobs]``); under
+        ``none`` the unscored first entry is added here.  Ranks and top-k follow the spec's order
+        (:func:`decodespec.impl.prompt_logprobs.entries_from_logits`, a formatter of HF's rows).
+        """
+        import torch
+
+        from decodespec.impl.prompt_logprobs import entries_from_logits, first_entries
+
+        prompt = list(config.prompt_ids)
+        L = len(prompt)
+        chunk = config.prefill_chunk if config.prefill_chunk is not None and self.cache is not None else L
+        rows = [self.forward(prompt, s, min(chunk, L - s), every_row=True) for s in range(0, L, chunk)]
+        logits = np.concatenate(rows)[: L - 1]  # [L - 1, V]: row L - 1 scores the first output
+        entries = entries_from_logits(torch.from_numpy(logits), 1, prompt, spec.top_k) if L > 1 else []
+        return first_entries(prompt, spec) + entries
 
     def rollback(self, processed: int) -> None:
         """HF's ``Cache.crop(-n)`` back to ``processed`` rows."""

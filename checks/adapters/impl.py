@@ -65,7 +65,7 @@ __all__ = ["IMPL_CAPABILITIES", "ImplAdapter", "available", "create", "load_mode
 #: What our runtime supports (beams run in their own loop, not through this adapter).
 IMPL_CAPABILITIES = frozenset({
     "cache:none", "cache:dynamic", "cache:static", "prefill_chunk", "decide_commit", "inflight", "faults", "snapshot",
-    "sampling", "stream", "logits", "policy_rows", "cache_probe", "reuse", "stop_strings", "structured",
+    "sampling", "stream", "logits", "policy_rows", "cache_probe", "reuse", "stop_strings", "structured", "output.prompt_logprobs",
 }) | (sendable_features() - names_at("policy.family", "policy.num_beams", "policy.length_penalty", "policy.early_stopping")) \
     | {"sampling"}
 """Every op and probe but the native kernel, and every envelope feature, policy field and transform the gate can send,
@@ -271,6 +271,28 @@ class ImplAdapter:
             cache_probe=self._cache_probe(),
             **self._returned(),
         )
+
+    def prompt_logprobs(self, config: CaseConfig, spec: Any) -> tuple[Any, ...]:
+        """The runner's prompt logprobs of ``config``'s prompt under ``spec`` (a separate request: the current one is untouched).
+
+        The request runs its prefill calls only (one-shot or chunked, as the config declares) and
+        answers :meth:`RequestRunner.prompt_logprobs` (M3.10 0x02).
+
+        Raises:
+            Rejection: ``adapter.unsupported`` for a config outside the declared capabilities; the
+                runner's typed errors.
+        """
+        refusal = undeclared(config, self.capabilities(), self.name)
+        if refusal is not None:
+            raise refusal
+        model = load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
+        request = attrs.evolve(runtime_request(config), prompt_logprobs=spec)
+        runner = self.runner_cls(model, request)
+        runner.admit()
+        while runner.processed < request.prompt_len and runner.next_call() is not None:
+            runner.launch()
+            runner.complete()
+        return runner.prompt_logprobs()
 
     def close(self) -> None:
         """Drop the runner and the stored snapshots."""

@@ -256,6 +256,18 @@ class PeerAdapter:
             raise
         self.refused = None
 
+    def prompt_logprobs(self, config: CaseConfig, spec: Any) -> tuple[Any, ...]:
+        """The peer's prompt logprobs (M3.10 0x02) of ``config``'s prompt under ``spec``: a fresh :meth:`reset`, then the
+        engine's ``prompt_logprobs(config, spec)`` (the request's prefill, every row's logits).
+
+        Raises:
+            Rejection: ``adapter.unsupported`` when the engine offers none; what :meth:`reset` refuses.
+        """
+        if not hasattr(self.engine, "prompt_logprobs") or "output.prompt_logprobs" not in self.capabilities():
+            raise unsupported(f"{self.name} returns no prompt logprobs through this adapter", "$.output.prompt_logprobs")
+        self.reset(config)
+        return tuple(self.engine.prompt_logprobs(config, spec))
+
     def _admit(self, config: CaseConfig, *, reuse: bool) -> None:
         if config.num_beams != 1 or config.policy.get("family") == "beam":
             raise unsupported("the step-wise peer adapter decodes one sequence; beams run through generate(num_beams=...)", "$.num_beams")

@@ -162,6 +162,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="beam length penalty alpha: score / |y|**alpha (default 1.0, HF's)")
     parser.add_argument("--early-stopping", choices=("true", "false", "never", "exact"), default=None,
                         help="beam termination: HF's true / false (default) / never, or the spec's exact bound")
+    parser.add_argument("--prompt-logprobs", nargs="?", const="none", choices=("none", "omitted"), default=None, metavar="FIRST",
+                        help="return prompt logprobs (output.prompt_logprobs, M3.10 0x02): row i of the prefill scores prompt token "
+                        "i + 1; FIRST is the answer for token 0, which no row scores: none (default: an entry with a null "
+                        "logprob) or omitted (no entry)")
+    parser.add_argument("--prompt-logprobs-top-k", type=int, default=None, metavar="K",
+                        help="with --prompt-logprobs: also the K (0..20) most likely ids of each prompt row, with ranks")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     return parser
 
@@ -242,6 +248,7 @@ _REQUEST_FLAGS = {
     "include_stop": "--include-stop", "align": "--align", "min_new_tokens": "--min-new-tokens",
     "json_mode": "--json-mode", "stream": "--stream", "num_beams": "--num-beams",
     "length_penalty": "--length-penalty", "early_stopping": "--early-stopping", "timeout_ms": "--timeout-ms",
+    "prompt_logprobs": "--prompt-logprobs", "prompt_logprobs_top_k": "--prompt-logprobs-top-k",
 }
 _DEFAULTS: dict[str, Any] = {"max_new_tokens": 64, "seed": 0, "order": "default", "cache": "dynamic"}
 
@@ -274,6 +281,8 @@ def _flag_refusal(args: argparse.Namespace) -> dict[str, Any] | None:
         return error("$.snapshot_at", "--snapshot-at needs --snapshot FILE")
     if args.snapshot_at is not None and args.snapshot_at < 0:
         return error("$.snapshot_at", f"--snapshot-at {args.snapshot_at}: N counts committed tokens, N >= 0")
+    if getattr(args, "prompt_logprobs_top_k", None) is not None and getattr(args, "prompt_logprobs", None) is None:
+        return error("$.output.prompt_logprobs.top_k", "--prompt-logprobs-top-k needs --prompt-logprobs")
     if args.capacity is not None and args.cache != "static":
         return error("$.runtime.static_capacity", f"--capacity sizes a static cache; it needs --cache static, not --cache {args.cache}")
     if getattr(args, "trace_content", False) and not args.trace:
@@ -413,6 +422,8 @@ def _run_beams(args: argparse.Namespace, model, tokenizer, request, sink, info: 
 
     if args.snapshot or args.snapshot_at is not None:
         raise Rejection(BEAM_UNSUPPORTED, "a beam search keeps no resumable snapshot", "$.snapshot")
+    if request.output.prompt_logprobs is not None:
+        raise Rejection(BEAM_UNSUPPORTED, "the beam runner returns no prompt logprobs (output.prompt_logprobs)", "$.output.prompt_logprobs")
     runner = BeamRunner(model, request, sink=sink, tokenizer=tokenizer, runtime_info=info).run()
     result = runner.result()
     if args.json:
@@ -534,6 +545,10 @@ def _output(args: argparse.Namespace, final_cache: str) -> dict[str, Any]:
         out["alignment"] = args.align
     if getattr(args, "stream", False):
         out["stream"] = True
+    if getattr(args, "prompt_logprobs", None) is not None:
+        out["prompt_logprobs"] = {"first_token": args.prompt_logprobs}
+        if args.prompt_logprobs_top_k is not None:
+            out["prompt_logprobs"]["top_k"] = args.prompt_logprobs_top_k
     return out
 
 
