@@ -45,6 +45,7 @@ COMMANDS: dict[str, str] = {
     "calibrate": "calibrate",
     "export-tiny": "export_tiny",
     "replay": "replay",
+    "head-check": "head_check",
 }
 
 

@@ -275,12 +275,14 @@ def log_ratio_gap(logits: Any) -> float:
     return gap
 
 
-def _check_rows(z: np.ndarray) -> None:
+def _check_rows(z: np.ndarray, row_ids: np.ndarray | None = None) -> None:
+    """Refuse +inf, and a row of all ``-inf`` (named by its id in ``row_ids``, default its position)."""
     if np.isposinf(z).any():
         raise Rejection(NAN_LOGITS, "+inf logit", "$.logits")
     dead = ~np.isfinite(z).any(axis=1)
     if dead.any():
         r = int(np.flatnonzero(dead)[0])
+        r = int(row_ids[r]) if row_ids is not None else r
         raise Rejection(DEGENERATE_ROW, f"row {r} has every logit -inf", f"$.logits[{r}]", {"row": r})
 
 
@@ -509,7 +511,7 @@ def row_losses(logits: Any, labels: Any, spec: LossSpec = LossSpec()) -> LossRes
     if np.isposinf(z).any():
         raise Rejection(NAN_LOGITS, "+inf logit", "$.logits")
     if valid.any():
-        _check_rows(z[valid])
+        _check_rows(z[valid], np.flatnonzero(valid))
     losses = np.zeros(z.shape[0])
     if valid.any():
         zv, yv = z[valid], y[valid]

@@ -138,3 +138,175 @@ def test_smollm2_head_ledger(smollm2_model):
     assert last.agrees and last.measured.macs == 49152 * 576 and last.measured.head_parameters == 28_311_552
     full = measure_head(smollm2_model, ids, 0, expected_rows=5)
     assert full.agrees and full.measured.macs == 5 * last.measured.macs
+
+
+# -- 0x05: the training interface -------------------------------------------------------------------
+# Rules checked: invariant.head_loss_row, invariant.head_label_smoothing, invariant.head_mean_from_sum_and_count,
+# invariant.head_schedules_agree, invariant.head_gradients.
+
+def _training_case(r=13, v=17, d=6, scale=1.0, seed=5):
+    rng = np.random.default_rng(seed)
+    h, e, b = rng.normal(size=(r, d)) * scale, rng.normal(size=(v, d)) * scale, rng.normal(size=v)
+    y = rng.integers(0, v, size=r)
+    y[[i for i in (0, 1, 2, 9) if i < r]] = H.IGNORE_INDEX  # clustered at the front: uneven valid counts per chunk
+    return h, e, b, y
+
+
+def _torch_rows(z, y, eps=0.0):
+    import torch
+    import torch.nn.functional as F
+
+    return F.cross_entropy(torch.tensor(z), torch.tensor(y), ignore_index=H.IGNORE_INDEX, label_smoothing=eps,
+                           reduction="none").numpy()
+
+
+def test_row_loss_is_m_plus_log_s_minus_target_on_supervised_rows_only():
+    h, e, b, y = _training_case()
+    z = H.head_logits(h, e, b)
+    res = H.row_losses(z, y)
+    r = 5
+    m = z[r].max()
+    s = np.exp(z[r] - m).sum()
+    assert res.row_losses[r] == pytest.approx(m + np.log(s) - z[r, y[r]], abs=1e-12)
+    assert res.valid_count == 9 and (res.row_losses[[0, 1, 2, 9]] == 0).all()
+    assert res.loss_sum == pytest.approx(res.row_losses.sum()) and res.mean == pytest.approx(res.loss_sum / 9)
+    assert np.allclose(res.row_losses, _torch_rows(z, y), atol=1e-12, rtol=0)  # PyTorch's reduction="none"
+    # An ignored row may be degenerate; a supervised one may not.
+    z2 = z.copy()
+    z2[0] = -np.inf
+    assert H.row_losses(z2, y).valid_count == 9
+    z2[3] = -np.inf
+    with pytest.raises(Rejection) as err:
+        H.row_losses(z2, y)
+    assert err.value.code == "head.degenerate_row" and err.value.path == "$.logits[3]"
+    bad = y.copy()
+    bad[4] = 17
+    with pytest.raises(Rejection) as err:
+        H.row_losses(z, bad)
+    assert err.value.code == "head.invalid_input" and err.value.path == "$.labels[4]"
+
+
+def test_label_smoothing_conventions_are_named_and_differ():
+    h, e, b, y = _training_case()
+    z = H.head_logits(h, e, b)
+    eps = 0.1
+    all_cls = H.LossSpec(label_smoothing=eps)
+    non_tgt = H.LossSpec(label_smoothing=eps, smoothing="non_target")
+    q = H.target_distribution(y, 17, all_cls)
+    assert np.allclose(q[~(y == H.IGNORE_INDEX)].sum(axis=1), 1.0) and (q[0] == 0).all()
+    assert q[4, y[4]] == pytest.approx(1 - eps + eps / 17) and q[4, (y[4] + 1) % 17] == pytest.approx(eps / 17)
+    qn = H.target_distribution(y, 17, non_tgt)
+    assert qn[4, y[4]] == pytest.approx(1 - eps) and qn[4, (y[4] + 1) % 17] == pytest.approx(eps / 16)
+    # ALL_CLASSES is PyTorch's label_smoothing; NON_TARGET is another loss for the same eps.
+    ours = H.row_losses(z, y, all_cls).row_losses
+    assert np.allclose(ours, _torch_rows(z, y, eps), atol=1e-12, rtol=0)
+    other = H.row_losses(z, y, non_tgt).row_losses
+    assert np.abs(other - ours).max() > 1e-3
+    # the closed form (1 - eps)(-log p_y) + eps * (-(1/V) sum_v log p_v)
+    logp = z[4] - np.log(np.exp(z[4] - z[4].max()).sum()) - z[4].max()
+    assert ours[4] == pytest.approx((1 - eps) * -logp[y[4]] + eps * -logp.mean(), abs=1e-12)
+    for bad in (-0.1, 1.5, "x", True):
+        with pytest.raises(Rejection):
+            H.LossSpec(label_smoothing=bad)
+
+
+@pytest.mark.parametrize("spec", [H.LossSpec(), H.LossSpec(label_smoothing=0.2), H.LossSpec(label_smoothing=0.2, smoothing="non_target")])
+@pytest.mark.parametrize("chunks", [1, 4, [1, 5, 2, 5], 13])
+@pytest.mark.parametrize("vocab_tile", [1, 5, 17])
+def test_schedules_agree_row_by_row(spec, chunks, vocab_tile):
+    h, e, b, y = _training_case()
+    full = H.materialized_loss(h, e, b, y, spec)
+    chunked = H.chunked_loss(h, e, b, y, spec, chunks)
+    tiled = H.tiled_loss(h, e, b, y, spec, chunks, vocab_tile)
+    for other in (chunked, tiled):
+        assert np.allclose(other.row_losses, full.row_losses, atol=1e-12, rtol=1e-12)
+        assert other.valid_count == full.valid_count == 9
+        assert other.loss_sum == pytest.approx(full.loss_sum, abs=1e-11)
+        assert other.mean == pytest.approx(full.mean, abs=1e-12)
+        assert (other.valid == full.valid).all()
+
+
+def test_a_mean_of_chunk_means_is_another_number():
+    h, e, b, y = _training_case()
+    full = H.materialized_loss(h, e, b, y)
+    means = [r.mean for r in (H.materialized_loss(h[a:z], e, b, y[a:z]) for a, z in H.chunk_bounds(13, [1, 5, 2, 5]))
+             if r.valid_count]
+    assert abs(float(np.mean(means)) - full.mean) > 1e-3
+    assert H.chunked_loss(h, e, b, y, chunks=[1, 5, 2, 5]).mean == pytest.approx(full.mean, abs=1e-12)
+    for bad in (0, [3, 3], [13, 0]):
+        with pytest.raises(Rejection) as err:
+            H.chunk_bounds(13, bad)
+        assert err.value.code == "head.invalid_input"
+
+
+def test_extreme_logits_and_inf_masks():
+    h, e, b, y = _training_case(scale=70.0)  # |z| up to about 1e4
+    b = b.copy()
+    b[[3, 8]] = -np.inf
+    y = np.where(np.isin(y, [3, 8]), 4, y)
+    z = H.head_logits(h, e, b)
+    assert np.abs(z[np.isfinite(z)]).max() > 5e3
+    full = H.materialized_loss(h, e, b, y)
+    assert np.isfinite(full.row_losses).all()
+    assert np.allclose(full.row_losses, _torch_rows(z, y), atol=1e-9, rtol=1e-12)
+    for spec in (H.LossSpec(), H.LossSpec(label_smoothing=0.0)):
+        tiled = H.tiled_loss(h, e, b, y, spec, chunks=[3, 10], vocab_tile=4)
+        assert np.allclose(tiled.row_losses, full.row_losses, atol=1e-9, rtol=1e-12)
+    # Explicit +-1e4 rows: stable, no overflow.
+    zz = np.array([[1e4, -1e4, 0.0], [1e4, 1e4, -np.inf]])
+    res = H.row_losses(zz, np.array([0, 1]))
+    assert res.row_losses[0] == pytest.approx(0.0, abs=1e-12) and res.row_losses[1] == pytest.approx(np.log(2), abs=1e-12)
+    # A masked target has probability 0: loss +inf (as PyTorch), in every schedule; smoothing over a masked class too.
+    inf_case = H.row_losses(zz, np.array([0, 2]))
+    assert np.isposinf(inf_case.row_losses[1])
+    assert np.isposinf(H.row_losses(zz, np.array([0, 0]), H.LossSpec(label_smoothing=0.1)).row_losses[1])
+    hh, ee, bb = np.eye(3), np.eye(3), np.array([0.0, 0.0, -np.inf])
+    assert np.isposinf(H.tiled_loss(hh, ee, bb, np.array([0, 1, 2]), vocab_tile=2).row_losses[2])
+    with pytest.raises(Rejection) as err:
+        H.row_losses(np.array([[np.nan, 0.0]]), np.array([0]))
+    assert err.value.code == "head.nan_logits"
+
+
+def _loss_of(hidden, weight, bias, y, spec):
+    return H.materialized_loss(hidden, weight, bias, y, spec).mean
+
+
+@pytest.mark.parametrize("spec", [H.LossSpec(), H.LossSpec(label_smoothing=0.1), H.LossSpec(label_smoothing=0.1, smoothing="non_target")])
+def test_gradients_against_finite_differences(spec):
+    h, e, b, y = _training_case(r=6, v=7, d=3)
+    y[[0, 1, 2]] = [1, H.IGNORE_INDEX, 5]
+    g = H.head_gradients(h, e, b, y, spec)
+    assert np.allclose(g.hidden, g.logits @ e) and np.allclose(g.weight, g.logits.T @ h) and np.allclose(g.bias, g.logits.sum(axis=0))
+    assert (g.logits[~(y != H.IGNORE_INDEX)] == 0).all() and (g.hidden[1] == 0).all()
+    step = 1e-6
+    for name, arr in (("hidden", h), ("weight", e), ("bias", b)):
+        num = np.zeros_like(arr)
+        for idx in np.ndindex(arr.shape):
+            plus, minus = arr.copy(), arr.copy()
+            plus[idx] += step
+            minus[idx] -= step
+            args = {"hidden": h, "weight": e, "bias": b}
+            lp = _loss_of(**{**args, name: plus}, y=y, spec=spec)
+            lm = _loss_of(**{**args, name: minus}, y=y, spec=spec)
+            num[idx] = (lp - lm) / (2 * step)
+        assert np.allclose(getattr(g, name), num, atol=1e-8, rtol=1e-6), name
+
+
+def test_gradients_against_torch_autograd_float64():
+    import torch
+    import torch.nn.functional as F
+
+    for eps in (0.0, 0.15):
+        h, e, b, y = _training_case()
+        th, te, tb = (torch.tensor(x, requires_grad=True) for x in (h, e, b))
+        loss = F.cross_entropy(F.linear(th, te, tb), torch.tensor(y), ignore_index=H.IGNORE_INDEX, label_smoothing=eps)
+        loss.backward()
+        g = H.head_gradients(h, e, b, y, H.LossSpec(label_smoothing=eps))
+        assert loss.item() == pytest.approx(H.materialized_loss(h, e, b, y, H.LossSpec(label_smoothing=eps)).mean, abs=1e-12)
+        for ours, theirs in ((g.hidden, th.grad), (g.weight, te.grad), (g.bias, tb.grad)):
+            assert np.allclose(ours, theirs.numpy(), atol=1e-13, rtol=1e-10)
+    g_sum = H.head_gradients(h, e, b, y, reduction="sum")
+    assert np.allclose(g_sum.logits, H.head_gradients(h, e, b, y).logits * 9)
+    assert H.head_gradients(h, e, None, y).bias is None
+    with pytest.raises(Rejection):
+        H.head_gradients(h, e, b, y, reduction="max")
