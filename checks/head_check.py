@@ -13,6 +13,11 @@ Three checks, each against the pure float64 reference in :mod:`decodespec.spec.h
   (:data:`LOSS_LAYERS`), the first failure stops the run and names its layer, the spec rule, the
   case, the check, the worst index and both values, under a declared tolerance
   (:data:`LOSS_TOLERANCES`, absolute plus relative to the largest reference magnitude);
+* :func:`observe_tying` and :func:`tied_gradient_check` -- weight tying (0x09) read from torch:
+  Parameter identity and storage, equal values, optimizer entries and moment slots, judged by
+  :func:`~decodespec.spec.head.tying_violations`; and the shared table's ``.grad`` against the
+  sparse input scatter plus the dense classifier term (:func:`~decodespec.spec.head.tied_gradient`).
+  :func:`untie_by_copy` is the loader bug it must catch (``mutant.head_copy_not_tie``);
 * :data:`LOSS_MUTANTS` -- broken loss implementations from the failure lab (chunk-mean
   averaging, a valid count over all rows, the non-target smoothing convention, trained ignored
   rows, a dropped bias gradient), each a ``mutant.head_*`` rule, which :func:`check_loss` must kill; and correct
@@ -51,9 +56,12 @@ from decodespec.spec.head import (
     HeadLedger,
     HeadShape,
     LossSpec,
+    TyingObservation,
     head_gradients,
     head_ledger,
     materialized_loss,
+    tied_gradient,
+    tying_violations,
 )
 from decodespec.spec.rules import Rule, register
 
@@ -69,11 +77,16 @@ __all__ = [
     "HeadVerdict",
     "LossCase",
     "LossTolerance",
+    "TYING_MUTANTS",
+    "TiedGradientReport",
     "check_loss",
     "head_shape_of",
     "load_callable",
     "loss_cases",
     "measure_head",
+    "observe_tying",
+    "tied_gradient_check",
+    "untie_by_copy",
     "torch_chunked",
     "torch_reference",
     "torch_tiled",
@@ -597,3 +610,138 @@ for _name, _fn, _title, _section, _statement in (
 ):
     LOSS_MUTANTS[_name] = _fn
     register(Rule(id=f"mutant.{_name}", kind="mutant", title=_title, section=_section, statement=_statement, obj=_fn))
+
+
+
+# -- 0x09: weight tying read from torch ------------------------------------------------------------
+
+def observe_tying(model: Any, optimizer: Any = None, *, declared_tied: bool | None = None) -> TyingObservation:
+    """The tying facts of a ``LlamaForCausalLM`` (and, when given, its optimizer).
+
+    Args:
+        model: Ours or HF's (``model.model.embed_tokens``, ``model.lm_head``).
+        optimizer: A ``torch.optim.Optimizer`` over the model, or ``None``.
+        declared_tied: The declaration to judge against (default the model config's
+            ``tie_word_embeddings``).
+
+    Returns:
+        :class:`~decodespec.spec.head.TyingObservation`; judge it with
+        :func:`~decodespec.spec.head.tying_violations`.
+
+    Source: M3.8 0x09 (``lm_head.weight is embed_tokens.weight``, ``data_ptr`` equality), 0x08
+    step 6 (one optimizer state per shared Parameter).
+    """
+    import torch
+
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    declared = bool(model.config.tie_word_embeddings) if declared_tied is None else bool(declared_tied)
+    equal = head.shape == embed.shape and bool(torch.equal(head.detach(), embed.detach()))
+    entries = states = None
+    if optimizer is not None:
+        owned = [p for group in optimizer.param_groups for p in group["params"] if p is embed or p is head]
+        entries = len(owned)
+        states = sum(1 for p in {id(p): p for p in owned}.values() if optimizer.state.get(p))
+        states = states if any(optimizer.state.values()) else None
+    return TyingObservation(declared_tied=declared, same_parameter=head is embed, same_storage=head.data_ptr() == embed.data_ptr(),
+                            equal_values=equal, optimizer_entries=entries, optimizer_states=states)
+
+
+def untie_by_copy(model: Any) -> Any:
+    """The loader bug of M3.8 0x09: materialize ``lm_head.weight`` as a second Parameter holding the embedding's values.
+
+    Returns ``model`` (changed in place): equal values, two Parameters, two optimizer slots.
+    """
+    import torch
+
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    return model
+
+
+#: Loader mutants (a function that breaks a loaded model in place), each a ``mutant.<name>`` rule.
+TYING_MUTANTS: dict[str, Callable[[Any], Any]] = {"head_copy_not_tie": untie_by_copy}
+register(Rule(id="mutant.head_copy_not_tie", kind="mutant", title="A loader that copies the embedding into a second head Parameter",
+              section=_S12 + " items 28, 56; M3.8 0x09 Weight tying: shared storage, not similar shape",
+              statement="The loader materializes lm_head.weight as its own Parameter holding the embedding's values (a copy, not a "
+              "tie): the values agree, so logits match, but the optimizer keeps two slots and the classifier gradient lands in "
+              "another buffer; observe_tying reports copied_not_tied and optimizer_duplicate, tied_gradient_check finds the output "
+              "term missing from the embedding's gradient.", obj=untie_by_copy))
+
+
+@attrs.frozen
+class TiedGradientReport:
+    """One backward pass of a tied (or supposedly tied) model, split into the two contributions.
+
+    Attributes:
+        shared: Whether the head and embedding were one Parameter.
+        max_error: ``max |E.grad - (input_part + output_part)|``.
+        bound: The declared bound (float32: ``1e-6 + 1e-5 * max|expected|``).
+        input_rows: Vocabulary rows the input scatter touched (the distinct input ids).
+        output_rows: Vocabulary rows with a non-zero classifier term (dense: about V).
+    """
+
+    shared: bool
+    max_error: float
+    bound: float
+    input_rows: int
+    output_rows: int
+
+    @property
+    def accumulated(self) -> bool:
+        """Whether one buffer holds both contributions within the bound."""
+        return self.max_error <= self.bound
+
+
+def tied_gradient_check(model: Any, input_ids: Any, labels: Any) -> TiedGradientReport:
+    """Run one cross-entropy backward and compare ``embed_tokens.weight.grad`` with the two tied contributions.
+
+    The model's parameters' ``.grad`` are restored afterwards; hooks are removed.
+
+    Args:
+        model: Our ``LlamaForCausalLM`` (float32).
+        input_ids: ``int64[B, T]``.
+        labels: ``int64[B, T]`` next-token labels (``-100`` ignored).
+
+    Returns:
+        :class:`TiedGradientReport`.
+
+    Source: M3.8 0x09 "Tied parameters receive two semantic gradient contributions".
+    """
+    import torch
+    import torch.nn.functional as F
+
+    embed = model.model.embed_tokens.weight
+    saved = {id(p): p.grad for p in model.parameters()}
+    captured: dict[str, Any] = {}
+
+    def on_embed(_m: Any, _i: Any, out: Any) -> None:
+        out.retain_grad()
+        captured["embedded"] = out
+
+    def on_head(_m: Any, inputs: Any, out: Any) -> None:
+        out.retain_grad()
+        captured["hidden"], captured["logits"] = inputs[0], out
+
+    hooks = [model.model.embed_tokens.register_forward_hook(on_embed), model.lm_head.register_forward_hook(on_head)]
+    try:
+        for p in model.parameters():
+            p.grad = None
+        with torch.enable_grad():
+            logits = model(input_ids).logits  # [B, T, V]
+            v = logits.shape[-1]
+            loss = F.cross_entropy(logits.reshape(-1, v), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+            loss.backward()
+        grad = embed.grad.detach().double().numpy() if embed.grad is not None else np.zeros(tuple(embed.shape))
+        input_part, output_part = tied_gradient(
+            input_ids.reshape(-1).numpy(), captured["embedded"].grad.reshape(-1, embed.shape[1]).double().numpy(),
+            captured["logits"].grad.reshape(-1, v).double().numpy(), captured["hidden"].detach().reshape(-1, embed.shape[1]).double().numpy(),
+            v)
+    finally:
+        for h in hooks:
+            h.remove()
+        for p in model.parameters():
+            p.grad = saved.get(id(p))
+    want = input_part + output_part
+    bound = 1e-6 + 1e-5 * float(np.abs(want).max())
+    return TiedGradientReport(shared=model.lm_head.weight is embed, max_error=float(np.abs(grad - want).max()), bound=bound,
+                              input_rows=int((np.abs(input_part).sum(axis=1) > 0).sum()),
+                              output_rows=int((np.abs(output_part).sum(axis=1) > 0).sum()))

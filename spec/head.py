@@ -17,7 +17,10 @@ head and its training loss owe, as pure numpy float64 functions over frozen attr
   over the vocabulary with an online log-sum-exp (:func:`materialized_loss`,
   :func:`chunked_loss`, :func:`tiled_loss`) --, label smoothing with its convention named
   (:class:`Smoothing`), and the affine-head backward ``dH = G E``, ``dE = G^T H``,
-  ``db = sum_r G`` (:func:`head_gradients`).
+  ``db = sum_r G`` (:func:`head_gradients`);
+* weight tying (0x09): tied means one Parameter, not equal values, with one optimizer state
+  (:class:`TyingObservation`, :func:`tying_violations`), and its gradient is the sum of the
+  sparse input-lookup scatter and the dense classifier contribution (:func:`tied_gradient`).
 
 Every rule is registered as ``invariant.head_*`` (:mod:`decodespec.spec.rules`).  Bad input is
 a typed :class:`~decodespec.spec.errors.Rejection` (``head.*`` codes) raised before any work.
@@ -50,12 +53,14 @@ __all__ = [
     "IGNORE_INDEX",
     "INVALID_INPUT",
     "NAN_LOGITS",
+    "TIED_VIOLATIONS",
     "HeadGradients",
     "HeadLedger",
     "HeadShape",
     "LossResult",
     "LossSpec",
     "Smoothing",
+    "TyingObservation",
     "chunk_bounds",
     "chunked_loss",
     "criterion_accepts",
@@ -66,14 +71,17 @@ __all__ = [
     "materialized_loss",
     "row_losses",
     "target_distribution",
+    "tied_gradient",
     "tiled_loss",
     "translation_gap",
+    "tying_violations",
 ]
 
 S01 = "M3.8 0x01 The local object: final normalized hidden rows"
 S02 = "M3.8 0x02 Linear projection and storage orientation"
 S04 = "M3.8 0x04 Logits, probabilities, and log-probabilities"
 S05 = "M3.8 0x05 The training interface: all supervised rows"
+S09 = "M3.8 0x09 Weight tying: shared storage, not similar shape"
 S0A = "M3.8 0x0A Output-row scope is an interface and cost boundary"
 
 INVALID_INPUT = register_code(
@@ -749,3 +757,123 @@ def head_gradients(hidden: Any, weight: Any, bias: Any, labels: Any, spec: LossS
         g[res.valid] = (p - q) / (res.valid_count if reduction == "mean" else 1.0)
     return HeadGradients(logits=g, hidden=g @ e, weight=g.T @ h, bias=None if b is None else g.sum(axis=0))
 
+
+
+# -- 0x09: weight tying ------------------------------------------------------------------------------
+
+#: The named ways a head can break its tying declaration (:func:`tying_violations`).
+TIED_VIOLATIONS: dict[str, str] = {
+    "copied_not_tied": "declared tied, but the head and the embedding are two Parameters holding equal values (a copy diverges "
+                       "after the next optimizer update)",
+    "not_tied": "declared tied, but the head and the embedding are two Parameters with different values",
+    "storage_split": "declared tied and one Parameter object, yet two storages (data pointers differ)",
+    "tied_but_declared_untied": "declared untied, but the head is the embedding's Parameter",
+    "optimizer_duplicate": "the optimizer holds the shared Parameter (or its copies) more than once, or keeps two moment slots "
+                           "for it",
+    "optimizer_missing": "the optimizer does not hold the head/embedding Parameter at all (a stale object after re-tying)",
+}
+
+
+@attrs.frozen
+class TyingObservation:
+    """What a runtime's head and embedding are, as plain facts (read from torch by the checker).
+
+    Attributes:
+        declared_tied: The checkpoint configuration's ``tie_word_embeddings``.
+        same_parameter: ``lm_head.weight is embed_tokens.weight`` (object identity).
+        same_storage: Their ``data_ptr()`` are equal.
+        equal_values: Their values are equal (never evidence of tying by itself).
+        optimizer_entries: How many parameter-group entries of the optimizer are the head or
+            embedding Parameter (``None``: no optimizer observed).
+        optimizer_states: How many of those entries have their own optimizer state
+            (moments) after a step (``None``: not observed).
+    """
+
+    declared_tied: bool
+    same_parameter: bool
+    same_storage: bool
+    equal_values: bool
+    optimizer_entries: int | None = None
+    optimizer_states: int | None = None
+
+
+@rule(
+    "invariant.head_tied_one_parameter",
+    title="Tied means one Parameter and one optimizer state, not equal values",
+    section=S09,
+    statement="When the checkpoint declares tie_word_embeddings, lm_head.weight is embed_tokens.weight (one object, one storage); "
+    "two Parameters with equal values are a copy, not a tie, and are refused; the optimizer holds the shared Parameter once, "
+    "with one moment slot (two when untied). When untied is declared, the two are distinct Parameters (failure lab 0x12 items "
+    "28, 30, 31, 56).",
+)
+def tying_violations(obs: TyingObservation) -> tuple[str, ...]:
+    """The names (:data:`TIED_VIOLATIONS`) of every way ``obs`` breaks its tying declaration; empty when it keeps it.
+
+    Args:
+        obs: The observation.
+
+    Returns:
+        A tuple of violation names, in the order of :data:`TIED_VIOLATIONS`.
+
+    Source: M3.8 0x09 ("Copying values is not tying", "Tied parameters receive two semantic
+    gradient contributions", a loader that materializes two Parameters), 0x08 (restore or create
+    exactly one optimizer state for each shared Parameter).
+    """
+    out: list[str] = []
+    if obs.declared_tied:
+        if not obs.same_parameter:
+            out.append("copied_not_tied" if obs.equal_values else "not_tied")
+        elif not obs.same_storage:
+            out.append("storage_split")
+        want = 1
+    else:
+        if obs.same_parameter:
+            out.append("tied_but_declared_untied")
+        want = 2
+    if obs.optimizer_entries is not None:
+        if obs.optimizer_entries == 0:
+            out.append("optimizer_missing")
+        elif obs.optimizer_entries > want or (obs.optimizer_states is not None and obs.optimizer_states > want):
+            out.append("optimizer_duplicate")
+    order = list(TIED_VIOLATIONS)
+    return tuple(sorted(dict.fromkeys(out), key=order.index))
+
+
+@rule(
+    "invariant.head_tied_gradient_accumulates",
+    title="A tied table's gradient is the input scatter plus the output classifier term",
+    section=S09,
+    statement="For one Parameter E used for input lookup and output projection, dL/dE[v] = sum over input occurrences of token v "
+    "of the upstream gradient at the embedding output (sparse in token rows) + sum_r G[r, v] H[r] (dense over the vocabulary), "
+    "accumulated into one gradient buffer before one optimizer update.",
+)
+def tied_gradient(token_ids: Any, grad_in: Any, grad_logits: Any, hidden: Any, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The two contributions to a tied table's gradient, in float64.
+
+    Args:
+        token_ids: ``[N]`` input token ids looked up in ``E`` (flattened ``[B, T]``).
+        grad_in: ``[N, d]`` upstream gradient at the embedding output.
+        grad_logits: ``G [R, V]``, gradient at the logits (flattened rows).
+        hidden: ``H [R, d]``, the rows the head projected.
+        vocab_size: V.
+
+    Returns:
+        ``(input_part [V, d], output_part [V, d])``; their sum is ``dL/dE``.
+
+    Raises:
+        Rejection: ``head.invalid_input`` (shapes, ids outside ``[0, V)``), ``head.nan_logits``.
+
+    Source: M3.8 0x09 "Tied parameters receive two semantic gradient contributions".
+    """
+    ids = np.asarray(token_ids).reshape(-1)
+    gin = _matrix(grad_in, "grad_in", 2)
+    g = _matrix(grad_logits, "grad_logits", 2)
+    h = _matrix(hidden, "hidden", 2)
+    if ids.dtype.kind not in "iu" or gin.shape[0] != ids.shape[0] or g.shape != (h.shape[0], vocab_size) or gin.shape[1] != h.shape[1]:
+        raise Rejection(INVALID_INPUT, f"token_ids [N] {ids.shape}, grad_in [N, d] {gin.shape}, grad_logits [R, V] {g.shape} and "
+                        f"hidden [R, d] {h.shape} do not agree (V = {vocab_size})", "$.grad_in")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise Rejection(INVALID_INPUT, f"token ids must lie in [0, {vocab_size})", "$.token_ids")
+    input_part = np.zeros((vocab_size, gin.shape[1]))
+    np.add.at(input_part, ids, gin)  # scatter-add: repeated ids accumulate
+    return input_part, g.T @ h

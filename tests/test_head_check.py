@@ -129,3 +129,77 @@ def test_cli_mutants_are_all_killed(capsys):
     out = capsys.readouterr().out
     assert out.count("killed") == len(KILLS) and "SURVIVED" not in out
     assert main(["head-check", "--reference", "--dtype", "float32"]) == 0
+
+
+# -- 0x09: weight tying on our models -------------------------------------------------------------
+# Rules checked: invariant.head_tied_one_parameter, invariant.head_tied_gradient_accumulates; mutant.head_copy_not_tie.
+
+def _batch(seed=1):
+    import torch
+
+    ids = torch.randint(3, 500, (2, 6), generator=torch.Generator().manual_seed(seed))
+    labels = torch.roll(ids, -1, 1)
+    labels[:, -1] = -100
+    return ids, labels
+
+
+def test_tiny_is_tied_by_identity_and_accumulates_both_gradients(tiny_model):
+    import torch
+
+    from decodespec.spec.head import tying_violations
+
+    obs = hc.observe_tying(tiny_model, torch.optim.SGD(tiny_model.parameters(), lr=0.1))
+    assert obs.same_parameter and obs.same_storage and obs.optimizer_entries == 1 and tying_violations(obs) == ()
+    ids, labels = _batch()
+    before = {id(p): p.grad for p in tiny_model.parameters()}
+    rep = hc.tied_gradient_check(tiny_model, ids, labels)
+    assert rep.shared and rep.accumulated, rep
+    # Sparse: the rows of the input ids whose positions reach a supervised logit (the last column only
+    # feeds its own, ignored, row under the causal mask); dense: every vocabulary row.
+    assert rep.input_rows == len(set(ids[:, :-1].reshape(-1).tolist())) and rep.output_rows == 512
+    assert {id(p): p.grad for p in tiny_model.parameters()} == before  # the shared model's grads are restored
+
+
+def test_a_loader_that_copies_the_embedding_is_caught():
+    import torch
+
+    from decodespec.impl.tiny import load_tiny
+    from decodespec.spec.head import tying_violations
+
+    tied, copied = load_tiny(seed=0, device="cpu"), hc.TYING_MUTANTS["head_copy_not_tie"](load_tiny(seed=0, device="cpu"))
+    ids, labels = _batch(2)
+    with torch.no_grad():  # equal values: every logit agrees, so a value comparison cannot see the bug
+        assert torch.equal(tied(ids).logits, copied(ids).logits)
+    obs = hc.observe_tying(copied, torch.optim.Adam(copied.parameters(), lr=1e-2))
+    assert obs.equal_values and not obs.same_parameter
+    assert tying_violations(obs) == ("copied_not_tied", "optimizer_duplicate")
+    rep = hc.tied_gradient_check(copied, ids, labels)
+    assert not rep.shared and not rep.accumulated  # the classifier term went to another buffer
+    # One optimizer step: the tied table stays one object with one moment slot; the copies diverge.
+    for model in (tied, copied):
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        logits = model(ids).logits
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 512), labels.reshape(-1)).backward()
+        opt.step()
+        obs = hc.observe_tying(model, opt)
+        if model is tied:
+            assert obs.optimizer_states == 1 and tying_violations(obs) == ()
+        else:
+            assert obs.optimizer_states == 2 and not obs.equal_values
+            assert tying_violations(obs) == ("not_tied", "optimizer_duplicate")
+
+
+def test_smollm2_is_tied_in_our_loader(smollm2_model):
+    import torch
+
+    from decodespec.spec.head import tying_violations
+
+    assert smollm2_model.config.tie_word_embeddings
+    embed, head = smollm2_model.model.embed_tokens.weight, smollm2_model.lm_head.weight
+    assert head is embed and head.data_ptr() == embed.data_ptr() and tuple(head.shape) == (49152, 576)
+    obs = hc.observe_tying(smollm2_model, torch.optim.SGD(smollm2_model.parameters(), lr=0.0))
+    assert obs.optimizer_entries == 1 and tying_violations(obs) == ()
+    # Declaring it untied would be a different model: the rule sees the shared Parameter.
+    assert tying_violations(hc.observe_tying(smollm2_model, declared_tied=False)) == ("tied_but_declared_untied",)
+    # The tied head counts once in the model's parameters (V*d not allocated twice).
+    assert sum(1 for p in smollm2_model.parameters() if p is embed) == 1

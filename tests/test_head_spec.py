@@ -310,3 +310,35 @@ def test_gradients_against_torch_autograd_float64():
     assert H.head_gradients(h, e, None, y).bias is None
     with pytest.raises(Rejection):
         H.head_gradients(h, e, b, y, reduction="max")
+
+
+# -- 0x09: weight tying (pure) ------------------------------------------------------------------------
+# Rules checked: invariant.head_tied_one_parameter, invariant.head_tied_gradient_accumulates.
+
+def test_tying_violations_name_each_way_to_break_the_declaration():
+    T = H.TyingObservation
+    assert H.tying_violations(T(True, True, True, True, 1, 1)) == ()
+    assert H.tying_violations(T(False, False, False, False, 2, 2)) == ()
+    assert H.tying_violations(T(True, False, False, True)) == ("copied_not_tied",)
+    assert H.tying_violations(T(True, False, False, False)) == ("not_tied",)
+    assert H.tying_violations(T(True, True, False, True)) == ("storage_split",)
+    assert H.tying_violations(T(False, True, True, True)) == ("tied_but_declared_untied",)
+    assert H.tying_violations(T(True, False, False, True, 2, 2)) == ("copied_not_tied", "optimizer_duplicate")
+    assert H.tying_violations(T(True, True, True, True, 0)) == ("optimizer_missing",)
+    assert H.tying_violations(T(True, True, True, True, 1, 2)) == ("optimizer_duplicate",)
+    assert set(H.TIED_VIOLATIONS) >= {"copied_not_tied", "optimizer_duplicate"}
+
+
+def test_tied_gradient_is_a_sparse_scatter_plus_a_dense_classifier_term():
+    rng = np.random.default_rng(9)
+    v, d = 6, 3
+    ids = np.array([4, 1, 4, 4])  # a repeated id accumulates
+    gin = rng.normal(size=(4, d))
+    g, h = rng.normal(size=(2, v)), rng.normal(size=(2, d))
+    inp, out = H.tied_gradient(ids, gin, g, h, v)
+    assert np.allclose(inp[4], gin[[0, 2, 3]].sum(axis=0)) and np.allclose(inp[1], gin[1])
+    assert (inp[[0, 2, 3, 5]] == 0).all()  # sparse in token rows
+    assert np.allclose(out, g.T @ h) and (np.abs(out).sum(axis=1) > 0).all()  # dense over the vocabulary
+    with pytest.raises(Rejection) as err:
+        H.tied_gradient(np.array([6, 0, 0, 0]), gin, g, h, v)
+    assert err.value.code == "head.invalid_input"
