@@ -668,7 +668,8 @@ def tiled_loss(hidden: Any, weight: Any, bias: Any, labels: Any, spec: LossSpec 
                 raise Rejection(NAN_LOGITS, "+inf logit", "$.logits")
             m_new = np.maximum(m, zt.max(axis=1))
             live = np.isfinite(m_new)
-            scale = np.where(live & np.isfinite(m), np.exp(np.where(live & np.isfinite(m), m - m_new, 0.0)), 0.0)
+            both = live & np.isfinite(m)
+            scale = np.where(both, np.exp(np.where(both, m, 0.0) - np.where(both, m_new, 0.0)), 0.0)  # exp(m_old - m_new)
             shift = np.where(live, m_new, 0.0)
             s = s * scale + np.where(live, np.exp(zt - shift[:, None]).sum(axis=1), 0.0)
             m = m_new

@@ -342,3 +342,30 @@ def test_tied_gradient_is_a_sparse_scatter_plus_a_dense_classifier_term():
     with pytest.raises(Rejection) as err:
         H.tied_gradient(np.array([6, 0, 0, 0]), gin, g, h, v)
     assert err.value.code == "head.invalid_input"
+
+
+def test_tiled_schedule_matches_on_drawn_cases_with_masks_and_both_conventions():
+    """invariant.head_schedules_agree on 200 drawn cases: -inf masks, logits to ~1e4, ignored rows, eps in {0, 0.1, 1}."""
+    rng = np.random.default_rng(3)
+    compared = 0
+    for _ in range(200):
+        r, v, d = int(rng.integers(1, 9)), int(rng.integers(2, 12)), int(rng.integers(1, 5))
+        h, e, b = rng.normal(size=(r, d)) * rng.choice([1, 100]), rng.normal(size=(v, d)) * rng.choice([1, 100]), rng.normal(size=v)
+        if rng.random() < 0.5:
+            b[rng.integers(0, v, size=2)] = -np.inf
+        y = rng.integers(0, v, size=r)
+        y[rng.random(r) < 0.3] = H.IGNORE_INDEX
+        spec = H.LossSpec(label_smoothing=float(rng.choice([0.0, 0.1, 1.0])), smoothing=str(rng.choice(["all_classes", "non_target"])))
+        chunks, tile = int(rng.integers(1, 5)), int(rng.integers(1, 6))
+        try:
+            full = H.materialized_loss(h, e, b, y, spec)
+        except Rejection as err:  # every column of a supervised row masked: both schedules refuse it the same way
+            with pytest.raises(Rejection) as other:
+                H.tiled_loss(h, e, b, y, spec, chunks=chunks, vocab_tile=tile)
+            assert (other.value.code, other.value.path) == (err.code, err.path) == ("head.degenerate_row", err.path)
+            continue
+        tiled = H.tiled_loss(h, e, b, y, spec, chunks=chunks, vocab_tile=tile)
+        assert np.allclose(tiled.row_losses, full.row_losses, rtol=1e-10, atol=1e-8), (spec, y, b)
+        assert tiled.valid_count == full.valid_count
+        compared += int(np.isposinf(full.row_losses).any())
+    assert compared > 0  # some cases put mass on a masked class (+inf in both schedules)
