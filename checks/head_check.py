@@ -40,12 +40,11 @@ Source: M3.8 0x02 "Parameter and logical-work ledger", 0x05 "Exact conformance c
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import math
 import os
 import sys
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 import numpy as np
