@@ -46,6 +46,7 @@ COMMANDS: dict[str, str] = {
     "calibrate": "calibrate",
     "export-tiny": "export_tiny",
     "replay": "replay",
+    "head-check": "head_check",
 }
 
 

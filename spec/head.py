@@ -1,0 +1,880 @@
+"""M3.8 0x02 Linear projection and storage orientation, 0x04 and 0x05: the output head as pure float64 rules.
+
+The output head maps final hidden rows to raw logits, ``Z = H E^T + b`` (PyTorch storage
+orientation: ``E`` is ``[V, d]``, the shape of the embedding table).  This module states what a
+head and its training loss owe, as pure numpy float64 functions over frozen attrs values:
+
+* the head equation and the score kind of its output (:func:`head_logits`,
+  :data:`HEAD_OUTPUT_KINDS`, :func:`criterion_accepts`): a raw head returns ``LOGITS``, the A15
+  ``Generator`` returns ``LOGPROBS``; cross entropy takes logits, NLL/KL takes log-probabilities;
+* softmax translation invariance and the log-ratio identity (:func:`translation_gap`,
+  :func:`log_ratio_gap`);
+* the parameter and multiply-accumulate ledger (:class:`HeadShape`, :func:`head_ledger`):
+  ``V d (+ V)`` parameters, ``R V d`` MACs and ``R V`` logical logits for ``R`` projected rows;
+* the training interface (0x05): per-row loss ``m + log s - z_y`` over supervised rows only
+  (:func:`row_losses`), its reduction from the loss sum and the valid count
+  (:class:`LossResult`), three schedules that must agree -- materialized, row-chunked and tiled
+  over the vocabulary with an online log-sum-exp (:func:`materialized_loss`,
+  :func:`chunked_loss`, :func:`tiled_loss`) --, label smoothing with its convention named
+  (:class:`Smoothing`), and the affine-head backward ``dH = G E``, ``dE = G^T H``,
+  ``db = sum_r G`` (:func:`head_gradients`);
+* weight tying (0x09): tied means one Parameter, not equal values, with one optimizer state
+  (:class:`TyingObservation`, :func:`tying_violations`), and its gradient is the sum of the
+  sparse input-lookup scatter and the dense classifier contribution (:func:`tied_gradient`).
+
+Every rule is registered as ``invariant.head_*`` (:mod:`decodespec.spec.rules`).  Bad input is
+a typed :class:`~decodespec.spec.errors.Rejection` (``head.*`` codes) raised before any work.
+
+Source: M3.8 0x01 (``z_i = h_i W_U + b_U``), 0x02 ("Softmax is translation invariant",
+"Cross-entropy gradient at the head", "Deriving the complete affine-head backward", "Parameter
+and logical-work ledger"), 0x04 ("One denominator derives softmax, log-softmax, and
+cross-entropy", "Label smoothing is a target-distribution contract", "Dtype and degenerate-row
+policy"), 0x05 ("Source-to-tensor training trace", "Materialized, chunked, and fused
+execution", "Exact conformance checks"), 0x0A (the ledger, vocabulary tiles), 0x11 (shape and
+type ledger).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Sequence
+
+import attrs
+import numpy as np
+
+from decodespec.spec.errors import Rejection, register_code
+from decodespec.spec.policy.scores import ScoreKind
+from decodespec.spec.rules import rule
+
+__all__ = [
+    "CRITERIA",
+    "DEGENERATE_ROW",
+    "HEAD_OUTPUT_KINDS",
+    "IGNORE_INDEX",
+    "INVALID_INPUT",
+    "NAN_LOGITS",
+    "TIED_VIOLATIONS",
+    "HeadGradients",
+    "HeadLedger",
+    "HeadShape",
+    "LossResult",
+    "LossSpec",
+    "Smoothing",
+    "TyingObservation",
+    "chunk_bounds",
+    "chunked_loss",
+    "criterion_accepts",
+    "head_gradients",
+    "head_ledger",
+    "head_logits",
+    "log_ratio_gap",
+    "materialized_loss",
+    "row_losses",
+    "target_distribution",
+    "tied_gradient",
+    "tiled_loss",
+    "translation_gap",
+    "tying_violations",
+]
+
+S01 = "M3.8 0x01 The local object: final normalized hidden rows"
+S02 = "M3.8 0x02 Linear projection and storage orientation"
+S04 = "M3.8 0x04 Logits, probabilities, and log-probabilities"
+S05 = "M3.8 0x05 The training interface: all supervised rows"
+S09 = "M3.8 0x09 Weight tying: shared storage, not similar shape"
+S0A = "M3.8 0x0A Output-row scope is an interface and cost boundary"
+
+INVALID_INPUT = register_code(
+    "head.invalid_input", "rejection", S05,
+    "A head or loss input has the wrong rank, shape or type (hidden [R, d], weight [V, d], bias [V], labels [R] integers), "
+    "a label outside [0, V) that is not the ignore index, a chunk or tile size below one, or a smoothing epsilon outside [0, 1].",
+)
+NAN_LOGITS = register_code(
+    "head.nan_logits", "rejection", "M3.8 0x04 Dtype and degenerate-row policy",
+    "A head input or logit row holds NaN (or +inf); NaN contaminates every comparison and reduction, so the loss is refused.",
+)
+DEGENERATE_ROW = register_code(
+    "head.degenerate_row", "rejection", "M3.8 0x04 Dtype and degenerate-row policy",
+    "A supervised row has every logit -inf: zero-over-zero normalization is undefined and no fallback is declared, so the loss is refused.",
+)
+
+#: The ignore index of PyTorch's ``cross_entropy`` (and HF's label convention): a row with this
+#: label is not supervised (M3.8 0x05 "M3.9 excludes it through the declared ignore/mask contract").
+IGNORE_INDEX = -100
+
+
+# -- 0x02 / 0x11: score kind of the head's output and the criterion pairing --------------------
+
+#: Score kind returned by each head form (M3.8 0x03, 0x11 "Score-type contract"): the modern raw
+#: head (``lm_head``, ``nn.Linear``) returns logits; the A15 ``Generator`` (``log_softmax`` of the
+#: projection) returns log-probabilities.  The shape does not identify the kind; the head declares it.
+HEAD_OUTPUT_KINDS: dict[str, ScoreKind] = {"linear": ScoreKind.LOGITS, "generator": ScoreKind.LOGPROBS}
+
+#: Score kind each training criterion accepts (M3.8 0x05 "The implementation rule is"):
+#: ``cross_entropy`` expects unnormalized logits; ``nll`` and ``kl_div`` expect log-probabilities.
+CRITERIA: dict[str, ScoreKind] = {"cross_entropy": ScoreKind.LOGITS, "nll": ScoreKind.LOGPROBS, "kl_div": ScoreKind.LOGPROBS}
+
+
+@rule(
+    "invariant.head_criterion_pairing",
+    title="The head's output kind must be the kind its criterion accepts",
+    section=S05,
+    statement="A linear head returns raw logits and pairs with cross entropy; a Generator returns log-probabilities and "
+    "pairs with an NLL/KL criterion. Passing probabilities or log-probabilities to cross entropy, or logits to NLL/KL, is "
+    "refused as policy.score_kind_mismatch (failure lab 0x12 items 15, 16).",
+)
+def criterion_accepts(head: str, criterion: str) -> ScoreKind:
+    """Check that ``criterion`` accepts the kind ``head`` returns; return that kind.
+
+    Args:
+        head: ``"linear"`` or ``"generator"`` (:data:`HEAD_OUTPUT_KINDS`).
+        criterion: ``"cross_entropy"``, ``"nll"`` or ``"kl_div"`` (:data:`CRITERIA`).
+
+    Raises:
+        Rejection: ``head.invalid_input`` for an unknown head or criterion;
+            ``policy.score_kind_mismatch`` when the kinds differ.
+
+    Source: M3.8 0x03, 0x05, 0x11; failure lab 0x12 items 15-16.
+    """
+    from decodespec.spec.policy.codes import SCORE_KIND_MISMATCH
+
+    if head not in HEAD_OUTPUT_KINDS:
+        raise Rejection(INVALID_INPUT, f"unknown head form {head!r}; known: {sorted(HEAD_OUTPUT_KINDS)}", "$.head")
+    if criterion not in CRITERIA:
+        raise Rejection(INVALID_INPUT, f"unknown criterion {criterion!r}; known: {sorted(CRITERIA)}", "$.criterion")
+    kind = HEAD_OUTPUT_KINDS[head]
+    if CRITERIA[criterion] is not kind:
+        raise Rejection(SCORE_KIND_MISMATCH, f"{criterion} expects {CRITERIA[criterion].value}, the {head} head returns {kind.value}",
+                        "$.criterion")
+    return kind
+
+
+# -- input checks ----------------------------------------------------------------------------
+
+def _matrix(x: Any, name: str, ndim: int) -> np.ndarray:
+    try:
+        arr = np.asarray(x, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise Rejection(INVALID_INPUT, f"{name} must hold real numbers: {exc}", f"$.{name}") from None
+    if arr.ndim != ndim:
+        raise Rejection(INVALID_INPUT, f"{name} must have rank {ndim}, got shape {arr.shape}", f"$.{name}")
+    if np.isnan(arr).any():
+        raise Rejection(NAN_LOGITS, f"{name} holds NaN", f"$.{name}", {"first_index": int(np.flatnonzero(np.isnan(arr).ravel())[0])})
+    return arr
+
+
+def _check_head(hidden: Any, weight: Any, bias: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    h = _matrix(hidden, "hidden", 2)
+    e = _matrix(weight, "weight", 2)
+    if h.shape[1] != e.shape[1] or e.shape[0] == 0:
+        raise Rejection(INVALID_INPUT, f"hidden [R, d] {h.shape} and weight [V, d] {e.shape} must share d, V >= 1", "$.weight")
+    if not (np.isfinite(h).all() and np.isfinite(e).all()):
+        raise Rejection(NAN_LOGITS, "hidden rows and output weights must be finite", "$.hidden")
+    b = None
+    if bias is not None:
+        b = _matrix(bias, "bias", 1)
+        if b.shape != (e.shape[0],):
+            raise Rejection(INVALID_INPUT, f"bias must be [V] = [{e.shape[0]}], got {b.shape}", "$.bias")
+        if np.isposinf(b).any():
+            raise Rejection(NAN_LOGITS, "bias holds +inf", "$.bias")
+    return h, e, b
+
+
+# -- 0x01 / 0x02: the head equation -------------------------------------------------------------
+
+@rule(
+    "invariant.head_equation",
+    title="Logits are Z = H E^T + b over the last axis",
+    section=S02,
+    statement="For hidden rows H [R, d], stored output weight E [V, d] (the embedding-table orientation, not transposed by "
+    "hand) and optional bias b [V], the head returns raw logits Z [R, V] with Z[r, v] = sum_j H[r, j] E[v, j] + b[v]; "
+    "-inf in b masks a vocabulary column.",
+)
+def head_logits(hidden: Any, weight: Any, bias: Any = None) -> np.ndarray:
+    """Raw logits of the affine head in float64.
+
+    Args:
+        hidden: ``[R, d]`` final normalized hidden rows.
+        weight: ``[V, d]`` output weight in PyTorch storage orientation.
+        bias: ``[V]`` or ``None``; ``-inf`` entries mask a column.
+
+    Returns:
+        ``[R, V]`` float64 logits (kind ``LOGITS``).
+
+    Raises:
+        Rejection: ``head.invalid_input`` (ranks, shapes), ``head.nan_logits`` (NaN or
+            non-finite hidden/weight, +inf bias).
+
+    Source: M3.8 0x01 (``z_i = h_i W_U + b_U``), 0x02 ("Algebra versus PyTorch weight shape").
+    """
+    h, e, b = _check_head(hidden, weight, bias)
+    z = h @ e.T  # [R, V]
+    return z if b is None else z + b[None, :]
+
+
+def _lse(z: np.ndarray) -> np.ndarray:
+    """Row-wise stable log-sum-exp of ``[R, V]``; a row of all ``-inf`` gives ``-inf``."""
+    m = z.max(axis=1)  # [R]
+    safe = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        return safe + np.log(np.exp(z - safe[:, None]).sum(axis=1))
+
+
+@rule(
+    "invariant.head_translation_invariance",
+    title="Softmax is translation invariant",
+    section=S02,
+    statement="softmax(z + c 1) = softmax(z) for every real c: adding one constant to every logit of a row changes neither "
+    "its probabilities nor its cross entropy (the zero mode of the Hessian diag(p) - p p^T along the all-ones vector).",
+)
+def translation_gap(logits: Any, shift: float) -> float:
+    """``max |softmax(z + c) - softmax(z)|`` over the rows of ``logits`` (0 up to rounding).
+
+    Args:
+        logits: ``[R, V]`` (or ``[V]``) float logits, each row with a finite entry.
+        shift: The constant ``c`` (finite).
+
+    Returns:
+        The L-infinity gap in probability units.
+
+    Raises:
+        Rejection: ``head.nan_logits`` (NaN), ``head.degenerate_row`` (a row of all ``-inf``).
+
+    Source: M3.8 0x02 "Logits are learned compatibility energies"; 0x04 (Hessian zero mode).
+    """
+    z = np.atleast_2d(_matrix(logits, "logits", np.ndim(logits)))
+    _check_rows(z)
+    p = np.exp(z - _lse(z)[:, None])
+    zc = z + float(shift)
+    q = np.exp(zc - _lse(zc)[:, None])
+    return float(np.abs(p - q).max())
+
+
+@rule(
+    "invariant.head_log_ratio",
+    title="A logit difference is a multiclass log-probability ratio",
+    section=S02,
+    statement="log(p_i / p_j) = z_i - z_j for every pair of finite logits of one row: only relative logits matter, and no "
+    "single logit is a binary log-odds (failure lab 0x12 items 7-8).",
+)
+def log_ratio_gap(logits: Any) -> float:
+    """``max |(log p_i - log p_j) - (z_i - z_j)|`` over rows and finite pairs (0 up to rounding).
+
+    Args:
+        logits: ``[R, V]`` (or ``[V]``) logits.
+
+    Returns:
+        The largest deviation in nats.
+
+    Raises:
+        Rejection: ``head.nan_logits``, ``head.degenerate_row`` (as :func:`translation_gap`).
+
+    Source: M3.8 0x02 "Logits are learned compatibility energies".
+    """
+    z = np.atleast_2d(_matrix(logits, "logits", np.ndim(logits)))
+    _check_rows(z)
+    logp = z - _lse(z)[:, None]
+    gap = 0.0
+    for row_z, row_lp in zip(z, logp):
+        fin = np.isfinite(row_z)
+        dz = row_z[fin][:, None] - row_z[fin][None, :]
+        dlp = row_lp[fin][:, None] - row_lp[fin][None, :]
+        gap = max(gap, float(np.abs(dz - dlp).max()))
+    return gap
+
+
+def _check_rows(z: np.ndarray, row_ids: np.ndarray | None = None) -> None:
+    """Refuse +inf, and a row of all ``-inf`` (named by its id in ``row_ids``, default its position)."""
+    if np.isposinf(z).any():
+        raise Rejection(NAN_LOGITS, "+inf logit", "$.logits")
+    dead = ~np.isfinite(z).any(axis=1)
+    if dead.any():
+        r = int(np.flatnonzero(dead)[0])
+        r = int(row_ids[r]) if row_ids is not None else r
+        raise Rejection(DEGENERATE_ROW, f"row {r} has every logit -inf", f"$.logits[{r}]", {"row": r})
+
+
+# -- 0x02 / 0x0A: the parameter and work ledger --------------------------------------------------
+
+@attrs.frozen
+class HeadShape:
+    """The output head's architecture.
+
+    Attributes:
+        vocab_size: V, output rows.
+        hidden_size: d, the model width.
+        bias: Whether the head has a ``[V]`` bias (tying never ties or removes it).
+        tied: Whether the weight is the input embedding's Parameter (M3.8 0x09).
+    """
+
+    vocab_size: int = attrs.field(validator=attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(1)))
+    hidden_size: int = attrs.field(validator=attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(1)))
+    bias: bool = False
+    tied: bool = False
+
+
+@attrs.frozen
+class HeadLedger:
+    """The head's local ledger for one projection of ``num_rows`` rows.
+
+    Attributes:
+        num_rows: R, rows actually projected.
+        head_parameters: ``V d + [bias] V``, the head's parameters (elements).
+        new_parameters: Parameters the head allocates beyond the embedding: ``head_parameters``
+            untied, only the bias when tied.
+        macs: ``R V d`` multiply-accumulates of the projection (tying does not remove them).
+        logit_elements: ``R V`` elements of the logical logit tensor.
+
+    Units: counts of elements / multiply-accumulates (not bytes).
+    """
+
+    num_rows: int
+    head_parameters: int
+    new_parameters: int
+    macs: int
+    logit_elements: int
+
+    def logit_bytes(self, bytes_per_logit: int) -> int:
+        """Logical logit bytes ``R V b_z`` (M3.8 0x05: a logical size, not a hardware peak)."""
+        return self.logit_elements * bytes_per_logit
+
+
+@rule(
+    "invariant.head_ledger",
+    title="Head parameters V d (+ V), work R V d MACs, R V logical logits",
+    section=S0A,
+    statement="An affine head has V d weight parameters plus V with a bias; projecting R rows costs R V d multiply-accumulates "
+    "and produces R V logical logit elements. A tied head allocates no extra V d parameters but does the same R V d work; "
+    "selecting rows before the projection reduces work and logits in proportion to the omitted rows.",
+)
+def head_ledger(shape: HeadShape, num_rows: int) -> HeadLedger:
+    """The ledger of projecting ``num_rows`` rows through ``shape``.
+
+    Args:
+        shape: The head.
+        num_rows: R >= 0, rows projected (``B * T_kept``).
+
+    Returns:
+        :class:`HeadLedger`.
+
+    Raises:
+        Rejection: ``head.invalid_input`` for a negative or non-integer ``num_rows``.
+
+    Source: M3.8 0x02 "Parameter and logical-work ledger"; 0x0A (worked example: the all-row
+    versus last-row ratio is exactly S).
+    """
+    if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)) or num_rows < 0:
+        raise Rejection(INVALID_INPUT, f"num_rows must be an integer >= 0, got {num_rows!r}", "$.num_rows")
+    v, d, r = shape.vocab_size, shape.hidden_size, int(num_rows)
+    params = v * d + (v if shape.bias else 0)
+    new = (v if shape.bias else 0) if shape.tied else params
+    return HeadLedger(num_rows=r, head_parameters=params, new_parameters=new, macs=r * v * d, logit_elements=r * v)
+
+
+# -- 0x04 / 0x05: the training loss ----------------------------------------------------------------
+
+class Smoothing(str, enum.Enum):
+    """Label-smoothing conventions (M3.8 0x04 "Label smoothing is a target-distribution contract").
+
+    * ``ALL_CLASSES``: ``q = (1 - eps) onehot(y) + eps / V`` -- uniform mass over all V classes,
+      the target included.  This is PyTorch's ``cross_entropy(label_smoothing=eps)`` and HF's
+      ``label_smoothing_factor``.
+    * ``NON_TARGET``: ``q = (1 - eps) onehot(y) + eps / (V - 1)`` on the ``V - 1`` other classes
+      only.  The same eps gives another target distribution, loss and gradient.
+    """
+
+    ALL_CLASSES = "all_classes"
+    NON_TARGET = "non_target"
+
+
+def _epsilon(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not 0.0 <= float(value) <= 1.0:
+        raise Rejection(INVALID_INPUT, f"label_smoothing must be a number in [0, 1], got {value!r}", "$.label_smoothing")
+    return float(value)
+
+
+@attrs.frozen
+class LossSpec:
+    """The declared loss contract of one training step.
+
+    Attributes:
+        ignore_index: Label of an unsupervised row (default :data:`IGNORE_INDEX`, -100).
+        label_smoothing: eps in ``[0, 1]``.
+        smoothing: The convention eps means (default ``ALL_CLASSES``, PyTorch/HF).
+    """
+
+    ignore_index: int = IGNORE_INDEX
+    label_smoothing: float = attrs.field(default=0.0, converter=_epsilon)
+    smoothing: Smoothing = attrs.field(default=Smoothing.ALL_CLASSES, converter=Smoothing)
+
+
+def _labels(labels: Any, num_rows: int, vocab_size: int, spec: LossSpec) -> np.ndarray:
+    arr = np.asarray(labels)
+    if arr.shape != (num_rows,) or not (arr.dtype.kind in "iu" or (arr.size == 0)):
+        raise Rejection(INVALID_INPUT, f"labels must be integers [R] = [{num_rows}], got {arr.dtype} {arr.shape}", "$.labels")
+    arr = arr.astype(np.int64)
+    bad = (arr != spec.ignore_index) & ((arr < 0) | (arr >= vocab_size))
+    if bad.any():
+        r = int(np.flatnonzero(bad)[0])
+        raise Rejection(INVALID_INPUT, f"label {int(arr[r])} of row {r} is outside [0, {vocab_size}) and is not the ignore index "
+                        f"{spec.ignore_index}", f"$.labels[{r}]", {"row": r})
+    return arr
+
+
+@rule(
+    "invariant.head_label_smoothing",
+    title="Label smoothing is a target distribution with a named convention",
+    section=S04,
+    statement="With eps and the ALL_CLASSES convention (PyTorch/HF label_smoothing) q = (1 - eps) onehot(y) + eps / V; with "
+    "NON_TARGET, q = (1 - eps) onehot(y) + eps / (V - 1) off the target. The loss is -sum_v q_v log p_v and its logit gradient "
+    "p - q; the same eps under the two conventions gives different losses and gradients.",
+)
+def target_distribution(labels: Any, vocab_size: int, spec: LossSpec = LossSpec()) -> np.ndarray:
+    """Target distributions ``Q [R, V]`` of the supervised rows (ignored rows are all zero).
+
+    Args:
+        labels: ``[R]`` integer labels (``spec.ignore_index`` marks an unsupervised row).
+        vocab_size: V.
+        spec: The loss contract.
+
+    Returns:
+        ``[R, V]`` float64; each supervised row sums to one.
+
+    Raises:
+        Rejection: ``head.invalid_input`` (labels shape or range; V = 1 with ``NON_TARGET``
+            smoothing, which has no other class).
+
+    Source: M3.8 0x04 "Label smoothing is a target-distribution contract"; 0x0A (all-class
+    convention across vocabulary shards).
+    """
+    y = np.asarray(labels)
+    num_rows = int(y.shape[0]) if y.ndim == 1 else -1
+    y = _labels(labels, num_rows, vocab_size, spec)
+    valid = y != spec.ignore_index
+    eps = spec.label_smoothing
+    q = np.zeros((y.shape[0], vocab_size))
+    if spec.smoothing is Smoothing.ALL_CLASSES:
+        q[valid] = eps / vocab_size
+    elif eps > 0:
+        if vocab_size < 2:
+            raise Rejection(INVALID_INPUT, "NON_TARGET smoothing needs V >= 2", "$.smoothing")
+        q[valid] = eps / (vocab_size - 1)
+    rows = np.flatnonzero(valid)
+    q[rows, y[rows]] = (1.0 - eps) + (eps / vocab_size if spec.smoothing is Smoothing.ALL_CLASSES else 0.0)
+    return q
+
+
+@attrs.frozen(eq=False)
+class LossResult:
+    """Per-row losses and their reduction.
+
+    Attributes:
+        row_losses: ``[R]`` float64; 0 on ignored rows (PyTorch ``reduction="none"``).
+        valid: ``[R]`` bool, the supervised rows.
+        loss_sum: Sum of the supervised rows' losses.
+        valid_count: Number of supervised rows.
+
+    Units: nats.
+    """
+
+    row_losses: np.ndarray
+    valid: np.ndarray
+    loss_sum: float
+    valid_count: int
+
+    @property
+    def mean(self) -> float:
+        """``loss_sum / valid_count`` (NaN when no row is supervised, as PyTorch's mean)."""
+        return self.loss_sum / self.valid_count if self.valid_count else float("nan")
+
+
+@rule(
+    "invariant.head_loss_row",
+    title="Per-row loss m + log s - z_y over supervised rows only",
+    section=S05,
+    statement="For each supervised row, m = max_v z_v, s = sum_v exp(z_v - m) and the loss is m + log s - z_y (with label "
+    "smoothing, -sum_v q_v log p_v); a row labelled with the ignore index contributes no loss, no count and no gradient. "
+    "A supervised row of all -inf logits is refused (head.degenerate_row); a -inf target logit gives +inf.",
+)
+def row_losses(logits: Any, labels: Any, spec: LossSpec = LossSpec()) -> LossResult:
+    """Reference per-row losses of materialized logits.
+
+    Args:
+        logits: ``[R, V]`` raw logits (``-inf`` masks allowed).
+        labels: ``[R]`` integer labels.
+        spec: The loss contract.
+
+    Returns:
+        :class:`LossResult`.
+
+    Raises:
+        Rejection: ``head.invalid_input``, ``head.nan_logits`` (NaN or +inf),
+            ``head.degenerate_row`` (a supervised row of all ``-inf``).
+
+    Source: M3.8 0x05 "Source-to-tensor training trace"; 0x04 ``L = LSE(z) - z_y``.
+    """
+    z = _matrix(logits, "logits", 2)
+    y = _labels(labels, z.shape[0], z.shape[1], spec)
+    valid = y != spec.ignore_index
+    if np.isposinf(z).any():
+        raise Rejection(NAN_LOGITS, "+inf logit", "$.logits")
+    if valid.any():
+        _check_rows(z[valid], np.flatnonzero(valid))
+    losses = np.zeros(z.shape[0])
+    if valid.any():
+        zv, yv = z[valid], y[valid]
+        lse = _lse(zv)
+        q = target_distribution(y, z.shape[1], spec)[valid]
+        with np.errstate(invalid="ignore"):
+            logp = zv - lse[:, None]
+            # q_v log p_v with the convention 0 * (-inf) = 0 (a masked class with no target mass).
+            losses[valid] = -np.where(q > 0, q * logp, 0.0).sum(axis=1)
+    return LossResult(losses, valid, float(losses[valid].sum()), int(valid.sum()))
+
+
+def materialized_loss(hidden: Any, weight: Any, bias: Any, labels: Any, spec: LossSpec = LossSpec()) -> LossResult:
+    """The materialized schedule: all ``[R, V]`` logits at once, then :func:`row_losses`.
+
+    Shapes: hidden ``[R, d]``, weight ``[V, d]``, bias ``[V]`` or ``None``, labels ``[R]``.
+
+    Raises: as :func:`head_logits` and :func:`row_losses`.
+
+    Source: M3.8 0x05 "Materialized, chunked, and fused execution".
+    """
+    return row_losses(head_logits(hidden, weight, bias), labels, spec)
+
+
+def chunk_bounds(num_rows: int, chunks: int | Sequence[int]) -> list[tuple[int, int]]:
+    """Half-open row ranges of a chunk schedule.
+
+    Args:
+        num_rows: R.
+        chunks: A chunk size C >= 1 (the last chunk holds the remainder), or explicit sizes
+            (each >= 1) summing to R.
+
+    Raises:
+        Rejection: ``head.invalid_input`` for a size below one or sizes not summing to R.
+    """
+    if isinstance(chunks, (int, np.integer)) and not isinstance(chunks, bool):
+        if chunks < 1:
+            raise Rejection(INVALID_INPUT, f"chunk size must be >= 1, got {chunks}", "$.chunks")
+        sizes = [min(int(chunks), num_rows - a) for a in range(0, num_rows, int(chunks))]
+    else:
+        sizes = [int(c) for c in chunks]
+        if any(c < 1 for c in sizes) or sum(sizes) != num_rows:
+            raise Rejection(INVALID_INPUT, f"chunk sizes {sizes} must be >= 1 and sum to R = {num_rows}", "$.chunks")
+    bounds, start = [], 0
+    for c in sizes:
+        bounds.append((start, start + c))
+        start += c
+    return bounds
+
+
+@rule(
+    "invariant.head_mean_from_sum_and_count",
+    title="The mean loss is the loss sum over the valid count, never a mean of chunk means",
+    section=S05,
+    statement="A chunked or sharded loss accumulates loss_sum += sum of its supervised rows' losses and valid_count += its "
+    "supervised rows, and returns loss_sum / valid_count; averaging per-chunk means weights uneven chunks and chunks with "
+    "ignored rows wrongly (failure lab 0x12 item 51).",
+)
+def chunked_loss(hidden: Any, weight: Any, bias: Any, labels: Any, spec: LossSpec = LossSpec(),
+                 chunks: int | Sequence[int] = 1) -> LossResult:
+    """The row-chunked schedule: ``[C, V]`` logits per chunk, loss sum and valid count accumulated.
+
+    Args:
+        hidden, weight, bias, labels, spec: As :func:`materialized_loss`.
+        chunks: A chunk size or explicit sizes (:func:`chunk_bounds`); uneven chunks allowed.
+
+    Returns:
+        :class:`LossResult` equal to the materialized one.
+
+    Raises: as :func:`materialized_loss` and :func:`chunk_bounds`.
+
+    Source: M3.8 0x05 "An exact row-chunked loss must accumulate a sum and count".
+    """
+    h, e, b = _check_head(hidden, weight, bias)
+    y = _labels(labels, h.shape[0], e.shape[0], spec)
+    parts: list[np.ndarray] = []
+    loss_sum, valid_count = 0.0, 0
+    for a, z in chunk_bounds(h.shape[0], chunks):
+        res = row_losses(head_logits(h[a:z], e, b), y[a:z], spec)  # [C, V] live
+        parts.append(res.row_losses)
+        loss_sum += res.loss_sum
+        valid_count += res.valid_count
+    losses = np.concatenate(parts) if parts else np.zeros(0)
+    return LossResult(losses, y != spec.ignore_index, loss_sum, valid_count)
+
+
+@rule(
+    "invariant.head_schedules_agree",
+    title="Materialized, row-chunked and vocabulary-tiled schedules give the same losses",
+    section=S05,
+    statement="The materialized [R, V] schedule, any row-chunked schedule and a fused-style schedule that tiles the vocabulary "
+    "with an online log-sum-exp (running max m, rescaled denominator s, the target logit taken from its owning tile) give the "
+    "same per-row losses, the same loss sum and valid count, and the same mean; matching only the scalar mean is not enough.",
+)
+def tiled_loss(hidden: Any, weight: Any, bias: Any, labels: Any, spec: LossSpec = LossSpec(),
+               chunks: int | Sequence[int] = 1, vocab_tile: int = 1) -> LossResult:
+    """The fused-style schedule: row chunks times vocabulary tiles, never an ``[R, V]`` or ``[C, V]`` tensor.
+
+    Per row it keeps the running maximum ``m``, the denominator ``s`` (rescaled by
+    ``exp(m_old - m_new)`` when the maximum grows), the target logit (from the tile that owns the
+    label, a neutral 0 elsewhere) and, for smoothing, the weighted sum of logits; the loss is
+    ``m + log s - sum_v q_v z_v``.
+
+    Args:
+        hidden, weight, bias, labels, spec: As :func:`materialized_loss`.
+        chunks: Row chunk size or sizes (:func:`chunk_bounds`).
+        vocab_tile: Vocabulary tile width (>= 1; the last tile holds the remainder).
+
+    Returns:
+        :class:`LossResult` equal to the materialized one up to float64 rounding.
+
+    Raises: as :func:`materialized_loss`; ``head.invalid_input`` for ``vocab_tile < 1``.
+
+    Source: M3.8 0x05 (fused linear plus cross-entropy), 0x0A "Exact forward trace over
+    vocabulary shards" (global MAX then SUM; the target from its owner, neutral elsewhere).
+    """
+    h, e, b = _check_head(hidden, weight, bias)
+    v = e.shape[0]
+    y = _labels(labels, h.shape[0], v, spec)
+    if isinstance(vocab_tile, bool) or not isinstance(vocab_tile, (int, np.integer)) or vocab_tile < 1:
+        raise Rejection(INVALID_INPUT, f"vocab_tile must be an integer >= 1, got {vocab_tile!r}", "$.vocab_tile")
+    eps = spec.label_smoothing
+    on_target = 1.0 - eps + (eps / v if spec.smoothing is Smoothing.ALL_CLASSES else 0.0)
+    off_target = eps / v if spec.smoothing is Smoothing.ALL_CLASSES else (eps / (v - 1) if eps > 0 else 0.0)
+    if spec.smoothing is Smoothing.NON_TARGET and eps > 0 and v < 2:
+        raise Rejection(INVALID_INPUT, "NON_TARGET smoothing needs V >= 2", "$.smoothing")
+    losses = np.zeros(h.shape[0])
+    valid = y != spec.ignore_index
+    loss_sum, valid_count = 0.0, 0
+    for a, z_end in chunk_bounds(h.shape[0], chunks):
+        rows = np.flatnonzero(valid[a:z_end]) + a  # the chunk's supervised rows (ignored rows are compacted away)
+        if rows.size == 0:
+            continue
+        hc, yc = h[rows], y[rows]
+        m = np.full(rows.size, -np.inf)
+        s = np.zeros(rows.size)
+        target = np.zeros(rows.size)
+        weighted = np.zeros(rows.size)  # sum_v q_v z_v over the non-target classes, finite logits only
+        masked_mass = np.zeros(rows.size, dtype=bool)  # a class with q_v > 0 has z_v = -inf
+        for t0 in range(0, v, int(vocab_tile)):
+            t1 = min(v, t0 + int(vocab_tile))
+            zt = hc @ e[t0:t1].T  # [C, tile]
+            if b is not None:
+                zt = zt + b[None, t0:t1]
+            if np.isposinf(zt).any():
+                raise Rejection(NAN_LOGITS, "+inf logit", "$.logits")
+            m_new = np.maximum(m, zt.max(axis=1))
+            live = np.isfinite(m_new)
+            both = live & np.isfinite(m)
+            scale = np.where(both, np.exp(np.where(both, m, 0.0) - np.where(both, m_new, 0.0)), 0.0)  # exp(m_old - m_new)
+            shift = np.where(live, m_new, 0.0)
+            s = s * scale + np.where(live, np.exp(zt - shift[:, None]).sum(axis=1), 0.0)
+            m = m_new
+            owns = (t0 <= yc) & (yc < t1)
+            local = np.where(owns, yc - t0, 0)
+            picked = zt[np.arange(rows.size), local]
+            target = target + np.where(owns, np.where(np.isfinite(picked), picked, 0.0), 0.0)
+            target_dead = owns & ~np.isfinite(picked)
+            if off_target > 0:
+                off = np.ones_like(zt, dtype=bool)
+                off[np.flatnonzero(owns), local[owns]] = False
+                fin = np.isfinite(zt)
+                weighted = weighted + np.where(off & fin, zt, 0.0).sum(axis=1) * off_target
+                masked_mass |= (off & ~fin).any(axis=1)
+            masked_mass |= target_dead & (on_target > 0)
+            if target_dead.any():
+                target = np.where(target_dead, -np.inf, target)
+        dead = ~np.isfinite(m)
+        if dead.any():
+            r = int(rows[np.flatnonzero(dead)[0]])
+            raise Rejection(DEGENERATE_ROW, f"row {r} has every logit -inf", f"$.logits[{r}]", {"row": r})
+        lse = m + np.log(s)
+        with np.errstate(invalid="ignore"):
+            row = lse - (on_target * target if on_target > 0 else 0.0) - weighted
+        row = np.where(masked_mass, np.inf, row)
+        losses[rows] = row
+        loss_sum += float(row.sum())
+        valid_count += int(rows.size)
+    return LossResult(losses, valid, loss_sum, valid_count)
+
+
+# -- 0x02 / 0x05: the affine-head backward ----------------------------------------------------------
+
+@attrs.frozen(eq=False)
+class HeadGradients:
+    """Gradients of the mean (or sum) loss at the head.
+
+    Attributes:
+        logits: ``G [R, V]`` = ``(P - Q) / N`` on supervised rows, 0 on ignored rows
+            (``N`` = valid count for the mean, 1 for the sum).
+        hidden: ``dH = G E`` ``[R, d]``.
+        weight: ``dE = G^T H`` ``[V, d]``.
+        bias: ``db = sum_r G`` ``[V]``, or ``None`` without a bias.
+    """
+
+    logits: np.ndarray
+    hidden: np.ndarray
+    weight: np.ndarray
+    bias: np.ndarray | None
+
+
+@rule(
+    "invariant.head_gradients",
+    title="Head backward: G = (P - Q) / N, dH = G E, dE = G^T H, db = sum_r G",
+    section=S02,
+    statement="For Z = H E^T + b and the mean loss over N supervised rows, the logit gradient is G = (P - Q) / N on supervised "
+    "rows and 0 on ignored rows (Q the one-hot or smoothed target); then dH = G E [R, d], dE = G^T H [V, d], db = sum over "
+    "rows of G [V]. Every vocabulary row gets probability-weighted pressure; the target row the extra -1 term.",
+)
+def head_gradients(hidden: Any, weight: Any, bias: Any, labels: Any, spec: LossSpec = LossSpec(),
+                   reduction: str = "mean") -> HeadGradients:
+    """Analytic float64 gradients of the head loss.
+
+    Args:
+        hidden, weight, bias, labels, spec: As :func:`materialized_loss`.
+        reduction: ``"mean"`` (over the valid count) or ``"sum"``.
+
+    Returns:
+        :class:`HeadGradients`; all zero when no row is supervised.
+
+    Raises: as :func:`materialized_loss`; ``head.invalid_input`` for another reduction.
+
+    Source: M3.8 0x02 "Deriving the complete affine-head backward"; 0x04 "Why the gradient is
+    probability minus target"; 0x05 "Backward state and recomputation".
+    """
+    if reduction not in ("mean", "sum"):
+        raise Rejection(INVALID_INPUT, f"reduction must be 'mean' or 'sum', got {reduction!r}", "$.reduction")
+    h, e, b = _check_head(hidden, weight, bias)
+    z = head_logits(h, e, b)
+    res = row_losses(z, labels, spec)
+    g = np.zeros_like(z)
+    if res.valid_count:
+        zv = z[res.valid]
+        p = np.exp(zv - _lse(zv)[:, None])
+        q = target_distribution(labels, z.shape[1], spec)[res.valid]
+        g[res.valid] = (p - q) / (res.valid_count if reduction == "mean" else 1.0)
+    return HeadGradients(logits=g, hidden=g @ e, weight=g.T @ h, bias=None if b is None else g.sum(axis=0))
+
+
+
+# -- 0x09: weight tying ------------------------------------------------------------------------------
+
+#: The named ways a head can break its tying declaration (:func:`tying_violations`).
+TIED_VIOLATIONS: dict[str, str] = {
+    "copied_not_tied": "declared tied, but the head and the embedding are two Parameters holding equal values (a copy diverges "
+                       "after the next optimizer update)",
+    "not_tied": "declared tied, but the head and the embedding are two Parameters with different values",
+    "storage_split": "declared tied and one Parameter object, yet two storages (data pointers differ)",
+    "tied_but_declared_untied": "declared untied, but the head is the embedding's Parameter",
+    "optimizer_duplicate": "the optimizer holds the shared Parameter (or its copies) more than once, or keeps two moment slots "
+                           "for it",
+    "optimizer_missing": "the optimizer does not hold the head/embedding Parameter at all (a stale object after re-tying)",
+}
+
+
+@attrs.frozen
+class TyingObservation:
+    """What a runtime's head and embedding are, as plain facts (read from torch by the checker).
+
+    Attributes:
+        declared_tied: The checkpoint configuration's ``tie_word_embeddings``.
+        same_parameter: ``lm_head.weight is embed_tokens.weight`` (object identity).
+        same_storage: Their ``data_ptr()`` are equal.
+        equal_values: Their values are equal (never evidence of tying by itself).
+        optimizer_entries: How many parameter-group entries of the optimizer are the head or
+            embedding Parameter (``None``: no optimizer observed).
+        optimizer_states: How many of those entries have their own optimizer state
+            (moments) after a step (``None``: not observed).
+    """
+
+    declared_tied: bool
+    same_parameter: bool
+    same_storage: bool
+    equal_values: bool
+    optimizer_entries: int | None = None
+    optimizer_states: int | None = None
+
+
+@rule(
+    "invariant.head_tied_one_parameter",
+    title="Tied means one Parameter and one optimizer state, not equal values",
+    section=S09,
+    statement="When the checkpoint declares tie_word_embeddings, lm_head.weight is embed_tokens.weight (one object, one storage); "
+    "two Parameters with equal values are a copy, not a tie, and are refused; the optimizer holds the shared Parameter once, "
+    "with one moment slot (two when untied). When untied is declared, the two are distinct Parameters (failure lab 0x12 items "
+    "28, 30, 31, 56).",
+)
+def tying_violations(obs: TyingObservation) -> tuple[str, ...]:
+    """The names (:data:`TIED_VIOLATIONS`) of every way ``obs`` breaks its tying declaration; empty when it keeps it.
+
+    Args:
+        obs: The observation.
+
+    Returns:
+        A tuple of violation names, in the order of :data:`TIED_VIOLATIONS`.
+
+    Source: M3.8 0x09 ("Copying values is not tying", "Tied parameters receive two semantic
+    gradient contributions", a loader that materializes two Parameters), 0x08 (restore or create
+    exactly one optimizer state for each shared Parameter).
+    """
+    out: list[str] = []
+    if obs.declared_tied:
+        if not obs.same_parameter:
+            out.append("copied_not_tied" if obs.equal_values else "not_tied")
+        elif not obs.same_storage:
+            out.append("storage_split")
+        want = 1
+    else:
+        if obs.same_parameter:
+            out.append("tied_but_declared_untied")
+        want = 2
+    if obs.optimizer_entries is not None:
+        if obs.optimizer_entries == 0:
+            out.append("optimizer_missing")
+        elif obs.optimizer_entries > want or (obs.optimizer_states is not None and obs.optimizer_states > want):
+            out.append("optimizer_duplicate")
+    order = list(TIED_VIOLATIONS)
+    return tuple(sorted(dict.fromkeys(out), key=order.index))
+
+
+@rule(
+    "invariant.head_tied_gradient_accumulates",
+    title="A tied table's gradient is the input scatter plus the output classifier term",
+    section=S09,
+    statement="For one Parameter E used for input lookup and output projection, dL/dE[v] = sum over input occurrences of token v "
+    "of the upstream gradient at the embedding output (sparse in token rows) + sum_r G[r, v] H[r] (dense over the vocabulary), "
+    "accumulated into one gradient buffer before one optimizer update.",
+)
+def tied_gradient(token_ids: Any, grad_in: Any, grad_logits: Any, hidden: Any, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The two contributions to a tied table's gradient, in float64.
+
+    Args:
+        token_ids: ``[N]`` input token ids looked up in ``E`` (flattened ``[B, T]``).
+        grad_in: ``[N, d]`` upstream gradient at the embedding output.
+        grad_logits: ``G [R, V]``, gradient at the logits (flattened rows).
+        hidden: ``H [R, d]``, the rows the head projected.
+        vocab_size: V.
+
+    Returns:
+        ``(input_part [V, d], output_part [V, d])``; their sum is ``dL/dE``.
+
+    Raises:
+        Rejection: ``head.invalid_input`` (shapes, ids outside ``[0, V)``), ``head.nan_logits``.
+
+    Source: M3.8 0x09 "Tied parameters receive two semantic gradient contributions".
+    """
+    ids = np.asarray(token_ids).reshape(-1)
+    gin = _matrix(grad_in, "grad_in", 2)
+    g = _matrix(grad_logits, "grad_logits", 2)
+    h = _matrix(hidden, "hidden", 2)
+    if ids.dtype.kind not in "iu" or gin.shape[0] != ids.shape[0] or g.shape != (h.shape[0], vocab_size) or gin.shape[1] != h.shape[1]:
+        raise Rejection(INVALID_INPUT, f"token_ids [N] {ids.shape}, grad_in [N, d] {gin.shape}, grad_logits [R, V] {g.shape} and "
+                        f"hidden [R, d] {h.shape} do not agree (V = {vocab_size})", "$.grad_in")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise Rejection(INVALID_INPUT, f"token ids must lie in [0, {vocab_size})", "$.token_ids")
+    input_part = np.zeros((vocab_size, gin.shape[1]))
+    np.add.at(input_part, ids, gin)  # scatter-add: repeated ids accumulate
+    return input_part, g.T @ h
