@@ -160,7 +160,7 @@ def test_every_citation_in_the_sources_cites_the_right_section():
                            text=True, check=True).stdout.split()
     problems = []
     for name in files:
-        if name.startswith(("docs/results/", "traces/")):
+        if name.startswith(("docs/results/", "traces/")) or name == "tests/test_citations.py":  # its own wrong examples
             continue
         flat = re.sub(r"\s*\n\s*(?:#:?\s*)?", " ", (ROOT / name).read_text(encoding="utf-8"))
         for match in _CITATION.finditer(flat):
