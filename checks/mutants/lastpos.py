@@ -49,7 +49,7 @@ def _last_valid_count_minus_one():
 )
 def _first_prompt_row():
     return [Patch("decodespec.impl.runtime:RequestRunner._forward", edits=[
-        ("cache_position=cache_position, logits_to_keep=1)", "cache_position=cache_position, logits_to_keep=0)"),
+        ("cache_position=cache_position, logits_to_keep=1,", "cache_position=cache_position, logits_to_keep=0,"),
         ("logits = out.logits[0, -1]", "logits = out.logits[0, 0]"),
     ])]
 
