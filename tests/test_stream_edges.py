@@ -169,3 +169,16 @@ def test_a_stop_inside_or_after_a_token_cuts_by_alignment(pieces, alignment, ids
             break
     assert s.finish_reason is FR.STOP_STRING
     assert s.output.output_ids == ids and s.output.text == text
+
+
+def test_a_commit_past_a_zero_bound_still_closes_with_length() -> None:
+    """``invariant.stop_triggers``: ``length`` fires once ``O >= max_new_tokens``, not only at equality.
+
+    With ``max_new_tokens = 0`` the loop should finish from outside (``finish(length)``); a commit
+    made anyway closes the output at once, so it can never stay open past its bound.
+
+    Kills: ``t + 1 >= max_new_tokens`` -> ``==`` in ``push`` (the output stays open).
+    """
+    s = Streamer(TOK, StopConfig(max_new_tokens=0))
+    s.push(TOK.encode("a")[0])
+    assert s.finished and s.finish_reason is FR.LENGTH and s.num_committed == 1
