@@ -182,3 +182,28 @@ def test_a_commit_past_a_zero_bound_still_closes_with_length() -> None:
     s = Streamer(TOK, StopConfig(max_new_tokens=0))
     s.push(TOK.encode("a")[0])
     assert s.finished and s.finish_reason is FR.LENGTH and s.num_committed == 1
+
+
+def test_token_alignment_holds_back_the_whole_first_token() -> None:
+    """A held-back stop prefix inside the first token holds back all of it under token alignment.
+
+    Stop ``bx`` over the one token ``ab``: the byte frontier is 1, no whole token ends there, so
+    the stream frontier is 0 and nothing is published until the next token clears the prefix.
+
+    Kills: the fallback ``else 0`` -> ``else -1`` in ``_frontier`` (the frontier moves backwards).
+    """
+    s = Streamer(PieceTokenizer([b"ab", b"c"]), StopConfig(max_new_tokens=5, stop_strings=["bx"], alignment="token"))
+    assert s.push(0) == [] and s.delivered_bytes == 0
+    assert _texts(s.push(1)) == ["abc"]
+
+
+def test_a_commit_that_moves_no_frontier_past_256_bytes_publishes_nothing() -> None:
+    """A commit that adds no publishable byte yields no chunk, at any offset (compared by value).
+
+    Kills: ``upto == start`` -> ``upto is start`` in ``_publish`` (past 256 bytes the two ints are
+    distinct objects, so an empty chunk would be published).
+    """
+    s = Streamer(TOK, StopConfig(max_new_tokens=400))
+    for i in TOK.encode("a" * 300):
+        s.push(i)
+    assert s.push(0) == [] and len(s.chunks) == 300 and s.delivered_bytes == 300
