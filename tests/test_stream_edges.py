@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from decodespec.impl.stream import Streamer
+from decodespec.impl.stream import StopMatcher, Streamer
 from decodespec.impl.tokenizer import ByteTokenizer
 from decodespec.spec.enums import FinishReason as FR
 from decodespec.spec.errors import Rejection
@@ -207,3 +207,17 @@ def test_a_commit_that_moves_no_frontier_past_256_bytes_publishes_nothing() -> N
     for i in TOK.encode("a" * 300):
         s.push(i)
     assert s.push(0) == [] and len(s.chunks) == 300 and s.delivered_bytes == 300
+
+
+def test_the_matcher_reports_by_default_and_takes_eligible_by_keyword() -> None:
+    """``StopMatcher.feed(data, *, eligible=True)``: a match is reported unless told otherwise.
+
+    Kills: the default ``eligible=True`` -> ``False`` (no match reported), and the ``*`` of
+    ``feed``'s signature -> ``/`` (``eligible`` then positional).
+    """
+    m = StopMatcher([b"S"])
+    match = m.feed(b"aS")
+    assert match is not None and (match.pattern_idx, match.start, match.end) == (0, 1, 2)
+    assert StopMatcher([b"S"]).feed(b"aS", eligible=False) is None
+    with pytest.raises(TypeError):
+        StopMatcher([b"S"]).feed(b"aS", False)
