@@ -78,12 +78,13 @@ def test_context_length_from_outside_only_at_the_bound() -> None:
     assert at.finish("context_length") == [] and at.finish_reason is FR.CONTEXT_LENGTH and at.output.output_ids == ()
 
 
-@pytest.mark.parametrize(("prompt_len", "max_context_len"), [(5, 9), (2, 4)])
+@pytest.mark.parametrize(("prompt_len", "max_context_len"), [(5, 9), (2, 4), (300, 302)])
 def test_context_length_fires_at_the_commit_that_reaches_the_bound(prompt_len: int, max_context_len: int) -> None:
     """A commit fires ``context_length`` exactly when ``L + O`` reaches ``max_context_len``.
 
     Kills, in ``push``: ``prompt_len + t + 1`` -> ``prompt_len ** t + 1`` (5: fires at O = 3) or
-    ``prompt_len << t + 1`` (fires at O = 1).
+    ``prompt_len << t + 1`` (fires at O = 1); ``>=`` -> ``is`` (past 256 the sum and the bound
+    are distinct int objects, so it never fires).
     """
     s = Streamer(TOK, StopConfig(max_new_tokens=20, prompt_len=prompt_len, max_context_len=max_context_len))
     for i in TOK.encode("abcdefgh"):
@@ -221,3 +222,27 @@ def test_the_matcher_reports_by_default_and_takes_eligible_by_keyword() -> None:
     assert StopMatcher([b"S"]).feed(b"aS", eligible=False) is None
     with pytest.raises(TypeError):
         StopMatcher([b"S"]).feed(b"aS", False)
+
+
+def test_a_commit_past_the_context_bound_still_closes_with_context_length() -> None:
+    """``context_length`` fires once ``L + O >= max_context_len``, also when the prompt alone reached it.
+
+    Kills: ``prompt_len + t + 1 >= max_context_len`` -> ``==`` in ``push`` (the output stays open).
+    """
+    s = Streamer(TOK, StopConfig(max_new_tokens=5, prompt_len=4, max_context_len=4))
+    s.push(TOK.encode("a")[0])
+    assert s.finished and s.finish_reason is FR.CONTEXT_LENGTH and s.num_committed == 1
+
+
+def test_the_matcher_holds_back_nothing_outside_a_pattern_prefix() -> None:
+    """``StopMatcher.holdback`` (``h_t``) is 0 before any byte and after bytes that start no pattern.
+
+    Kills: the initial ``hold = [0] * n`` -> ``[-1] * n`` (the root's holdback would be -1; the
+    streamer's frontier clamps it, the matcher's public ``holdback`` does not).
+    """
+    m = StopMatcher([b"ab"])
+    assert m.holdback == 0
+    m.feed(b"x")
+    assert m.holdback == 0
+    m.feed(b"a")
+    assert m.holdback == 1
