@@ -66,16 +66,23 @@ def test_context_length_from_outside_only_at_the_bound() -> None:
     """``finish(context_length)`` needs ``L + O >= max_context_len``; below it, ``stop.finish_not_allowed``.
 
     Kills, in ``finish``: ``prompt_len + o`` -> ``*`` or ``//`` (at the bound with O = 0: refused,
-    or ZeroDivisionError), and ``>=`` -> ``<=`` or ``is not`` (accepted below the bound).
+    or ZeroDivisionError), ``+`` -> ``<<`` (5 << 1 reaches 10 below the bound), ``>=`` -> ``<=``,
+    ``!=`` or ``is not`` (accepted below the bound), ``>=`` -> ``==``, ``is`` or ``>`` (refused
+    past or at the bound).
     """
-    below = Streamer(TOK, StopConfig(max_new_tokens=5, prompt_len=2, max_context_len=10))
-    below.push(TOK.encode("a")[0])
-    for s in (below, Streamer(TOK, StopConfig(max_new_tokens=5, prompt_len=2, max_context_len=10))):
+    belows = []
+    for prompt_len, pushed in ((2, 1), (2, 0), (5, 1)):
+        s = Streamer(TOK, StopConfig(max_new_tokens=5, prompt_len=prompt_len, max_context_len=10))
+        for i in TOK.encode("a" * pushed):
+            s.push(i)
+        belows.append(s)
+    for s in belows:
         with pytest.raises(Rejection) as info:
             s.finish(FR.CONTEXT_LENGTH)
         assert info.value.code == "stop.finish_not_allowed" and not s.finished
-    at = Streamer(TOK, StopConfig(max_new_tokens=5, prompt_len=4, max_context_len=4))
-    assert at.finish("context_length") == [] and at.finish_reason is FR.CONTEXT_LENGTH and at.output.output_ids == ()
+    for prompt_len in (4, 6):
+        at = Streamer(TOK, StopConfig(max_new_tokens=5, prompt_len=prompt_len, max_context_len=4))
+        assert at.finish("context_length") == [] and at.finish_reason is FR.CONTEXT_LENGTH and at.output.output_ids == ()
 
 
 @pytest.mark.parametrize(("prompt_len", "max_context_len"), [(5, 9), (2, 4), (300, 302)])
@@ -178,9 +185,15 @@ def test_a_commit_past_a_zero_bound_still_closes_with_length() -> None:
     With ``max_new_tokens = 0`` the loop should finish from outside (``finish(length)``); a commit
     made anyway closes the output at once, so it can never stay open past its bound.
 
-    Kills: ``t + 1 >= max_new_tokens`` -> ``==`` in ``push`` (the output stays open).
+    Only ``length`` may close it from outside there, not a content reason such as ``eos``.
+
+    Kills: ``t + 1 >= max_new_tokens`` -> ``==`` or ``is`` in ``push`` (the output stays open);
+    ``why is LENGTH`` -> ``why <= LENGTH`` in ``finish`` (``"eos" <= "length"``: eos accepted).
     """
-    s = Streamer(TOK, StopConfig(max_new_tokens=0))
+    s = Streamer(TOK, StopConfig(max_new_tokens=0, eos_ids={2}))
+    with pytest.raises(Rejection) as info:
+        s.finish(FR.EOS)
+    assert info.value.code == "stop.finish_not_allowed"
     s.push(TOK.encode("a")[0])
     assert s.finished and s.finish_reason is FR.LENGTH and s.num_committed == 1
 
