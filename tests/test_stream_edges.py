@@ -68,7 +68,8 @@ def test_context_length_from_outside_only_at_the_bound() -> None:
     Kills, in ``finish``: ``prompt_len + o`` -> ``*`` or ``//`` (at the bound with O = 0: refused,
     or ZeroDivisionError), ``+`` -> ``<<`` (5 << 1 reaches 10 below the bound), ``>=`` -> ``<=``,
     ``!=`` or ``is not`` (accepted below the bound), ``>=`` -> ``==``, ``is`` or ``>`` (refused
-    past or at the bound).
+    past or at the bound); ``why is CONTEXT_LENGTH`` -> ``>=`` (``"eos" >= "context_length"``:
+    eos accepted at the bound).
     """
     belows = []
     for prompt_len, pushed in ((2, 1), (2, 0), (5, 1)):
@@ -82,6 +83,9 @@ def test_context_length_from_outside_only_at_the_bound() -> None:
         assert info.value.code == "stop.finish_not_allowed" and not s.finished
     for prompt_len in (4, 6):
         at = Streamer(TOK, StopConfig(max_new_tokens=5, prompt_len=prompt_len, max_context_len=4))
+        with pytest.raises(Rejection) as info:
+            at.finish(FR.EOS)
+        assert info.value.code == "stop.finish_not_allowed"
         assert at.finish("context_length") == [] and at.finish_reason is FR.CONTEXT_LENGTH and at.output.output_ids == ()
 
 
@@ -188,12 +192,14 @@ def test_a_commit_past_a_zero_bound_still_closes_with_length() -> None:
     Only ``length`` may close it from outside there, not a content reason such as ``eos``.
 
     Kills: ``t + 1 >= max_new_tokens`` -> ``==`` or ``is`` in ``push`` (the output stays open);
-    ``why is LENGTH`` -> ``why <= LENGTH`` in ``finish`` (``"eos" <= "length"``: eos accepted).
+    ``why is LENGTH`` -> ``why <= LENGTH`` or ``>=`` in ``finish`` (``"eos" <= "length" <=
+    "stop_string"``: a content reason accepted).
     """
     s = Streamer(TOK, StopConfig(max_new_tokens=0, eos_ids={2}))
-    with pytest.raises(Rejection) as info:
-        s.finish(FR.EOS)
-    assert info.value.code == "stop.finish_not_allowed"
+    for reason in (FR.EOS, FR.STOP_STRING):
+        with pytest.raises(Rejection) as info:
+            s.finish(reason)
+        assert info.value.code == "stop.finish_not_allowed"
     s.push(TOK.encode("a")[0])
     assert s.finished and s.finish_reason is FR.LENGTH and s.num_committed == 1
 
