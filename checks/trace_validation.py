@@ -597,7 +597,7 @@ class _Replay:
 
         def check(before, after):
             logprob = rec.get("logprob")
-            if not isinstance(logprob, (int, float)) or isinstance(logprob, bool) or not math.isfinite(logprob) or logprob > 1e-6:
+            if not _finite_logprob(logprob):
                 return f"field 'logprob' is {logprob!r}: a decision records a finite natural-log probability <= 0"
             return _first(
                 _differs("receipt_id", rec["receipt_id"], after.receipt.receipt_id),
@@ -651,7 +651,7 @@ class _Replay:
 
         def check(before, after):
             logprob = rec.get("logprob")
-            if not isinstance(logprob, (int, float)) or isinstance(logprob, bool) or not math.isfinite(logprob) or logprob > 1e-6:
+            if not _finite_logprob(logprob):
                 return f"field 'logprob' is {logprob!r}: a committed token carries its finite logprob <= 0"
             fired = after.triggers - before.triggers
             decided = self.decision_logprobs.get(str(rec["receipt_id"]), logprob)  # unknown: decided before a restore
@@ -867,6 +867,16 @@ def _events_validators() -> dict[str | None, Any]:
         per_event[name] = (cls(one), FastAccept(one))
     per_event[None] = (cls(schema), FastAccept(schema))
     return per_event
+
+
+def _finite_logprob(value: Any) -> bool:
+    """Whether ``value`` is a finite JSON number <= 1e-6 (a logprob; an integer too large for a float is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and value <= 1e-6
+    except OverflowError:
+        return False
 
 
 def schema_error(rec: Any) -> str | None:

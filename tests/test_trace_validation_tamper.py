@@ -214,6 +214,18 @@ def test_a_commit_whose_logprob_is_not_its_decisions_is_refused(greedy_trace, tm
     assert "field 'logprob'" in verdict["reason"] and "decision" in verdict["reason"]
 
 
+@pytest.mark.parametrize("event", ["decision", "commit"])
+def test_a_logprob_too_large_for_a_float_is_a_mismatch_not_a_crash(greedy_trace, tmp_path, capsys, event):
+    """Found by the long trace fuzz (seed 41): an integer logprob of 400 digits raised OverflowError in math.isfinite."""
+    records = _records(greedy_trace)
+    i = [k for k, r in enumerate(records) if r["event"] == event][0]
+    records[i]["logprob"] = -(10**400)
+    path = tmp_path / "huge.ndjson"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    verdict = _verdict(capsys, path, 1)
+    assert verdict["line"] == i + 1 and verdict["code"] in ("trace.mismatch", "trace.schema", "trace.receipt") and "logprob" in verdict["reason"]
+
+
 @pytest.mark.parametrize("written", [0, 3, 5])
 def test_layers_written_that_contradict_all_new_are_refused(greedy_trace, tmp_path, capsys, written):
     """The tiny model has 4 layers: ALL_NEW on a cached call wrote all 4; 0, or another count than the first ALL_NEW's, is a lie."""
