@@ -358,7 +358,11 @@ class _Surrogates:
     def __init__(self, passport: DataPassport, header: dict[str, Any]):
         params = header.get("params") if isinstance(header.get("params"), dict) else {}
         eos = params.get("eos_ids", ())
-        self.clear = frozenset(passport.clear_ids) | frozenset(i for i in eos if isinstance(i, int))
+        eos_ids = frozenset(i for i in eos if isinstance(i, int)) if isinstance(eos, list) else frozenset()
+        if frozenset(passport.clear_ids) != eos_ids:  # the writer leaves exactly the EOS ids in clear, no other id
+            raise _Mismatch(f"the passport's clear_ids {sorted(passport.clear_ids)[:8]} are not the request's EOS ids "
+                            f"{sorted(eos_ids)[:8]}", TRACE_SCHEMA)
+        self.clear = eos_ids
         self.vocab_size = params.get("vocab_size") if isinstance(params.get("vocab_size"), int) else 0
         self.ids: dict[str, int] = {}
         self._next = self.vocab_size - 1

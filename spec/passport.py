@@ -175,6 +175,13 @@ def passport_from_json(value: Any, path: str = "$.data", *, missing: str | None 
     for key in ("digest", "note"):
         if value.get(key) is not None and not isinstance(value.get(key), str):
             raise Rejection(DATA_UNKNOWN_CLASSIFICATION, f"{key} must be a string", f"{path}.{key}")
+    if cls == REDACTED and (tuple(redacted) != EVENT_FIELDS or value.get("digest") != DIGEST_SCHEME):
+        # The declaration must say what a redacted file of ours is: these fields, this digest scheme.
+        raise Rejection(DATA_UNKNOWN_CLASSIFICATION, "a redacted passport lists exactly the redacted event fields and the "
+                        f"digest scheme {DIGEST_SCHEME!r}", f"{path}.redacted")
+    if cls != REDACTED and clear:
+        raise Rejection(DATA_UNKNOWN_CLASSIFICATION, f"a {cls} file has no digests, so no ids in clear: clear_ids must be empty",
+                        f"{path}.clear_ids")
     return DataPassport(cls, opt_in, tuple(redacted), tuple(clear), value.get("digest"), value.get("note"))
 
 

@@ -289,8 +289,12 @@ def test_every_corpus_trace_is_synthetic_and_a_redacted_or_unknown_one_is_refuse
     for f in files:
         assert json.loads(f.read_text())["#meta"]["data"] == {"classification": "synthetic", "opt_in": False}, f.name
     trace = json.loads((TRACES / "boundary-one-token-prompt.itf.json").read_text())
+    from decodespec.spec.passport import DIGEST_SCHEME, EVENT_FIELDS
+
     for cls, code in (("redacted", TRACE_REDACTED), ("secret", "trace.invalid_conformance_trace")):
         trace["#meta"]["data"] = {"classification": cls, "opt_in": False}
+        if cls == "redacted":  # a well-formed redacted passport: refused for what it is, not for its form
+            trace["#meta"]["data"].update(redacted=list(EVENT_FIELDS), digest=DIGEST_SCHEME)
         path = tmp_path / f"{cls}.itf.json"
         path.write_text(json.dumps(trace))
         _, err = _run(capsys, ["replay", str(path)], 2)
@@ -401,3 +405,16 @@ def test_the_redactor_is_keyed_and_keeps_eos_in_clear():
     # 49,152 candidate ids, none of which recomputes a digest under another key.
     target = a.token(12345)
     assert all(b.token(t) != target for t in range(0, 49152, 7))
+
+
+def test_a_redacted_passport_that_misstates_its_fields_or_clear_ids_is_refused(card_run, tmp_path):
+    """Found by the long trace fuzz (seed 41): a passport with an entry of ``redacted`` dropped or renamed, or an extra
+    id in ``clear_ids`` (which would let that id stand in clear), was accepted."""
+    card_run = card_run[0]
+    records = _records(card_run)
+    for change in ({"redacted": records[0]["data"]["redacted"][1:]}, {"redacted": records[0]["data"]["redacted"] + ["x"]},
+                   {"clear_ids": records[0]["data"]["clear_ids"] + [100]}, {"digest": "sha1"}):
+        tampered = json.loads(json.dumps(records))
+        tampered[0]["data"].update(change)
+        verdict = _tampered(tampered, tmp_path, "passport")
+        assert verdict.line == 1 and verdict.code in ("data.unknown_classification", TRACE_SCHEMA), (change, verdict)
