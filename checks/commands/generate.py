@@ -422,7 +422,7 @@ def _run_beams(args: argparse.Namespace, model, tokenizer, request, sink, info: 
 
     if args.snapshot or args.snapshot_at is not None:
         raise Rejection(BEAM_UNSUPPORTED, "a beam search keeps no resumable snapshot", "$.snapshot")
-    if request.output.prompt_logprobs is not None:
+    if request.prompt_logprobs is not None:  # a RuntimeRequest (_admitted_request)
         raise Rejection(BEAM_UNSUPPORTED, "the beam runner returns no prompt logprobs (output.prompt_logprobs)", "$.output.prompt_logprobs")
     runner = BeamRunner(model, request, sink=sink, tokenizer=tokenizer, runtime_info=info).run()
     result = runner.result()
