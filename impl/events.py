@@ -4,7 +4,8 @@
 consistent boundary.  Every line has ``"v": 1``, ``"seq"`` (0-based, consecutive) and
 ``"event"``; a *frontier* object is ``{"prompt_len", "output_count", "pending", "processed",
 "pending_tag"}`` (L, O, |U|, P, tag).  How each event maps to a spec action of
-:mod:`decodespec.spec.transitions` (what :mod:`decodespec.checks.trace_validation` replays):
+the spec (the mapping lives in :mod:`decodespec.checks.trace_validation`, which replays it; this
+module never imports the spec's transitions):
 
 ==================  =====================================================================
 event               spec action (or check)

@@ -1,8 +1,10 @@
 """M3.10 single-request runtime: a step-wise request controller over a real model and cache.
 
 :class:`RequestRunner` runs one request with explicit integer state (never inferred from
-tensor contents) and one method per spec action of :mod:`decodespec.spec.transitions`, so a
-test can drive the spec and the runtime in lock step:
+tensor contents) and one method per action the spec names (M3.10; the spec's transitions are
+never imported or called here -- tests/test_layout.py checks it -- so the runtime computes its own
+answers and the checker, which maps the two, stays an independent oracle), so a test can drive the
+spec and the runtime in lock step:
 
 ==========================  ===========================================================
 runner method               spec action / rule
