@@ -56,6 +56,7 @@ import attrs
 import numpy as np
 
 from .errors import Rejection, register_code
+from .policy.transforms import _prefix_keep, stable_order
 
 __all__ = [
     "VOCAB_PARALLEL_INVALID",
@@ -264,13 +265,9 @@ def top_p_keep(prob_shards: Shards, ranges: Sequence[tuple[int, int]], p: float)
     keeps = [np.zeros(s.shape, dtype=bool) for s in prob_shards]
     for n in range(row.shape[0]):
         probs = row[n]
-        order = np.argsort(-probs, kind="stable")
-        sorted_p = probs[order]
-        before = np.cumsum(sorted_p) - sorted_p
-        kept = (before < p) & (sorted_p > 0)
-        kept[0] = sorted_p[0] > 0
-        last = int(np.flatnonzero(kept)[-1])
-        p_cut, id_cut = sorted_p[last], int(order[last])  # broadcast by the owner
+        kept, _ = _prefix_keep(stable_order(-probs), probs, p, probs)  # transform.top_p's nucleus on the owner
+        p_cut = probs[kept].min()
+        id_cut = int(np.flatnonzero(kept & (probs == p_cut))[-1])  # (p_cut, id_cut) broadcast by the owner
         for keep, s, (a, b) in zip(keeps, prob_shards, ranges):
             ids = np.arange(a, b)
             keep[n] = (s[n] > 0) & ((s[n] > p_cut) | ((s[n] == p_cut) & (ids <= id_cut)))
