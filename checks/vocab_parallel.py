@@ -1,7 +1,7 @@
 """Judge the vocabulary-parallel head (impl/vocab_parallel.py) against the float64 reference (spec/vocab_parallel.py).
 
-:func:`run_ranks` starts ``R`` processes (``torch.multiprocessing`` spawn), each joins a gloo
-(NCCL with CUDA) process group with a bounded collective timeout, builds the same inputs from
+:func:`run_ranks` starts ``R`` processes (``torch.multiprocessing``, fork or spawn), each joins a gloo
+process group (the inputs are CPU tensors) with a bounded collective timeout, builds the same inputs from
 the case seed (:func:`case_inputs`), computes every function of :mod:`decodespec.impl.vocab_parallel`
 on its shard, and writes its local results; the whole run has a wall-clock deadline after which
 every rank is killed (a hang fails, it never blocks).  When a failure-lab mutant is installed in
@@ -89,7 +89,7 @@ def _worker(rank: int, world: int, init_file: str, case_json: str, out_dir: str,
     from decodespec.impl import vocab_parallel as vp
 
     case = VocabCase(**json.loads(case_json))
-    dist.init_process_group(vp.backend(), init_method=f"file://{init_file}", rank=rank, world_size=world,
+    dist.init_process_group(vp.backend("cpu"), init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
         import contextlib

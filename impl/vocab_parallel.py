@@ -2,7 +2,7 @@
 
 Each rank owns the contiguous head rows ``[start, stop)`` (:func:`shard_range`, the
 ``torch.tensor_split`` layout) and calls these functions with its local tensors inside an
-initialized process group (gloo on CPU, NCCL on CUDA: :func:`backend`).  Every function is a
+initialized process group (gloo for CPU tensors, NCCL for CUDA tensors: :func:`backend`).  Every function is a
 collective: every rank of ``group`` must call it, in the same order, with the same row count
 (the common distributed schedule; no rank skips a row).  Communication is torch.distributed's
 ``all_reduce`` / ``all_gather`` / ``gather`` / ``broadcast`` only.
@@ -51,9 +51,13 @@ __all__ = [
 ]
 
 
-def backend() -> str:
-    """The torch.distributed backend for this machine: ``nccl`` with CUDA, else ``gloo``."""
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+def backend(device: torch.device | str = "cpu") -> str:
+    """The torch.distributed backend for tensors on ``device``: ``nccl`` for CUDA tensors (when built with NCCL), else ``gloo``.
+
+    NCCL needs one GPU per rank; CPU tensors (the tests on this machine) always use gloo.
+    """
+    cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
+    return "nccl" if cuda and dist.is_nccl_available() else "gloo"
 
 
 def shard_range(vocab_size: int, ranks: int, rank: int) -> tuple[int, int]:
