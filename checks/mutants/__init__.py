@@ -10,7 +10,7 @@ only inside :meth:`Mutant.applied` (a context manager that restores every seam o
 
 The catalogue, by group (:data:`GROUPS`), lives in the modules ``lastpos``, ``selection``,
 ``stop``, ``beams``, ``cache``, ``commit``, ``rng``, ``logprob``, ``encdec``, ``snapshot``, ``model``
-and ``vocab`` (the vocabulary-parallel head).
+and ``vocab_parallel`` (the vocabulary-parallel head).
 :mod:`decodespec.checks.mutants.harness` runs the gate (the case table, then the lock-step
 machines) against a mutant until its first failure; ``decodespec mutants`` is the command line.
 
@@ -164,4 +164,4 @@ def seam_fingerprint() -> dict[str, object]:
     return fingerprint(all_seams())
 
 
-from . import lastpos, selection, stop, beams, cache, commit, rng, logprob, encdec, snapshot, model, vocab  # noqa: E402,F401,I001  (registration, report order)
+from . import lastpos, selection, stop, beams, cache, commit, rng, logprob, encdec, snapshot, model, vocab_parallel  # noqa: E402,F401,I001  (registration, report order)
