@@ -145,6 +145,10 @@ def test_representative_mutant_is_killed_by_the_gate(name):
     result = run_gate(name, "tiny", calibration=calibration)
     assert result.outcome == KILLED, (result.outcome, result.crash)
     check = result.killed_by["check"]
+    if MUTANTS[name].checker is not None:  # the output-head group: its own checker, calibrated on the correct implementation
+        assert calibration.findings[f"checker.{name}"].status == "passed" and result.excluded == ()
+        assert result.killed_by["rule"].startswith("invariant.head_") or result.killed_by["rule"].startswith("invariant.vocab_")
+        return
     assert calibration.findings[check].status == "passed" and result.excluded == ()
     assert result.killed_by["rule"].startswith("ladder.") and result.killed_by["layer"] in ("STATE", "TENSOR", "POLICY", "DECISION", "SEQUENCE", "RESUME")
     assert leaked() == []

@@ -9,7 +9,10 @@ only inside :meth:`Mutant.applied` (a context manager that restores every seam o
 :mod:`decodespec.checks.mutants.seams`).  Nothing in ``impl/`` imports this package.
 
 The catalogue, by group (:data:`GROUPS`), lives in the modules ``lastpos``, ``selection``,
-``stop``, ``beams``, ``cache``, ``commit``, ``rng``, ``logprob``, ``encdec`` and ``snapshot``.
+``stop``, ``beams``, ``cache``, ``commit``, ``rng``, ``logprob``, ``encdec``, ``snapshot``,
+``model``, ``vocab`` (the runtime's vocabulary identity, killed at STATE) and ``head`` (the
+output-head contracts of M3.8 0x05, 0x08, 0x09: loss implementations, loaders and vocabulary
+migrations, each killed by its own checker, :attr:`Mutant.checker`).
 :mod:`decodespec.checks.mutants.harness` runs the gate (the case table, then the lock-step
 machines) against a mutant until its first failure; ``decodespec mutants`` is the command line.
 
@@ -54,6 +57,8 @@ GROUPS = (
     "encoder-decoder",
     "snapshot",
     "model math",
+    "vocabulary",
+    "output head",
 )
 
 #: Every registered mutant, by name (registration order).
@@ -76,6 +81,12 @@ class Mutant:
         patches: The seams it replaces.
         text: Needs real text (stop strings, UTF-8, padding): also killed on SmolLM2 in the full run.
         representative: Runs in the CI-sized subset (one per group).
+        checker: For a bug of an interface the gate's case table does not drive (a loss
+            implementation, a loader, a vocabulary migration: the ``output head`` group), the
+            check that must kill it instead of the gate: ``checker(mutated)`` runs the check on the
+            broken implementation (``mutated=True``) or on the correct one (``False``, the
+            calibration) and returns ``None`` when it passes, else ``{"check", "layer", "rule",
+            "ladder_check", "message"}``.  Such a mutant patches no seam.
     """
 
     name: str
@@ -86,6 +97,7 @@ class Mutant:
     patches: tuple[Patch, ...] = attrs.field(converter=tuple)
     text: bool = False
     representative: bool = False
+    checker: Callable[[bool], dict | None] | None = attrs.field(default=None, eq=False)
 
     @property
     def rule_id(self) -> str:
@@ -158,4 +170,4 @@ def seam_fingerprint() -> dict[str, object]:
     return fingerprint(all_seams())
 
 
-from . import lastpos, selection, stop, beams, cache, commit, rng, logprob, encdec, snapshot, model  # noqa: E402,F401,I001  (registration, report order)
+from . import lastpos, selection, stop, beams, cache, commit, rng, logprob, encdec, snapshot, model, vocab, head  # noqa: E402,F401,I001  (registration, report order)
