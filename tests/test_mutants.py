@@ -60,6 +60,9 @@ def test_the_catalogue_covers_both_failure_labs():
     for name, m in MUTANTS.items():
         rule = RULES[m.rule_id]
         assert rule.kind == "mutant" and rule.section.startswith(("M3.10", "M3.8")) and len(rule.statement) > 80, name
+        if m.checker is not None:  # the output-head group: killed by its own checker, patches no seam
+            assert not m.patches and m.group == "output head", name
+            continue
         assert m.patches and all(p.target.startswith("decodespec.impl.") for p in m.patches), name
     assert {m.group for m in MUTANTS.values()} == set(GROUPS)
     assert {MUTANTS[n].group for n in REPRESENTATIVES} == set(GROUPS) and len(REPRESENTATIVES) == len(GROUPS)
@@ -89,7 +92,7 @@ def test_normal_path_is_untouched_after_every_mutant(tiny_model):
         with m.applied():
             inside = M.seam_fingerprint()
             assert all(inside[s] is not seams[s] for s in m.seams), f"{name} did not patch its seams"
-            assert leaked(), name
+            assert leaked() or m.checker is not None, name  # a checker mutant installs nothing
         after = M.seam_fingerprint()
         assert after.keys() == seams.keys() and all(after[k] is seams[k] for k in seams), f"{name} left a seam changed"
         assert leaked() == [], name
