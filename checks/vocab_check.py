@@ -175,7 +175,9 @@ def reference_vocab(model: str) -> ReferenceVocab:
         return ReferenceVocab(model, digest, len(tokens), rows)
     if model != "smollm2":
         raise ValueError(f"no reference vocabulary for {model!r}")
-    field = {key: f.contents() for key, f in reader.fields.items() if key.startswith("tokenizer.ggml.")}
+    wanted = {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+              "tokenizer.ggml.padding_token_id", "tokenizer.ggml.unknown_token_id"}  # not the merges: the table is what is hashed
+    field = {key: f.contents() for key, f in reader.fields.items() if key in wanted}
     spellings: list[str] = list(field["tokenizer.ggml.tokens"])
     types = list(field.get("tokenizer.ggml.token_type", [1] * len(spellings)))
     decoder = _gpt2_byte_decoder()
