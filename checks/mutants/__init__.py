@@ -9,8 +9,11 @@ only inside :meth:`Mutant.applied` (a context manager that restores every seam o
 :mod:`decodespec.checks.mutants.seams`).  Nothing in ``impl/`` imports this package.
 
 The catalogue, by group (:data:`GROUPS`), lives in the modules ``lastpos``, ``selection``,
-``stop``, ``beams``, ``cache``, ``commit``, ``rng``, ``logprob``, ``encdec``, ``snapshot``, ``model``
-and ``vocab_parallel`` (the vocabulary-parallel head).
+``stop``, ``beams``, ``cache``, ``commit``, ``rng``, ``logprob``, ``encdec``, ``snapshot``,
+``model``, ``vocab_parallel`` (the vocabulary-parallel head), ``vocab`` (the runtime's vocabulary
+identity, killed at STATE) and ``head`` (the output-head contracts of M3.8 0x05, 0x08, 0x09: loss
+implementations, loaders and vocabulary migrations, each killed by its own checker,
+:attr:`Mutant.checker`).
 :mod:`decodespec.checks.mutants.harness` runs the gate (the case table, then the lock-step
 machines) against a mutant until its first failure; ``decodespec mutants`` is the command line.
 
@@ -56,6 +59,8 @@ GROUPS = (
     "snapshot",
     "model math",
     "vocabulary parallel",
+    "vocabulary",
+    "output head",
 )
 
 #: Every registered mutant, by name (registration order).
@@ -81,6 +86,12 @@ class Mutant:
         first: Gate check ids (globs) the harness runs before the rest, because they exercise the
             patched code directly (e.g. ``distributed.*`` for the vocabulary-parallel head); the
             gate is still the whole gate, only its order changes.
+        checker: For a bug of an interface the gate's case table does not drive (a loss
+            implementation, a loader, a vocabulary migration: the ``output head`` group), the
+            check that must kill it instead of the gate: ``checker(mutated)`` runs the check on the
+            broken implementation (``mutated=True``) or on the correct one (``False``, the
+            calibration) and returns ``None`` when it passes, else ``{"check", "layer", "rule",
+            "ladder_check", "message"}``.  Such a mutant patches no seam.
     """
 
     name: str
@@ -92,6 +103,7 @@ class Mutant:
     text: bool = False
     representative: bool = False
     first: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    checker: Callable[[bool], dict | None] | None = attrs.field(default=None, eq=False)
 
     @property
     def rule_id(self) -> str:
@@ -164,4 +176,4 @@ def seam_fingerprint() -> dict[str, object]:
     return fingerprint(all_seams())
 
 
-from . import lastpos, selection, stop, beams, cache, commit, rng, logprob, encdec, snapshot, model, vocab_parallel  # noqa: E402,F401,I001  (registration, report order)
+from . import lastpos, selection, stop, beams, cache, commit, rng, logprob, encdec, snapshot, model, vocab_parallel, vocab, head  # noqa: E402,F401,I001  (registration, report order)

@@ -360,6 +360,8 @@ def run_gate(mutant: Mutant | str, model: str = "tiny", *, checks: Sequence[Gate
     import fnmatch
 
     m = MUTANTS[mutant] if isinstance(mutant, str) else mutant
+    if m.checker is not None:
+        return _run_checker(m, model, calibration)
     plan = list(checks if checks is not None else gate_checks(model))
     plan.sort(key=lambda c: not any(fnmatch.fnmatchcase(c.id, pattern) for pattern in m.first))  # stable: the mutant's own checks first
     excluded: list[str] = []
@@ -394,3 +396,27 @@ def run_gate(mutant: Mutant | str, model: str = "tiny", *, checks: Sequence[Gate
     seconds = killed_by["seconds"] if killed_by else time.perf_counter() - start - calibrating
     outcome = KILLED if killed_by else (CRASHED if crash else SURVIVED)
     return MutantResult(m.name, model, outcome, killed_by, seconds, run, crash, tuple(excluded))
+
+
+def _run_checker(m: Mutant, model: str, calibration: Calibration | None) -> MutantResult:
+    """A mutant of the ``output head`` group: its own checker on the broken implementation, calibrated on the correct one."""
+    start = time.perf_counter()
+    try:
+        finding = m.checker(True)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the broken implementation raised out of the checker
+        return MutantResult(m.name, model, CRASHED, None, time.perf_counter() - start, 1, _crash_text(exc))
+    seconds = time.perf_counter() - start
+    if finding is None:
+        return MutantResult(m.name, model, SURVIVED, None, seconds, 1)
+    if calibration is not None:
+        key = f"checker.{m.name}"
+        if key not in calibration.findings:
+            baseline = m.checker(False)
+            calibration.findings[key] = Finding("passed") if baseline is None else Finding(
+                "failed", baseline.get("layer"), baseline.get("rule"), baseline.get("ladder_check"), None, baseline.get("message", ""))
+        if calibration.findings[key].status != "passed":
+            return MutantResult(m.name, model, SURVIVED, None, seconds, 1, excluded=(key,))
+    killed_by = {"step": None, "trace": None, **finding, "seconds": round(seconds, 3)}
+    return MutantResult(m.name, model, KILLED, killed_by, seconds, 1)
