@@ -242,3 +242,54 @@ def test_replay_never_starts_an_engine_a_file_names() -> None:
         check_replay_runtime(meta, None)
     assert err.value.code == "trace.runtime_not_allowed" and "engine:" in err.value.message
     assert check_replay_runtime(meta, None, ["touch /tmp/never"]) == "engine:touch /tmp/never"
+
+
+# ----------------------------------------------------------------------------------------------
+# The guide (docs/adapters.md "Write a runtime adapter") says what the code does
+# ----------------------------------------------------------------------------------------------
+
+GUIDE = (ROOT / "docs" / "adapters.md").read_text(encoding="utf-8")
+
+
+def _table(heading: str) -> list[list[str]]:
+    """The rows (cells stripped) of the first Markdown table after ``heading`` in the guide."""
+    text = GUIDE[GUIDE.index(heading):]
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
+    return rows
+
+
+def _names(cell: str) -> set[str]:
+    return set(re.findall(r"`([a-z_:.]+)`", cell))
+
+
+def test_the_capability_table_is_generated() -> None:
+    from decodespec.checks.adapters import OP_AND_PROBE_CAPABILITIES
+    from decodespec.checks.adapters.engine import OP_AND_PROBE_MEANINGS, capabilities_markdown
+
+    assert set(OP_AND_PROBE_MEANINGS) == OP_AND_PROBE_CAPABILITIES
+    begin, end = "<!-- capabilities:begin -->\n", "<!-- capabilities:end -->"
+    block = GUIDE[GUIDE.index(begin) + len(begin):GUIDE.index(end)]
+    assert block == capabilities_markdown(), ("regenerate the table in docs/adapters.md: python -c \"from decodespec.checks."
+                                              "adapters.engine import capabilities_markdown; print(capabilities_markdown())\"")
+
+
+def test_the_guide_lists_every_engine_method_op_observation_and_config_field() -> None:
+    import attrs
+
+    from decodespec.checks.adapters import OPS, Observation
+
+    methods = engine_module.engine_schema()["$defs"]["request"]["properties"]["method"]["enum"]
+    assert [min(_names(r[0])) for r in _table("| method | params | result | meaning |")] == methods
+    assert [min(_names(r[0])) for r in _table("| op | fields | meaning |")] == list(OPS)
+    observed = set().union(*(_names(r[0]) for r in _table("| field | type | meaning |")))
+    assert observed == {f.name for f in attrs.fields(Observation)}
+    configured = set().union(*(_names(r[0]) for r in _table("| field | meaning |\n| --- | --- |\n| `model`")))
+    assert configured == {f.name for f in attrs.fields(CaseConfig)}
+    optional = {min(_names(r[0])) for r in _table("| left out | default | consequence |")}
+    assert optional == set(engine_module.OPTIONAL_METHODS)

@@ -108,7 +108,9 @@ __all__ = [
     "MAX_LINE_BYTES",
     "OPTIONAL_METHODS",
     "StdioEngine",
+    "OP_AND_PROBE_MEANINGS",
     "available",
+    "capabilities_markdown",
     "create",
     "engine_schema",
 ]
@@ -132,6 +134,19 @@ CONTROLLER_CAPABILITIES = frozenset({
 ENGINE_REFUSED_CAPABILITIES = frozenset({"snapshot", "faults", "decode_kernel:native", "beam", "stream"})
 #: Capabilities that need an optional method.
 _NEEDS_METHOD = {"cache_probe": "cache_probe", "stop_strings": "triggers", "structured": "triggers"}
+#: What each op / probe capability declares (:data:`~decodespec.checks.adapters.OP_AND_PROBE_CAPABILITIES`; a test keeps
+#: the keys equal), for the generated capability table of docs/adapters.md.
+OP_AND_PROBE_MEANINGS = {
+    "decide_commit": "separate decide / commit ops (stale and duplicate receipts)",
+    "inflight": "launch / complete ops: a call stays in flight, so a cancel can arrive during it",
+    "faults": "fault / recover ops (a device fault of the call in flight, a missing state lane)",
+    "snapshot": "snapshot / restore ops (pending-suffix and repaired forms, corrupted restores refused)",
+    "reuse": "a new request on the same cache object, which forgets every row",
+    "logits": "the raw score row of each decision (TENSOR layer)",
+    "policy_rows": "the processed support and its probabilities (POLICY layer)",
+    "cache_probe": "the committed K (after RoPE) and V rows (TENSOR layer)",
+    "decode_kernel:native": "our runtime's native C decode kernel (impl only)",
+}
 _COMMIT_TRIGGERS = {FinishReason.EOS, FinishReason.LENGTH, FinishReason.CONTEXT_LENGTH, FinishReason.STOP_STRING,
                     FinishReason.STRUCTURED, FinishReason.STRUCTURED_ERROR}
 
@@ -197,6 +212,49 @@ def _array(value: Any, ndim: int, path: str) -> np.ndarray:
     if arr.ndim != ndim or arr.size == 0:
         raise _protocol(f"expected a non-empty {ndim}-dimensional array, got shape {list(arr.shape)}", path)
     return arr
+
+
+def _engine_route(name: str) -> str:
+    if name in CONTROLLER_CAPABILITIES:
+        return "the controller (always declared)"
+    if name in ENGINE_REFUSED_CAPABILITIES:
+        return f"not in {ENGINE_PROTOCOL}"
+    if name in _NEEDS_METHOD:
+        return f"the engine, with its `{_NEEDS_METHOD[name]}` method"
+    return "the engine"
+
+
+def capabilities_markdown() -> str:
+    """The capability table of docs/adapters.md, generated from :data:`~decodespec.checks.adapters.CAPABILITIES` (names),
+    :mod:`.features` (the schema path each feature name stands for) and this module (who serves it on the engine route).
+
+    A test compares the page's table with this text; regenerate it with
+    ``python -c "from decodespec.checks.adapters.engine import capabilities_markdown; print(capabilities_markdown())"``.
+    """
+    from .features import CONFIG_FIELDS, SHORT_NAMES, feature_capabilities, sendable_features
+
+    paths = feature_capabilities()
+    long_names = {short: full for full, short in SHORT_NAMES.items()}
+    fields = {f"{section}.{prop}": field for field, (section, prop) in CONFIG_FIELDS.items()}
+    sendable = sendable_features()
+    rows = ["| name | what it declares | on the engine route |", "| --- | --- | --- |"]
+    for name in sorted(OP_AND_PROBE_MEANINGS):
+        rows.append(f"| `{name}` | {OP_AND_PROBE_MEANINGS[name]} | {_engine_route(name)} |")
+    for name in sorted(paths, key=lambda n: (paths[n].startswith("policy.transforms"), paths[n], n)):
+        path = paths[name]
+        full = long_names.get(name, name)
+        value = full.split(":", 1)[1] if ":" in full and not full.startswith("transform:") else None
+        what = f"request schema `{path}`" + (f" = `{value}`" if value is not None else " set")
+        if path.startswith("policy.transforms"):
+            what = f"the M3.8 policy transform `{name.split(':', 1)[1]}`"
+        elif path.startswith("policy."):
+            what = f"M3.8 policy field `{path[7:]}`" + (f" = `{value}`" if value is not None else " set")
+        if path in fields:
+            what += f" (case config `{fields[path]}`)"
+        if name not in sendable:
+            what += "; the gate sends no such case today"
+        rows.append(f"| `{name}` | {what} | {_engine_route(name)} |")
+    return "\n".join(rows) + "\n"
 
 
 class StdioEngine:
