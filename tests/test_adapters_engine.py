@@ -293,3 +293,28 @@ def test_the_guide_lists_every_engine_method_op_observation_and_config_field() -
     assert configured == {f.name for f in attrs.fields(CaseConfig)}
     optional = {min(_names(r[0])) for r in _table("| left out | default | consequence |")}
     assert optional == set(engine_module.OPTIONAL_METHODS)
+
+
+def test_an_engine_without_optional_methods_gets_the_contracts_defaults(tmp_path) -> None:
+    """No triggers / text / cache_probe: the envelope's EOS / length / context rules fire, the text and K/V rows are not
+    exposed."""
+    body = _HELLO_OK + textwrap.dedent("""\
+        if m == "window": answer({"id": i, "result": {"window": 6}}); continue
+        if m == "start": n = 0; answer({"id": i, "result": {"processed": 0, "physical": 0}}); continue
+        if m == "forward":
+            n = p["start"] + p["length"]
+            answer({"id": i, "result": {"logits": [0.0] * 8, "processed": n, "physical": n}}); continue
+        if m == "decide":
+            answer({"id": i, "result": {"token_id": 2 if p["output_count"] == 1 else 5}}); continue
+        """)
+    adapter = open_runtime("engine:" + _fake(tmp_path, body), "tiny")
+    try:
+        assert adapter.capabilities() >= {"cache:dynamic", "decide_commit", "inflight", "logits"}
+        for eos, cap, want, count in (((2,), None, ["eos"], 2), ((), None, ["length"], 3), ((), 4, ["context_length"], 2)):
+            adapter.reset(CaseConfig(model="tiny", prompt_ids=(1, 7), max_new_tokens=3, eos_ids=eos, context_cap=cap))
+            assert adapter.apply({"op": "run"}).ok
+            obs = adapter.observe()
+            assert (obs.phase, list(obs.triggers), len(obs.output_ids)) == ("finished", want, count)
+            assert obs.text is None and obs.cache_probe is None and obs.support_ids is None
+    finally:
+        adapter.close()

@@ -96,7 +96,7 @@ from decodespec.spec.enums import FinishReason
 from decodespec.spec.errors import ERROR_CODES, Rejection, ResourceLimit
 
 from . import ADAPTER_PROTOCOL, CAPABILITIES, CaseConfig
-from .peer import PeerAdapter, PeerDecision
+from .peer import PeerAdapter, PeerDecision, bound_triggers
 
 __all__ = [
     "CONTROLLER_CAPABILITIES",
@@ -459,13 +459,9 @@ class StdioEngine:
         """The engine's ``triggers``, else the envelope's EOS / length / context-length rules (module docstring)."""
         if "triggers" in self.methods:
             return {FinishReason(t) for t in self._call("triggers", ids=list(sequence), output_count=output_count)["triggers"]}
-        fired: set[FinishReason] = set()
+        fired = bound_triggers(sequence, output_count, self.config.max_new_tokens, self.context_cap)
         if sequence and sequence[-1] in self.config.eos_ids:
             fired.add(FinishReason.EOS)
-        if output_count >= self.config.max_new_tokens:
-            fired.add(FinishReason.LENGTH)
-        if len(sequence) >= self.context_cap:
-            fired.add(FinishReason.CONTEXT_LENGTH)
         return fired
 
     def text(self, output_ids: list[int]) -> str | None:
