@@ -58,7 +58,7 @@ Capabilities: the hello's ``capabilities`` use the names of :data:`~decodespec.c
 (:mod:`.features`), except :data:`ENGINE_REFUSED_CAPABILITIES` (snapshots, faults and our native
 kernel have no engine method in version 1).  The controller adds :data:`CONTROLLER_CAPABILITIES`
 (what it implements over any engine: separate decide / commit, calls in flight, the raw row, the
-G = 0 branches, the repair call, the context cap).  ``policy_rows`` declares that ``decide``
+G = 0 branches, the final-cache promises and the repair call, the context cap, the retry budget).  ``policy_rows`` declares that ``decide``
 returns the processed support; ``cache_probe`` needs the ``cache_probe`` method.
 
 Failures of the engine process are typed ``adapter.protocol`` rejections, never a hang: a line
@@ -128,7 +128,8 @@ OPTIONAL_METHODS = ("accept", "triggers", "text", "cache_probe")
 #: What the controller implements over any engine (added to the engine's declaration).
 CONTROLLER_CAPABILITIES = frozenset({
     "decide_commit", "inflight", "logits", "termination.zero_new_tokens:reject", "termination.zero_new_tokens:prefill_only",
-    "termination.max_total_tokens", "output.final_cache:all_outputs",
+    "termination.max_total_tokens", "output.final_cache:all_outputs", "output.final_cache:none",
+    "runtime.max_retries",  # the retry budget after a recovered fault: a no-op on an engine, which has no faults
 })
 #: Capabilities an engine cannot declare in version 1 (no engine method serves them).
 ENGINE_REFUSED_CAPABILITIES = frozenset({"snapshot", "faults", "decode_kernel:native", "beam", "stream"})

@@ -22,7 +22,8 @@ off-by-one ``cache_position``). The gate catches it at TENSOR.
 
 What it declares: greedy decoding with the ``logit_bias`` and ``min_new_tokens`` transforms, the
 no-cache / dynamic / static cache families, chunked prefill, static capacity, cache reuse, the
-raw row, the processed row (``policy_rows``) and the committed K/V rows (``cache_probe``). It
+raw row, the processed row (``policy_rows``), the committed K/V rows (``cache_probe``) and eager
+attention (its attention is always the explicit softmax formulation). It
 also has temperature / top-k sampling with its own numpy RNG; that RNG is not the spec's
 request RNG, so a sampled id could differ from the spec's draw: ``sampling`` is NOT declared
 (``--declare-sampling`` declares it anyway, to see the gate judge a foreign sampler).
@@ -207,7 +208,8 @@ class Engine:
     # -- methods ---------------------------------------------------------------------------
     def hello(self, protocol: str) -> dict:
         caps = ["cache:none", "cache:dynamic", "cache:static", "prefill_chunk", "runtime.static_capacity", "reuse",
-                "policy_rows", "cache_probe", "transform:logit_bias", "transform:min_new_tokens", "termination.min_new_tokens"]
+                "policy_rows", "cache_probe", "transform:logit_bias", "transform:min_new_tokens", "termination.min_new_tokens",
+                "runtime.attention:eager"]
         if self.declare_sampling:
             caps += ["sampling", "transform:temperature", "transform:top_k"]
         return {"protocol": PROTOCOL, "name": "engine_tiny", "version": "1", "language": "python (numpy)",
