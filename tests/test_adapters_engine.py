@@ -318,3 +318,23 @@ def test_an_engine_without_optional_methods_gets_the_contracts_defaults(tmp_path
             assert obs.text is None and obs.cache_probe is None and obs.support_ids is None
     finally:
         adapter.close()
+
+
+def test_the_timeout_comes_from_the_environment(tmp_path, monkeypatch) -> None:
+    body = _HELLO_OK + 'if m == "window": time.sleep(30)\n'
+    command = "engine:" + _fake(tmp_path, body)
+    monkeypatch.setenv(engine_module.TIMEOUT_ENV, "1.5")
+    adapter = open_runtime(command, "tiny")
+    try:
+        begin = time.monotonic()
+        with pytest.raises(Rejection) as err:
+            adapter.reset(CaseConfig(model="tiny", prompt_ids=(1, 2)))
+        assert err.value.code == ADAPTER_PROTOCOL and "no answer to 'window' within 1.5 s" in err.value.message
+        assert time.monotonic() - begin < 15
+    finally:
+        adapter.close()
+    for bad in ("soon", "0", "nan", "-1"):
+        monkeypatch.setenv(engine_module.TIMEOUT_ENV, bad)
+        with pytest.raises(Rejection) as err:
+            open_runtime(command, "tiny")
+        assert err.value.code == ADAPTER_PROTOCOL and "$.timeout" == err.value.path

@@ -119,8 +119,10 @@ __all__ = [
 ENGINE_PROTOCOL = "decodespec.engine.v1"
 #: The JSON Schema of every engine message.
 ENGINE_SCHEMA_PATH = Path(__file__).resolve().parent.parent.parent / "spec" / "schemas" / "engine.v1.json"
-#: Seconds to wait for one answer (the first ``window`` / ``start`` loads the model).
+#: Seconds to wait for one answer (the first ``window`` / ``start`` loads the model); ``$DECODESPEC_ENGINE_TIMEOUT``
+#: overrides it for the gate's runs.
 DEFAULT_TIMEOUT = 300.0
+TIMEOUT_ENV = "DECODESPEC_ENGINE_TIMEOUT"
 #: Longest line the gate reads from an engine, in bytes (a SmolLM2 K/V probe of a long request fits).
 MAX_LINE_BYTES = 256 * 1024 * 1024
 #: Methods an engine may leave out (listed in the hello's ``methods`` when implemented).
@@ -158,12 +160,22 @@ def available() -> str | None:
 
 
 def create(command: str = "", **options: Any) -> "EngineAdapter":
-    """``EngineAdapter(StdioEngine(command), "engine")`` (a :class:`PeerAdapter`) (``timeout`` may be given; other options are ignored).
+    """``EngineAdapter(StdioEngine(command), "engine")`` (a :class:`PeerAdapter`).
+
+    ``timeout`` (seconds per answer) may be given, else ``$DECODESPEC_ENGINE_TIMEOUT``, else :data:`DEFAULT_TIMEOUT`;
+    other options are ignored.
 
     Raises:
         Rejection: ``adapter.protocol`` for an empty command or a failed hello.
     """
-    return EngineAdapter(StdioEngine(command, timeout=float(options.get("timeout", DEFAULT_TIMEOUT))), "engine")
+    timeout = options.get("timeout", os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
+    try:
+        timeout = float(timeout)
+    except (TypeError, ValueError):
+        raise Rejection(ADAPTER_PROTOCOL, f"${TIMEOUT_ENV} is not a number of seconds: {str(timeout)[:40]!r}", "$.timeout") from None
+    if not 0 < timeout < float("inf"):
+        raise Rejection(ADAPTER_PROTOCOL, f"the engine timeout must be a positive number of seconds, got {timeout}", "$.timeout")
+    return EngineAdapter(StdioEngine(command, timeout=timeout), "engine")
 
 
 class EngineAdapter(PeerAdapter):
