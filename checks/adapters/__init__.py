@@ -93,7 +93,8 @@ Capabilities (:data:`CAPABILITIES`)
     outside the declared names, and a config refused with ``adapter.unsupported`` is a skip.
 
 Runtimes
-    :func:`open_adapter` resolves ``impl``, ``hf``, ``llamacpp`` and ``stdio:CMD``: module
+    :func:`open_adapter` resolves ``impl``, ``hf``, ``llamacpp``, ``stdio:CMD`` and ``engine:CMD``
+    (:mod:`decodespec.checks.adapters.engine`: the gate's controller over a process that answers model calls): module
     ``decodespec.checks.adapters.<name>`` exposes ``available() -> str | None`` (``None`` when
     usable, else the skip reason) and ``create(**options) -> Adapter``.
 
@@ -129,6 +130,7 @@ __all__ = [
     "AdapterUnavailable",
     "ApplyResult",
     "CAPABILITIES",
+    "COMMAND_RUNTIMES",
     "CORRUPTIONS",
     "CaseConfig",
     "OP_AND_PROBE_CAPABILITIES",
@@ -648,26 +650,32 @@ class AdapterUnavailable(Exception):
     """The named runtime cannot run here (not installed, no model file); the message is the skip reason."""
 
 
+#: Runtime kinds that take a command line after ``:`` and start it as a process: ``stdio:CMD`` (the whole contract over
+#: :mod:`.wire`) and ``engine:CMD`` (model calls only over :mod:`.engine`; the gate's controller owns the contract).
+COMMAND_RUNTIMES = ("stdio", "engine")
+
+
 def parse_runtime(runtime: str) -> tuple[str, str]:
-    """``(name, command)`` of a runtime name: ``impl``, ``hf``, ``llamacpp`` (command ``""``) or ``stdio:CMD``.
+    """``(name, command)`` of a runtime name: ``impl``, ``hf``, ``llamacpp`` (command ``""``), ``stdio:CMD`` or ``engine:CMD``.
 
     Raises:
         Rejection: ``adapter.unsupported`` for an unknown name or a ``:`` argument to a runtime
-            other than ``stdio``.
+            other than ``stdio`` and ``engine``.
     """
     name, _, rest = runtime.partition(":")
-    if name != "stdio" and rest:
-        raise Rejection(ADAPTER_UNSUPPORTED, f"only stdio takes a ':' argument, got {runtime!r}", "$.runtime")
-    if name not in ("impl", "hf", "llamacpp", "stdio"):
-        raise Rejection(ADAPTER_UNSUPPORTED, f"unknown runtime {runtime!r}; expected impl, hf, llamacpp or stdio:CMD", "$.runtime")
+    if name not in COMMAND_RUNTIMES and rest:
+        raise Rejection(ADAPTER_UNSUPPORTED, f"only stdio and engine take a ':' argument, got {runtime!r}", "$.runtime")
+    if name not in ("impl", "hf", "llamacpp", *COMMAND_RUNTIMES):
+        raise Rejection(ADAPTER_UNSUPPORTED, f"unknown runtime {runtime!r}; expected impl, hf, llamacpp, stdio:CMD or engine:CMD",
+                        "$.runtime")
     return name, rest
 
 
 def open_adapter(runtime: str, **options: Any) -> Adapter:
-    """Create the adapter named ``runtime``: ``impl``, ``hf``, ``llamacpp`` or ``stdio:CMD``.
+    """Create the adapter named ``runtime``: ``impl``, ``hf``, ``llamacpp``, ``stdio:CMD`` or ``engine:CMD``.
 
     Args:
-        runtime: The runtime name (``stdio:`` followed by the server's command line).
+        runtime: The runtime name (``stdio:`` or ``engine:`` followed by the process's command line).
         **options: Passed to the module's ``create`` (e.g. ``model="smollm2"``).
 
     Raises:
@@ -675,7 +683,7 @@ def open_adapter(runtime: str, **options: Any) -> Adapter:
         Rejection: ``adapter.unsupported`` for an unknown runtime name.
     """
     name, rest = parse_runtime(runtime)
-    if name == "stdio":
+    if name in COMMAND_RUNTIMES:
         options = {"command": rest, **options}
     try:
         module = importlib.import_module(f"decodespec.checks.adapters.{name}")
