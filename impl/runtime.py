@@ -1220,7 +1220,7 @@ class RequestRunner:
         common = dict(prompt_ids=self.request.prompt_ids, finish_reason=self.finish_reason, triggers=self.ordered_triggers(),
                       frontier=self.frontier(), receipts=tuple(self.receipts), rng_counter=self.policy_state.rng_counter,
                       num_committed=self.output_count, stream=self.stream_report() if self.request.stream else None,
-                      prompt_logprobs=self.prompt_logprobs())
+                      prompt_logprobs=self.prompt_logprobs(), timeline=self.latency.timeline())
         out = getattr(self.observer, "output", None) if self.phase is Phase.FINISHED else None
         if out is not None:
             match = out.stop_match
