@@ -47,6 +47,8 @@ COMMANDS: dict[str, str] = {
     "export-tiny": "export_tiny",
     "replay": "replay",
     "head-check": "head_check",
+    "sweep": "sweep",
+    "compare": "compare",
 }
 
 
