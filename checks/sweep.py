@@ -656,9 +656,17 @@ def plot_sweep(lines: Sequence[dict[str, Any]], path: str | Path) -> Path:
         ax.plot(xs, series(lambda l: (l["contract"]["measures"].get("first_row_linf_vs_base") or 0.0) / l["contract"]["measures"]["epsilon"]),
                 "s--", label="last-row L-inf vs own base run / epsilon (bound 2)")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    if variable in ("dtype", "cache", "prefill_chunk", "new_tokens"):
+        for x, y, line in zip(xs, ratio, lines):
+            m = line["contract"]["measures"]
+            diverge = m.get("token_divergence_from_base")
+            ax.annotate(f"margin crossings {m['margin_crossings']}/{line['cost']['output_count']}\n"
+                        f"tokens diverge: {'no' if diverge is None else f'at {diverge}'}",
+                        (x, y), textcoords="offset points", xytext=(0, 10), ha="center", fontsize=7)
     bad = [i for i, l in enumerate(lines) if not l["contract"]["passed"]]
     if bad:
         ax.plot([xs[i] for i in bad], [ratio[i] for i in bad], "x", color="red", ms=12, mew=3, label="contract FAILED")
+    ax.set_ylim(bottom=0.0, top=max([1.3, *[r * 1.3 for r in ratio if np.isfinite(r)]]))
     ax.set_ylabel("error / calibrated epsilon (1)")
     ax.set_title("contract: " + ("passed at every point" if not bad else f"FAILED at {len(bad)} point(s)"))
     ax.legend(fontsize=8)
@@ -669,6 +677,7 @@ def plot_sweep(lines: Sequence[dict[str, Any]], path: str | Path) -> Path:
                 a.set_xticks(xs)
                 a.set_xticklabels(labels)
             a.grid(alpha=0.3)
+            a.margins(x=0.12)
     fig.suptitle(f"decodespec sweep {variable} (M3.10 0x0BA: one variable moves, the manifest stays fixed)")
     fig.text(0.01, 0.005, _caption(lines, variable), fontsize=7.5, va="bottom", wrap=True)
     fig.tight_layout(rect=(0, 0.06, 1, 0.96))

@@ -44,7 +44,7 @@ MANIFEST_OPTIONS = (
 def add_manifest_options(parser: argparse.ArgumentParser) -> None:
     """The fixed-manifest options (each one value; a comma list moves that variable)."""
     for flag, field, text in MANIFEST_OPTIONS:
-        parser.add_argument(flag, dest=f"m_{field}", default=None, help=text)
+        parser.add_argument(flag, dest=f"m_{field}", metavar=field.upper(), default=None, help=text)
 
 
 def moving_fields(args: argparse.Namespace) -> dict[str, list[str]]:
