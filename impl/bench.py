@@ -780,14 +780,14 @@ def _latency_lines(result: BenchResult) -> list[str]:
         return []
     lines = [f"latency per request (TTFT over the {result.repetitions} runs, ITL over every token of every run; ms, p50/p90/p99; "
              f"rates: median over runs; decode tok/s excludes the prefill):",
-             f"  {'runtime':<14}{'TTFT ms':>22}{'ITL ms':>22}{'prefill tok/s':>15}{'decode tok/s':>14}{'calls':>8}  decode / HF (paired)"]
+             f"  {'runtime':<14}{'TTFT ms':>26}{'ITL ms':>26}{'prefill tok/s':>15}{'decode tok/s':>14}{'calls':>8}  decode / HF (paired)"]
     expected = result.expected_calls.get("total")
     for name in result.latency:
         s = result.latency_summary(name)
         assert s is not None
         ratio = result.paired_decode_ratio(name) if name != "hf" else None
         calls = ",".join(str(c) for c in s["calls"]) or "n/a"
-        lines.append(f"  {name:<14}{q(s['ttft_ms']):>22}{q(s['itl_ms']):>22}{rate(s['prefill_tokens_per_s']):>15}"
+        lines.append(f"  {name:<14}{q(s['ttft_ms']):>26}{q(s['itl_ms']):>26}{rate(s['prefill_tokens_per_s']):>15}"
                      f"{rate(s['decode_tokens_per_s']):>14}{calls:>8}  {'' if ratio is None else f'{ratio:.3f}'}")
     lines.append(f"  model calls a conforming cached run makes: {expected} (1 prefill + {result.new_tokens} - 1 decode; "
                  "the last token is never processed); llama.cpp's calls are not observable from outside (n/a)")
