@@ -557,9 +557,8 @@ def sweep(variable: str, values: Sequence[Any], manifest: Manifest, *, out_dir: 
             bar.update(1)
     out = [lines[i] for i in range(len(points))]
     if out_dir is not None:
-        folder = Path(out_dir)
-        (folder / f"sweep-{variable}.jsonl").write_text("".join(json.dumps(line, sort_keys=True) + "\n" for line in out))
-        plot_sweep(out, folder / f"sweep-{variable}.png")
+        _write_jsonl(out, Path(out_dir) / f"sweep-{variable}.jsonl")
+        plot_sweep(out, Path(out_dir) / f"sweep-{variable}.png")
     return out
 
 
@@ -590,10 +589,13 @@ def compare(configs: Sequence[dict[str, Any]], manifest: Manifest, *, out_dir: s
         out.append({"kind": "configuration_comparison", "moved": dict(config), "manifest": attrs.asdict(m), "cost": cost,
                     "contract": contract, "machine": info})
     if out_dir is not None:
-        folder = Path(out_dir)
-        (folder / "compare.jsonl").write_text("".join(json.dumps(line, sort_keys=True) + "\n" for line in out))
-        plot_comparison(out, folder / "compare.png")
+        _write_jsonl(out, Path(out_dir) / "compare.jsonl")
+        plot_comparison(out, Path(out_dir) / "compare.png")
     return out
+
+
+def _write_jsonl(lines: Sequence[dict[str, Any]], path: Path) -> None:
+    path.write_text("".join(json.dumps(line, sort_keys=True) + "\n" for line in lines))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -612,11 +614,7 @@ def plot_sweep(lines: Sequence[dict[str, Any]], path: str | Path) -> Path:
     The contract panel plots the first-row L-infinity error against the float64 reference over the
     calibrated epsilon (below 1 = within tolerance) and marks a failed point with a red cross.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     variable = lines[0]["variable"]
     labels = [str(line["value"]) if line["value"] not in (None, "") else ("one shot" if variable == "prefill_chunk" else "none")
               for line in lines]
@@ -679,21 +677,12 @@ def plot_sweep(lines: Sequence[dict[str, Any]], path: str | Path) -> Path:
             a.grid(alpha=0.3)
             a.margins(x=0.12)
     fig.suptitle(f"decodespec sweep {variable} (M3.10 0x0BA: one variable moves, the manifest stays fixed)")
-    fig.text(0.01, 0.005, _caption(lines, variable), fontsize=7.5, va="bottom", wrap=True)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, _caption(lines, variable), path, rect=(0, 0.06, 1, 0.96))
 
 
 def plot_comparison(lines: Sequence[dict[str, Any]], path: str | Path) -> Path:
     """Bars per configuration: TTFT p50, ITL p50 and E2E (ms); titled a configuration comparison."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     labels = [", ".join(f"{k}={v}" for k, v in line["moved"].items()) for line in lines]
     idx = np.arange(len(lines))
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(lines)), 4.6))
@@ -705,9 +694,24 @@ def plot_comparison(lines: Sequence[dict[str, Any]], path: str | Path) -> Path:
     ax.set_ylabel("time (ms)")
     ax.set_title("configuration comparison (several variables move: not a sensitivity curve)")
     ax.legend(fontsize=8)
-    fig.text(0.01, 0.005, _caption(lines, None), fontsize=7, va="bottom", wrap=True)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return _save(fig, _caption(lines, None), path, rect=(0, 0.08, 1, 1))
+
+
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, caption: str, path: str | Path, *, rect: tuple[float, float, float, float]) -> Path:
+    """Put the caption (the fixed manifest and the machine) under the figure, write the PNG, close the figure."""
+    fig.text(0.01, 0.005, caption, fontsize=7.5, va="bottom", wrap=True)
+    fig.tight_layout(rect=rect)
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
