@@ -40,10 +40,12 @@ stop           exact spans: the returned text is the stop-free run's text cut be
                occurrence of the stop string (found by ``str.find``, not by the matcher), the
                finish reason is ``stop_string`` exactly when it occurs, the stream delivered the
                returned text
+num_beams      calls (one batched decode call per step); branch correctness: every kept
+               hypothesis' per-token logprobs are its own path's under the float64 reference
+               (``Tolerance.at_row(row).logprob`` per step), its score is their sum, the kept
+               branches are distinct; width 1 equals the greedy path.  Beam search publishes
+               once at the end: its TTFT is its E2E and it has no ITL
 ============== =================================================================================
-
-Beam width is not swept here (``sweep.variable_unsupported``): its branch-correctness contract
-needs the beam oracle of ``checks/`` wired in, which this module does not do.
 
 Source: M3.10 0x0BA "Sensitivity is a controlled experiment" (the variable table; "if two
 variables move together, call the result a configuration comparison") and "Latency semantics";
@@ -58,6 +60,7 @@ import json
 import os
 import platform
 import statistics
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -65,7 +68,7 @@ import attrs
 import numpy as np
 
 from decodespec.spec.errors import Rejection, register_code
-from decodespec.spec.latency import expected_calls, request_latency, summarize
+from decodespec.spec.latency import Emission, Timeline, expected_calls, request_latency, summarize
 
 from .ladder import FAILED, UNDECIDED, cache_probe_failure, compare_rows, greedy_comparator, tolerance_for
 
@@ -95,8 +98,8 @@ SWEEP_VARIABLE_UNSUPPORTED = register_code(
     "sweep.variable_unsupported",
     "rejection",
     "M3.10 0x0BA Sensitivity is a controlled experiment",
-    "The variable is not one the sweep can vary (prompt_len, new_tokens, cache, prefill_chunk, dtype, stop); beam "
-    "width is not swept yet. Nothing was run.",
+    "The variable is not one the sweep can vary (prompt_len, new_tokens, cache, prefill_chunk, dtype, stop, num_beams). "
+    "Nothing was run.",
 )
 SWEEP_VALUE_INVALID = register_code(
     "sweep.value_invalid",
@@ -114,9 +117,10 @@ VARIABLES: dict[str, str] = {
     "prefill_chunk": "prefill chunk (tokens; none = one shot)",
     "dtype": "compute / cache dtype",
     "stop": "stop string",
+    "num_beams": "beam width",
 }
 #: Named in the seed's table but not swept (a typed refusal says so).
-UNSUPPORTED = {"num_beams": "beam width: its branch-correctness contract (beam oracle) is not wired into the sweep"}
+UNSUPPORTED: dict[str, str] = {}
 _CACHES = ("none", "dynamic", "static")
 _DTYPES = ("float32", "bfloat16", "float16")
 MAX_POINTS = 64
@@ -142,6 +146,7 @@ class Manifest:
         prefill_chunk: Chunk size, or ``None`` (one shot).
         dtype: ``float32`` / ``bfloat16`` / ``float16`` (compute and cache).
         stop: Stop string, or ``""`` (none).
+        num_beams: Beam width (1: the greedy runner; > 1: beam search, HF-compatible parameters).
         repetitions: Timed runs per point (after one warm-up).
         threads: torch intra-op threads.
     """
@@ -153,6 +158,7 @@ class Manifest:
     prefill_chunk: int | None = None
     dtype: str = "float32"
     stop: str = ""
+    num_beams: int = 1
     repetitions: int = 3
     threads: int = 1
 
@@ -180,6 +186,10 @@ class Manifest:
             raise bad("prefill_chunk must be >= 1 (or none)")
         if self.dtype not in _DTYPES:
             raise bad(f"dtype {self.dtype!r}: expected one of {_DTYPES}")
+        if not 1 <= self.num_beams <= 16:
+            raise bad("num_beams must be in [1, 16]")
+        if self.num_beams > 1 and (self.stop or self.cache == "none"):
+            raise bad("a beam sweep point takes no stop string and a cached family")
         if not 1 <= self.repetitions <= 100 or not 1 <= self.threads <= 64:
             raise bad("repetitions must be in [1, 100] and threads in [1, 64]")
         return self
@@ -200,7 +210,7 @@ def parse_values(variable: str, text: str) -> list[Any]:
     out: list[Any] = []
     for value in raw:
         try:
-            if variable in ("prompt_len", "new_tokens"):
+            if variable in ("prompt_len", "new_tokens", "num_beams"):
                 out.append(int(value))
             elif variable == "prefill_chunk":
                 out.append(None if value.lower() == "none" else int(value))
@@ -299,10 +309,30 @@ class _Probe:
     finish_reason: str | None
     streamed_text: str
     calls: int
+    beams: tuple[tuple[tuple[int, ...], tuple[float, ...], float], ...] = ()  # (ids, logprobs, score) per kept hypothesis
 
 
-def _probe(models: _Models, m: Manifest, prompt: tuple[int, ...]) -> _Probe:
+def _beam_search(models: _Models, m: Manifest, prompt: tuple[int, ...]):
+    from decodespec.impl.beam import beam_generate
+    from decodespec.spec.beam import BeamParams
+
+    return beam_generate(models.model(m.model, m.dtype), prompt, BeamParams.hf_compatible(m.num_beams, m.new_tokens, ()),
+                         cache=m.cache, prefill_chunk=m.prefill_chunk, tokenizer=models.tokenizer(m.model))
+
+
+def _probe(models: _Models, m: Manifest, prompt: tuple[int, ...], *, beams: bool = False) -> _Probe:
+    """The probe run; with ``beams`` (or a width above 1) also a beam search of width ``m.num_beams``."""
     import torch
+
+    if m.num_beams > 1 or beams:
+        search = _beam_search(models, m, prompt)
+        kept = tuple((tuple(h.output_ids), tuple(h.logprobs), float(h.score)) for h in search.hypotheses)
+        if m.num_beams > 1:
+            best = search.best
+            ids = () if best is None else tuple(best.output_ids)
+            return _Probe(prompt, ids, (), None, "" if best is None else best.text,
+                          None if best is None else best.finish_reason.value, "", search.num_calls, kept)
+        return attrs.evolve(_probe(models, m, prompt), beams=kept)
 
     from decodespec.impl.runtime import RequestRunner
     from decodespec.spec.state import Phase
@@ -346,6 +376,17 @@ def _timed(models: _Models, m: Manifest, prompt: tuple[int, ...]) -> dict[str, A
         runs = []
         frontier = None
         for i in range(m.repetitions + 1):  # the first is the warm-up
+            if m.num_beams > 1:
+                start = time.perf_counter_ns()
+                search = _beam_search(models, m, prompt)
+                e2e = time.perf_counter_ns() - start
+                out = 0 if search.best is None else search.best.length
+                frontier = {**search.frontier(), "processed": m.num_beams * search.frontier()["processed"]}  # k branches retained
+                # Beam search publishes its output once, at the end: TTFT = E2E, no ITL; its calls are counted, not timed.
+                timeline = Timeline(prompt_len=len(prompt), emissions=(Emission(e2e, out),) if out else (), final_ns=e2e)
+                if i:
+                    runs.append(attrs.evolve(request_latency(timeline), calls=search.num_calls))
+                continue
             result = generate(model, prompt, max_new_tokens=m.new_tokens, eos_token_ids=(), cache=m.cache,
                               prefill_chunk=m.prefill_chunk if m.cache != "none" else None, tokenizer=tokenizer, stream=True,
                               on_chunk=_discard, stop_strings=(m.stop,) if m.stop else ())
@@ -411,10 +452,15 @@ def _contract(variable: str, m: Manifest, probe: _Probe, base: _Probe | None, ba
     checks.append(_check("model_calls", probe.calls == want, expected=want, actual=probe.calls))
     ref_row = reference.row(probe.prompt)
     eps = tol.epsilon(ref_row)
-    first = compare_rows(ref_row, probe.rows[0], eps)
-    checks.append(_check("first_row_vs_float64_reference", first.linf <= eps, linf=first.linf, epsilon=eps))
-    failed, crossings, undecided = _decisions(reference, probe, tol)
-    measures: dict[str, Any] = {"first_row_linf": first.linf, "epsilon": eps, "margin_crossings": crossings, "undecided": undecided}
+    measures: dict[str, Any] = {"first_row_linf": None, "epsilon": eps, "margin_crossings": 0, "undecided": 0}
+    failed: list[dict[str, Any]] = []
+    if probe.rows:  # a beam search of width > 1 keeps no single decision row
+        first = compare_rows(ref_row, probe.rows[0], eps)
+        checks.append(_check("first_row_vs_float64_reference", first.linf <= eps, linf=first.linf, epsilon=eps))
+        failed, crossings, undecided = _decisions(reference, probe, tol)
+        measures.update(first_row_linf=first.linf, margin_crossings=crossings, undecided=undecided)
+    if variable == "num_beams":
+        checks.extend(_beam_checks(reference, tol, m, probe, measures))
     if variable in ("prompt_len", "new_tokens", "dtype", "cache", "prefill_chunk"):
         checks.append(_check("greedy_comparator_every_decision", not failed, failures=failed[:3]))
     if base is not None and variable in ("cache", "prefill_chunk", "dtype", "new_tokens"):
@@ -442,6 +488,34 @@ def _contract(variable: str, m: Manifest, probe: _Probe, base: _Probe | None, ba
     return {"passed": all(c["passed"] for c in checks), "checks": checks, "measures": measures,
             "tolerance": {"source": "checks/ladder.py tolerance_for('impl', model, dtype) from checks/calibration.json",
                           "logit": tol.logit, "logit_rel": tol.logit_rel, "kv": tol.kv, "kv_rel": tol.kv_rel}}
+
+
+def _beam_checks(reference, tol, m: Manifest, probe: _Probe, measures: dict[str, Any]) -> list[dict[str, Any]]:
+    """Branch correctness: each kept hypothesis' logprobs are its own path's (float64 reference), its score their sum."""
+    checks = []
+    if m.num_beams == 1:
+        checks.append(_check("beam_width_one_equals_greedy", bool(probe.beams) and probe.beams[0][0] == probe.output_ids,
+                             beam=list(probe.beams[0][0]) if probe.beams else None, greedy=list(probe.output_ids)))
+    worst_step, worst_score, bad = 0.0, 0.0, []
+    for rank, (ids, logprobs, score) in enumerate(probe.beams):
+        bound_sum, ref_sum = 0.0, 0.0
+        for i, token in enumerate(ids):
+            row = reference.row(probe.prompt + ids[:i])
+            top = float(np.max(row))
+            ref_lp = float(row[token] - top - np.log(np.sum(np.exp(row - top))))
+            bound = tol.at_row(row).logprob
+            err = abs(logprobs[i] - ref_lp)
+            worst_step = max(worst_step, err / bound)
+            if err > bound and len(bad) < 3:
+                bad.append({"rank": rank, "step": i, "logprob": logprobs[i], "reference": ref_lp, "bound": bound})
+            bound_sum += bound
+            ref_sum += ref_lp
+        worst_score = max(worst_score, abs(score - ref_sum) / bound_sum if bound_sum else 0.0)
+    measures.update(branch_logprob_error_over_bound=worst_step, branch_score_error_over_bound=worst_score, branches=len(probe.beams))
+    checks.append(_check("branch_logprobs_vs_float64_reference", not bad and bool(probe.beams), failures=bad))
+    checks.append(_check("branch_score_is_its_path_sum", worst_score <= 1.0, worst_error_over_bound=worst_score))
+    checks.append(_check("branches_distinct", len({b[0] for b in probe.beams}) == len(probe.beams)))
+    return checks
 
 
 def _near_tie(reference, probe: _Probe, step: int | None, tol) -> bool:
@@ -476,7 +550,7 @@ def measure_point(models: _Models, variable: str, m: Manifest, base: _Probe | No
     """Cost and contract of one point; returns the JSON line and the probe (the base of later points)."""
     m.check()
     prompt = models.prompt(m)
-    probe = _probe(models, m, prompt)
+    probe = _probe(models, m, prompt, beams=variable == "num_beams")
     base = probe if base is None else base  # the base point is judged against itself
     cost = _timed(models, m, prompt)
     cost["expected_calls"] = expected_calls(m.prompt_len, cost["output_count"], cached=m.cache != "none",
@@ -648,7 +722,11 @@ def plot_sweep(lines: Sequence[dict[str, Any]], path: str | Path) -> Path:
     twin.set_ylabel("K/V bytes at finish (MiB)", color="tab:green")
     ax.legend(fontsize=8, loc="upper left")
     ax = axes[1][1]
-    ratio = series(lambda l: l["contract"]["measures"]["first_row_linf"] / l["contract"]["measures"]["epsilon"])
+    ratio = series(lambda l: None if l["contract"]["measures"]["first_row_linf"] is None
+                   else l["contract"]["measures"]["first_row_linf"] / l["contract"]["measures"]["epsilon"])
+    if variable == "num_beams":
+        ax.plot(xs, series(lambda l: l["contract"]["measures"].get("branch_logprob_error_over_bound")), "s--",
+                label="branch logprob error / bound (float64 ref)")
     ax.plot(xs, ratio, "o-", label="first-row L-inf / epsilon (float64 ref)")
     if any("first_row_linf_vs_base" in l["contract"]["measures"] for l in lines):
         ax.plot(xs, series(lambda l: (l["contract"]["measures"].get("first_row_linf_vs_base") or 0.0) / l["contract"]["measures"]["epsilon"]),

@@ -108,7 +108,7 @@ def test_two_moving_variables_are_refused_and_nothing_is_written(tmp_path, capsy
 
 
 @pytest.mark.parametrize("variable, values, code", [
-    ("num_beams", "1,2", "sweep.variable_unsupported"),
+    ("num_beams", "2,x", "sweep.value_invalid"),
     ("temperature", "1", "sweep.variable_unsupported"),
     ("prompt_len", "8,x", "sweep.value_invalid"),
     ("prompt_len", "8,8", "sweep.value_invalid"),
@@ -129,3 +129,28 @@ def test_compare_runs_configurations_under_that_name(tmp_path, capsys):
     assert lines[0]["moved"] == {"prompt_len": 8, "prefill_chunk": 4} and lines[0]["cost"]["calls"] == [2 + 2]
     assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["compare", "--config", "prompt_len=8", "--out-dir", str(tmp_path)]) == 2  # one configuration is no comparison
+
+
+def test_beam_width_sweep_checks_branch_correctness_and_catches_a_wrong_parent_gather(monkeypatch):
+    """Width 1 equals greedy; each kept branch's logprobs are its own path's (float64 reference) and its score their
+    sum.  A cache reorder that gathers the wrong parent rows (reversed) breaks that at width > 1."""
+    manifest = attrs.evolve(FAST, new_tokens=6, cache="dynamic")
+    lines = sweep("num_beams", [1, 2, 3], manifest, progress=False)
+    for line in lines:
+        assert line["contract"]["passed"], _failed(line)
+    assert "beam_width_one_equals_greedy" in {c["check"] for c in lines[0]["contract"]["checks"]}
+    assert lines[2]["contract"]["measures"]["branches"] == 3 and lines[2]["cost"]["kv_bytes"] == 3 * lines[0]["cost"]["kv_bytes"]
+    assert lines[2]["cost"]["calls"] == [lines[2]["cost"]["expected_calls"]]  # 1 prefill + G - 1 batched decode calls
+
+    from decodespec.impl.cache import DynamicCache
+
+    reorder = DynamicCache.reorder_cache
+
+    def wrong_parents(self, beam_idx):
+        idx = list(beam_idx.tolist() if hasattr(beam_idx, "tolist") else beam_idx)
+        return reorder(self, idx[::-1])
+
+    monkeypatch.setattr(DynamicCache, "reorder_cache", wrong_parents)
+    broken = sweep("num_beams", [1, 3], manifest, progress=False)
+    assert not broken[1]["contract"]["passed"]
+    assert "branch_logprobs_vs_float64_reference" in _failed(broken[1])

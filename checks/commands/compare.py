@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Run whole configurations side by side (M3.10 0x0BA configuration comparison).",
     )
     parser.add_argument("--config", action="append", required=True,
-                        help="FIELD=VALUE[,FIELD=VALUE...] of the manifest (prompt_len, new_tokens, cache, prefill_chunk, dtype, stop); "
+                        help="FIELD=VALUE[,FIELD=VALUE...] of the manifest (prompt_len, new_tokens, cache, prefill_chunk, dtype, stop, num_beams); "
                         "once per configuration")
     add_manifest_options(parser)
     parser.add_argument("--out-dir", default=".", help="folder for compare.jsonl and compare.png (default .)")

@@ -36,6 +36,7 @@ MANIFEST_OPTIONS = (
     ("--prefill-chunk", "prefill_chunk", "prefill chunk size, or none (default none: one shot)"),
     ("--dtype", "dtype", "float32 (default), bfloat16 or float16"),
     ("--stop", "stop", "a stop string (default none)"),
+    ("--num-beams", "num_beams", "beam width (default 1: greedy)"),
     ("--repetitions", "repetitions", "timed runs per point after one warm-up (default 3)"),
     ("--threads", "threads", "torch intra-op threads (default 1)"),
 )
@@ -67,7 +68,7 @@ def manifest_from_args(args: argparse.Namespace, skip: str | None = None):
             continue
         if field in ("model", "cache", "dtype"):
             fields[field] = values[0]
-        elif field in ("repetitions", "threads"):
+        elif field in ("repetitions", "threads", "num_beams"):
             fields[field] = parse_values("prompt_len", values[0])[0]
         else:
             fields[field] = parse_values(field, values[0] if field != "stop" else "|".join(values))[0]
@@ -82,7 +83,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Vary one variable of a fixed manifest (M3.10 0x0BA) and record at each point the cost (TTFT, ITL, E2E, "
         "calls, K/V bytes) and the contract that must hold; two moving variables are refused (use `decodespec compare`).",
     )
-    parser.add_argument("variable", help="prompt_len, new_tokens, cache, prefill_chunk, dtype or stop")
+    parser.add_argument("variable", help="prompt_len, new_tokens, cache, prefill_chunk, dtype, stop or num_beams")
     parser.add_argument("--values", required=True, help="comma-separated values (stop: separated by |; none = no chunk / no stop)")
     add_manifest_options(parser)
     parser.add_argument("--out-dir", default=".", help="folder for sweep-VARIABLE.jsonl and sweep-VARIABLE.png (default .)")
