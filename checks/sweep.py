@@ -169,7 +169,8 @@ class Manifest:
             fields["stop"] = "(none)"
         if "prefill_chunk" in fields and fields["prefill_chunk"] is None:
             fields["prefill_chunk"] = "one shot"
-        return ", ".join(f"{k}={v}" for k, v in fields.items()) + ", greedy, EOS off, batch 1"
+        decoding = "greedy" if self.num_beams == 1 and variable != "num_beams" else "beam search (HF-compatible) / greedy at width 1"
+        return ", ".join(f"{k}={v}" for k, v in fields.items()) + f", {decoding}, EOS off, batch 1"
 
     def check(self) -> "Manifest":
         """``self`` if valid, else ``Rejection(sweep.value_invalid)``."""
@@ -405,7 +406,7 @@ def _timed(models: _Models, m: Manifest, prompt: tuple[int, ...]) -> dict[str, A
         "ttft_ms": summarize([r.ttft_ns / 1e6 for r in runs if r.ttft_ns is not None]),
         "itl_ms": summarize([x / 1e6 for r in runs for x in r.itl_ns]),
         "e2e_ms": median(r.e2e_ns / 1e6 for r in runs if r.e2e_ns is not None),
-        "prefill_ms": median(r.prefill_ns / 1e6 for r in runs),
+        "prefill_ms": median(r.prefill_ns / 1e6 for r in runs if r.prefill_calls),  # None: calls not timed (beam search)
         "prefill_tokens_per_s": median(r.prefill_tokens_per_s for r in runs),
         "decode_tokens_per_s": median(r.decode_tokens_per_s for r in runs),
         "calls": sorted({r.calls for r in runs}),
