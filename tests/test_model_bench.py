@@ -153,3 +153,36 @@ def test_hf_timer_stamps_calls_and_emissions():
         timer.end()
     lat = request_latency(timer.timeline())
     assert (lat.prefill_calls, lat.decode_calls, lat.prefill_rows, lat.tokens_delivered, len(lat.itl_ns)) == (1, 1, 5, 2, 1)
+
+
+def test_llamacpp_peer_times_each_generated_token(monkeypatch, tmp_path):
+    """The llama.cpp peer's wrapper (llama-cpp-python is not installed here: a stand-in module with its API):
+    greedy settings, ``new_tokens`` tokens then stop, one emission per token, no calls (not observable)."""
+    import sys
+    import types
+
+    from decodespec.impl.bench import llamacpp_peer
+    from decodespec.spec.latency import request_latency
+
+    seen = {}
+
+    class Llama:
+        def __init__(self, **kwargs):
+            seen["init"] = kwargs
+
+        def generate(self, tokens, **kwargs):
+            seen["generate"] = (list(tokens), kwargs)
+            token = 100
+            while True:  # like llama-cpp-python, it never stops by itself
+                token += 1
+                yield token
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
+    monkeypatch.setattr("decodespec.impl.gguf.smollm2_path", lambda: tmp_path / "model.gguf")
+    run = llamacpp_peer([1, 2, 3], 4, 1)
+    ids, timeline = run()
+    assert ids == (101, 102, 103, 104)
+    assert seen["generate"][0] == [1, 2, 3] and seen["generate"][1]["temp"] == 0.0 and seen["generate"][1]["top_k"] == 1
+    assert seen["init"]["logits_all"] is False and seen["init"]["n_threads"] == 1
+    lat = request_latency(timeline)
+    assert lat.tokens_delivered == 4 and len(lat.itl_ns) == 3 and lat.calls == 0 and lat.prefill_tokens_per_s is None
