@@ -154,3 +154,18 @@ def test_beam_width_sweep_checks_branch_correctness_and_catches_a_wrong_parent_g
     broken = sweep("num_beams", [1, 3], manifest, progress=False)
     assert not broken[1]["contract"]["passed"]
     assert "branch_logprobs_vs_float64_reference" in _failed(broken[1])
+
+
+def test_cache_family_and_output_length_sweeps_keep_their_contracts():
+    """Cache families: last row and tokens against the no-cache run; output length: every run a prefix of the longest."""
+    caches = sweep("cache", ["none", "dynamic", "static"], FAST, progress=False)
+    for line in caches:
+        assert line["contract"]["passed"], _failed(line)
+    assert caches[0]["cost"]["kv_bytes"] == 0 and caches[1]["cost"]["kv_bytes"] == caches[2]["cost"]["kv_bytes"] > 0
+    assert caches[2]["cost"]["kv_reserved_bytes"] > caches[2]["cost"]["kv_bytes"]  # the static buffer reserves L + G + 1 slots
+    assert {"last_row_vs_own_base_run", "same_tokens_as_base"} <= {c["check"] for c in caches[1]["contract"]["checks"]}
+    lengths = sweep("new_tokens", [1, 3, 5], FAST, progress=False)
+    for line in lengths:
+        assert line["contract"]["passed"], _failed(line)
+    assert [line["cost"]["calls"] for line in lengths] == [[1], [3], [5]]  # 1 prefill + G - 1 decode calls
+    assert lengths[0]["cost"]["itl_ms"]["n"] == 0 and lengths[0]["base"] == "new_tokens=5"
