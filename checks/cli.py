@@ -48,6 +48,8 @@ COMMANDS: dict[str, str] = {
     "replay": "replay",
     "head-check": "head_check",
     "vocab-audit": "vocab_audit",
+    "sweep": "sweep",
+    "compare": "compare",
 }
 
 
