@@ -59,6 +59,7 @@ from decodespec.spec.actions import (
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag
 from decodespec.spec.errors import ERROR_CODES, DecodeSpecError, Rejection, register_code
 from decodespec.spec.profiles import PROFILES, profile_named
+from decodespec.spec.request import context_cap, prompt_room, unbounded_context_cap
 from decodespec.spec.snapshot import SNAPSHOT_FORMS, SnapshotRecord, take_snapshot
 from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, is_terminal
 from decodespec.spec.transitions import MACHINE, Machine, expected_report, expected_start
@@ -207,7 +208,7 @@ def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
     if profile.source_indexed and bounds.source_len < 1:
         raise refuse("source_len", f"source_len {bounds.source_len} must be >= 1 for {bounds.profile} "
                      "(the envelope refuses an empty source: envelope.empty_prompt)")
-    needed = bounds.prompt_len + (1 if bounds.max_new_tokens else 0)
+    needed = prompt_room(bounds.prompt_len, bounds.max_new_tokens)
     capacity = None
     if bounds.cache == "static":
         capacity = bounds.capacity if bounds.capacity is not None else bounds.prompt_len + bounds.max_new_tokens
@@ -217,7 +218,6 @@ def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
     if bounds.context_cap is not None and bounds.context_cap < needed:
         raise refuse("context_cap", f"context_cap {bounds.context_cap} leaves no room after the {bounds.prompt_len}-token "
                      f"prompt (need >= {needed}: envelope.context_exceeded)")
-    caps = [c for c in (capacity, bounds.context_cap) if c is not None]
     prefix = None
     if bounds.profile == "prefix_lm":
         prefix = bounds.prefix_length if bounds.prefix_length is not None else bounds.prompt_len
@@ -235,7 +235,8 @@ def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
         eos_ids=frozenset({bounds.vocab - 1}),
         profile=profile,
         cache_family=bounds.cache,
-        context_cap=min(caps) if caps else bounds.prompt_len + bounds.max_new_tokens + 1,
+        context_cap=(unbounded_context_cap(bounds.prompt_len, bounds.max_new_tokens) if capacity is None and bounds.context_cap is None
+                     else context_cap(capacity, bounds.context_cap)),
         static_capacity=capacity,
         zero_new_tokens=bounds.zero_new_tokens,
         final_cache=bounds.final_cache,

@@ -61,12 +61,12 @@ from decodespec.spec.actions import Fault, Recover, StreamFailure
 from decodespec.spec.enums import CallKind
 from decodespec.spec.policy.config import EarlyStopping
 from decodespec.spec.invariants import violated
-from decodespec.spec.state import Phase, interrupt_point, repair_outstanding
+from decodespec.spec.state import Phase, due_call, interrupt_point, repair_outstanding
 
 from .adapters import CORRUPTIONS, Adapter, CaseConfig
 from .cases import load_expectations
 from .ladder import FAILED, PASSED, Expected, Tolerance, Verdict, compare
-from .lockstep import LockStep, due_call
+from .lockstep import LockStep
 from .traces import make_trace, open_runtime, write_trace
 
 __all__ = ["BeamMachine", "GateMachine", "PROMPT_TEXTS", "machine_failure", "run_beam_machine", "SAMPLED_POLICY", "machine_for", "machine_settings", "prompts_for", "run_machine"]

@@ -54,6 +54,8 @@ from typing import Any, Callable, Iterator
 import attrs
 import torch
 
+from decodespec.spec.request import default_static_capacity
+
 from .device import resolve_device
 from .events import FileSink
 from .generate import generate
@@ -455,7 +457,7 @@ def run_benchmark(
             bound_runs.append(max(now.values()) / weight_bytes)
         bandwidth = measure_read_bandwidth(weight_bytes, target, dtype, ours.config.hidden_size)
     c = ours.config
-    slots = prompt_len + new_tokens + 1 if cache == "static" else prompt_len + new_tokens - 1
+    slots = default_static_capacity(prompt_len, new_tokens, c.max_position_embeddings) if cache == "static" else prompt_len + new_tokens - 1
     peaks["ours_cache"] = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * slots * dtype.itemsize
     peaks["process_peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return BenchResult(

@@ -92,7 +92,8 @@ from decodespec.spec.policy.receipt import DecisionReceipt
 from decodespec.spec.policy.state import PolicyState, RequestView, initial_policy_state
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
 from decodespec.spec.prompt_logprobs import PromptLogprob, PromptLogprobsSpec
-from decodespec.spec.state import ENVIRONMENT_FAILURES, InterruptPoint, Phase
+from decodespec.spec.request import context_cap, default_static_capacity, prompt_room
+from decodespec.spec.state import InterruptPoint, Phase, call_interrupt_point, next_call, repair_owed
 
 from .cache import CacheABI, DynamicCache, StaticCache, check_static_reservation, make_cache
 from .events import EVENTS_FORMAT, EventSink
@@ -216,7 +217,6 @@ class RuntimeRequest:
             raise Rejection(INVALID_REQUEST, f"the reference runtime runs decoder_only requests, not {request.artifact.architecture}",
                             "$.artifact.architecture")
         term, rt, pv = request.termination, request.runtime, request.position_visibility
-        caps = [pv.max_context] + [c for c in (term.max_total_tokens,) if c is not None]
         return cls(
             identity=request.identity,
             prompt_ids=request.decoder_input_ids,
@@ -232,7 +232,7 @@ class RuntimeRequest:
             zero_new_tokens=term.zero_new_tokens,
             final_cache=request.output.final_cache,
             max_retries=rt.max_retries,
-            context_cap=min(caps),
+            context_cap=context_cap(pv.max_context, term.max_total_tokens),
             stream=request.output.stream,
             stop_strings=term.stop_strings,
             structured=term.structured,
@@ -458,10 +458,9 @@ class RequestRunner:
         self.tokenizer = tokenizer
         self.runtime_info = dict(runtime_info or {})
         self.capacity = request.static_capacity if request.cache == "static" else None
-        caps = [model.config.max_position_embeddings] + [c for c in (request.context_cap, self.capacity) if c is not None]
         #: C: L + O reaching it fires ``context_length``.
-        self.context_cap = min(caps)
-        if self.capacity is not None and self.capacity < request.prompt_len + (1 if request.max_new_tokens else 0):
+        self.context_cap = context_cap(model.config.max_position_embeddings, request.context_cap, self.capacity)
+        if self.capacity is not None and self.capacity < prompt_room(request.prompt_len, request.max_new_tokens):
             raise ResourceLimit(CACHE_CAPACITY_EXCEEDED, f"static capacity {self.capacity} cannot hold the {request.prompt_len}-token prompt",
                                 "$.runtime.static_capacity")
         if self.capacity is not None:
@@ -539,9 +538,8 @@ class RequestRunner:
 
     def repair_owed(self) -> bool:
         """Whether the declared append/repair call still has to process the closed final token."""
-        return (self.phase is Phase.FINISHED and self.request.final_cache == "all_outputs" and self.request.cached
-                and self.pending_tag is PendingTag.CLOSED_UNPROCESSED and self.finish_reason is not None
-                and not self.triggers & ENVIRONMENT_FAILURES)
+        return repair_owed(phase=self.phase, repair_required=self.request.final_cache == "all_outputs" and self.request.cached,
+                           pending_tag=self.pending_tag, finish_reason=self.finish_reason, triggers=self.triggers)
 
     def terminal(self) -> bool:
         """Whether no further controller action is required (FINISHED, no call in flight, no repair owed)."""
@@ -552,10 +550,7 @@ class RequestRunner:
 
         The repair call in flight after the close is ``IN_FLIGHT`` too (a cancel or timeout lands on it).
         """
-        if self.in_flight is not None:
-            return InterruptPoint.IN_FLIGHT
-        return {Phase.READY: InterruptPoint.BEFORE_LAUNCH, Phase.IN_FLIGHT: InterruptPoint.IN_FLIGHT,
-                Phase.SCORED: InterruptPoint.AFTER_COMPLETION, Phase.DECIDED: InterruptPoint.AFTER_DECISION}.get(self.phase)
+        return call_interrupt_point(self.phase, self.in_flight is not None)
 
     def ordered_triggers(self) -> tuple[FinishReason, ...]:
         """Every trigger recorded, in precedence order."""
@@ -624,19 +619,9 @@ class RequestRunner:
     def next_call(self) -> tuple[CallKind, int, int] | None:
         """``(kind, start, length)`` of the call the state calls for, or ``None`` when none is due."""
         r = self.request
-        if self.in_flight is not None or self.quarantined:
-            return None
-        if self.phase is Phase.READY and self.processed < r.prompt_len and not self.output_ids:
-            if not r.cached:
-                return CallKind.PREFILL, 0, r.prompt_len
-            remaining = r.prompt_len - self.processed
-            length = remaining if r.prefill_chunk is None else min(r.prefill_chunk, remaining)
-            return CallKind.PREFILL, self.processed, length
-        if self.phase is Phase.READY and self.pending_tag is PendingTag.PENDING_NEXT_CALL:
-            return (CallKind.DECODE, self.processed, 1) if r.cached else (CallKind.DECODE, 0, r.prompt_len + self.output_count)
-        if self.repair_owed():
-            return CallKind.REPAIR, self.processed, 1
-        return None
+        return next_call(phase=self.phase, processed=self.processed, prompt_len=r.prompt_len, output_count=self.output_count,
+                         cached=r.cached, prefill_chunk=r.prefill_chunk, pending_tag=self.pending_tag,
+                         call_in_flight=self.in_flight is not None, quarantined=self.quarantined, repair_owed=self.repair_owed())
 
     def launch(self, kind: CallKind | str | None = None, *, start: int | None = None, length: int | None = None) -> CallRecord:
         """``Launch``: validate and record the next model call; nothing runs yet (see :meth:`complete`).
@@ -1343,9 +1328,7 @@ def _validated(model: LlamaForCausalLM, request: RuntimeRequest) -> RuntimeReque
         raise Rejection(ZERO_NEW_TOKENS_REJECTED, "max_new_tokens is 0 and the declared G=0 branch is 'reject'", "$.termination.max_new_tokens")
     changes: dict[str, Any] = {"prompt_ids": prompt, "eos_ids": frozenset(int(i) for i in request.eos_ids)}
     if request.cache == "static" and request.static_capacity is None:
-        # Default: room for every output and the repair call, plus one slot so that the capacity
-        # (part of the context cap C) never fires context_length before length.
-        changes["static_capacity"] = min(len(prompt) + g + 1, window)
+        changes["static_capacity"] = default_static_capacity(len(prompt), g, window)
     if request.cache == "none":
         changes["prefill_chunk"] = None
     return attrs.evolve(request, **changes)

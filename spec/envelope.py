@@ -86,6 +86,7 @@ from .errors import DecodeSpecError, Rejection, ResourceLimit, quote, register_c
 from .limits import MAX_SAFE_INT
 from .policy import POLICY_JSON_SCHEMA, PolicyConfig, policy_config_from_json
 from .profiles import PROFILES
+from .request import prompt_room
 from .prompt_logprobs import PROMPT_LOGPROBS_JSON_SCHEMA, PromptLogprobsSpec
 from .passport import is_content_path, quote_content
 from .stop import MAX_STOP_PATTERN_BYTES, MAX_STOP_STRINGS, OutputAlignment, encode_stop_strings
@@ -898,7 +899,7 @@ def _check_prompt_geometry(v: Mapping[str, Any]) -> list[int]:
 def _check_bounds(v: Mapping[str, Any], num_valid: int) -> None:
     term, runtime, pv = v["termination"], v["runtime"], v["position_visibility"]
     decoder_len = 1 if v["artifact"]["architecture"] == "encoder_decoder" or num_valid == 0 else num_valid
-    need = decoder_len + (1 if term["max_new_tokens"] >= 1 else 0)
+    need = prompt_room(decoder_len, term["max_new_tokens"])
     caps = [("position_visibility.max_context", pv["max_context"])]
     if "max_total_tokens" in term:
         caps.append(("termination.max_total_tokens", term["max_total_tokens"]))

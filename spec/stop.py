@@ -72,7 +72,7 @@ from typing import Any, Sequence
 
 import attrs
 
-from .enums import FINISH_PRECEDENCE, FinishReason, canonical_finish_reason
+from .enums import EXTERNAL_FINISH_REASONS, FINISH_PRECEDENCE, FinishReason, canonical_finish_reason
 from .errors import Rejection, ResourceLimit, register_code
 from .rules import rule
 from .structured import DEFAULT_MAX_JSON_DEPTH, JsonStatus, json_prefix_status, utf8_lead_info
@@ -153,12 +153,6 @@ MAX_STOP_STRINGS = 64
 #: Declared bound on one stop string's UTF-8 length in bytes.
 MAX_STOP_PATTERN_BYTES = 512
 
-#: Reasons a runtime may close the output with from outside a token commit (between commits);
-#: ``constraint_error`` closes it at a decision whose legal support is empty (M3.10 0x02 branch table).
-EXTERNAL_FINISH_REASONS = frozenset({
-    FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR, FinishReason.STREAM_ERROR,
-    FinishReason.CONSTRAINT_ERROR,
-})
 
 
 class OutputAlignment(str, enum.Enum):
