@@ -25,7 +25,7 @@ The declared items (:func:`declared_items`) are derived from the registries, not
   within :data:`EDGE_FRACTION` of the range (exclusive bound);
 * ``finish.<reason>`` / ``trigger.<reason>``: :class:`~decodespec.spec.enums.FinishReason`;
   ``held.<reason>.stop_prefix`` / ``held.<reason>.utf8_tail``: each external close
-  (:data:`~decodespec.spec.stop.EXTERNAL_FINISH_REASONS`) of a stream with bytes held back;
+  (:data:`~decodespec.spec.enums.EXTERNAL_FINISH_REASONS`) of a stream with bytes held back;
 * ``action.<op>`` and ``action.<op>.<value>``: every contract op
   (:data:`~decodespec.checks.adapters.OPS`) and every value of its enum fields;
 * ``stop.*`` / ``eos.*``: the request shapes issue 15 names (:data:`SHAPES`);
@@ -48,9 +48,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import attrs
 
-from decodespec.spec.enums import FinishReason
+from decodespec.spec.enums import EXTERNAL_FINISH_REASONS, FinishReason
 from decodespec.spec.policy.config import CATALOG, LLAMA_CPP_MIROSTAT_ORDER, PRESET_ORDERS, EarlyStopping, EmptySupport, Family, Order
-from decodespec.spec.stop import EXTERNAL_FINISH_REASONS, StopConfig, decoder_frontier, step_triggers, stop_holdback, token_ends
+from decodespec.spec.stop import StopConfig, decoder_frontier, step_triggers, stop_holdback, token_ends
 
 from .adapters import _ENUMS, OPS, CaseConfig
 from .adapters.features import CONFIG_FIELDS, feature_of, policy_feature, transform_capability

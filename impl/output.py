@@ -47,10 +47,10 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from decodespec.spec.actions import TEXT_TRIGGERS
-from decodespec.spec.enums import FinishReason
+from decodespec.spec.enums import EXTERNAL_FINISH_REASONS, FinishReason
 from decodespec.spec.errors import Rejection, quote
 from decodespec.spec.snapshot import SNAPSHOT_LEDGER_INVALID, SNAPSHOT_MALFORMED
-from decodespec.spec.stop import EXTERNAL_FINISH_REASONS, AlignedOutput, Chunk, StopConfig
+from decodespec.spec.stop import AlignedOutput, Chunk, StopConfig
 from decodespec.spec.structured import DEFAULT_MAX_JSON_DEPTH
 
 from .stream import Streamer

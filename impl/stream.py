@@ -43,10 +43,9 @@ import codecs
 from collections import deque
 from typing import Any, Callable, Sequence
 
-from decodespec.spec.enums import FINISH_PRECEDENCE, FinishReason
+from decodespec.spec.enums import EXTERNAL_FINISH_REASONS, FINISH_PRECEDENCE, FinishReason
 from decodespec.spec.errors import Rejection
 from decodespec.spec.stop import (
-    EXTERNAL_FINISH_REASONS,
     STOP_AFTER_FINISH,
     STOP_EMPTY_PATTERN,
     STOP_FINISH_NOT_ALLOWED,

@@ -80,7 +80,6 @@ from .structured import DEFAULT_MAX_JSON_DEPTH, JsonStatus, json_prefix_status, 
 __all__ = [
     "AlignedOutput",
     "Chunk",
-    "EXTERNAL_FINISH_REASONS",
     "MAX_STOP_PATTERN_BYTES",
     "MAX_STOP_STRINGS",
     "OutputAlignment",
@@ -669,7 +668,7 @@ def reference_stream(config: StopConfig, token_ids: Sequence[int], token_bytes: 
         token_bytes: Their bytes (``b""`` for special tokens), same length.
         logprobs: ``float[len(token_ids)]`` or ``None``.
         external: If no trigger fires, close the output after the last token with this reason
-            (an :data:`EXTERNAL_FINISH_REASONS` member other than ``stream_error``); ``None``
+            (an :data:`~decodespec.spec.enums.EXTERNAL_FINISH_REASONS` member other than ``stream_error``); ``None``
             leaves the run unfinished (``output is None``).
 
     Returns:
