@@ -16,7 +16,7 @@ candidate" (SELECT LOGICAL STATE), 0x0A "Asynchronous completion and error bound
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -26,13 +26,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from .snapshot import SnapshotRecord
 
 __all__ = [
+    "FAULT_KINDS",
+    "TEXT_TRIGGERS",
     "Action",
     "Admit",
     "Cancel",
     "Commit",
     "Complete",
     "Decide",
-    "FAULT_KINDS",
     "Fault",
     "Launch",
     "Recover",
@@ -40,7 +41,6 @@ __all__ = [
     "Snapshot",
     "StreamFailure",
     "SupportEmpty",
-    "TEXT_TRIGGERS",
     "action_json",
     "action_label",
 ]
@@ -188,10 +188,10 @@ class Restore:
         record: The snapshot's logical record (:class:`decodespec.spec.snapshot.SnapshotRecord`).
     """
 
-    record: "SnapshotRecord"
+    record: SnapshotRecord
 
 
-Action = Union[Admit, Launch, Fault, Complete, Decide, SupportEmpty, Commit, Cancel, StreamFailure, Recover, Snapshot, Restore]
+Action = Admit | Launch | Fault | Complete | Decide | SupportEmpty | Commit | Cancel | StreamFailure | Recover | Snapshot | Restore
 
 
 def _jsonable(value: Any) -> Any:

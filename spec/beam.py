@@ -63,7 +63,8 @@ import enum
 import hashlib
 import math
 import operator
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -77,6 +78,7 @@ from decodespec.spec.policy.scores import ScoreKind, ScoreRow
 from decodespec.spec.rules import rule
 
 __all__ = [
+    "SCORE_KIND",
     "BeamParams",
     "BeamPhase",
     "BeamResult",
@@ -95,7 +97,6 @@ __all__ = [
     "PenaltyForm",
     "RngState",
     "RowSelection",
-    "SCORE_KIND",
     "admissible_bound",
     "beam_call",
     "beam_completed_metadata",
@@ -339,7 +340,7 @@ class BeamParams:
     hf_envelope: bool = False
 
     def __attrs_post_init__(self) -> None:
-        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen init
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen init
         set_("num_beams", _as_int(self.num_beams, BEAM_INVALID_WIDTH, "$.num_beams", 1))
         set_("max_new_tokens", _as_int(self.max_new_tokens, BEAM_INVALID_MAX_NEW_TOKENS, "$.max_new_tokens", 1))
         eos = tuple(_as_int(e, BEAM_INVALID_EOS, f"$.eos_ids[{i}]", 0) for i, e in enumerate(self.eos_ids))
@@ -379,7 +380,7 @@ class BeamParams:
         *,
         length_penalty: float = 1.0,
         early_stopping: bool | str = False,
-    ) -> "BeamParams":
+    ) -> BeamParams:
         """The parameters under which the spec equals HF ``generate(num_beams=K, ...)``.
 
         HF transformers 5.24 ``_beam_search`` (``do_sample=False``, one request): power length
@@ -427,7 +428,7 @@ class BeamParams:
         )
 
     @classmethod
-    def from_policy(cls, config: PolicyConfig, max_new_tokens: int, eos_ids: Iterable[int] = ()) -> "BeamParams":
+    def from_policy(cls, config: PolicyConfig, max_new_tokens: int, eos_ids: Iterable[int] = ()) -> BeamParams:
         """The beam parameters of a beam-family :class:`~decodespec.spec.policy.config.PolicyConfig`.
 
         The policy's ``num_beams``, ``length_penalty`` and ``early_stopping`` carry HF's names and
@@ -520,7 +521,7 @@ class CacheRef:
     digest: str
 
     @classmethod
-    def of(cls, tokens: Sequence[int]) -> "CacheRef":
+    def of(cls, tokens: Sequence[int]) -> CacheRef:
         """The cache holding rows for exactly ``tokens``."""
         return cls(num_rows=len(tokens), digest=token_digest(tokens))
 
@@ -775,7 +776,7 @@ def select_candidates(logprobs: np.ndarray, beam_scores: np.ndarray, num_beams: 
         live_ranks = np.flatnonzero(~is_eos)[:k]
         done_ranks = np.flatnonzero(is_eos[:k])
 
-        def cand(r: int) -> Candidate:
+        def cand(r: int, order: np.ndarray = order, flat: np.ndarray = flat, b: int = b) -> Candidate:  # binds this row's arrays
             i = int(order[r])
             parent, token = divmod(i, vocab)
             return Candidate(rank=int(r), flat_idx=i, parent=parent, token=token,
@@ -1279,7 +1280,7 @@ class Hypothesis:
     branch_hash: str
 
     @classmethod
-    def of(cls, b: BranchState) -> "Hypothesis":
+    def of(cls, b: BranchState) -> Hypothesis:
         assert b.status is BeamStatus.COMPLETED and b.finish_reason is not None and b.normalized is not None
         return cls(output_ids=b.output_ids, score=b.score, normalized=b.normalized, length=b.length,
                    finish_reason=b.finish_reason, triggers=b.triggers, ancestry=b.ancestry, rank=b.slot,

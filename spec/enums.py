@@ -15,9 +15,9 @@ import enum
 
 __all__ = [
     "AFTER_CLOSE_FAILURES",
-    "CallKind",
     "EXTERNAL_FINISH_REASONS",
     "FINISH_PRECEDENCE",
+    "CallKind",
     "FinishReason",
     "PendingTag",
     "Selection",
@@ -115,7 +115,7 @@ FINISH_PRECEDENCE: tuple[FinishReason, ...] = (
 )
 
 
-def canonical_finish_reason(triggers: "frozenset[FinishReason] | set[FinishReason] | tuple[FinishReason, ...]") -> FinishReason | None:
+def canonical_finish_reason(triggers: frozenset[FinishReason] | set[FinishReason] | tuple[FinishReason, ...]) -> FinishReason | None:
     """The one finish reason published for a set of simultaneous triggers, or ``None`` if empty.
 
     Args:
@@ -148,7 +148,7 @@ EXTERNAL_FINISH_REASONS = frozenset({
 AFTER_CLOSE_FAILURES = frozenset({FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR})
 
 
-def published_finish_reason(triggers: "frozenset[FinishReason] | set[FinishReason] | tuple[FinishReason, ...]") -> FinishReason | None:
+def published_finish_reason(triggers: frozenset[FinishReason] | set[FinishReason] | tuple[FinishReason, ...]) -> FinishReason | None:
     """The finish reason a request publishes for every trigger it recorded, or ``None`` if none.
 
     The canonical reason (:func:`canonical_finish_reason`) of the triggers that closed the output.

@@ -75,8 +75,9 @@ import itertools
 import json
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import attrs
 import jsonschema
@@ -84,15 +85,14 @@ import rfc8785
 
 from .errors import DecodeSpecError, Rejection, ResourceLimit, quote, register_code
 from .limits import MAX_SAFE_INT
+from .passport import is_content_path, quote_content
 from .policy import POLICY_JSON_SCHEMA, PolicyConfig, policy_config_from_json
 from .profiles import PROFILES
-from .request import prompt_room
 from .prompt_logprobs import PROMPT_LOGPROBS_JSON_SCHEMA, PromptLogprobsSpec
-from .passport import is_content_path, quote_content
+from .request import prompt_room
 from .stop import MAX_STOP_PATTERN_BYTES, MAX_STOP_STRINGS, OutputAlignment, encode_stop_strings
 
 __all__ = [
-    "AdmittedRequest",
     "DEFAULT_TIMEOUT_MS",
     "DOMAIN_TAG",
     "MAX_ANNOTATIONS",
@@ -111,6 +111,7 @@ __all__ = [
     "MAX_VOCAB_SIZE",
     "SCHEMA_NAME",
     "SCHEMA_PATH",
+    "AdmittedRequest",
     "canonical_bytes",
     "identity_of",
     "lone_surrogate_path",
@@ -383,7 +384,7 @@ def _validator() -> Any:
 #: One JSON string, closed or not: the possessive repeats never backtrack and the closing quote
 #: is optional, so a match that starts at a quote always succeeds and the scan never restarts
 #: inside a string (linear time, also on an unclosed string full of escaped quotes).
-_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"?', re.S)
+_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"?', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _DEPTH_STEP = str.maketrans({"[": "\x01", "{": "\x01", "]": "\xff", "}": "\xff"})
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -37,7 +37,8 @@ type ledger).
 from __future__ import annotations
 
 import enum
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -522,7 +523,7 @@ def row_losses(logits: Any, labels: Any, spec: LossSpec = LossSpec()) -> LossRes
         _check_rows(z[valid], np.flatnonzero(valid))
     losses = np.zeros(z.shape[0])
     if valid.any():
-        zv, yv = z[valid], y[valid]
+        zv = z[valid]
         lse = _lse(zv)
         q = target_distribution(y, z.shape[1], spec)[valid]
         with np.errstate(invalid="ignore"):

@@ -12,7 +12,7 @@ repair), 0x01 (fixed source-indexed lanes, hybrid lanes at one frontier), 0x09 (
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 

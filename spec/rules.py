@@ -16,7 +16,8 @@ Source: STYLE.md ("A reader should find any rule by its id"); research/aesthetic
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import attrs
 

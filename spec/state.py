@@ -44,8 +44,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "CACHE_FAMILIES",
-    "Completion",
     "FINAL_CACHE_PROMISES",
+    "ZERO_NEW_TOKENS_BRANCHES",
+    "Completion",
     "InFlightCall",
     "InterruptPoint",
     "Phase",
@@ -53,7 +54,6 @@ __all__ = [
     "RequestParams",
     "RequestState",
     "Score",
-    "ZERO_NEW_TOKENS_BRANCHES",
     "call_interrupt_point",
     "due_call",
     "initial_state",
@@ -61,8 +61,8 @@ __all__ = [
     "is_terminal",
     "next_call",
     "params_from_request",
-    "repair_owed",
     "repair_outstanding",
+    "repair_owed",
 ]
 
 #: Cache families of the envelope's ``runtime.cache_family`` (M3.10 0x09 family table).
@@ -341,7 +341,7 @@ def initial_state(params: RequestParams) -> RequestState:
 
 
 def repair_owed(*, phase: Phase, repair_required: bool, pending_tag: PendingTag, finish_reason: FinishReason | None,
-                triggers: "frozenset[FinishReason] | set[FinishReason]") -> bool:
+                triggers: frozenset[FinishReason] | set[FinishReason]) -> bool:
     """Whether the declared append/repair call still has to process the closed final token.
 
     True when the request finished for a content reason (EOS, length, stop string, structured,
@@ -436,7 +436,7 @@ def interrupt_point(state: RequestState) -> InterruptPoint | None:
     return call_interrupt_point(state.phase, state.in_flight is not None)
 
 
-def params_from_request(request: "AdmittedRequest") -> RequestParams:
+def params_from_request(request: AdmittedRequest) -> RequestParams:
     """The state-machine parameters of an admitted envelope.
 
     Beams are a different state machine (coupled branch state, M3.10 0x05); this single-path

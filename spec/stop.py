@@ -68,22 +68,19 @@ from __future__ import annotations
 
 import bisect
 import enum
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
-from .enums import EXTERNAL_FINISH_REASONS, FINISH_PRECEDENCE, FinishReason, canonical_finish_reason
+from .enums import FINISH_PRECEDENCE, FinishReason, canonical_finish_reason
 from .errors import Rejection, ResourceLimit, register_code
 from .rules import rule
 from .structured import DEFAULT_MAX_JSON_DEPTH, JsonStatus, json_prefix_status, utf8_lead_info
 
 __all__ = [
-    "AlignedOutput",
-    "Chunk",
     "MAX_STOP_PATTERN_BYTES",
     "MAX_STOP_STRINGS",
-    "OutputAlignment",
-    "ReferenceRun",
     "STOP_AFTER_FINISH",
     "STOP_EMPTY_PATTERN",
     "STOP_FINISH_NOT_ALLOWED",
@@ -93,6 +90,10 @@ __all__ = [
     "STOP_PATTERN_TYPE",
     "STOP_TOKEN_OUT_OF_RANGE",
     "STOP_TOO_MANY_PATTERNS",
+    "AlignedOutput",
+    "Chunk",
+    "OutputAlignment",
+    "ReferenceRun",
     "StopConfig",
     "StopMatch",
     "StreamStep",
@@ -193,7 +194,7 @@ def encode_stop_strings(stop_strings: Sequence[str]) -> tuple[bytes, ...]:
     return tuple(out)
 
 
-def _to_alignment(value: Any) -> "OutputAlignment":
+def _to_alignment(value: Any) -> OutputAlignment:
     try:
         return OutputAlignment(value)
     except ValueError:

@@ -41,7 +41,7 @@ boundaries".
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -63,10 +63,10 @@ from .actions import (
     SupportEmpty,
 )
 from .enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason, published_finish_reason
-from .errors import ERROR_CODES, NOT_ENABLED, Rejection, ResourceLimit, register_code
+from .errors import ERROR_CODES, NOT_ENABLED, Rejection, ResourceLimit
 from .positions import CACHE_CAPACITY_EXCEEDED
 from .rules import rule
-from .snapshot import RESTORE_CHECKS, SNAPSHOT_FORM_UNAVAILABLE, form_available, restore_state
+from .snapshot import RESTORE_CHECKS, SNAPSHOT_FORM_UNAVAILABLE, RestoreCheck, form_available, restore_state
 from .state import (
     Completion,
     InFlightCall,
@@ -79,10 +79,10 @@ from .state import (
 )
 
 __all__ = [
-    "Clause",
     "MACHINE",
-    "Machine",
     "NOT_ENABLED",
+    "Clause",
+    "Machine",
     "Transition",
     "completion_reason",
     "enabled",
@@ -392,12 +392,12 @@ def complete_all_new(params: RequestParams, state: RequestState, action: Action)
     call = state.in_flight
     assert call is not None
     generation = state.generation + 1
-    changes: dict[str, object] = dict(
-        in_flight=None,
-        processed=call.end,
-        lanes=expected_lanes(params, call) if params.cached else state.lanes,
-        generation=generation,
-    )
+    changes: dict[str, object] = {
+        "in_flight": None,
+        "processed": call.end,
+        "lanes": expected_lanes(params, call) if params.cached else state.lanes,
+        "generation": generation,
+    }
     score = None
     if call.kind is CallKind.PREFILL and call.end < params.prompt_len:
         changes["phase"] = Phase.READY
@@ -653,9 +653,14 @@ _SNAPSHOT_GUARD = (
     Clause("the state admits the snapshot form", lambda p, s, a: form_available(p, s, a.form) is None,
            code=SNAPSHOT_FORM_UNAVAILABLE),
 )
-_RESTORE_GUARD = (_PHASE_NEW,) + tuple(
-    Clause(check.name, (lambda c: lambda p, s, a: c.holds(p, a.record))(check), code=check.code) for check in RESTORE_CHECKS
-)
+
+
+def _restore_clause(check: RestoreCheck) -> Clause:
+    """The guard clause of one restore check (binds ``check`` per clause)."""
+    return Clause(check.name, lambda p, s, a: check.holds(p, a.record), code=check.code)
+
+
+_RESTORE_GUARD = (_PHASE_NEW,) + tuple(_restore_clause(check) for check in RESTORE_CHECKS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -886,13 +891,13 @@ class Machine:
                 )
         return transition.rule_id, transition.effect(params, state, action)
 
-    def with_effect(self, rule_id: str, effect: Effect) -> "Machine":
+    def with_effect(self, rule_id: str, effect: Effect) -> Machine:
         """A copy whose rule ``rule_id`` has ``effect`` (to plug in a deliberately broken transition)."""
         if rule_id not in self.rule_ids():
             raise KeyError(rule_id)
         return Machine(tuple(attrs.evolve(t, effect=effect) if t.rule_id == rule_id else t for t in self.transitions))
 
-    def with_guard(self, rule_id: str, guard: Sequence[Clause]) -> "Machine":
+    def with_guard(self, rule_id: str, guard: Sequence[Clause]) -> Machine:
         """A copy whose rule ``rule_id`` has the guard ``guard`` (e.g. a weakened guard)."""
         if rule_id not in self.rule_ids():
             raise KeyError(rule_id)

@@ -25,7 +25,7 @@ mutable"), 0x0C-0x0F, 0x12 items 35-44.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import attrs
 import numpy as np

@@ -27,7 +27,7 @@ Source: M3.8 0x0B-0x0E; HF ``generation/logits_process.py`` (5.24); vLLM
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 import numpy as np
@@ -37,7 +37,7 @@ from decodespec.spec.policy.scores import log_softmax, softmax
 from decodespec.spec.policy.state import PolicyState, RequestView
 from decodespec.spec.rules import rule
 
-__all__ = ["Step", "TRANSFORMS", "stable_order"]
+__all__ = ["TRANSFORMS", "Step", "stable_order"]
 
 NEG_INF = -math.inf
 
