@@ -73,7 +73,8 @@ transformers 5.24 ``generation/utils.py`` ``_beam_search`` (log-softmax then pro
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -94,7 +95,7 @@ from decodespec.spec.beam import (
     RngState,
     branch_hash,
 )
-from decodespec.spec.enums import FINISH_PRECEDENCE, FinishReason, canonical_finish_reason
+from decodespec.spec.enums import FinishReason, canonical_finish_reason
 from decodespec.spec.errors import Rejection, ResourceLimit, register_code
 from decodespec.spec.policy.config import Family, PolicyConfig
 from decodespec.spec.policy.scores import ScoreKind
@@ -638,7 +639,7 @@ class BeamRunner:
             return "decide"
         return None
 
-    def run(self) -> "BeamRunner":
+    def run(self) -> BeamRunner:
         """Drive the search to its end; returns ``self``."""
         while self.step() is not None:
             pass

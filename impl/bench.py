@@ -44,12 +44,14 @@ device); M4 owns physical cost; HF ``GenerationMixin.generate`` (the peer).
 from __future__ import annotations
 
 import contextlib
+import functools
 import resource
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import attrs
 import torch
@@ -62,8 +64,8 @@ from .generate import generate
 from .model import LlamaForCausalLM
 
 __all__ = [
-    "BenchResult",
     "BENCH_TEXT",
+    "BenchResult",
     "decode_weight_bytes",
     "format_result",
     "measure_read_bandwidth",
@@ -310,7 +312,7 @@ def measure_read_bandwidth(nbytes: int, device: torch.device, dtype: torch.dtype
         rows = max(nbytes // (hidden_size * dtype.itemsize), 1)
         weight = torch.ones(rows, hidden_size, dtype=dtype, device=device)
         vec = torch.ones(hidden_size, dtype=dtype, device=device)
-        read_gemv = weight.numel() * dtype.itemsize / _median_seconds(lambda: torch.mv(weight, vec), device, repetitions)
+        read_gemv = weight.numel() * dtype.itemsize / _median_seconds(functools.partial(torch.mv, weight, vec), device, repetitions)
         del weight
     return {"sum": read_sum, "gemv": read_gemv}
 
@@ -496,8 +498,8 @@ def format_result(result: BenchResult) -> str:
 
     device_peak = "; ".join(f"{k.removesuffix('_peak_allocated')} {v / mib:.1f} MiB" for k, v in peak.items() if k.endswith("_peak_allocated"))
     lines = [
-        f"greedy decode, batch 1, {result.prompt_len}-token prompt, {result.new_tokens} new tokens, {result.dtype} on {result.device}, "
-        f"{result.threads} thread(s), median of {result.repetitions} alternating runs",
+        (f"greedy decode, batch 1, {result.prompt_len}-token prompt, {result.new_tokens} new tokens, {result.dtype} on {result.device}, "
+        f"{result.threads} thread(s), median of {result.repetitions} alternating runs"),
         runs(f"ours (RequestRunner, {result.cache} cache, no trace):", result.ours_tokens_per_s),
     ]
     if result.trace_tokens_per_s:
@@ -529,8 +531,8 @@ def format_result(result: BenchResult) -> str:
         f"(best run {100 * result.fraction_of_bound_best:.1f}%"
         + (f"; paired with a bound re-measured after each repetition: {100 * result.fraction_of_bound_paired:.1f}%)"
            if result.bound_runs else ")"),
-        *([f"native kernel at {100 * result.native_fraction_of_bound:.1f}% of the bound (paired: "
-           f"{100 * result.native_fraction_of_bound_paired:.1f}%)"] if result.native_tokens_per_s and result.bound_runs else []),
+        *([(f"native kernel at {100 * result.native_fraction_of_bound:.1f}% of the bound (paired: "
+           f"{100 * result.native_fraction_of_bound_paired:.1f}%)")] if result.native_tokens_per_s and result.bound_runs else []),
         f"memory: weights+buffers ours {peak['ours_resident'] / mib:.1f} MiB (+ K/V cache {peak['ours_cache'] / mib:.1f} MiB), "
         f"HF {peak['hf_resident'] / mib:.1f} MiB; process peak RSS {peak['process_peak_rss'] / mib:.0f} MiB (both models)"
         + (f"; peak allocated during runs: {device_peak}" if device_peak else ""),

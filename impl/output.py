@@ -44,7 +44,8 @@ resetting the parser or the stream suffix is a different continuation).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from decodespec.spec.actions import TEXT_TRIGGERS
 from decodespec.spec.enums import EXTERNAL_FINISH_REASONS, FinishReason
@@ -290,7 +291,7 @@ class OutputObserver:
         def flag(key: str, default: Any = None) -> bool:
             value = state.get(key, default)
             if not isinstance(value, bool):
-                raise ValueError(f"{key} must be a boolean, got {quote(value)}")
+                raise ValueError(f"{key} must be a boolean, got {quote(value)}")  # noqa: TRY004 - every malformed field reads as ValueError
             return value
 
         try:

@@ -77,7 +77,8 @@ from __future__ import annotations
 import contextlib
 import numbers
 import time
-from typing import Any, Callable, Collection, Iterator, Protocol, Sequence
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -87,7 +88,7 @@ from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, Pen
 from decodespec.spec.envelope import MAX_TIMEOUT_MS, ZERO_NEW_TOKENS_REJECTED, AdmittedRequest
 from decodespec.spec.errors import NOT_ENABLED, DecodeSpecError, Rejection, ResourceLimit, quote, register_code
 from decodespec.spec.policy.codes import FAMILY_MISMATCH, TERMINAL_DECISION_CODES
-from decodespec.spec.policy.config import Family, Order, PolicyConfig, policy_config_from_json
+from decodespec.spec.policy.config import Family, PolicyConfig, policy_config_from_json
 from decodespec.spec.policy.receipt import DecisionReceipt
 from decodespec.spec.policy.state import PolicyState, RequestView, initial_policy_state
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
@@ -95,7 +96,7 @@ from decodespec.spec.prompt_logprobs import PromptLogprob, PromptLogprobsSpec
 from decodespec.spec.request import context_cap, default_static_capacity, prompt_room
 from decodespec.spec.state import InterruptPoint, Phase, call_interrupt_point, next_call, repair_owed
 
-from .cache import CacheABI, DynamicCache, StaticCache, check_static_reservation, make_cache
+from .cache import DynamicCache, StaticCache, check_static_reservation, make_cache
 from .events import EVENTS_FORMAT, EventSink
 from .faults import FaultPlan, InjectedDeviceFault
 from .model import CONTEXT_WINDOW_EXCEEDED, TRAINING_MODE, LlamaForCausalLM, StageObserver
@@ -106,11 +107,11 @@ from .rng import RequestRng
 
 __all__ = [
     "ARTIFACT_MISMATCH",
+    "INVALID_REQUEST",
     "CallRecord",
     "CommitObservation",
     "CommitObserver",
     "Decision",
-    "INVALID_REQUEST",
     "RequestRunner",
     "RuntimeRequest",
     "Score",
@@ -206,7 +207,7 @@ class RuntimeRequest:
     prompt_logprobs: PromptLogprobsSpec | None = None
 
     @classmethod
-    def from_admitted(cls, request: AdmittedRequest) -> "RuntimeRequest":
+    def from_admitted(cls, request: AdmittedRequest) -> RuntimeRequest:
         """The runtime request of an admitted envelope (``decodespec.spec.envelope.validate_request_envelope``).
 
         Raises:
@@ -1156,7 +1157,7 @@ class RequestRunner:
             self._budget_elapsed = None
         return True
 
-    def run(self, *, max_outputs: int | None = None) -> "RequestRunner":
+    def run(self, *, max_outputs: int | None = None) -> RequestRunner:
         """Drive the request until it is terminal (or suspend after ``max_outputs`` committed tokens).
 
         Args:
@@ -1185,10 +1186,10 @@ class RequestRunner:
         """
         from .generate import GenerationResult
 
-        common = dict(prompt_ids=self.request.prompt_ids, finish_reason=self.finish_reason, triggers=self.ordered_triggers(),
-                      frontier=self.frontier(), receipts=tuple(self.receipts), rng_counter=self.policy_state.rng_counter,
-                      num_committed=self.output_count, stream=self.stream_report() if self.request.stream else None,
-                      prompt_logprobs=self.prompt_logprobs())
+        common = {"prompt_ids": self.request.prompt_ids, "finish_reason": self.finish_reason, "triggers": self.ordered_triggers(),
+                      "frontier": self.frontier(), "receipts": tuple(self.receipts), "rng_counter": self.policy_state.rng_counter,
+                      "num_committed": self.output_count, "stream": self.stream_report() if self.request.stream else None,
+                      "prompt_logprobs": self.prompt_logprobs()}
         out = getattr(self.observer, "output", None) if self.phase is Phase.FINISHED else None
         if out is not None:
             match = out.stop_match
@@ -1241,7 +1242,7 @@ class RequestRunner:
         return take_runtime_snapshot(self, form)
 
     @classmethod
-    def restore(cls, model: LlamaForCausalLM, snapshot, request: RuntimeRequest | None = None, **kwargs: Any) -> "RequestRunner":
+    def restore(cls, model: LlamaForCausalLM, snapshot, request: RuntimeRequest | None = None, **kwargs: Any) -> RequestRunner:
         """``Restore``: a runner continuing ``snapshot`` (validated before any state is built).
 
         Args:

@@ -57,17 +57,17 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import attrs
 import rfc8785
 import torch
 
-from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection, published_finish_reason
+from decodespec.spec.enums import CallKind, PendingTag, Selection, published_finish_reason
 from decodespec.spec.envelope import lone_surrogate_path
 from decodespec.spec.errors import DecodeSpecError, Rejection, quote
-from decodespec.spec.passport import CONTENT, passport_from_json, snapshot_passport
 from decodespec.spec.limits import MAX_SAFE_INT
+from decodespec.spec.passport import CONTENT, passport_from_json, snapshot_passport
 from decodespec.spec.policy.config import policy_config_from_json
 from decodespec.spec.policy.receipt import content_id, receipt_policy_mismatch
 from decodespec.spec.policy.state import PolicyState
@@ -80,10 +80,10 @@ from decodespec.spec.snapshot import (
     SNAPSHOT_FORMS,
     SNAPSHOT_FRONTIER_INVALID,
     SNAPSHOT_IDENTITY_MISMATCH,
-    SNAPSHOT_LEDGER_INVALID,
-    SNAPSHOT_MALFORMED,
     SNAPSHOT_KEY_ENV,
+    SNAPSHOT_LEDGER_INVALID,
     SNAPSHOT_MAC_ALGORITHM,
+    SNAPSHOT_MALFORMED,
     SNAPSHOT_PENDING_INVALID,
     SNAPSHOT_UNAUTHENTICATED,
     SnapshotRecord,
@@ -91,7 +91,7 @@ from decodespec.spec.snapshot import (
 from decodespec.spec.state import Phase, Receipt
 from decodespec.spec.state import Score as SpecScore
 
-from .cache import CacheABI, StaticCache
+from .cache import CacheABI
 from .output import OUTPUT_STATE_FORMAT
 
 __all__ = [
