@@ -29,7 +29,7 @@ from decodespec.spec.request import static_capacity
 from .adapters.impl import ImplAdapter
 from .traces import RUNTIMES
 
-__all__ = ["FrozenRngRunner", "LeakyStaticCache", "NextStepLogprobRunner", "BROKEN_RUNTIMES"]
+__all__ = ["BROKEN_RUNTIMES", "FrozenRngRunner", "LeakyStaticCache", "NextStepLogprobRunner"]
 
 
 class NextStepLogprobRunner(RequestRunner):

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import networkx as nx
@@ -44,7 +45,6 @@ from decodespec.spec.actions import (
     Admit,
     Cancel,
     Commit,
-    Complete,
     Decide,
     Fault,
     Launch,
@@ -70,10 +70,10 @@ __all__ = [
     "CORRUPT_RESTORED",
     "DEADLOCK",
     "EXPLORE_INVALID_BOUNDS",
-    "ExploreBounds",
-    "InvalidBounds",
     "RESTORE_MISMATCH",
+    "ExploreBounds",
     "ExploreResult",
+    "InvalidBounds",
     "Violation",
     "candidate_actions",
     "corrupted_records",
@@ -594,7 +594,7 @@ def explore(
             except DecodeSpecError as exc:
                 rejected[(type(action).__name__, exc.code)] += 1
                 continue
-            except Exception as exc:  # a typed error is the only acceptable refusal
+            except Exception as exc:  # noqa: BLE001 - a typed error is the only acceptable refusal
                 report(UNTYPED_REJECTION, state, f"{action_label(action)} raised {type(exc).__name__}: {exc}")
                 if stop_on_violation:
                     queue.clear()

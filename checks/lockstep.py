@@ -40,15 +40,15 @@ Source: M3.10 "A logit tolerance is not a token-equality proof", "Correctness ma
 
 from __future__ import annotations
 
-import collections
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
 
 from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure, SupportEmpty
-from decodespec.spec.enums import EXTERNAL_FINISH_REASONS, FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag
+from decodespec.spec.enums import EXTERNAL_FINISH_REASONS, FINISH_PRECEDENCE, CallKind, FinishReason
 from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED
 from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit
 from decodespec.spec.policy import PolicyConfig, PolicyState, RequestView, ScoreRow, child_state, decide, policy_config_from_json, processed_row
@@ -57,18 +57,31 @@ from decodespec.spec.policy.config import Family
 from decodespec.spec.policy.rng import rng_key, uniform
 from decodespec.spec.policy.scores import log_softmax
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
-from decodespec.spec.snapshot import REPAIRED, SnapshotRecord, take_snapshot
 from decodespec.spec.request import context_cap, prompt_room
 from decodespec.spec.request import static_capacity as request_static_capacity
+from decodespec.spec.snapshot import REPAIRED, SnapshotRecord, take_snapshot
 from decodespec.spec.state import Phase, RequestParams, RequestState, due_call, initial_state, repair_outstanding
 from decodespec.spec.stop import StopConfig, align_output, reference_stream, step_triggers
 from decodespec.spec.transitions import MACHINE, NOT_ENABLED, Machine, expected_report, expected_start
 
+from .adapters import ADAPTER_UNSUPPORTED, Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
+from .ladder import (
+    FAILED,
+    LAYERS,
+    PASSED,
+    UNDECIDED,
+    DecisionCheck,
+    Expected,
+    Tolerance,
+    Verdict,
+    compare,
+    decision_probe,
+    describe_probe,
+    score_row_failure,
+    tolerance_for,
+)
 from .reference import Reference64, load_gguf64
 from .reference.files import gguf_path
-from .adapters import ADAPTER_UNSUPPORTED, Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
-from .ladder import (FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, Tolerance, Verdict, compare, describe_probe,
-                     decision_probe, score_row_failure, tolerance_for)
 
 __all__ = [
     "LockStep",

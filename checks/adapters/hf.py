@@ -68,9 +68,21 @@ from . import CaseConfig
 from .features import envelope_features, names_at, transform_capability
 from .peer import PeerAdapter, PeerDecision, main_value, unsupported
 
-__all__ = ["HF_CAPABILITIES", "HFEngine", "adopt_model", "available", "batch_generate", "constraint_fn", "create",
-           "register_custom_cases", "generation_config", "generate_sequence", "hf_model", "hf_tiny",
-           "hf_tokenizer"]
+__all__ = [
+    "HF_CAPABILITIES",
+    "HFEngine",
+    "adopt_model",
+    "available",
+    "batch_generate",
+    "constraint_fn",
+    "create",
+    "generate_sequence",
+    "generation_config",
+    "hf_model",
+    "hf_tiny",
+    "hf_tokenizer",
+    "register_custom_cases",
+]
 
 #: What the step-wise HF adapter declares.
 #: Policy transform -> the ``GenerationConfig`` field HF builds its processor from (its one parameter).

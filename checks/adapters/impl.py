@@ -31,7 +31,8 @@ Source: docs/design.md sections 6 and 11; M3.10 0x0BA (observable fields).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -78,7 +79,7 @@ def available() -> str | None:
     return None
 
 
-def create(**options: Any) -> "ImplAdapter":
+def create(**options: Any) -> ImplAdapter:
     """The adapter (``options``: see :class:`ImplAdapter`; a ``model`` option is ignored: the config names it)."""
     options.pop("model", None)
     return ImplAdapter(**options)

@@ -33,7 +33,8 @@ frontiers"; HF ``GenerationMixin._sample`` (loop order), llama-cpp-python ``Llam
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -42,8 +43,8 @@ from decodespec.spec.enums import FINISH_PRECEDENCE, FinishReason, PendingTag, c
 from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED
 from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit
 from decodespec.spec.policy.codes import TERMINAL_DECISION_CODES
-from decodespec.spec.snapshot import SNAPSHOT_FORM_UNAVAILABLE
 from decodespec.spec.request import context_cap, default_static_capacity, static_capacity
+from decodespec.spec.snapshot import SNAPSHOT_FORM_UNAVAILABLE
 from decodespec.spec.state import InterruptPoint, Phase, call_interrupt_point, next_call, repair_owed
 from decodespec.spec.transitions import NOT_ENABLED
 

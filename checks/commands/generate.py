@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     from decodespec.impl.events import FileSink
     from decodespec.impl.gguf import MODEL_FILE_MISSING
     from decodespec.impl.runtime import RequestRunner
-    from decodespec.impl.snapshot import load_snapshot, save_snapshot
+    from decodespec.impl.snapshot import load_snapshot
     from decodespec.spec.errors import DecodeSpecError
 
     refused = _beam_refusal(args) or _flag_refusal(args)
@@ -297,7 +297,6 @@ def _flag_refusal(args: argparse.Namespace) -> dict[str, Any] | None:
 def _close(sink):
     if sink is not None:
         sink.close()
-    return None
 
 
 class _Outputs:
