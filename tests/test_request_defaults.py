@@ -106,8 +106,8 @@ def test_no_default_or_schedule_rule_is_computed_outside_its_home():
 @pytest.mark.parametrize("planted", [
     "capacity = config.static_capacity or min(config.prompt_len + config.max_new_tokens + 1, window)",
     "changes['static_capacity'] = min(len(prompt) + g + 1, window)",
-    "caps = [model.config.max_position_embeddings] + [c for c in (request.context_cap, self.capacity) if c is not None]\n"
-    "cap = min(caps)",
+    ("caps = [model.config.max_position_embeddings] + [c for c in (request.context_cap, self.capacity) if c is not None]\n"
+    "cap = min(caps)"),
     "cap = min(c for c in (model.config.max_position_embeddings, request.context_cap, snapshot.capacity) if c is not None)",
     "at = {Phase.READY: InterruptPoint.BEFORE_LAUNCH, Phase.SCORED: InterruptPoint.AFTER_COMPLETION}.get(phase)",
     "def due():\n    return CallKind.PREFILL, 0, prompt_len",
@@ -141,7 +141,7 @@ def test_the_homes_give_the_declared_defaults():
 
 
 def test_the_schedule_home():
-    common = dict(prompt_len=4, cached=True, prefill_chunk=None, call_in_flight=False, quarantined=False, repair_owed=False)
+    common = {"prompt_len": 4, "cached": True, "prefill_chunk": None, "call_in_flight": False, "quarantined": False, "repair_owed": False}
     assert next_call(phase=Phase.READY, processed=0, output_count=0, pending_tag=PendingTag.EMPTY, **common) == (CallKind.PREFILL, 0, 4)
     chunked = {**common, "prefill_chunk": 3}
     assert next_call(phase=Phase.READY, processed=3, output_count=0, pending_tag=PendingTag.EMPTY, **chunked) == (CallKind.PREFILL, 3, 1)
@@ -151,7 +151,7 @@ def test_the_schedule_home():
     assert next_call(phase=Phase.READY, processed=0, output_count=0, pending_tag=PendingTag.EMPTY, **{**common, "call_in_flight": True}) is None
     assert next_call(phase=Phase.FINISHED, processed=5, output_count=2, pending_tag=PendingTag.CLOSED_UNPROCESSED,
                      **{**common, "repair_owed": True}) == (CallKind.REPAIR, 5, 1)
-    owed = dict(phase=Phase.FINISHED, repair_required=True, pending_tag=PendingTag.CLOSED_UNPROCESSED, finish_reason=FinishReason.LENGTH)
+    owed = {"phase": Phase.FINISHED, "repair_required": True, "pending_tag": PendingTag.CLOSED_UNPROCESSED, "finish_reason": FinishReason.LENGTH}
     assert repair_owed(triggers=frozenset({FinishReason.LENGTH}), **owed)
     assert not repair_owed(triggers=frozenset({FinishReason.LENGTH, FinishReason.DEVICE_ERROR}), **owed)
     assert call_interrupt_point(Phase.FINISHED, True) is InterruptPoint.IN_FLIGHT
