@@ -174,6 +174,16 @@ def _reject(code: str, message: str, path: str = "$", **details: Any) -> Rejecti
     return Rejection(code, message, path=path, details=details or None)
 
 
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    """The converter of an id list: a tuple."""
+    return tuple(values)
+
+
+def _reason_value(reason: FinishReason | None) -> str | None:
+    """A finish reason's JSON value (``None`` while open)."""
+    return None if reason is None else reason.value
+
+
 def _as_int(value: Any, code: str, path: str, minimum: int) -> int:
     if isinstance(value, bool):
         raise _reject(code, f"expected an integer >= {minimum}, got {value!r}", path)
@@ -283,7 +293,8 @@ class LengthPenalty:
         """
         assert length >= 1, "a normalized score needs |y| >= 1"
         base = float(length) if self.form is PenaltyForm.POWER else (5.0 + length) / 6.0
-        return base ** self.alpha
+        factor: float = base ** self.alpha
+        return factor
 
     @rule("transform.beam_length_penalty", title="Beam length normalisation", section="M3.8 0x0F Length penalty",
           statement="normalized = score / lp(|y|) with lp = |y|**alpha (power) or ((5+|y|)/6)**alpha (GNMT); "
@@ -331,7 +342,7 @@ class BeamParams:
 
     num_beams: int
     max_new_tokens: int
-    eos_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    eos_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
     length_penalty: LengthPenalty = attrs.field(factory=LengthPenalty)
     early_stop: EarlyStop = attrs.field(default=EarlyStop.EXACT, converter=_early_stop)
     num_completed: int | None = None
@@ -340,7 +351,9 @@ class BeamParams:
     hf_envelope: bool = False
 
     def __attrs_post_init__(self) -> None:
-        set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen init
+        def set_(name: str, value: object) -> None:  # frozen init
+            object.__setattr__(self, name, value)
+
         set_("num_beams", _as_int(self.num_beams, BEAM_INVALID_WIDTH, "$.num_beams", 1))
         set_("max_new_tokens", _as_int(self.max_new_tokens, BEAM_INVALID_MAX_NEW_TOKENS, "$.max_new_tokens", 1))
         eos = tuple(_as_int(e, BEAM_INVALID_EOS, f"$.eos_ids[{i}]", 0) for i, e in enumerate(self.eos_ids))
@@ -447,7 +460,7 @@ class BeamParams:
             return cls(num_beams=config.num_beams, max_new_tokens=max_new_tokens, eos_ids=tuple(eos_ids),
                        length_penalty=LengthPenalty(alpha=config.length_penalty, form=PenaltyForm.POWER),
                        early_stop=EarlyStop.EXACT)
-        early = {EarlyStopping.TRUE: True, EarlyStopping.FALSE: False, EarlyStopping.NEVER: "never"}
+        early: dict[EarlyStopping, bool | str] = {EarlyStopping.TRUE: True, EarlyStopping.FALSE: False, EarlyStopping.NEVER: "never"}
         return cls.hf_compatible(config.num_beams, max_new_tokens, eos_ids, length_penalty=config.length_penalty,
                                  early_stopping=early[config.early_stopping])
 
@@ -782,8 +795,8 @@ def select_candidates(logprobs: np.ndarray, beam_scores: np.ndarray, num_beams: 
             return Candidate(rank=int(r), flat_idx=i, parent=parent, token=token,
                              score=float(flat[i]), increment=float(lp[b, parent, token]))
 
-        out.append(RowSelection(live=tuple(cand(r) for r in live_ranks),
-                                completed=tuple(cand(r) for r in done_ranks), num_finite=num_finite))
+        out.append(RowSelection(live=tuple(cand(int(r)) for r in live_ranks),
+                                completed=tuple(cand(int(r)) for r in done_ranks), num_finite=num_finite))
     return tuple(out)
 
 
@@ -1028,7 +1041,7 @@ class BeamStepRecord:
             "scores": [b.score for b in self.children],
             "completed": [
                 {"parent": c.parent, "token": c.token, "rank": c.rank, "score": b.score,
-                 "normalized": b.normalized, "length": b.length, "finish_reason": b.finish_reason.value,
+                 "normalized": b.normalized, "length": b.length, "finish_reason": _reason_value(b.finish_reason),
                  "triggers": [r.value for r in b.triggers]}
                 for c, b in zip(self.completed_candidates, self.completed)
             ],

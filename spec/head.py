@@ -209,7 +209,7 @@ def head_logits(hidden: Any, weight: Any, bias: Any = None) -> np.ndarray:
     Source: M3.8 0x01 (``z_i = h_i W_U + b_U``), 0x02 ("Algebra versus PyTorch weight shape").
     """
     h, e, b = _check_head(hidden, weight, bias)
-    z = h @ e.T  # [R, V]
+    z: np.ndarray = h @ e.T  # [R, V]
     return z if b is None else z + b[None, :]
 
 
@@ -218,7 +218,8 @@ def _lse(z: np.ndarray) -> np.ndarray:
     m = z.max(axis=1)  # [R]
     safe = np.where(np.isfinite(m), m, 0.0)
     with np.errstate(divide="ignore"):
-        return safe + np.log(np.exp(z - safe[:, None]).sum(axis=1))
+        lse: np.ndarray = safe + np.log(np.exp(z - safe[:, None]).sum(axis=1))
+    return lse
 
 
 @rule(
@@ -561,6 +562,8 @@ def chunk_bounds(num_rows: int, chunks: int | Sequence[int]) -> list[tuple[int, 
             raise Rejection(INVALID_INPUT, f"chunk size must be >= 1, got {chunks}", "$.chunks")
         sizes = [min(int(chunks), num_rows - a) for a in range(0, num_rows, int(chunks))]
     else:
+        if isinstance(chunks, bool):  # a bool is neither a chunk size nor a list of sizes
+            raise Rejection(INVALID_INPUT, f"chunks must be a size or a list of sizes, got {chunks!r}", "$.chunks")
         sizes = [int(c) for c in chunks]
         if any(c < 1 for c in sizes) or sum(sizes) != num_rows:
             raise Rejection(INVALID_INPUT, f"chunk sizes {sizes} must be >= 1 and sum to R = {num_rows}", "$.chunks")

@@ -225,6 +225,11 @@ EVENT_FIELDS = (
 )
 
 
+def _int_set(values: Iterable[int]) -> frozenset[int]:
+    """The converter of ``Redactor.clear_ids``: a frozenset."""
+    return frozenset(values)
+
+
 @attrs.frozen
 class Redactor:
     """Replaces user content in runtime events by keyed digests and counters (module docstring).
@@ -238,7 +243,7 @@ class Redactor:
     """
 
     key: bytes = attrs.field(converter=bytes, repr=False)
-    clear_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+    clear_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_int_set)
 
     def for_request(self, record: Mapping[str, Any]) -> Redactor:
         """The redactor for the request whose ``request`` event is ``record`` (its ``eos_ids`` stay in clear)."""

@@ -494,7 +494,8 @@ def _parse_number(spec: ParamSpec, value: Any, path: str) -> float:
     if not math.isfinite(value):
         raise _reject(codes.INVALID_PARAMETER, f"{spec.name} must be finite", path)
     _check_bounds(spec, value, path)
-    return value
+    number: float = value
+    return number
 
 
 def _parse_integer(spec: ParamSpec, value: Any, path: str) -> int:
@@ -696,7 +697,7 @@ def resolve_order(order: Order, transforms: tuple[TransformSpec, ...], path: str
 _TOP_FIELDS = ("family", "order", "transforms", "tie_rule", "empty_support", "num_beams", "length_penalty", "early_stopping")
 
 
-def policy_config_from_json(obj: dict, path: str = "$.policy") -> PolicyConfig:
+def policy_config_from_json(obj: Mapping[str, Any], path: str = "$.policy") -> PolicyConfig:
     """Validate a policy JSON object and build the frozen :class:`PolicyConfig`.
 
     Args:

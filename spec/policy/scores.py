@@ -151,7 +151,8 @@ def softmax(z: np.ndarray) -> np.ndarray:
     finite = np.isfinite(z)
     m = z[finite].max()
     e = np.where(finite, np.exp(np.where(finite, z - m, 0.0)), 0.0)
-    return e / e.sum()
+    probs: np.ndarray = e / e.sum()
+    return probs
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:
