@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import enum
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -66,6 +67,8 @@ __all__ = [
     "UNDECIDED",
     "DecisionCheck",
     "Expected",
+    "Layer",
+    "Result",
     "Tolerance",
     "Verdict",
     "cache_probe_failure",
@@ -80,11 +83,30 @@ __all__ = [
     "tolerance_for",
 ]
 
+
+
+class Layer(enum.StrEnum):
+    """A layer of the ladder (a ``str``: ``Layer.STATE == "STATE"``, rule id ``ladder.<LAYER>``)."""
+
+    STATE = "STATE"
+    TENSOR = "TENSOR"
+    POLICY = "POLICY"
+    DECISION = "DECISION"
+    SEQUENCE = "SEQUENCE"
+    RESUME = "RESUME"
+
+
+class Result(enum.StrEnum):
+    """The result of a verdict (a ``str``: ``Result.PASSED == "passed"``, as the reports write it)."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    UNDECIDED = "undecided"
+
+
 #: The ladder's layers, in checking order.
-LAYERS = ("STATE", "TENSOR", "POLICY", "DECISION", "SEQUENCE", "RESUME")
-PASSED = "passed"
-FAILED = "failed"
-UNDECIDED = "undecided"
+LAYERS: tuple[Layer, ...] = tuple(Layer)
+PASSED, FAILED, UNDECIDED = Result.PASSED, Result.FAILED, Result.UNDECIDED
 _S = "M3.10 A logit tolerance is not a token-equality proof; Correctness matrix"
 
 
@@ -249,8 +271,8 @@ class Verdict:
             for checks that compare no rows.  Failure traces keep it (``#meta.verdict.probe``).
     """
 
-    result: str
-    layer: str | None = None
+    result: Result = attrs.field(converter=Result)
+    layer: Layer | None = attrs.field(default=None, converter=attrs.converters.optional(Layer))
     rule: str | None = None
     check: str | None = None
     expected: Any = None
