@@ -56,6 +56,7 @@ import torch
 from decodespec.spec.errors import Rejection, ResourceLimit, register_code
 from decodespec.spec.limits import CACHE_MEMORY_EXCEEDED, MAX_STATIC_CACHE_BYTES, static_cache_bytes
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED, CACHE_SLOT_MISMATCH
+from decodespec.spec.state import CACHE_FAMILIES  # the runtime offers every family of the envelope
 
 __all__ = [
     "CACHE_ABI_MISMATCH",
@@ -101,8 +102,6 @@ def check_static_reservation(abi: CacheABI, capacity: int, *, batch_size: int = 
     return need
 
 
-#: Cache families the runtime offers (the envelope's ``runtime.cache_family``).
-CACHE_FAMILIES = ("none", "dynamic", "static")
 
 
 @attrs.frozen

@@ -46,6 +46,7 @@ __all__ = [
     "CACHE_FAMILIES",
     "FINAL_CACHE_PROMISES",
     "ZERO_NEW_TOKENS_BRANCHES",
+    "CacheFamily",
     "Completion",
     "InFlightCall",
     "InterruptPoint",
@@ -65,8 +66,18 @@ __all__ = [
     "repair_owed",
 ]
 
-#: Cache families of the envelope's ``runtime.cache_family`` (M3.10 0x09 family table).
-CACHE_FAMILIES = ("none", "dynamic", "static")
+
+
+class CacheFamily(enum.StrEnum):
+    """The envelope's ``runtime.cache_family`` (M3.10 0x09 family table); a ``str`` (``CacheFamily.STATIC == "static"``)."""
+
+    NONE = "none"
+    DYNAMIC = "dynamic"
+    STATIC = "static"
+
+
+#: The cache family names, in table order (the values of :class:`CacheFamily`).
+CACHE_FAMILIES: tuple[str, ...] = tuple(f.value for f in CacheFamily)
 #: The G=0 union (M3.10 "The first-output off-by-one"): reject before state construction,
 #: prohibit every call, or perform a prefill-only call and select no output.
 ZERO_NEW_TOKENS_BRANCHES = ("reject", "no_call", "prefill_only")
