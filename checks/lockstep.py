@@ -82,6 +82,7 @@ from .ladder import (
 )
 from .reference import Reference64, load_gguf64
 from .reference.files import gguf_path
+from .vocab_check import reference_vocab
 
 __all__ = [
     "LockStep",
@@ -890,8 +891,11 @@ class LockStep:
             call = {**s.last_call, "in_flight": state.in_flight is not None and state.in_flight.call_id == s.last_call["call_id"]}
         decision = s.last_decision
         text, chunks, returned = self._text(state)
+        vocab = reference_vocab(s.config.model)
         return Expected(
             tolerance=self.tolerance,
+            vocab_hash=vocab.vocab_hash,
+            vocab_rows=vocab.output_rows,
             phase=state.phase.value,
             output_ids=state.output_ids,
             frontier={"prompt_len": params.prompt_len, "output_count": state.output_count, "pending": len(state.pending_ids),

@@ -538,3 +538,104 @@ def format_result(result: BenchResult) -> str:
         + (f"; peak allocated during runs: {device_peak}" if device_peak else ""),
     ]
     return "\n".join(lines)
+
+
+def machine_name(device: torch.device) -> str:
+    """The machine in words: CPU model, cores, the ATen CPU capability (and the GPU when ``device`` is CUDA)."""
+    import os
+    import platform
+
+    cpu = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    words = f"{cpu}, {os.cpu_count()} cores, ATen {torch.backends.cpu.get_cpu_capability()}"
+    if device.type == "cuda":
+        words += f", {torch.cuda.get_device_name(device)}"
+    return words
+
+
+def row_scope_bench(model: LlamaForCausalLM, *, batch: int = 1, prompt_len: int = 256, repetitions: int = 7,
+                    threads: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """What selecting the decision row before ``lm_head`` saves in one prefill: bytes and time, paired in one run.
+
+    Two prefills of the same ``[batch, prompt_len]`` ids, no cache: ``logits_to_keep=0`` (every
+    row projected: a ``[B, S, V]`` logits tensor) and ``logits_to_keep=1`` (the last row selected
+    before the projection: ``[B, 1, V]``); and the head alone on the same final hidden rows
+    (``lm_head(hidden [B, S, d])`` vs ``lm_head(hidden[:, -1:])``).  The two variants alternate
+    within each repetition (which one runs first alternates too), so background load hits both;
+    the report gives each median and the median of the per-repetition ratios all / last.
+
+    Returns:
+        A JSON-ready dict: ``machine``, ``threads``, shapes, ``logits_bytes`` (all rows, last row,
+        saved), ``head_macs`` (``R V d`` for R = B S and R = B), ``prefill_seconds`` and
+        ``head_seconds`` (``all``, ``last``, ``ratio``: median paired ratio),
+        ``last_row_max_abs_diff`` (the last row's logits in the two prefills: the same row through
+        GEMMs of different shapes, so equal up to float rounding, not bitwise).
+
+    Units: bytes, multiply-accumulates, seconds.
+
+    Source: M3.8 0x0A "Output-row scope is an interface and cost boundary" (the ``[B, S, V]``
+    tensor not produced; MACs ``R V d``), 0x06.
+    """
+    device = model.device
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, cfg.vocab_size, (batch, prompt_len), generator=gen).to(device)
+    with _threads(threads) as used, torch.inference_mode():
+        out_all = model(ids, logits_to_keep=0)
+        out_last = model(ids, logits_to_keep=1)
+        hidden = model(ids, logits_to_keep=1, return_hidden_states=True).hidden_states  # [B, S, d]
+        diff = float((out_all.logits[:, -1].double() - out_last.logits[:, -1].double()).abs().max())
+        all_bytes, last_bytes = out_all.logits.nbytes, out_last.logits.nbytes
+        del out_all, out_last
+
+        def timed(fn) -> float:
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            return time.perf_counter() - start
+
+        runs: dict[str, list[float]] = {"prefill_all": [], "prefill_last": [], "head_all": [], "head_last": []}
+        pairs = (("prefill_all", lambda: model(ids, logits_to_keep=0)), ("prefill_last", lambda: model(ids, logits_to_keep=1)),
+                 ("head_all", lambda: model.lm_head(hidden)), ("head_last", lambda: model.lm_head(hidden[:, -1:])))
+        for _, fn in pairs:
+            fn()  # warm-up
+        for r in range(repetitions):
+            for a, b in ((0, 1), (2, 3)):
+                order = (a, b) if r % 2 == 0 else (b, a)
+                for k in order:
+                    runs[pairs[k][0]].append(timed(pairs[k][1]))
+
+    def summary(kind: str) -> dict[str, float]:
+        all_t, last_t = runs[f"{kind}_all"], runs[f"{kind}_last"]
+        return {"all": statistics.median(all_t), "last": statistics.median(last_t),
+                "ratio": statistics.median(x / y for x, y in zip(all_t, last_t))}
+
+    v, d = cfg.vocab_size, cfg.hidden_size
+    return {
+        "machine": machine_name(device), "threads": used, "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
+        "batch": batch, "prompt_len": prompt_len, "vocab_size": v, "hidden_size": d, "repetitions": repetitions,
+        "logits_bytes": {"all_rows": all_bytes, "last_row": last_bytes, "saved": all_bytes - last_bytes},
+        "head_macs": {"all_rows": batch * prompt_len * v * d, "last_row": batch * v * d},
+        "prefill_seconds": summary("prefill"), "head_seconds": summary("head"), "last_row_max_abs_diff": diff,
+    }
+
+
+def format_row_scope(result: dict[str, Any]) -> str:
+    """The row-scope report as text."""
+    b, s, v = result["batch"], result["prompt_len"], result["vocab_size"]
+    lb, p, h = result["logits_bytes"], result["prefill_seconds"], result["head_seconds"]
+    return "\n".join([
+        (f"row scope of one prefill, B={b} S={s} V={v} d={result['hidden_size']} {result['dtype']} on {result['device']} "
+        f"({result['machine']}; {result['threads']} threads; {result['repetitions']} paired repetitions)"),
+        (f"  logits produced: all rows [B,S,V] {lb['all_rows'] / 2**20:.2f} MiB, last row [B,1,V] {lb['last_row'] / 2**20:.4f} MiB "
+        f"(saved {lb['saved'] / 2**20:.2f} MiB, {lb['all_rows'] // max(lb['last_row'], 1)}x)"),
+        f"  head MACs: all rows {result['head_macs']['all_rows']:,}, last row {result['head_macs']['last_row']:,}",
+        f"  prefill: all rows {p['all'] * 1e3:.1f} ms, last row {p['last'] * 1e3:.1f} ms, paired ratio {p['ratio']:.2f}x",
+        f"  lm_head alone: all rows {h['all'] * 1e3:.2f} ms, last row {h['last'] * 1e3:.3f} ms, paired ratio {h['ratio']:.1f}x",
+        f"  last row's logits, all-rows vs last-row prefill: max |diff| {result['last_row_max_abs_diff']:.3g}",
+    ])

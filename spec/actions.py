@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from .enums import CallKind, FinishReason
+from .participation import EnterCollective, RankFault, RankTimeout, ReportRank
 
 if TYPE_CHECKING:  # pragma: no cover
     from .snapshot import SnapshotRecord
@@ -34,9 +35,13 @@ __all__ = [
     "Commit",
     "Complete",
     "Decide",
+    "EnterCollective",
     "Fault",
     "Launch",
+    "RankFault",
+    "RankTimeout",
     "Recover",
+    "ReportRank",
     "Restore",
     "Snapshot",
     "StreamFailure",
@@ -191,12 +196,15 @@ class Restore:
     record: SnapshotRecord
 
 
-Action = Admit | Launch | Fault | Complete | Decide | SupportEmpty | Commit | Cancel | StreamFailure | Recover | Snapshot | Restore
+Action = (Admit | Launch | Fault | Complete | Decide | SupportEmpty | Commit | Cancel | StreamFailure | Recover | Snapshot | Restore
+          | EnterCollective | ReportRank | RankFault | RankTimeout)
 
 
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "to_json") and not isinstance(value, (CallKind, FinishReason)):
         return value.to_json()
+    if attrs.has(type(value)):  # a nested value (a rank's report)
+        return {f.name: _jsonable(getattr(value, f.name)) for f in attrs.fields(type(value))}
     if hasattr(value, "value") and isinstance(value, (CallKind, FinishReason)):
         return value.value
     if isinstance(value, frozenset):

@@ -563,6 +563,10 @@ class Observation:
         returned_ids / returned_logprobs: The returned output once the request is finished, under
             its alignment contract (a stop cut trims both, ``len(logprobs) == len(ids)``;
             ``invariant.output_alignment``), or ``None`` while open / not exposed.
+        vocab_hash: The ordered vocabulary identity the runtime scores and decodes with
+            (:func:`decodespec.spec.vocab.vocab_table_hash` of its id -> token-bytes table; the
+            ``vocab_hash`` its receipts carry), or ``None``.
+        vocab_rows: Rows of its output head (the score row's length V_out), or ``None``.
 
     Shapes: see each attribute; V the vocabulary size.
     """
@@ -592,6 +596,8 @@ class Observation:
     beam_parents: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_tuple)
     returned_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_tuple)
     returned_logprobs: tuple[float, ...] | None = attrs.field(default=None, converter=_opt_tuple)
+    vocab_hash: str | None = None
+    vocab_rows: int | None = None
 
     def summary(self) -> dict[str, Any]:
         """The JSON-able, array-free part (what traces record per step; arrays as their shapes)."""

@@ -389,6 +389,7 @@ class PeerAdapter:
             cache_physical=self.engine.physical() if cached else 0,
             call=call,
             cache_probe=self.engine.cache_probe(processed) if cached and self.in_flight is None and processed > 0 else None,
+            vocab_rows=None if score is None else len(score[1]),  # the peer's V_out (its ordered table is not read: no hash)
         )
 
     def close(self) -> None:

@@ -7,6 +7,10 @@ memory, the memory-bandwidth bound (weight bytes per decode token / measured rea
 and our fraction of it; ``--json`` prints the same as one JSON object.  See
 :mod:`decodespec.impl.bench`.
 
+``--row-scope`` measures instead what selecting the decision row before ``lm_head`` saves in one
+prefill (the ``[B, S, V]`` logits not produced: bytes and time, paired in one run, the machine
+named; :func:`decodespec.impl.bench.row_scope_bench`); it needs no HF.
+
 Exit codes: 0 success, 2 invalid input, 3 SmolLM2 or HF transformers not installed.
 """
 
@@ -39,8 +43,44 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="also time the captured-graph decode path (default: on CUDA)")
     parser.add_argument("--native", action=argparse.BooleanOptionalAction, default=None,
                         help="also time the native CPU decode kernel (default: float32 on the CPU where it builds)")
+    parser.add_argument("--row-scope", action="store_true",
+                        help="instead: what selecting the decision row before lm_head saves in one prefill (bytes, time; "
+                        "logits_to_keep=0 vs 1, paired), no HF needed")
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="smollm2", help="with --row-scope: the model (default smollm2)")
+    parser.add_argument("--batch", type=int, default=1, help="with --row-scope: batch size B (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
+
+
+def _row_scope(args: argparse.Namespace) -> int:
+    from decodespec.impl.bench import format_row_scope, row_scope_bench
+    from decodespec.impl.device import resolve_dtype
+    from decodespec.impl.gguf import MODEL_FILE_MISSING
+    from decodespec.spec.errors import DecodeSpecError
+
+    if min(args.prompt_len, args.repetitions, args.batch, 1 if args.threads is None else args.threads) < 1:
+        print(json.dumps({"error": {"code": "bad_argument", "message": "--prompt-len, --repetitions, --batch and --threads must be >= 1"}}),
+              file=sys.stderr)
+        return 2
+    try:
+        from decodespec.impl.device import resolve_device
+
+        dtype, device = resolve_dtype(args.dtype), resolve_device(args.device)
+        if args.model == "tiny":
+            from decodespec.impl.tiny import load_tiny
+
+            model = load_tiny(seed=0, dtype=dtype, device=device)
+        else:
+            from decodespec.impl.weights import load_smollm2
+
+            model = load_smollm2(dtype=dtype, device=device)
+        result = row_scope_bench(model, batch=args.batch, prompt_len=args.prompt_len, repetitions=args.repetitions,
+                                 threads=args.threads)
+    except DecodeSpecError as exc:
+        print(json.dumps({"error": exc.to_json()}), file=sys.stderr)
+        return 3 if exc.code == MODEL_FILE_MISSING else 2
+    print(json.dumps(result) if args.json else format_row_scope(result))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     from decodespec.impl.gguf import MODEL_FILE_MISSING
     from decodespec.spec.errors import DecodeSpecError
 
+    if args.row_scope:
+        return _row_scope(args)
     if not hf_available():
         print(json.dumps({"error": {"code": "missing_peer", "message": HF_SKIP_REASON}}), file=sys.stderr)
         return 3
