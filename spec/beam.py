@@ -806,7 +806,7 @@ def select_candidates(logprobs: np.ndarray, beam_scores: np.ndarray, num_beams: 
 
 
 def _completed_key(b: BranchState) -> tuple[float, int, int]:
-    return (-b.normalized, b.step, b.slot)  # type: ignore[operator]
+    return (-b.normalized, b.step, b.slot)  # type: ignore[operator]  # a completed branch always has its normalized score
 
 
 @attrs.frozen
@@ -1003,7 +1003,7 @@ def stop_satisfied(params: BeamParams, live: Sequence[BranchState], completed: S
         g = live[0].length
         hyp_len = params.max_new_tokens if (kind is EarlyStop.NEVER and pen.alpha > 0) else g
         bound = max(b.score for b in live) / pen.denominator(hyp_len)
-    return bound <= threshold  # type: ignore[operator]
+    return bound <= threshold  # type: ignore[operator]  # completed branches always have normalized scores
 
 
 @attrs.frozen
@@ -1252,12 +1252,12 @@ _STATE_INVARIANTS = (beam_live_frontier, beam_completed_metadata)
 
 def check_state(params: BeamParams, state: BeamState) -> tuple[str, ...]:
     """Ids of the beam state invariants that ``state`` violates (empty when all hold)."""
-    return tuple(f.__rule_id__ for f in _STATE_INVARIANTS if not f(params, state))  # type: ignore[attr-defined]
+    return tuple(f.__rule_id__ for f in _STATE_INVARIANTS if not f(params, state))  # type: ignore[attr-defined]  # set by @rule
 
 
 def check_step(params: BeamParams, before: BeamState, record: BeamStepRecord, after: BeamState) -> tuple[str, ...]:
     """Ids of the beam step and state invariants violated by ``before -> after`` (empty when all hold)."""
-    bad = [f.__rule_id__ for f in _STEP_INVARIANTS if not f(params, before, record, after)]  # type: ignore[attr-defined]
+    bad = [f.__rule_id__ for f in _STEP_INVARIANTS if not f(params, before, record, after)]  # type: ignore[attr-defined]  # set by @rule
     return tuple(bad) + check_state(params, after)
 
 

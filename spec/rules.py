@@ -82,7 +82,7 @@ def rule(id: str, *, title: str, section: str, statement: str) -> Callable[[F], 
     def deco(obj: F) -> F:
         register(Rule(id=id, kind=kind, title=title, section=section, statement=statement, obj=obj))
         try:
-            obj.__rule_id__ = id  # type: ignore[attr-defined]
+            obj.__rule_id__ = id  # type: ignore[attr-defined]  # tags the function or class it registers
         except (AttributeError, TypeError):  # pragma: no cover - builtins
             pass
         return obj

@@ -439,7 +439,7 @@ def complete_all_new(params: RequestParams, state: RequestState, action: Action)
     call = state.in_flight
     assert call is not None
     generation = state.generation + 1
-    changes: dict[str, object] = {
+    changes: dict[str, Any] = {
         "in_flight": None,
         "processed": call.end,
         "lanes": expected_lanes(params, call) if params.cached else state.lanes,
@@ -449,7 +449,7 @@ def complete_all_new(params: RequestParams, state: RequestState, action: Action)
     if call.kind is CallKind.PREFILL and call.end < params.prompt_len:
         changes["phase"] = Phase.READY
     elif call.kind is CallKind.PREFILL and params.max_new_tokens == 0:
-        done = attrs.evolve(state, **changes)  # type: ignore[arg-type]
+        done = attrs.evolve(state, **changes)
         return _finish(done, frozenset({FinishReason.LENGTH}), last_completion=_completed(state, call, Selection.ALL_NEW, None))
     elif call.kind is CallKind.REPAIR:
         changes.update(phase=Phase.FINISHED, pending_ids=(), pending_tag=PendingTag.EMPTY)
@@ -461,7 +461,7 @@ def complete_all_new(params: RequestParams, state: RequestState, action: Action)
             phase=Phase.SCORED, pending_ids=(), pending_tag=PendingTag.EMPTY, score=score, scores=state.scores + (score,)
         )
     changes["last_completion"] = _completed(state, call, Selection.ALL_NEW, score.score_id if score else None)
-    return attrs.evolve(state, **changes)  # type: ignore[arg-type]
+    return attrs.evolve(state, **changes)
 
 
 def _completed(state: RequestState, call: InFlightCall, selection: Selection, score_id: str | None) -> Completion:
@@ -606,8 +606,8 @@ def commit(params: RequestParams, state: RequestState, action: Action) -> Reques
 # --------------------------------------------------------------------------------------------
 
 
-def _reason(action: Action) -> FinishReason:
-    return FinishReason.STREAM_ERROR if isinstance(action, StreamFailure) else action.reason  # type: ignore[union-attr]
+def _reason(action: Cancel | StreamFailure) -> FinishReason:
+    return FinishReason.STREAM_ERROR if isinstance(action, StreamFailure) else action.reason
 
 
 _INTERRUPT_KIND: Clause[Cancel | StreamFailure] = Clause(
@@ -625,7 +625,7 @@ _INTERRUPT_KIND: Clause[Cancel | StreamFailure] = Clause(
     statement="Guard: phase READY. Effect: no launch and no logical mutation: phase FINISHED with the reason; "
     "a pending token becomes CLOSED_UNPROCESSED.",
 )
-def interrupt_before_launch(params: RequestParams, state: RequestState, action: Action) -> RequestState:
+def interrupt_before_launch(params: RequestParams, state: RequestState, action: Cancel | StreamFailure) -> RequestState:
     return _finish(state, frozenset({_reason(action)}))
 
 
@@ -638,7 +638,7 @@ def interrupt_before_launch(params: RequestParams, state: RequestState, action: 
     "completion must select ALL_OLD and then finishes the request -- or, for the repair call, records the reason "
     "as a trigger and abandons the repair without rewriting the published finish reason.",
 )
-def interrupt_in_flight(params: RequestParams, state: RequestState, action: Action) -> RequestState:
+def interrupt_in_flight(params: RequestParams, state: RequestState, action: Cancel | StreamFailure) -> RequestState:
     call = state.in_flight
     assert call is not None
     return attrs.evolve(state, in_flight=attrs.evolve(call, interrupts=call.interrupts | {_reason(action)}))
@@ -651,7 +651,7 @@ def interrupt_in_flight(params: RequestParams, state: RequestState, action: Acti
     statement="Guard: phase SCORED. Effect: the score is discarded unconsumed; phase FINISHED with the reason; "
     "P keeps the completed call (ALL_NEW was already selected).",
 )
-def interrupt_after_completion(params: RequestParams, state: RequestState, action: Action) -> RequestState:
+def interrupt_after_completion(params: RequestParams, state: RequestState, action: Cancel | StreamFailure) -> RequestState:
     return _finish(state, frozenset({_reason(action)}), score=None)
 
 
@@ -662,7 +662,7 @@ def interrupt_after_completion(params: RequestParams, state: RequestState, actio
     statement="Guard: phase DECIDED. Effect: the receipt is discarded unconsumed (it stays issued, so a later "
     "commit of it is stale), the score is discarded, the RNG counter is unchanged; phase FINISHED.",
 )
-def interrupt_after_decision(params: RequestParams, state: RequestState, action: Action) -> RequestState:
+def interrupt_after_decision(params: RequestParams, state: RequestState, action: Cancel | StreamFailure) -> RequestState:
     return _finish(state, frozenset({_reason(action)}), score=None, receipt=None)
 
 
