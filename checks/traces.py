@@ -120,7 +120,7 @@ def _register_broken(name: str) -> None:
     """Import :mod:`decodespec.checks.broken` (it registers the broken runtimes) unless ``name`` is registered."""
     if name not in RUNTIMES:
         try:
-            import decodespec.checks.broken  # noqa: F401
+            import decodespec.checks.broken  # noqa: F401 - registers the broken runtimes
         except ModuleNotFoundError:  # pragma: no cover
             pass
 

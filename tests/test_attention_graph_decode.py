@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_fixtures import attention  # tests/ is on sys.path)
+from model_fixtures import attention  # tests/ is on sys.path
 from runtime_helpers import LOGIT_TOL
 
 from decodespec.checks.testing import requires_smollm2

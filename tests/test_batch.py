@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from runtime_helpers import LOGIT_TOL, sampled_policy  # tests/ is on sys.path)
+from runtime_helpers import LOGIT_TOL, sampled_policy  # tests/ is on sys.path
 
 from decodespec.checks.testing import requires_smollm2
 from decodespec.impl.batch import (

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import LOGIT_TOL, drive, request  # tests/ is on sys.path)
+from runtime_helpers import LOGIT_TOL, drive, request  # tests/ is on sys.path
 
 from decodespec.impl.cache import DynamicCache, LaneWrite, StaticCache, make_cache
 from decodespec.impl.runtime import RequestRunner

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fuzzing import HANG_S, Chooser  # tests/ is on sys.path)
+from fuzzing import HANG_S, Chooser  # tests/ is on sys.path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from runtime_helpers import request, sampled_policy

@@ -39,7 +39,7 @@ from typing import Any, Self
 from unittest import mock
 
 import pytest
-from fuzzing import DEEP, Chooser, Ledger, _dumps, byte_mutation, json_mutation  # tests/ is on sys.path)
+from fuzzing import DEEP, Chooser, Ledger, _dumps, byte_mutation, json_mutation  # tests/ is on sys.path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fuzzing import Chooser, Ledger, byte_mutation, json_mutation  # tests/ is on sys.path)
+from fuzzing import Chooser, Ledger, byte_mutation, json_mutation  # tests/ is on sys.path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runtime_helpers import request, sampled_policy  # tests/ is on sys.path)
+from runtime_helpers import request, sampled_policy  # tests/ is on sys.path
 
 from decodespec.checks.cli import main
 from decodespec.checks.testing import requires_smollm2

@@ -20,7 +20,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from model_fixtures import attention  # tests/ is on sys.path via tests/conftest.py)
+from model_fixtures import attention  # tests/ is on sys.path via tests/conftest.py
 
 from decodespec.impl.cache import CacheABI, DynamicCache
 from decodespec.spec.errors import Rejection

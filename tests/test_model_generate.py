@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from model_fixtures import attention  # tests/ is on sys.path via tests/conftest.py)
+from model_fixtures import attention  # tests/ is on sys.path via tests/conftest.py
 
 from decodespec.impl.generate import GenerationResult, greedy_generate, select_greedy
 from decodespec.impl.tiny import load_tiny, tiny_config

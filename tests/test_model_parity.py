@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_fixtures import attention  # tests/ is on sys.path via tests/conftest.py)
+from model_fixtures import attention  # tests/ is on sys.path via tests/conftest.py
 
 from decodespec.checks.testing import requires_hf, requires_smollm2
 from decodespec.impl.generate import greedy_generate

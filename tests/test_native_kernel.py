@@ -25,7 +25,7 @@ import sys
 
 import pytest
 import torch
-from runtime_helpers import LOGIT_TOL, drive, request  # tests/ is on sys.path)
+from runtime_helpers import LOGIT_TOL, drive, request  # tests/ is on sys.path
 
 from decodespec.impl import native
 from decodespec.impl.cache import StaticCache

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import attrs
 import pytest
-from runtime_helpers import renumber, request  # tests/ is on sys.path)
+from runtime_helpers import renumber, request  # tests/ is on sys.path
 
 from decodespec.checks.cli import main
 from decodespec.checks.trace_validation import TRACE_RECEIPT, validate_trace

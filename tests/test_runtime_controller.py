@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
-from runtime_helpers import drive, request  # tests/ is on sys.path)
+from runtime_helpers import drive, request  # tests/ is on sys.path
 
 from decodespec.impl.runtime import CommitObservation, RequestRunner
 from decodespec.spec import transitions as T

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_fixtures import attention  # tests/ is on sys.path via tests/conftest.py)
+from model_fixtures import attention  # tests/ is on sys.path via tests/conftest.py
 from runtime_helpers import LOGIT_TOL, drive, request, sampled_policy
 
 from decodespec.checks.testing import requires_smollm2

@@ -12,7 +12,7 @@ the spec (``decodespec.checks.trace_validation``).
 from __future__ import annotations
 
 import pytest
-from runtime_helpers import request  # tests/ is on sys.path)
+from runtime_helpers import request  # tests/ is on sys.path
 
 from decodespec.checks.trace_validation import validate_trace
 from decodespec.impl.events import ListSink

@@ -19,7 +19,7 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from runtime_helpers import renumber, request  # tests/ is on sys.path)
+from runtime_helpers import renumber, request  # tests/ is on sys.path
 
 from decodespec.checks.trace_validation import token_bytes_of, validate_trace
 from decodespec.impl.events import ListSink

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from runtime_helpers import renumber, request  # tests/ is on sys.path)
+from runtime_helpers import renumber, request  # tests/ is on sys.path
 
 from decodespec.checks.testing import requires_smollm2
 from decodespec.checks.trace_validation import token_bytes_of, validate_trace

@@ -20,7 +20,7 @@ import json
 import attrs
 import pytest
 import torch
-from runtime_helpers import request, sampled_policy  # tests/ is on sys.path)
+from runtime_helpers import request, sampled_policy  # tests/ is on sys.path
 
 from decodespec.checks.testing import requires_smollm2
 from decodespec.impl.runtime import RequestRunner

@@ -18,7 +18,7 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from runtime_helpers import request  # tests/ is on sys.path)
+from runtime_helpers import request  # tests/ is on sys.path
 
 from decodespec.checks.trace_validation import params_from_header
 from decodespec.impl.events import ListSink

@@ -15,7 +15,7 @@ import json
 
 import attrs
 import pytest
-from runtime_helpers import renumber, request  # tests/ is on sys.path)
+from runtime_helpers import renumber, request  # tests/ is on sys.path
 from test_envelope import dumps, edit, tiny
 
 from decodespec.checks.cli import main

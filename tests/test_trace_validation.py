@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from runtime_helpers import renumber, request, sampled_policy  # tests/ is on sys.path)
+from runtime_helpers import renumber, request, sampled_policy  # tests/ is on sys.path
 
 from decodespec.checks.cli import main
 from decodespec.checks.trace_validation import validate_trace

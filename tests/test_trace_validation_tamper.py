@@ -83,7 +83,7 @@ def test_snapshot_and_resume_traces_are_accepted(tmp_path, capsys, tiny_model):
     Built with the Python API (``RequestRunner`` + ``FileSink``), the traces ``generate --snapshot`` /
     ``--resume`` write.
     """
-    from runtime_helpers import request, sampled_policy  # tests/ is on sys.path)
+    from runtime_helpers import request, sampled_policy  # tests/ is on sys.path
 
     from decodespec.impl.events import FileSink
     from decodespec.impl.runtime import RequestRunner
