@@ -16,7 +16,7 @@ import functools
 import importlib
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from decodespec.spec.errors import register_code
 
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name, module in COMMANDS.items():
+    for module in COMMANDS.values():
         mod = importlib.import_module(f"decodespec.checks.commands.{module}")
         sp = mod.register(sub)
         sp.set_defaults(_run=mod.run)

@@ -126,8 +126,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    lines = [f"decodespec gate: runtime={config.getoption('--runtime')} model={_model(config)} "
-             f"profile={getattr(config, '_decodespec_profile', '?')}"]
+    lines = [(f"decodespec gate: runtime={config.getoption('--runtime')} model={_model(config)} "
+             f"profile={getattr(config, '_decodespec_profile', '?')}")]
     if getattr(config, "_decodespec_mutant", None) is not None:
         lines.append(f"decodespec gate: failure-lab mutant {config._decodespec_mutant[0]} installed: the gate must fail")
     if not config.getoption("--model") and not smollm2_available():
@@ -150,7 +150,6 @@ class Report:
     def lines(self) -> list[dict[str, Any]]:
         """Every report line (case results, then unused expectations)."""
         from decodespec.checks.cases import report_line
-
         from decodespec.spec.passport import SYNTHETIC_PASSPORT
 
         # Every line declares its passport: the gate generated every input (M3.10 0x06; spec/passport.py).

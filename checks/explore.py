@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import networkx as nx
@@ -44,7 +45,6 @@ from decodespec.spec.actions import (
     Admit,
     Cancel,
     Commit,
-    Complete,
     Decide,
     Fault,
     Launch,
@@ -57,6 +57,7 @@ from decodespec.spec.actions import (
     action_label,
 )
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag
+from decodespec.spec.errors import ERROR_CODES, DecodeSpecError, Rejection, register_code
 from decodespec.spec.participation import (
     EnterCollective,
     RankFault,
@@ -65,8 +66,8 @@ from decodespec.spec.participation import (
     active,
     expected_rank_report,
 )
-from decodespec.spec.errors import ERROR_CODES, DecodeSpecError, Rejection, register_code
 from decodespec.spec.profiles import PROFILES, profile_named
+from decodespec.spec.request import context_cap, prompt_room, unbounded_context_cap
 from decodespec.spec.snapshot import SNAPSHOT_FORMS, SnapshotRecord, take_snapshot
 from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, is_terminal
 from decodespec.spec.transitions import MACHINE, Machine, expected_report, expected_start
@@ -77,10 +78,10 @@ __all__ = [
     "CORRUPT_RESTORED",
     "DEADLOCK",
     "EXPLORE_INVALID_BOUNDS",
-    "ExploreBounds",
-    "InvalidBounds",
     "RESTORE_MISMATCH",
+    "ExploreBounds",
     "ExploreResult",
+    "InvalidBounds",
     "Violation",
     "candidate_actions",
     "corrupted_records",
@@ -223,7 +224,7 @@ def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
     if profile.source_indexed and bounds.source_len < 1:
         raise refuse("source_len", f"source_len {bounds.source_len} must be >= 1 for {bounds.profile} "
                      "(the envelope refuses an empty source: envelope.empty_prompt)")
-    needed = bounds.prompt_len + (1 if bounds.max_new_tokens else 0)
+    needed = prompt_room(bounds.prompt_len, bounds.max_new_tokens)
     capacity = None
     if bounds.cache == "static":
         capacity = bounds.capacity if bounds.capacity is not None else bounds.prompt_len + bounds.max_new_tokens
@@ -233,7 +234,6 @@ def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
     if bounds.context_cap is not None and bounds.context_cap < needed:
         raise refuse("context_cap", f"context_cap {bounds.context_cap} leaves no room after the {bounds.prompt_len}-token "
                      f"prompt (need >= {needed}: envelope.context_exceeded)")
-    caps = [c for c in (capacity, bounds.context_cap) if c is not None]
     prefix = None
     if bounds.profile == "prefix_lm":
         prefix = bounds.prefix_length if bounds.prefix_length is not None else bounds.prompt_len
@@ -251,7 +251,8 @@ def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
         eos_ids=frozenset({bounds.vocab - 1}),
         profile=profile,
         cache_family=bounds.cache,
-        context_cap=min(caps) if caps else bounds.prompt_len + bounds.max_new_tokens + 1,
+        context_cap=(unbounded_context_cap(bounds.prompt_len, bounds.max_new_tokens) if capacity is None and bounds.context_cap is None
+                     else context_cap(capacity, bounds.context_cap)),
         static_capacity=capacity,
         zero_new_tokens=bounds.zero_new_tokens,
         final_cache=bounds.final_cache,
@@ -631,7 +632,7 @@ def explore(
             except DecodeSpecError as exc:
                 rejected[(type(action).__name__, exc.code)] += 1
                 continue
-            except Exception as exc:  # a typed error is the only acceptable refusal
+            except Exception as exc:  # noqa: BLE001 - a typed error is the only acceptable refusal
                 report(UNTYPED_REJECTION, state, f"{action_label(action)} raised {type(exc).__name__}: {exc}")
                 if stop_on_violation:
                     queue.clear()

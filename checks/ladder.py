@@ -46,8 +46,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import enum
 import math
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -60,12 +62,14 @@ __all__ = [
     "FAILED",
     "LAYERS",
     "PASSED",
-    "TOLERANCES",
     "PROBE_ENTRIES",
     "PROBE_POSITIONS",
+    "TOLERANCES",
     "UNDECIDED",
     "DecisionCheck",
     "Expected",
+    "Layer",
+    "Result",
     "Tolerance",
     "Verdict",
     "cache_probe_failure",
@@ -80,11 +84,30 @@ __all__ = [
     "tolerance_for",
 ]
 
+
+
+class Layer(enum.StrEnum):
+    """A layer of the ladder (a ``str``: ``Layer.STATE == "STATE"``, rule id ``ladder.<LAYER>``)."""
+
+    STATE = "STATE"
+    TENSOR = "TENSOR"
+    POLICY = "POLICY"
+    DECISION = "DECISION"
+    SEQUENCE = "SEQUENCE"
+    RESUME = "RESUME"
+
+
+class Result(enum.StrEnum):
+    """The result of a verdict (a ``str``: ``Result.PASSED == "passed"``, as the reports write it)."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    UNDECIDED = "undecided"
+
+
 #: The ladder's layers, in checking order.
-LAYERS = ("STATE", "TENSOR", "POLICY", "DECISION", "SEQUENCE", "RESUME")
-PASSED = "passed"
-FAILED = "failed"
-UNDECIDED = "undecided"
+LAYERS: tuple[Layer, ...] = tuple(Layer)
+PASSED, FAILED, UNDECIDED = Result.PASSED, Result.FAILED, Result.UNDECIDED
 _S = "M3.10 A logit tolerance is not a token-equality proof; Correctness matrix"
 
 
@@ -122,7 +145,7 @@ class Tolerance:
     row_scale: float = 0.0
 
     @classmethod
-    def from_logit(cls, logit: float, kv: float, *, logit_rel: float = 0.0, kv_rel: float = 0.0, row_scale: float = 0.0) -> "Tolerance":
+    def from_logit(cls, logit: float, kv: float, *, logit_rel: float = 0.0, kv_rel: float = 0.0, row_scale: float = 0.0) -> Tolerance:
         """Derived tolerances: a logit error epsilon moves log-softmax by at most 2 epsilon."""
         eps = logit + logit_rel * row_scale
         return cls(logit=logit, kv=kv, prob=2 * eps + 1e-6, logprob=2 * eps + 1e-5, logit_rel=logit_rel, kv_rel=kv_rel,
@@ -139,12 +162,12 @@ class Tolerance:
         finite = ref[np.isfinite(ref)]
         return self.logit + self.logit_rel * (float(np.max(np.abs(finite))) if finite.size else 0.0)
 
-    def at_row(self, reference_row: Any) -> "Tolerance":
+    def at_row(self, reference_row: Any) -> Tolerance:
         """This tolerance with epsilon fixed at ``reference_row``'s (probabilities and logprobs derived from it)."""
         eps = self.epsilon(reference_row)
         return Tolerance(logit=eps, kv=self.kv, prob=2 * eps + 1e-6, logprob=2 * eps + 1e-5, kv_rel=self.kv_rel)
 
-    def scaled(self, factor: float) -> "Tolerance":
+    def scaled(self, factor: float) -> Tolerance:
         """Every bound multiplied by ``factor`` (two runs each within the tolerance differ by at most twice it)."""
         return Tolerance(logit=factor * self.logit, kv=factor * self.kv, prob=factor * self.prob, logprob=factor * self.logprob,
                          logit_rel=factor * self.logit_rel, kv_rel=factor * self.kv_rel, row_scale=self.row_scale)
@@ -249,8 +272,8 @@ class Verdict:
             for checks that compare no rows.  Failure traces keep it (``#meta.verdict.probe``).
     """
 
-    result: str
-    layer: str | None = None
+    result: Result = attrs.field(converter=Result)
+    layer: Layer | None = attrs.field(default=None, converter=attrs.converters.optional(Layer))
     rule: str | None = None
     check: str | None = None
     expected: Any = None
@@ -273,13 +296,13 @@ class Verdict:
         return out
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "Verdict":
+    def from_json(cls, obj: dict[str, Any]) -> Verdict:
         """Inverse of :meth:`to_json`."""
         return cls(result=obj["result"], layer=obj.get("layer"), rule=obj.get("rule"), check=obj.get("check"),
                    expected=obj.get("expected"), actual=obj.get("actual"), message=obj.get("message", ""), step=obj.get("step"),
                    probe=obj.get("probe"))
 
-    def same_outcome(self, other: "Verdict") -> bool:
+    def same_outcome(self, other: Verdict) -> bool:
         """Whether two verdicts agree on result, layer and rule (what a replay must reproduce)."""
         return (self.result, self.layer, self.rule) == (other.result, other.layer, other.rule)
 
@@ -467,7 +490,7 @@ def score_row_failure(reference: Any, candidate: Any, epsilon: float, *, layer: 
     return _fail(layer, check, f"<= {epsilon:.6g}", cmp.linf, message, probe)
 
 
-def cache_probe_failure(reference: Any, candidate: Any, tolerance: "Tolerance") -> Verdict | None:
+def cache_probe_failure(reference: Any, candidate: Any, tolerance: Tolerance) -> Verdict | None:
     """The failed TENSOR verdict of committed K/V rows outside the declared per-layer K / V bounds, else ``None``.
 
     The layer reported is the first (in forward order, K before V) whose bound is exceeded: where
@@ -506,7 +529,7 @@ def cache_probe_failure(reference: Any, candidate: Any, tolerance: "Tolerance") 
              "worst": {"layer": layer, "kv": name, **w, "bound": bound}, "top": top,
              "positions_over_bound": positions[:PROBE_POSITIONS].tolist(), "heads_over_bound": heads[:PROBE_POSITIONS].tolist(),
              "exceeded": [{"layer": int(a), "kv": "KV"[int(b)], "error": float(err[a, b]), "bound": float(bounds[a, b])}
-                          for a, b in bad[:PROBE_ENTRIES]], "exceeded_count": int(len(bad))}
+                          for a, b in bad[:PROBE_ENTRIES]], "exceeded_count": len(bad)}
     shown = ", ".join(str(q) for q in positions[:PROBE_POSITIONS]) + (" ..." if positions.size > PROBE_POSITIONS else "")
     message = (f"committed {name} rows of layer {layer} differ by {err[layer, kind]:.3g} > {bound:.3g}: worst at layer {layer} {name}, "
                f"head {w['head']}, position {w['position']} (dim {w['dim']}): reference {w['reference']:.6g}, observed "

@@ -47,15 +47,16 @@ Source: research/formal-anchors-survey.md 2.6 (export the shrunk example when ``
 
 from __future__ import annotations
 
-import hashlib
 import contextlib
+import hashlib
 import json
 import math
 import os
 import re
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import jsonschema
@@ -70,14 +71,14 @@ from .ladder import Verdict
 
 __all__ = [
     "HANDSHAKE_TIMEOUT",
-    "RUNTIMES",
-    "RUNTIME_CHECKED_ENV",
-    "TRACE_FORMAT",
-    "TRACE_FORMAT_VERSION",
     "MAX_NAME_PART",
     "MAX_TRACE_BYTES",
     "MAX_TRACE_NAME",
     "META_SCHEMA",
+    "RUNTIMES",
+    "RUNTIME_CHECKED_ENV",
+    "TRACE_FORMAT",
+    "TRACE_FORMAT_VERSION",
     "TRACE_INVALID",
     "TRACE_RUNTIME_REFUSED",
     "ReplayResult",
@@ -86,9 +87,9 @@ __all__ = [
     "check_runtime",
     "cpu_environment",
     "default_trace_dir",
-    "load_trace",
     "installed_mutant",
     "intra_op_threads",
+    "load_trace",
     "make_trace",
     "mutant_installed",
     "name_slug",
@@ -120,7 +121,7 @@ def _register_broken(name: str) -> None:
     """Import :mod:`decodespec.checks.broken` (it registers the broken runtimes) unless ``name`` is registered."""
     if name not in RUNTIMES:
         try:
-            import decodespec.checks.broken  # noqa: F401
+            import decodespec.checks.broken  # noqa: F401 - registers the broken runtimes
         except ModuleNotFoundError:  # pragma: no cover
             pass
 

@@ -29,7 +29,8 @@ order), 0x09 (tied alias), 0x12 items 25-27, 31, 53-56.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -40,7 +41,6 @@ from decodespec.spec.vocab import (
     VocabAudit,
     VocabMap,
     append_drift,
-    audit_violations,
     mapped_logit_gap,
     migrate_state,
     migration_violations,
@@ -385,30 +385,30 @@ MIGRATION_MUTANTS: dict[str, tuple[Callable[..., Any], str, str, str]] = {
     "vocab_moments_not_moved": (
         _moments_not_moved, "M3.8 0x12 Extended contract failures (item 55); 0x08 Vocabulary migration is a row-address transaction",
         "Vocabulary migration moves the rows but not the optimizer moments",
-        "The embedding/head rows follow the old->new map, Adam's exp_avg / exp_avg_sq stay at their old row addresses: the next "
-        "update applies old state to the wrong token. check_migration reports moments_not_mapped."),
+        ("The embedding/head rows follow the old->new map, Adam's exp_avg / exp_avg_sq stay at their old row addresses: the next "
+        "update applies old state to the wrong token. check_migration reports moments_not_mapped.")),
     "vocab_optimizer_before_retie": (
         _optimizer_before_retie, "M3.8 0x12 Vocabulary and tying bugs (item 31); 0x08 Tied alias and optimizer restoration order",
         "The optimizer is handed a second head Parameter before the tie is restored",
-        "After the migration the optimizer also holds a copy of the shared table with its own moment slot (the object created "
+        ("After the migration the optimizer also holds a copy of the shared table with its own moment slot (the object created "
         "before re-tying): two optimizer states for one shared Parameter. check_migration reports stale_optimizer_parameter "
-        "and optimizer_duplicate_state."),
+        "and optimizer_duplicate_state.")),
     "vocab_alias_not_restored": (
         _alias_not_restored, "M3.8 0x12 Extended contract failures (item 56); 0x08 Tied alias and optimizer restoration order",
         "Tied values restored into two Parameters after migration",
-        "The migrated head is loaded as its own Parameter holding the embedding's values: the logits are right, the tie is "
-        "gone. check_migration reports alias_not_restored."),
+        ("The migrated head is loaded as its own Parameter holding the embedding's values: the logits are right, the tie is "
+        "gone. check_migration reports alias_not_restored.")),
     "vocab_rows_by_size": (
         _rows_by_size_only, "M3.8 0x12 Extended contract failures (item 53); 0x08 The vocabulary-axis identity contract",
         "Migration by vocabulary size instead of the ordered identity map",
-        "The migration keeps each row at its old index (only the size changes), ignoring a permutation in the map: every "
+        ("The migration keeps each row at its old index (only the size changes), ignoring a permutation in the map: every "
         "shape is right and every moved token scores with another token's row. check_migration reports rows_not_mapped and "
-        "the mapped raw-logit oracle fails at the moved ids."),
+        "the mapped raw-logit oracle fails at the moved ids.")),
     "vocab_bias_not_migrated": (
-        _bias_not_migrated, "M3.8 0x09 What tying does and does not imply (a bias is not tied); 0x08 Vocabulary migration is a "
-        "row-address transaction",
+        _bias_not_migrated, ("M3.8 0x09 What tying does and does not imply (a bias is not tied); 0x08 Vocabulary migration is a "
+        "row-address transaction"),
         "The head's bias is resized by position, outside the map, when the weight is tied",
-        "The tied table is migrated by the map, but the separate [V] head bias is padded in place (old index kept) and "
+        ("The tied table is migrated by the map, but the separate [V] head bias is padded in place (old index kept) and "
         "handed to no optimizer: tying the weight does not tie the bias. check_migration reports bias_not_mapped and "
-        "moments_not_mapped, and the mapped raw-logit oracle fails at the moved ids."),
+        "moments_not_mapped, and the mapped raw-logit oracle fails at the moved ids.")),
 }

@@ -47,7 +47,8 @@ bugs"; HF ``generation/utils.py`` (``_prepare_position_ids_for_generation``, the
 
 from __future__ import annotations
 
-from typing import Any, Collection, Sequence
+from collections.abc import Collection, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -264,7 +265,7 @@ class PaddedBatch:
         return translation_receipts(self.attention_mask, self.position_ids, slots)  # type: ignore[return-value]
 
     @classmethod
-    def from_tensors(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> "PaddedBatch":
+    def from_tensors(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PaddedBatch:
         """Validate a caller's rectangle (see :func:`check_attention_mask`).
 
         Raises:
@@ -287,7 +288,7 @@ class PaddedBatch:
         padding_side: str = "left",
         pad_token_id: int = 0,
         device: torch.device | str | None = None,
-    ) -> "PaddedBatch":
+    ) -> PaddedBatch:
         """Pad ``prompts`` to the longest one on ``padding_side``.
 
         Raises:

@@ -59,17 +59,20 @@ device); M4 owns physical cost; HF ``GenerationMixin.generate`` (the peer).
 from __future__ import annotations
 
 import contextlib
+import functools
 import resource
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import attrs
 import torch
 
 from decodespec.spec.latency import QUANTILE_METHOD, CallTiming, Emission, Timeline, expected_calls, request_latency, summarize
+from decodespec.spec.request import default_static_capacity
 
 from .device import resolve_device
 from .events import FileSink
@@ -401,7 +404,7 @@ def measure_read_bandwidth(nbytes: int, device: torch.device, dtype: torch.dtype
         rows = max(nbytes // (hidden_size * dtype.itemsize), 1)
         weight = torch.ones(rows, hidden_size, dtype=dtype, device=device)
         vec = torch.ones(hidden_size, dtype=dtype, device=device)
-        read_gemv = weight.numel() * dtype.itemsize / _median_seconds(lambda: torch.mv(weight, vec), device, repetitions)
+        read_gemv = weight.numel() * dtype.itemsize / _median_seconds(functools.partial(torch.mv, weight, vec), device, repetitions)
         del weight
     return {"sum": read_sum, "gemv": read_gemv}
 
@@ -674,7 +677,7 @@ def run_benchmark(
             bound_runs.append(max(now.values()) / weight_bytes)
         bandwidth = measure_read_bandwidth(weight_bytes, target, dtype, ours.config.hidden_size)
     c = ours.config
-    slots = prompt_len + new_tokens + 1 if cache == "static" else prompt_len + new_tokens - 1
+    slots = default_static_capacity(prompt_len, new_tokens, c.max_position_embeddings) if cache == "static" else prompt_len + new_tokens - 1
     peaks["ours_cache"] = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * slots * dtype.itemsize
     peaks["process_peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return BenchResult(
@@ -722,8 +725,8 @@ def format_result(result: BenchResult) -> str:
 
     device_peak = "; ".join(f"{k.removesuffix('_peak_allocated')} {v / mib:.1f} MiB" for k, v in peak.items() if k.endswith("_peak_allocated"))
     lines = [
-        f"greedy decode, batch 1, {result.prompt_len}-token prompt, {result.new_tokens} new tokens, {result.dtype} on {result.device}, "
-        f"{result.threads} thread(s), median of {result.repetitions} alternating runs",
+        (f"greedy decode, batch 1, {result.prompt_len}-token prompt, {result.new_tokens} new tokens, {result.dtype} on {result.device}, "
+        f"{result.threads} thread(s), median of {result.repetitions} alternating runs"),
         runs(f"ours (RequestRunner, {result.cache} cache, no trace):", result.ours_tokens_per_s),
     ]
     if result.trace_tokens_per_s:
@@ -756,8 +759,8 @@ def format_result(result: BenchResult) -> str:
         f"(best run {100 * result.fraction_of_bound_best:.1f}%"
         + (f"; paired with a bound re-measured after each repetition: {100 * result.fraction_of_bound_paired:.1f}%)"
            if result.bound_runs else ")"),
-        *([f"native kernel at {100 * result.native_fraction_of_bound:.1f}% of the bound (paired: "
-           f"{100 * result.native_fraction_of_bound_paired:.1f}%)"] if result.native_tokens_per_s and result.bound_runs else []),
+        *([(f"native kernel at {100 * result.native_fraction_of_bound:.1f}% of the bound (paired: "
+           f"{100 * result.native_fraction_of_bound_paired:.1f}%)")] if result.native_tokens_per_s and result.bound_runs else []),
         f"memory: weights+buffers ours {peak['ours_resident'] / mib:.1f} MiB (+ K/V cache {peak['ours_cache'] / mib:.1f} MiB), "
         f"HF {peak['hf_resident'] / mib:.1f} MiB; process peak RSS {peak['process_peak_rss'] / mib:.0f} MiB (both models)"
         + (f"; peak allocated during runs: {device_peak}" if device_peak else ""),
@@ -855,10 +858,10 @@ def format_row_scope(result: dict[str, Any]) -> str:
     b, s, v = result["batch"], result["prompt_len"], result["vocab_size"]
     lb, p, h = result["logits_bytes"], result["prefill_seconds"], result["head_seconds"]
     return "\n".join([
-        f"row scope of one prefill, B={b} S={s} V={v} d={result['hidden_size']} {result['dtype']} on {result['device']} "
-        f"({result['machine']}; {result['threads']} threads; {result['repetitions']} paired repetitions)",
-        f"  logits produced: all rows [B,S,V] {lb['all_rows'] / 2**20:.2f} MiB, last row [B,1,V] {lb['last_row'] / 2**20:.4f} MiB "
-        f"(saved {lb['saved'] / 2**20:.2f} MiB, {lb['all_rows'] // max(lb['last_row'], 1)}x)",
+        (f"row scope of one prefill, B={b} S={s} V={v} d={result['hidden_size']} {result['dtype']} on {result['device']} "
+        f"({result['machine']}; {result['threads']} threads; {result['repetitions']} paired repetitions)"),
+        (f"  logits produced: all rows [B,S,V] {lb['all_rows'] / 2**20:.2f} MiB, last row [B,1,V] {lb['last_row'] / 2**20:.4f} MiB "
+        f"(saved {lb['saved'] / 2**20:.2f} MiB, {lb['all_rows'] // max(lb['last_row'], 1)}x)"),
         f"  head MACs: all rows {result['head_macs']['all_rows']:,}, last row {result['head_macs']['last_row']:,}",
         f"  prefill: all rows {p['all'] * 1e3:.1f} ms, last row {p['last'] * 1e3:.1f} ms, paired ratio {p['ratio']:.2f}x",
         f"  lm_head alone: all rows {h['all'] * 1e3:.2f} ms, last row {h['last'] * 1e3:.3f} ms, paired ratio {h['ratio']:.1f}x",

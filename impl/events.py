@@ -82,8 +82,9 @@ import re
 import secrets
 import stat
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, TextIO
+from typing import Any, Self, TextIO
 
 try:
     import fcntl
@@ -342,7 +343,7 @@ class FileSink(EventSink):
 
     def __init__(self, path: str | Path, *, content: bool = False):
         self.path = Path(path)
-        self._file = open(self.path, "w", encoding="utf-8")
+        self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - the sink owns the file until close()
         super().__init__(self._file, content=content)
         if TEMP_NAME.fullmatch(self.path.name):
             _lock(self.path)
@@ -352,7 +353,7 @@ class FileSink(EventSink):
         if not self._file.closed:
             self._file.close()
 
-    def __enter__(self) -> "FileSink":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -33,7 +33,8 @@ Source: M3.10 0x03 "Decoder-only serving loop", 0x08 "Output, input, and cache f
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import attrs
 import torch

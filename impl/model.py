@@ -48,8 +48,10 @@ from .config import ATTN_IMPLEMENTATIONS, INVALID_CONFIG, LlamaConfig
 
 __all__ = [
     "CONTEXT_WINDOW_EXCEEDED",
-    "CausalLMOutput",
     "INVALID_MODEL_INPUT",
+    "CausalLMOutput",
+    "FusedWeight",
+    "Linear",
     "LlamaAttention",
     "LlamaDecoderLayer",
     "LlamaForCausalLM",
@@ -58,9 +60,7 @@ __all__ = [
     "LlamaRMSNorm",
     "LlamaRotaryEmbedding",
     "StageObserver",
-    "Linear",
     "apply_rotary_pos_emb",
-    "FusedWeight",
     "build_attention_mask",
     "project",
     "rotate_half",
@@ -147,7 +147,7 @@ class LlamaRotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [C, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def _apply(self, fn, recurse: bool = True):  # noqa: D401 - nn.Module hook
+    def _apply(self, fn, recurse: bool = True):  # nn.Module hook
         """Rebuild the tables in float32 after a device/dtype move, then cast (no precision loss)."""
         result = super()._apply(fn, recurse)
         cos, sin = self._tables(self.cos_cached.device, self.cos_cached.dtype)
@@ -731,7 +731,7 @@ class LlamaForCausalLM(nn.Module):
         self._kernel = None
         self.eval()
 
-    def _apply(self, fn, recurse: bool = True):  # noqa: D401 - nn.Module hook
+    def _apply(self, fn, recurse: bool = True):  # nn.Module hook
         """After a device/dtype move (``.to``, ``to_empty``), point the projections at fused matrices again."""
         result = super()._apply(fn, recurse)
         self.refuse_projections()
@@ -833,7 +833,7 @@ class LlamaForCausalLM(nn.Module):
         """An empty :class:`DynamicCache` with this model's ABI."""
         return DynamicCache(self.cache_abi)
 
-    def set_attn_implementation(self, attn_implementation: str) -> "LlamaForCausalLM":
+    def set_attn_implementation(self, attn_implementation: str) -> LlamaForCausalLM:
         """Switch every layer to ``"eager"`` or ``"sdpa"`` attention; returns ``self``.
 
         Raises:
@@ -846,7 +846,7 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.attn_implementation = attn_implementation
         return self
 
-    def set_decode_kernel(self, name: str) -> "LlamaForCausalLM":
+    def set_decode_kernel(self, name: str) -> LlamaForCausalLM:
         """Run single-row decode calls through ``"native"`` (:mod:`decodespec.impl.native`) or ``"torch"``; returns ``self``.
 
         With ``"native"``, a call of one row, batch 1, float32 on the CPU with a

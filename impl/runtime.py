@@ -77,7 +77,8 @@ from __future__ import annotations
 import contextlib
 import numbers
 import time
-from typing import Any, Callable, Collection, Iterator, Protocol, Sequence
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -87,14 +88,15 @@ from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, Pen
 from decodespec.spec.envelope import MAX_TIMEOUT_MS, ZERO_NEW_TOKENS_REJECTED, AdmittedRequest
 from decodespec.spec.errors import NOT_ENABLED, DecodeSpecError, Rejection, ResourceLimit, quote, register_code
 from decodespec.spec.policy.codes import FAMILY_MISMATCH, TERMINAL_DECISION_CODES
-from decodespec.spec.policy.config import Family, Order, PolicyConfig, policy_config_from_json
+from decodespec.spec.policy.config import Family, PolicyConfig, policy_config_from_json
 from decodespec.spec.policy.receipt import DecisionReceipt
 from decodespec.spec.policy.state import PolicyState, RequestView, initial_policy_state
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
 from decodespec.spec.prompt_logprobs import PromptLogprob, PromptLogprobsSpec
-from decodespec.spec.state import ENVIRONMENT_FAILURES, InterruptPoint, Phase
+from decodespec.spec.request import context_cap, default_static_capacity, prompt_room
+from decodespec.spec.state import InterruptPoint, Phase, call_interrupt_point, next_call, repair_owed
 
-from .cache import CacheABI, DynamicCache, StaticCache, check_static_reservation, make_cache
+from .cache import DynamicCache, StaticCache, check_static_reservation, make_cache
 from .events import EVENTS_FORMAT, EventSink
 from .faults import FaultPlan, InjectedDeviceFault
 from .latency import LatencyRecorder
@@ -106,11 +108,11 @@ from .rng import RequestRng
 
 __all__ = [
     "ARTIFACT_MISMATCH",
+    "INVALID_REQUEST",
     "CallRecord",
     "CommitObservation",
     "CommitObserver",
     "Decision",
-    "INVALID_REQUEST",
     "RequestRunner",
     "RuntimeRequest",
     "Score",
@@ -206,7 +208,7 @@ class RuntimeRequest:
     prompt_logprobs: PromptLogprobsSpec | None = None
 
     @classmethod
-    def from_admitted(cls, request: AdmittedRequest) -> "RuntimeRequest":
+    def from_admitted(cls, request: AdmittedRequest) -> RuntimeRequest:
         """The runtime request of an admitted envelope (``decodespec.spec.envelope.validate_request_envelope``).
 
         Raises:
@@ -217,7 +219,6 @@ class RuntimeRequest:
             raise Rejection(INVALID_REQUEST, f"the reference runtime runs decoder_only requests, not {request.artifact.architecture}",
                             "$.artifact.architecture")
         term, rt, pv = request.termination, request.runtime, request.position_visibility
-        caps = [pv.max_context] + [c for c in (term.max_total_tokens,) if c is not None]
         return cls(
             identity=request.identity,
             prompt_ids=request.decoder_input_ids,
@@ -233,7 +234,7 @@ class RuntimeRequest:
             zero_new_tokens=term.zero_new_tokens,
             final_cache=request.output.final_cache,
             max_retries=rt.max_retries,
-            context_cap=min(caps),
+            context_cap=context_cap(pv.max_context, term.max_total_tokens),
             stream=request.output.stream,
             stop_strings=term.stop_strings,
             structured=term.structured,
@@ -459,10 +460,9 @@ class RequestRunner:
         self.tokenizer = tokenizer
         self.runtime_info = dict(runtime_info or {})
         self.capacity = request.static_capacity if request.cache == "static" else None
-        caps = [model.config.max_position_embeddings] + [c for c in (request.context_cap, self.capacity) if c is not None]
         #: C: L + O reaching it fires ``context_length``.
-        self.context_cap = min(caps)
-        if self.capacity is not None and self.capacity < request.prompt_len + (1 if request.max_new_tokens else 0):
+        self.context_cap = context_cap(model.config.max_position_embeddings, request.context_cap, self.capacity)
+        if self.capacity is not None and self.capacity < prompt_room(request.prompt_len, request.max_new_tokens):
             raise ResourceLimit(CACHE_CAPACITY_EXCEEDED, f"static capacity {self.capacity} cannot hold the {request.prompt_len}-token prompt",
                                 "$.runtime.static_capacity")
         if self.capacity is not None:
@@ -543,9 +543,8 @@ class RequestRunner:
 
     def repair_owed(self) -> bool:
         """Whether the declared append/repair call still has to process the closed final token."""
-        return (self.phase is Phase.FINISHED and self.request.final_cache == "all_outputs" and self.request.cached
-                and self.pending_tag is PendingTag.CLOSED_UNPROCESSED and self.finish_reason is not None
-                and not self.triggers & ENVIRONMENT_FAILURES)
+        return repair_owed(phase=self.phase, repair_required=self.request.final_cache == "all_outputs" and self.request.cached,
+                           pending_tag=self.pending_tag, finish_reason=self.finish_reason, triggers=self.triggers)
 
     def terminal(self) -> bool:
         """Whether no further controller action is required (FINISHED, no call in flight, no repair owed)."""
@@ -556,10 +555,7 @@ class RequestRunner:
 
         The repair call in flight after the close is ``IN_FLIGHT`` too (a cancel or timeout lands on it).
         """
-        if self.in_flight is not None:
-            return InterruptPoint.IN_FLIGHT
-        return {Phase.READY: InterruptPoint.BEFORE_LAUNCH, Phase.IN_FLIGHT: InterruptPoint.IN_FLIGHT,
-                Phase.SCORED: InterruptPoint.AFTER_COMPLETION, Phase.DECIDED: InterruptPoint.AFTER_DECISION}.get(self.phase)
+        return call_interrupt_point(self.phase, self.in_flight is not None)
 
     def ordered_triggers(self) -> tuple[FinishReason, ...]:
         """Every trigger recorded, in precedence order."""
@@ -629,19 +625,9 @@ class RequestRunner:
     def next_call(self) -> tuple[CallKind, int, int] | None:
         """``(kind, start, length)`` of the call the state calls for, or ``None`` when none is due."""
         r = self.request
-        if self.in_flight is not None or self.quarantined:
-            return None
-        if self.phase is Phase.READY and self.processed < r.prompt_len and not self.output_ids:
-            if not r.cached:
-                return CallKind.PREFILL, 0, r.prompt_len
-            remaining = r.prompt_len - self.processed
-            length = remaining if r.prefill_chunk is None else min(r.prefill_chunk, remaining)
-            return CallKind.PREFILL, self.processed, length
-        if self.phase is Phase.READY and self.pending_tag is PendingTag.PENDING_NEXT_CALL:
-            return (CallKind.DECODE, self.processed, 1) if r.cached else (CallKind.DECODE, 0, r.prompt_len + self.output_count)
-        if self.repair_owed():
-            return CallKind.REPAIR, self.processed, 1
-        return None
+        return next_call(phase=self.phase, processed=self.processed, prompt_len=r.prompt_len, output_count=self.output_count,
+                         cached=r.cached, prefill_chunk=r.prefill_chunk, pending_tag=self.pending_tag,
+                         call_in_flight=self.in_flight is not None, quarantined=self.quarantined, repair_owed=self.repair_owed())
 
     def launch(self, kind: CallKind | str | None = None, *, start: int | None = None, length: int | None = None) -> CallRecord:
         """``Launch``: validate and record the next model call; nothing runs yet (see :meth:`complete`).
@@ -1188,7 +1174,7 @@ class RequestRunner:
             self._budget_elapsed = None
         return True
 
-    def run(self, *, max_outputs: int | None = None) -> "RequestRunner":
+    def run(self, *, max_outputs: int | None = None) -> RequestRunner:
         """Drive the request until it is terminal (or suspend after ``max_outputs`` committed tokens).
 
         Args:
@@ -1217,10 +1203,10 @@ class RequestRunner:
         """
         from .generate import GenerationResult
 
-        common = dict(prompt_ids=self.request.prompt_ids, finish_reason=self.finish_reason, triggers=self.ordered_triggers(),
-                      frontier=self.frontier(), receipts=tuple(self.receipts), rng_counter=self.policy_state.rng_counter,
-                      num_committed=self.output_count, stream=self.stream_report() if self.request.stream else None,
-                      prompt_logprobs=self.prompt_logprobs(), timeline=self.latency.timeline())
+        common = {"prompt_ids": self.request.prompt_ids, "finish_reason": self.finish_reason, "triggers": self.ordered_triggers(),
+                      "frontier": self.frontier(), "receipts": tuple(self.receipts), "rng_counter": self.policy_state.rng_counter,
+                      "num_committed": self.output_count, "stream": self.stream_report() if self.request.stream else None,
+                      "prompt_logprobs": self.prompt_logprobs(), "timeline": self.latency.timeline()}
         out = getattr(self.observer, "output", None) if self.phase is Phase.FINISHED else None
         if out is not None:
             match = out.stop_match
@@ -1273,7 +1259,7 @@ class RequestRunner:
         return take_runtime_snapshot(self, form)
 
     @classmethod
-    def restore(cls, model: LlamaForCausalLM, snapshot, request: RuntimeRequest | None = None, **kwargs: Any) -> "RequestRunner":
+    def restore(cls, model: LlamaForCausalLM, snapshot, request: RuntimeRequest | None = None, **kwargs: Any) -> RequestRunner:
         """``Restore``: a runner continuing ``snapshot`` (validated before any state is built).
 
         Args:
@@ -1360,9 +1346,7 @@ def _validated(model: LlamaForCausalLM, request: RuntimeRequest) -> RuntimeReque
         raise Rejection(ZERO_NEW_TOKENS_REJECTED, "max_new_tokens is 0 and the declared G=0 branch is 'reject'", "$.termination.max_new_tokens")
     changes: dict[str, Any] = {"prompt_ids": prompt, "eos_ids": frozenset(int(i) for i in request.eos_ids)}
     if request.cache == "static" and request.static_capacity is None:
-        # Default: room for every output and the repair call, plus one slot so that the capacity
-        # (part of the context cap C) never fires context_length before length.
-        changes["static_capacity"] = min(len(prompt) + g + 1, window)
+        changes["static_capacity"] = default_static_capacity(len(prompt), g, window)
     if request.cache == "none":
         changes["prefill_chunk"] = None
     return attrs.evolve(request, **changes)

@@ -24,7 +24,8 @@ optimizer restoration order"), 0x09 (tied means one Parameter); HF ``resize_toke
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import torch

@@ -16,7 +16,7 @@ candidate" (SELECT LOGICAL STATE), 0x0A "Asynchronous completion and error bound
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -27,6 +27,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .snapshot import SnapshotRecord
 
 __all__ = [
+    "FAULT_KINDS",
+    "TEXT_TRIGGERS",
     "Action",
     "Admit",
     "Cancel",
@@ -34,7 +36,6 @@ __all__ = [
     "Complete",
     "Decide",
     "EnterCollective",
-    "FAULT_KINDS",
     "Fault",
     "Launch",
     "RankFault",
@@ -45,7 +46,6 @@ __all__ = [
     "Snapshot",
     "StreamFailure",
     "SupportEmpty",
-    "TEXT_TRIGGERS",
     "action_json",
     "action_label",
 ]
@@ -193,11 +193,11 @@ class Restore:
         record: The snapshot's logical record (:class:`decodespec.spec.snapshot.SnapshotRecord`).
     """
 
-    record: "SnapshotRecord"
+    record: SnapshotRecord
 
 
-Action = Union[Admit, Launch, Fault, Complete, Decide, SupportEmpty, Commit, Cancel, StreamFailure, Recover, Snapshot, Restore,
-               EnterCollective, ReportRank, RankFault, RankTimeout]
+Action = (Admit | Launch | Fault | Complete | Decide | SupportEmpty | Commit | Cancel | StreamFailure | Recover | Snapshot | Restore
+          | EnterCollective | ReportRank | RankFault | RankTimeout)
 
 
 def _jsonable(value: Any) -> Any:

@@ -12,12 +12,12 @@ repair), 0x01 (fixed source-indexed lanes, hybrid lanes at one frontier), 0x09 (
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 
-from .enums import CallKind, FinishReason, PendingTag, Selection, published_finish_reason
 from . import participation
+from .enums import CallKind, FinishReason, PendingTag, Selection, published_finish_reason
 from .rules import RULES, rule
 from .snapshot import restore_failure, restore_state, snapshot_forms, take_snapshot
 from .state import Phase, RequestParams, RequestState, repair_outstanding

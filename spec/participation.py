@@ -71,10 +71,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from .state import InFlightCall, RequestParams, RequestState
 
 __all__ = [
-    "EnterCollective",
     "MISSING_RANK",
     "RANK_LEFT_REASONS",
     "RANK_TIMEOUT",
+    "EnterCollective",
     "RankFault",
     "RankProgress",
     "RankReport",
@@ -198,17 +198,17 @@ class RankTimeout:
 # --------------------------------------------------------------------------------------------
 
 
-def declared_ranks(params: "RequestParams") -> tuple[int, ...]:
+def declared_ranks(params: RequestParams) -> tuple[int, ...]:
     """The declared rank roster ``(0, ..., R - 1)``, or ``()`` for a single-process request (R = 1)."""
     return tuple(range(params.ranks)) if params.ranks > 1 else ()
 
 
-def initial_progress(params: "RequestParams") -> tuple[RankProgress, ...]:
+def initial_progress(params: RequestParams) -> tuple[RankProgress, ...]:
     """Each declared rank at the start of a call: nothing entered, nothing reported, not left."""
     return tuple(RankProgress(rank) for rank in declared_ranks(params))
 
 
-def collective_complete(call: "InFlightCall", k: int) -> bool:
+def collective_complete(call: InFlightCall, k: int) -> bool:
     """Whether collective ``k`` of ``call`` completed: every declared rank entered it (a left rank never will)."""
     return all(p.entered > k for p in call.ranks)
 
@@ -218,23 +218,23 @@ def active(progress: RankProgress) -> bool:
     return progress.report is None and progress.left is None
 
 
-def blocked(call: "InFlightCall", rank: int) -> bool:
+def blocked(call: InFlightCall, rank: int) -> bool:
     """Whether ``rank`` waits inside a collective that has not completed (its last entered one)."""
     entered = call.ranks[rank].entered
     return entered >= 1 and not collective_complete(call, entered - 1)
 
 
-def anyone_left(call: "InFlightCall") -> bool:
+def anyone_left(call: InFlightCall) -> bool:
     """Whether some rank left the call (after that no rank may enter another collective)."""
     return any(p.left is not None for p in call.ranks)
 
 
-def roster_closed(call: "InFlightCall") -> bool:
+def roster_closed(call: InFlightCall) -> bool:
     """Whether every declared rank reported or left (the coordinator may then close the call)."""
     return all(not active(p) for p in call.ranks)
 
 
-def expected_rank_report(params: "RequestParams", call: "InFlightCall", rank: int) -> RankReport:
+def expected_rank_report(params: RequestParams, call: InFlightCall, rank: int) -> RankReport:
     """The report under which rank ``rank`` agrees with the call (what ALL_NEW needs from it).
 
     Same request identity and generation as the call, the call's positions, every roster lane at
@@ -255,7 +255,7 @@ def expected_rank_report(params: "RequestParams", call: "InFlightCall", rank: in
     )
 
 
-def rank_disagreement(params: "RequestParams", call: "InFlightCall", report: RankReport) -> str | None:
+def rank_disagreement(params: RequestParams, call: InFlightCall, report: RankReport) -> str | None:
     """Which field of ``report`` disagrees with the call (``"generation"``, ``"positions"`` ...), or ``None``."""
     want = expected_rank_report(params, call, report.rank)
     if report.identity != want.identity:
@@ -273,7 +273,7 @@ def rank_disagreement(params: "RequestParams", call: "InFlightCall", report: Ran
     return None
 
 
-def participation_failure(params: "RequestParams", call: "InFlightCall") -> str | None:
+def participation_failure(params: RequestParams, call: InFlightCall) -> str | None:
     """Why the rank roster forbids ALL_NEW (:data:`MISSING_RANK` / :data:`RANK_TIMEOUT`), or ``None``.
 
     ``None`` for a single-process call (no rank layer).  A faulted rank first, then a rank whose
@@ -295,14 +295,14 @@ def participation_failure(params: "RequestParams", call: "InFlightCall") -> str 
 # --------------------------------------------------------------------------------------------
 
 
-def _with_rank(state: "RequestState", rank: int, **changes: Any) -> "RequestState":
+def _with_rank(state: RequestState, rank: int, **changes: Any) -> RequestState:
     call = state.in_flight
     assert call is not None
     ranks = tuple(attrs.evolve(p, **changes) if p.rank == rank else p for p in call.ranks)
     return attrs.evolve(state, in_flight=attrs.evolve(call, ranks=ranks))
 
 
-def _leave(state: "RequestState", rank: int, reason: str) -> "RequestState":
+def _leave(state: RequestState, rank: int, reason: str) -> RequestState:
     call = state.in_flight
     assert call is not None
     first = not anyone_left(call)
@@ -325,7 +325,7 @@ def _leave(state: "RequestState", rank: int, reason: str) -> "RequestState":
     "left); it is not blocked in an incomplete collective; it entered fewer than C collectives; no rank has left "
     "the call (no rank enters a collective another rank has left). Effect: the rank's entered count + 1.",
 )
-def rank_enter(params: "RequestParams", state: "RequestState", action: EnterCollective) -> "RequestState":
+def rank_enter(params: RequestParams, state: RequestState, action: EnterCollective) -> RequestState:
     assert state.in_flight is not None
     return _with_rank(state, action.rank, entered=state.in_flight.ranks[action.rank].entered + 1)
 
@@ -337,7 +337,7 @@ def rank_enter(params: "RequestParams", state: "RequestState", action: EnterColl
     statement="Guard: the rank is declared and active, not blocked, entered all C collectives, and the report names "
     "it. Effect: the report is recorded as sent (whatever it says: agreement is judged at completion).",
 )
-def rank_report(params: "RequestParams", state: "RequestState", action: ReportRank) -> "RequestState":
+def rank_report(params: RequestParams, state: RequestState, action: ReportRank) -> RequestState:
     return _with_rank(state, action.report.rank, report=action.report)
 
 
@@ -349,7 +349,7 @@ def rank_report(params: "RequestParams", state: "RequestState", action: ReportRa
     "device_fault; on the first leave every rank's ceiling is set to its entered count; the call can only select "
     "ALL_OLD (missing_rank).",
 )
-def rank_fault(params: "RequestParams", state: "RequestState", action: RankFault) -> "RequestState":
+def rank_fault(params: RequestParams, state: RequestState, action: RankFault) -> RequestState:
     return _leave(state, action.rank, "device_fault")
 
 
@@ -362,7 +362,7 @@ def rank_fault(params: "RequestParams", state: "RequestState", action: RankFault
     "with reason timeout; on the first leave every rank's ceiling is set; the call can only select ALL_OLD "
     "(rank_timeout, finishing timeout when no retry remains).",
 )
-def rank_timeout(params: "RequestParams", state: "RequestState", action: RankTimeout) -> "RequestState":
+def rank_timeout(params: RequestParams, state: RequestState, action: RankTimeout) -> RequestState:
     return _leave(state, action.rank, "timeout")
 
 
@@ -379,7 +379,7 @@ def rank_timeout(params: "RequestParams", state: "RequestState", action: RankTim
     "rank 0..R-1 in order, 0 <= entered <= C, a report only after all C collectives and naming its rank, and a "
     "rank either reported or left, never both.",
 )
-def ranks_declared(params: "RequestParams", state: "RequestState") -> bool:
+def ranks_declared(params: RequestParams, state: RequestState) -> bool:
     call = state.in_flight
     if call is None:
         return True
@@ -402,7 +402,7 @@ def ranks_declared(params: "RequestParams", state: "RequestState") -> bool:
     statement="Once a rank of the in-flight call has left, every rank has a ceiling (its entered count when the "
     "first rank left) and entered <= ceiling; before any rank left no ceiling is set.",
 )
-def no_collective_after_leave(params: "RequestParams", state: "RequestState") -> bool:
+def no_collective_after_leave(params: RequestParams, state: RequestState) -> bool:
     call = state.in_flight
     if call is None or not call.ranks:
         return True
@@ -420,7 +420,7 @@ def no_collective_after_leave(params: "RequestParams", state: "RequestState") ->
     "[P_before, P_after) ([0, P_after) uncached), every advancing lane at P_after, every stage completed, one decision row. An ALL_OLD "
     "completion exposes no score (invariant.all_old_exposes_nothing).",
 )
-def all_new_needs_every_rank(params: "RequestParams", state: "RequestState") -> bool:
+def all_new_needs_every_rank(params: RequestParams, state: RequestState) -> bool:
     last = state.last_completion
     if last is None or last.selection is not Selection.ALL_NEW or params.ranks == 1:
         return True

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -156,6 +157,31 @@ def _count(value: Any, name: str) -> int:
     return int(value)
 
 
+# Named converters of VocabAudit's counts (each names its field in the error).
+def _tokenizer_size(v: Any) -> int:
+    return _count(v, "tokenizer_size")
+
+
+def _tokenizer_len(v: Any) -> int:
+    return _count(v, "tokenizer_len")
+
+
+def _embedding_rows(v: Any) -> int:
+    return _count(v, "embedding_rows")
+
+
+def _output_rows(v: Any) -> int:
+    return _count(v, "output_rows")
+
+
+def _config_vocab_size(v: Any) -> int:
+    return _count(v, "config_vocab_size")
+
+
+def _id_tuple(v: Iterable[Any]) -> tuple[int, ...]:
+    return tuple(int(x) for x in v)
+
+
 @attrs.frozen
 class VocabAudit:
     """Every vocabulary count of one model + tokenizer, side by side (M3.8 0x08 "The robust audit prints all of them").
@@ -176,13 +202,13 @@ class VocabAudit:
         tied: Whether the head is the embedding's Parameter (identity, M3.8 0x09).
     """
 
-    tokenizer_size: int = attrs.field(converter=lambda v: _count(v, "tokenizer_size"))
-    tokenizer_len: int = attrs.field(converter=lambda v: _count(v, "tokenizer_len"))
-    embedding_rows: int = attrs.field(converter=lambda v: _count(v, "embedding_rows"))
-    output_rows: int = attrs.field(converter=lambda v: _count(v, "output_rows"))
-    config_vocab_size: int = attrs.field(converter=lambda v: _count(v, "config_vocab_size"))
+    tokenizer_size: int = attrs.field(converter=_tokenizer_size)
+    tokenizer_len: int = attrs.field(converter=_tokenizer_len)
+    embedding_rows: int = attrs.field(converter=_embedding_rows)
+    output_rows: int = attrs.field(converter=_output_rows)
+    config_vocab_size: int = attrs.field(converter=_config_vocab_size)
     vocab_hash: str = ""
-    added_ids: tuple[int, ...] = attrs.field(default=(), converter=lambda v: tuple(int(x) for x in v))
+    added_ids: tuple[int, ...] = attrs.field(default=(), converter=_id_tuple)
     special_ids: Mapping[str, int | None] = attrs.field(factory=dict, converter=dict)
     config_special_ids: Mapping[str, int | None] = attrs.field(factory=dict, converter=dict)
     tied: bool = False
@@ -275,7 +301,7 @@ class VocabMap:
     new_ids: np.ndarray
 
     @classmethod
-    def create(cls, old_size: int, new_size: int, old_to_new: Mapping[int, int] | Sequence[tuple[int, int]]) -> "VocabMap":
+    def create(cls, old_size: int, new_size: int, old_to_new: Mapping[int, int] | Sequence[tuple[int, int]]) -> VocabMap:
         """Validate and build a map.
 
         Raises:
@@ -283,7 +309,7 @@ class VocabMap:
                 (``pi`` must be injective on ``K``).
         """
         old_size, new_size = _count(old_size, "old_size"), _count(new_size, "new_size")
-        pairs = sorted((dict(old_to_new) if isinstance(old_to_new, Mapping) else dict(old_to_new)).items())
+        pairs = sorted(dict(old_to_new).items())  # a mapping or (old, new) pairs
         old = np.array([int(a) for a, _ in pairs], dtype=np.int64)
         new = np.array([int(b) for _, b in pairs], dtype=np.int64)
         if old.size and (old.min() < 0 or old.max() >= old_size):
@@ -298,7 +324,7 @@ class VocabMap:
         return cls(old_size, new_size, old, new)
 
     @classmethod
-    def append_only(cls, old_size: int, new_size: int) -> "VocabMap":
+    def append_only(cls, old_size: int, new_size: int) -> VocabMap:
         """Keep every old id where it is (``pi(v) = v``) and append ``new_size - old_size`` rows.
 
         Raises:
@@ -309,7 +335,7 @@ class VocabMap:
         return cls.create(old_size, new_size, {v: v for v in range(old_size)})
 
     @classmethod
-    def permutation(cls, perm: Sequence[int]) -> "VocabMap":
+    def permutation(cls, perm: Sequence[int]) -> VocabMap:
         """The full permutation ``pi(v) = perm[v]`` (``V_new = V_old``).
 
         Raises:
@@ -410,10 +436,10 @@ def migrate_rows(rows: Any, vmap: VocabMap, init: NewRowInit | None) -> tuple[np
                 new[n] = old[src].mean(axis=0)
         elif init.kind == "copy":
             for n in fresh:
-                src = init.sources.get(int(n))
-                if src is None or not 0 <= int(src) < vmap.old_size:
+                source_id = init.sources.get(int(n))
+                if source_id is None or not 0 <= int(source_id) < vmap.old_size:
                     raise Rejection(INVALID_MAP, f"new row {int(n)} has no old row to copy", f"$.init.sources.{int(n)}")
-                new[n] = old[int(src)]
+                new[n] = old[int(source_id)]
         elif init.kind == "values":
             vals = np.asarray(init.values, dtype=np.float64) if init.values is not None else None
             if vals is None or vals.shape != (fresh.size, *old.shape[1:]):
@@ -523,7 +549,8 @@ class AppendDrift:
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
     m = z.max(axis=1, keepdims=True)
-    return z - (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))
+    out: np.ndarray = z - (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))
+    return out
 
 
 @rule(

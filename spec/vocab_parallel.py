@@ -50,7 +50,7 @@ vocabulary shards", "Exact backward and ownership", "Collective and failure ledg
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
@@ -128,7 +128,8 @@ def shard_logits(hidden: np.ndarray, weight: np.ndarray, ranges: Sequence[tuple[
 
 def global_max(shards: Shards) -> np.ndarray:
     """``m = max_r max_{v in V_r} z_v``: each rank's local row maximum, then an all-reduce MAX (``[N]``)."""
-    return np.max(np.stack([s.max(axis=-1) for s in shards]), axis=0)
+    m: np.ndarray = np.max(np.stack([s.max(axis=-1) for s in shards]), axis=0)
+    return m
 
 
 def global_denominator(shards: Shards, m: np.ndarray) -> np.ndarray:
@@ -170,7 +171,8 @@ def cross_entropy(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np
     z_target = np.zeros_like(lse)
     for c in target_contributions(shards, ranges, targets):
         z_target = z_target + c
-    return lse - z_target
+    loss: np.ndarray = lse - z_target
+    return loss
 
 
 def logit_grads(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.ndarray) -> list[np.ndarray]:
@@ -213,7 +215,8 @@ def greedy(shards: Shards, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
     values = np.stack([s.max(axis=-1) for s in shards])
     ids = np.stack([s.argmax(axis=-1) + a for s, (a, _) in zip(shards, ranges)])
     top = values.max(axis=0)
-    return np.where(values == top[None, :], ids, vocab).min(axis=0)
+    first_max: np.ndarray = np.where(values == top[None, :], ids, vocab).min(axis=0)
+    return first_max
 
 
 def _ranked(values: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -304,7 +307,8 @@ def multinomial(prob_shards: Shards, ranges: Sequence[tuple[int, int]], u: np.nd
         first = np.minimum(first, local)
         pos = s > 0
         last_positive = np.maximum(last_positive, np.where(pos.any(axis=-1), b - 1 - pos[:, ::-1].argmax(axis=-1), -1))
-    return np.minimum(first, last_positive)
+    cut: np.ndarray = np.minimum(first, last_positive)
+    return cut
 
 
 @attrs.frozen
@@ -327,7 +331,7 @@ class VocabTelemetry:
 def telemetry(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.ndarray) -> VocabTelemetry:
     """Target-owner counts (a SUM of 0/1 per rank), targets outside all shards, non-finite local maxima, denominator validity."""
     _check(shards, ranges)
-    owners = sum(((a <= targets) & (targets < b)).astype(np.int64) for a, b in ranges)
+    owners = np.sum([((a <= targets) & (targets < b)).astype(np.int64) for a, b in ranges], axis=0)
     local_max = [s.max(axis=-1) for s in shards]
     m = np.max(np.stack(local_max), axis=0)
     with np.errstate(invalid="ignore", over="ignore"):

@@ -37,17 +37,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fuzzing import HANG_S, Chooser  # tests/ is on sys.path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from runtime_helpers import request, sampled_policy
 
 from decodespec.impl.runtime import RequestRunner, RuntimeRequest
 from decodespec.impl.snapshot import load_snapshot, save_snapshot
 from decodespec.spec.envelope import validate_request_envelope
 from decodespec.spec.errors import ERROR_CODES, MAX_MESSAGE_CHARS, DecodeSpecError
 from decodespec.spec.policy.config import CATALOG
-
-from fuzzing import HANG_S, Chooser  # noqa: E402  (tests/ is on sys.path)
-from runtime_helpers import request, sampled_policy  # noqa: E402
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "docs" / "examples").glob("*.request.json"))
 #: Examples per test in the default (CI) profile.

@@ -120,9 +120,8 @@ def test_a_seam_that_moved_is_refused_and_installs_nothing():
     moved = Patch("decodespec.impl.policy:greedy_select", edits=[("this text is not in the function", "x")])
     good = Patch("decodespec.impl.policy:decide", edits=[("raw = row.to(torch.float32)", "raw = row.to(torch.float64)")])
     for patches in ([good, moved], [Patch("decodespec.impl.policy:no_such_function", wrap=lambda f: f)]):
-        with pytest.raises(SeamMoved):
-            with Mutant("moved", "logprob", "t", "M3.10 0x0B", "s", patches).applied():
-                pass  # pragma: no cover - never entered
+        with pytest.raises(SeamMoved), Mutant("moved", "logprob", "t", "M3.10 0x0B", "s", patches).applied():
+            pass  # pragma: no cover - never entered
         assert all(M.seam_fingerprint()[k] is v for k, v in seams.items()) and leaked() == []
 
 

@@ -41,8 +41,8 @@ RANK_INVARIANTS = ("invariant.ranks_declared", "invariant.no_collective_after_le
 
 def bounds(ranks: int, **changes: object) -> ExploreBounds:
     """A one-call request (L = 1, G = 1) whose calls run on ``ranks`` ranks."""
-    base = dict(vocab=2, prompt_len=1, max_new_tokens=1, prefill_chunk=None, ranks=ranks, collectives=2 if ranks == 2 else 1,
-                max_retries=0, interrupts=False, stream=False, final_cache="processed_inputs_only")
+    base = {"vocab": 2, "prompt_len": 1, "max_new_tokens": 1, "prefill_chunk": None, "ranks": ranks, "collectives": 2 if ranks == 2 else 1,
+                "max_retries": 0, "interrupts": False, "stream": False, "final_cache": "processed_inputs_only"}
     base.update(changes)
     return ExploreBounds(**base)  # type: ignore[arg-type]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 import pytest
@@ -12,7 +12,7 @@ from decodespec.spec import invariants as inv
 from decodespec.spec.actions import Admit, Commit, Decide, Launch
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection
 from decodespec.spec.rules import rules_of_kind
-from decodespec.spec.state import Completion, InFlightCall, Phase, Receipt, RequestParams, RequestState, initial_state
+from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state
 from decodespec.spec.transitions import expected_report, step
 
 PARAMS = params_for_bounds(ExploreBounds(prefill_chunk=None, max_draws=1, cache="static", capacity=6))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from decodespec.checks.explore import ExploreBounds, candidate_actions, frontier_label, params_for_bounds
 from decodespec.spec import invariants as inv
-from decodespec.spec.actions import Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, StreamFailure, SupportEmpty
+from decodespec.spec.actions import Admit, Cancel, Commit, Decide, Fault, Launch, Recover, StreamFailure, SupportEmpty
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection
 from decodespec.spec.errors import ERROR_CODES, Rejection, ResourceLimit
 from decodespec.spec.rules import RULES, rules_of_kind

@@ -45,7 +45,7 @@ def test_distributed_loss_and_gradients_equal_the_single_rank_ones(ranks: int, s
     hidden, weight, z, y, _ = _inputs(seed, vocab=11)
     ranges = vp.shard_ranges(11, ranks)
     shards = vp.shard_logits(hidden, weight, ranges)
-    m, s, lse = vp.logsumexp(shards)
+    m, _s, lse = vp.logsumexp(shards)
     assert np.array_equal(m, np.concatenate(shards, axis=-1).max(axis=-1))  # MAX is exact
     single = np.stack([-log_softmax(row)[t] for row, t in zip(z, y)])
     bound = 4 * 11 * EPS * (1 + np.abs(lse) + np.abs(z[np.arange(6), y]))
@@ -61,7 +61,7 @@ def test_distributed_loss_and_gradients_equal_the_single_rank_ones(ranks: int, s
 
 
 def test_non_owners_contribute_the_sum_neutral_and_exactly_one_rank_owns_each_target() -> None:
-    hidden, weight, z, y, _ = _inputs(3, vocab=10)
+    hidden, weight, _z, y, _ = _inputs(3, vocab=10)
     ranges = vp.shard_ranges(10, 3)
     assert ranges == ((0, 4), (4, 7), (7, 10))  # the first V mod R shards own one row more
     parts = vp.target_contributions(vp.shard_logits(hidden, weight, ranges), ranges, y)
@@ -72,7 +72,7 @@ def test_non_owners_contribute_the_sum_neutral_and_exactly_one_rank_owns_each_ta
 
 
 def test_telemetry_reports_targets_outside_every_shard_and_non_finite_local_maxima() -> None:
-    hidden, weight, z, y, _ = _inputs(4, vocab=8, rows=3)
+    hidden, weight, _z, _y, _ = _inputs(4, vocab=8, rows=3)
     ranges = vp.shard_ranges(8, 2)
     shards = vp.shard_logits(hidden, weight, ranges)
     shards[1][0, :] = -np.inf  # row 0: rank 1's whole shard masked

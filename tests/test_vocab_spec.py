@@ -192,7 +192,7 @@ def test_append_drift_keeps_raw_logits_and_rescales_old_probabilities():
 
 
 def _obs(rows, moments, **kw):
-    base = dict(declared_tied=True, tied_after=True, rows=rows, moments=moments, optimizer_entries=1, stale_entries=0, state_slots=1)
+    base = {"declared_tied": True, "tied_after": True, "rows": rows, "moments": moments, "optimizer_entries": 1, "stale_entries": 0, "state_slots": 1}
     return MigrationObservation(**{**base, **kw})
 
 

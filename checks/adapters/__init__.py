@@ -109,34 +109,35 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import re
 import json
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import numpy as np
 import rfc8785
 
+from decodespec.spec.enums import PendingTag
 from decodespec.spec.errors import Rejection, register_code
 from decodespec.spec.snapshot import SnapshotRecord
-from decodespec.spec.enums import PendingTag
 
 __all__ = [
     "ADAPTER_INVALID_ACTION",
     "ADAPTER_INVALID_CONFIG",
     "ADAPTER_PROTOCOL",
     "ADAPTER_UNSUPPORTED",
+    "CAPABILITIES",
+    "CORRUPTIONS",
+    "MODELS",
+    "OPS",
+    "OP_AND_PROBE_CAPABILITIES",
+    "OP_CAPABILITIES",
     "Adapter",
     "AdapterUnavailable",
     "ApplyResult",
-    "CAPABILITIES",
     "COMMAND_RUNTIMES",
-    "CORRUPTIONS",
     "CaseConfig",
-    "OP_AND_PROBE_CAPABILITIES",
-    "MODELS",
-    "OPS",
-    "OP_CAPABILITIES",
     "Observation",
     "check_action",
     "config_capabilities",
@@ -267,7 +268,7 @@ def no_controller_action(phase: str) -> Rejection:
                      details={"rule": "controller", "guard": "the request is not terminal"})
 
 
-def required_capabilities(action: Mapping[str, Any], config: "CaseConfig | None" = None) -> frozenset[str]:
+def required_capabilities(action: Mapping[str, Any], config: CaseConfig | None = None) -> frozenset[str]:
     """Capabilities an action needs (chunked prefill also needs ``prefill_chunk``)."""
     need = set(OP_CAPABILITIES[action["op"]])
     if action["op"] == "prefill" and action.get("chunk") is not None:
@@ -417,7 +418,7 @@ class CaseConfig:
         return out
 
     @classmethod
-    def from_json(cls, obj: Any) -> "CaseConfig":
+    def from_json(cls, obj: Any) -> CaseConfig:
         """Inverse of :meth:`to_json` (absent optional fields take their defaults).
 
         Raises:
@@ -438,7 +439,7 @@ class CaseConfig:
         except (TypeError, ValueError, OverflowError) as exc:
             raise Rejection(ADAPTER_INVALID_CONFIG, f"{type(exc).__name__}: {exc}", "$") from None
 
-    def evolve(self, **changes: Any) -> "CaseConfig":
+    def evolve(self, **changes: Any) -> CaseConfig:
         """A copy with ``changes`` (validated again)."""
         return attrs.evolve(self, **changes)
 
@@ -453,7 +454,7 @@ class CaseConfig:
         return "sha256:" + digest
 
 
-from .features import config_capabilities, feature_capabilities  # noqa: E402 - needs CaseConfig's defaults
+from .features import config_capabilities, feature_capabilities  # needs CaseConfig's defaults
 
 #: Every capability an adapter may declare: :data:`OP_AND_PROBE_CAPABILITIES` plus one name per policy transform
 #: and per envelope feature, derived from the request and policy schemas
@@ -479,12 +480,12 @@ class ApplyResult:
     message: str | None = None
 
     @classmethod
-    def accepted(cls, data: Mapping[str, Any] | None = None) -> "ApplyResult":
+    def accepted(cls, data: Mapping[str, Any] | None = None) -> ApplyResult:
         """An accepted action's result."""
         return cls(True, dict(data or {}))
 
     @classmethod
-    def rejected(cls, code: str, message: str = "") -> "ApplyResult":
+    def rejected(cls, code: str, message: str = "") -> ApplyResult:
         """A refused action's result (the typed error's code and message)."""
         return cls(False, {}, code, message)
 
@@ -495,7 +496,7 @@ class ApplyResult:
         return {"status": "rejected", "code": self.code, "message": self.message or ""}
 
     @classmethod
-    def from_json(cls, obj: Any) -> "ApplyResult":
+    def from_json(cls, obj: Any) -> ApplyResult:
         """Inverse of :meth:`to_json`.
 
         Raises:

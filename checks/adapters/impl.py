@@ -31,7 +31,8 @@ Source: docs/design.md sections 6 and 11; M3.10 0x0BA (observable fields).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -45,6 +46,7 @@ from decodespec.spec.policy import RequestView, policy_config_from_json
 from decodespec.spec.state import Phase
 from decodespec.spec.transitions import NOT_ENABLED
 
+from ..vocab_check import runtime_vocab_hash
 from . import (
     ADAPTER_INVALID_ACTION,
     ADAPTER_PROTOCOL,
@@ -57,7 +59,6 @@ from . import (
     no_controller_action,
     required_capabilities,
 )
-from ..vocab_check import runtime_vocab_hash
 from .features import names_at, sendable_features, undeclared
 
 __all__ = ["IMPL_CAPABILITIES", "ImplAdapter", "available", "create", "load_model", "load_tokenizer",
@@ -79,7 +80,7 @@ def available() -> str | None:
     return None
 
 
-def create(**options: Any) -> "ImplAdapter":
+def create(**options: Any) -> ImplAdapter:
     """The adapter (``options``: see :class:`ImplAdapter`; a ``model`` option is ignored: the config names it)."""
     options.pop("model", None)
     return ImplAdapter(**options)

@@ -71,8 +71,19 @@ from . import CaseConfig
 from .features import envelope_features, names_at, transform_capability
 from .peer import PeerAdapter, PeerDecision, bound_triggers, main_value, register_tolerances, unsupported
 
-__all__ = ["LLAMACPP_CAPABILITIES", "LLAMACPP_SKIP_REASON", "LlamaCppEngine", "N_CTX", "available", "create", "llama",
-           "last_row", "logit_bias_processor", "logit_drift", "sampler_params"]
+__all__ = [
+    "LLAMACPP_CAPABILITIES",
+    "LLAMACPP_SKIP_REASON",
+    "N_CTX",
+    "LlamaCppEngine",
+    "available",
+    "create",
+    "last_row",
+    "llama",
+    "logit_bias_processor",
+    "logit_drift",
+    "sampler_params",
+]
 
 LLAMACPP_SKIP_REASON = ("llama-cpp-python not installed: pip install 'decodespec[llamacpp]' "
                         "(CMAKE_ARGS=-DGGML_NATIVE=OFF; DECODESPEC_LLAMACPP=1 .ci/setup builds it)")

@@ -26,7 +26,6 @@ import argparse
 import json
 from pathlib import Path
 
-
 #: ``--prefill-chunk`` not given: the profile's default (see :func:`_prefill_chunk`); not a string,
 #: so argparse does not convert it.
 _PROFILE_DEFAULT = object()
