@@ -17,7 +17,8 @@ in the trace).
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from decodespec.spec.errors import Rejection, register_code
 from decodespec.spec.latency import CallTiming, Emission, Timeline

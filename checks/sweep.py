@@ -61,8 +61,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -74,8 +75,8 @@ from .ladder import FAILED, UNDECIDED, cache_probe_failure, compare_rows, greedy
 
 __all__ = [
     "SWEEP_TWO_VARIABLES",
-    "SWEEP_VARIABLE_UNSUPPORTED",
     "SWEEP_VALUE_INVALID",
+    "SWEEP_VARIABLE_UNSUPPORTED",
     "VARIABLES",
     "Manifest",
     "check_one_variable",
@@ -172,7 +173,7 @@ class Manifest:
         decoding = "greedy" if self.num_beams == 1 and variable != "num_beams" else "beam search (HF-compatible) / greedy at width 1"
         return ", ".join(f"{k}={v}" for k, v in fields.items()) + f", {decoding}, EOS off, batch 1"
 
-    def check(self) -> "Manifest":
+    def check(self) -> Manifest:
         """``self`` if valid, else ``Rejection(sweep.value_invalid)``."""
         def bad(msg: str) -> Rejection:
             return Rejection(SWEEP_VALUE_INVALID, msg, "$.manifest")

@@ -80,11 +80,11 @@ from .generate import generate
 from .model import LlamaForCausalLM
 
 __all__ = [
-    "BOUND_METHOD",
-    "BenchResult",
-    "LLAMACPP_ABSENT",
-    "PeerFactory",
     "BENCH_TEXT",
+    "BOUND_METHOD",
+    "LLAMACPP_ABSENT",
+    "BenchResult",
+    "PeerFactory",
     "decode_weight_bytes",
     "format_result",
     "measure_read_bandwidth",
@@ -478,7 +478,7 @@ class _HFTimer:
         self.final = self._now()
 
     @contextlib.contextmanager
-    def timing(self, prompt_len: int) -> Iterator["_HFTimer"]:
+    def timing(self, prompt_len: int) -> Iterator[_HFTimer]:
         self._reset(prompt_len)
         self.active = True
         try:
@@ -882,8 +882,8 @@ def _latency_lines(result: BenchResult) -> list[str]:
 
     if not result.latency:
         return []
-    lines = [f"latency per request (TTFT over the {result.repetitions} runs, ITL over every token of every run; ms, p50/p90/p99; "
-             f"rates: median over runs; decode tok/s excludes the prefill):",
+    lines = [(f"latency per request (TTFT over the {result.repetitions} runs, ITL over every token of every run; ms, p50/p90/p99; "
+             f"rates: median over runs; decode tok/s excludes the prefill):"),
              f"  {'runtime':<14}{'TTFT ms':>26}{'ITL ms':>26}{'prefill tok/s':>15}{'decode tok/s':>14}{'calls':>8}  decode / HF (paired)"]
     expected = result.expected_calls.get("total")
     for name in result.latency:

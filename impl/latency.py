@@ -19,7 +19,7 @@ event, per-phase timings).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from decodespec.spec.latency import MAX_TIMED_EVENTS, CallTiming, Emission, Timeline
 

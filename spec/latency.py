@@ -43,8 +43,10 @@ off-by-one".
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -144,7 +146,7 @@ class Timeline:
     final_ns: int | None = None
     dropped: int = 0
 
-    def check(self) -> "Timeline":
+    def check(self) -> Timeline:
         """``self`` if it is a timeline; else ``Rejection(latency.timeline_invalid)`` naming the first fault."""
 
         def bad(message: str, path: str) -> Rejection:
@@ -210,7 +212,7 @@ class RequestLatency:
     decode_tokens_per_s: float | None
     prefill_tokens_per_s: float | None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         out = attrs.asdict(self)
         out["itl_ns"] = list(self.itl_ns)
         return out
@@ -230,7 +232,7 @@ def request_latency(timeline: Timeline) -> RequestLatency:
         if not token_emissions or e.token_end > token_emissions[-1].token_end:
             token_emissions.append(e)
     ttft = token_emissions[0].t_ns - t.admit_ns if token_emissions else None
-    itl = tuple(b.t_ns - a.t_ns for a, b in zip(token_emissions, token_emissions[1:]))
+    itl = tuple(b.t_ns - a.t_ns for a, b in itertools.pairwise(token_emissions))
     per_kind = {kind: [c for c in t.calls if c.kind == kind] for kind in CALL_KINDS}
     spent = {kind: sum(c.duration_ns for c in calls) for kind, calls in per_kind.items()}
     e2e = None if t.final_ns is None else t.final_ns - t.admit_ns
@@ -314,7 +316,7 @@ def summarize(values: Iterable[float]) -> dict[str, float | int | None]:
             "min": min(xs), "max": max(xs)}
 
 
-def timeline_from_json(data: Mapping) -> Timeline:
+def timeline_from_json(data: Mapping[str, Any]) -> Timeline:
     """A :class:`Timeline` from its JSON form (``attrs.asdict``), checked.
 
     Raises:

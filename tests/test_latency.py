@@ -10,8 +10,18 @@ import pytest
 
 from decodespec.checks.latency import LATENCY_UNTIMED_TRACE, timeline_from_trace
 from decodespec.spec.errors import Rejection
-from decodespec.spec.latency import (LATENCY_TIMELINE_INVALID, MAX_TIMED_EVENTS, CallTiming, Emission, Timeline, expected_calls,
-                                     quantile, request_latency, summarize, timeline_from_json)
+from decodespec.spec.latency import (
+    LATENCY_TIMELINE_INVALID,
+    MAX_TIMED_EVENTS,
+    CallTiming,
+    Emission,
+    Timeline,
+    expected_calls,
+    quantile,
+    request_latency,
+    summarize,
+    timeline_from_json,
+)
 
 MS = 1_000_000
 

@@ -86,8 +86,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import jsonschema
 import numpy as np
@@ -101,14 +102,14 @@ from .peer import PeerAdapter, PeerDecision, bound_triggers
 __all__ = [
     "CONTROLLER_CAPABILITIES",
     "DEFAULT_TIMEOUT",
-    "EngineAdapter",
     "ENGINE_PROTOCOL",
     "ENGINE_REFUSED_CAPABILITIES",
     "ENGINE_SCHEMA_PATH",
     "MAX_LINE_BYTES",
     "OPTIONAL_METHODS",
-    "StdioEngine",
     "OP_AND_PROBE_MEANINGS",
+    "EngineAdapter",
+    "StdioEngine",
     "available",
     "capabilities_markdown",
     "create",
@@ -159,7 +160,7 @@ def available() -> str | None:
     return None
 
 
-def create(command: str = "", **options: Any) -> "EngineAdapter":
+def create(command: str = "", **options: Any) -> EngineAdapter:
     """``EngineAdapter(StdioEngine(command), "engine")`` (a :class:`PeerAdapter`).
 
     ``timeout`` (seconds per answer) may be given, else ``$DECODESPEC_ENGINE_TIMEOUT``, else :data:`DEFAULT_TIMEOUT`;
@@ -193,7 +194,7 @@ def engine_schema() -> dict[str, Any]:
     return json.loads(ENGINE_SCHEMA_PATH.read_text(encoding="utf-8"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _validator(definition: str) -> jsonschema.Draft202012Validator:
     schema = engine_schema()
     return jsonschema.Draft202012Validator({"$defs": schema["$defs"], "$ref": f"#/$defs/{definition}"})
@@ -290,7 +291,7 @@ class StdioEngine:
         if argv[0] in ("python", "python3"):
             argv[0] = sys.executable
         self.command, self.timeout = command, timeout
-        self.stderr = tempfile.TemporaryFile(mode="w+b")
+        self.stderr = tempfile.TemporaryFile(mode="w+b")  # noqa: SIM115 - the engine owns it until close()
         try:
             self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
                                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -100,12 +100,11 @@ class TinyLlama:
         rotated = np.concatenate([-x[..., half:], x[..., :half]], -1)
         return x * cos + rotated * sin
 
-    def forward(self, ids: list[int], positions: np.ndarray, cache: "KVCache | None", start: int) -> np.ndarray:
+    def forward(self, ids: list[int], positions: np.ndarray, cache: KVCache | None, start: int) -> np.ndarray:
         """Rows of ``ids`` at ``positions``; with a cache, the new K/V rows go to slots ``start..`` and attention reads
         slots ``[0, start + T)``. Returns the logits of the last row, float32[V]."""
         T, D, H, Hk = len(ids), self.head_dim, self.heads, self.kv_heads
         x = self.embed[np.asarray(ids)]  # [T, d]
-        past_k: list[np.ndarray] = []
         for layer in range(self.layers):
             p = f"model.layers.{layer}."
             h = self.rms(x, self.w[p + "input_layernorm.weight"])
