@@ -70,6 +70,7 @@ import numpy as np
 
 from decodespec.spec.errors import Rejection, register_code
 from decodespec.spec.latency import Emission, Timeline, expected_calls, request_latency, summarize
+from decodespec.spec.request import default_static_capacity
 
 from .ladder import FAILED, UNDECIDED, cache_probe_failure, compare_rows, greedy_comparator, tolerance_for
 
@@ -361,7 +362,7 @@ def _probe(models: _Models, m: Manifest, prompt: tuple[int, ...], *, beams: bool
 def _kv_bytes(model: Any, m: Manifest, processed: int) -> dict[str, int]:
     c = model.config
     per_slot = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * model.dtype.itemsize
-    reserved = per_slot * (m.prompt_len + m.new_tokens + 1) if m.cache == "static" else per_slot * processed
+    reserved = per_slot * default_static_capacity(m.prompt_len, m.new_tokens, c.max_position_embeddings) if m.cache == "static" else per_slot * processed
     return {"kv_bytes": per_slot * processed if m.cache != "none" else 0, "kv_reserved_bytes": reserved if m.cache != "none" else 0}
 
 
