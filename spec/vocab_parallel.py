@@ -56,6 +56,8 @@ import attrs
 import numpy as np
 
 from .errors import Rejection, register_code
+from .head import Smoothing
+from .rules import rule
 from .policy.transforms import _prefix_keep, stable_order
 
 __all__ = [
@@ -72,6 +74,10 @@ __all__ = [
     "shard",
     "shard_logits",
     "shard_ranges",
+    "smoothed_cross_entropy",
+    "smoothed_logit_grads",
+    "smoothing_contributions",
+    "smoothing_targets",
     "target_contributions",
     "telemetry",
     "top_k",
@@ -184,6 +190,78 @@ def logit_grads(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.n
         g[rows, targets[rows] - a] -= 1.0
         out.append(g)
     return out
+
+
+def smoothing_targets(ranges: Sequence[tuple[int, int]], targets: np.ndarray, eps: float,
+                      smoothing: Smoothing | str = Smoothing.ALL_CLASSES) -> list[np.ndarray]:
+    """Each rank's local target distribution ``Q_r`` (``[N, V_r]``), built from global ids only.
+
+    ``ALL_CLASSES``: ``(Q_r)_v = (1 - eps) 1[r owns y] 1[v = y - a_r] + eps / V``;
+    ``NON_TARGET``: ``eps / (V - 1)`` off the target, ``1 - eps`` at the owner's target.  ``V`` is
+    the *global* vocabulary size ``b_{R-1}``, never the shard's ``V_r``.
+
+    Raises:
+        Rejection: ``vocab_parallel.invalid_layout`` (eps outside [0, 1]; ``NON_TARGET`` with V < 2).
+    """
+    conv = Smoothing(smoothing)
+    vocab = int(ranges[-1][1])
+    if not 0.0 <= float(eps) <= 1.0 or (conv is Smoothing.NON_TARGET and eps > 0 and vocab < 2):
+        raise _refuse(f"label smoothing eps = {eps!r} with {conv.value} over V = {vocab} describes no target distribution", "$.eps")
+    off = eps / vocab if conv is Smoothing.ALL_CLASSES else (eps / (vocab - 1) if eps > 0 else 0.0)
+    on = (1.0 - eps) + (eps / vocab if conv is Smoothing.ALL_CLASSES else 0.0)
+    out = []
+    for a, b in ranges:
+        q = np.full((targets.shape[0], b - a), off)
+        rows = np.flatnonzero((a <= targets) & (targets < b))
+        q[rows, targets[rows] - a] = on
+        out.append(q)
+    return out
+
+
+@rule(
+    "invariant.vocab_parallel_label_smoothing",
+    title="Label smoothing over vocabulary shards: one convention, global V, a SUM of local terms",
+    section=S + "Exact backward and ownership",
+    statement="With label smoothing eps the per-row loss over shards is m + log s - sum_r sum_{v in V_r} (Q_r)_v z_v (a SUM "
+    "with neutral 0 after the MAX and SUM of the log-sum-exp) and the local logit gradient is P_r - Q_r, where every rank "
+    "builds Q_r from global ids with the one declared convention and the global V: ALL_CLASSES gives eps / V to every class "
+    "and 1 - eps more to the owner's target; NON_TARGET gives eps / (V - 1) off the target. The result equals the "
+    "single-rank smoothed loss and gradient; ranks mixing conventions (or using V_r) break both.",
+)
+def smoothing_contributions(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.ndarray, eps: float,
+                            smoothing: Smoothing | str = Smoothing.ALL_CLASSES) -> list[np.ndarray]:
+    """Each rank's contribution ``sum_{v in V_r} (Q_r)_v z_v`` (``[N]``) to the SUM that yields ``sum_v q_v z_v``.
+
+    A masked class (``z = -inf``) with ``q = 0`` contributes 0 (the single-rank ``0 * -inf = 0``
+    convention); one with ``q > 0`` contributes ``-inf`` (the loss is ``+inf``, as on one rank).
+
+    Source: M3.8 0x0A "Exact backward and ownership" ("Label smoothing adds a distributed target
+    value for every local class"); 0x04 "Label smoothing is a target-distribution contract".
+    """
+    _check(shards, ranges)
+    out = []
+    for z, q in zip(shards, smoothing_targets(ranges, targets, eps, smoothing)):
+        with np.errstate(invalid="ignore"):
+            out.append(np.where(q > 0, q * z, 0.0).sum(axis=-1))
+    return out
+
+
+def smoothed_cross_entropy(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.ndarray, eps: float,
+                           smoothing: Smoothing | str = Smoothing.ALL_CLASSES) -> np.ndarray:
+    """Per-row ``-sum_v q_v log p_v = LSE - sum_v q_v z_v`` (``[N]``; ``sum_v q_v = 1``): MAX, SUM, SUM."""
+    _, _, lse = logsumexp(shards)
+    qz = np.zeros_like(lse)
+    for c in smoothing_contributions(shards, ranges, targets, eps, smoothing):
+        qz = qz + c
+    return lse - qz
+
+
+def smoothed_logit_grads(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.ndarray, eps: float,
+                         smoothing: Smoothing | str = Smoothing.ALL_CLASSES) -> list[np.ndarray]:
+    """``G_{Z_r} = P_r - Q_r`` (``[N, V_r]`` each), ``P_r`` normalized with the global ``m`` and ``s``."""
+    _check(shards, ranges)
+    m, s, _ = logsumexp(shards)
+    return [np.exp(z - m[:, None]) / s[:, None] - q for z, q in zip(shards, smoothing_targets(ranges, targets, eps, smoothing))]
 
 
 def weight_grads(grads: Shards, hidden: np.ndarray) -> list[np.ndarray]:
