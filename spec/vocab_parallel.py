@@ -148,6 +148,12 @@ def global_denominator(shards: Shards, m: np.ndarray) -> np.ndarray:
     return total
 
 
+@rule(
+    "invariant.vocab_parallel_logsumexp",
+    title='The sharded log-sum-exp uses a global MAX, then a global SUM',
+    section='M3.8 0x0A Exact forward trace over vocabulary shards',
+    statement='Each rank takes its local row maximum; an all-reduce MAX gives m; each rank sums exp(z - m) over its shard with that global m; an all-reduce SUM gives s; LSE = m + log s equals the single-rank log-sum-exp (a local maximum breaks it).',
+)
 def logsumexp(shards: Shards) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The distributed log-sum-exp: ``(m, s, m + log s)`` (MAX then SUM), each ``[N]``."""
     m = global_max(shards)
@@ -170,6 +176,12 @@ def target_contributions(shards: Shards, ranges: Sequence[tuple[int, int]], targ
     return out
 
 
+@rule(
+    "invariant.vocab_parallel_target_owner",
+    title="Exactly one rank contributes the target logit; non-owners contribute the SUM's neutral 0",
+    section='M3.8 0x0A Exact forward trace over vocabulary shards',
+    statement='The owner a_r <= y < b_r contributes z_y at local index y - a_r; every non-owner gathers a safe in-range index and contributes 0 (never -inf, the neutral value of MAX); an all-reduce SUM gives z_y and the row loss m + log s - z_y without gathering [N, V] logits.',
+)
 def cross_entropy(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.ndarray) -> np.ndarray:
     """Per-row ``L = m + log s - z_target`` (``[N]``), without gathering the ``[N, V]`` logits."""
     _, _, lse = logsumexp(shards)
@@ -179,6 +191,12 @@ def cross_entropy(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np
     return lse - z_target
 
 
+@rule(
+    "invariant.vocab_parallel_backward",
+    title='Owner-only target subtraction; G_E local, G_H summed over shards',
+    section='M3.8 0x0A Exact backward and ownership',
+    statement='Each rank normalizes its shard with the global m and s, P_r = exp(Z_r - m) / s; only the owner subtracts the target; G_{E_r} = G_{Z_r}^T H needs no all-gather; G_H = sum_r G_{Z_r} E_r is an all-reduce SUM; together they equal the single-rank gradients.',
+)
 def logit_grads(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.ndarray) -> list[np.ndarray]:
     """``G_{Z_r} = P_r - onehot`` with ``P_r = exp(Z_r - m) / s``; only the owner subtracts the target (``[N, V_r]`` each)."""
     _check(shards, ranges)
@@ -279,6 +297,12 @@ def hidden_grad(grads: Shards, weight: np.ndarray, ranges: Sequence[tuple[int, i
     return total
 
 
+@rule(
+    "invariant.vocab_parallel_greedy",
+    title='Distributed greedy: global maximum, global id, lowest id on ties',
+    section='M3.8 0x0A Distributed inference selection',
+    statement='Each rank proposes (local max, global id); a MAX of values then a MIN of ids at the maximum gives the single-rank greedy token under the lowest-id tie rule.',
+)
 def greedy(shards: Shards, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
     """Exact global argmax with the lowest-global-id tie rule (``[N]`` int64).
 
@@ -300,6 +324,12 @@ def _ranked(values: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np
     return np.take_along_axis(values, order, axis=-1), np.take_along_axis(ids, order, axis=-1)
 
 
+@rule(
+    "invariant.vocab_parallel_top_k",
+    title='Distributed top-k: local top-k per shard suffices, merged by global id',
+    section='M3.8 0x0A Distributed inference selection',
+    statement="Each rank's local top-k (global ids) is sufficient; merging at most R k candidates with the (-score, id) key gives the single-rank top-k set and order.",
+)
 def top_k(shards: Shards, ranges: Sequence[tuple[int, int]], k: int) -> tuple[np.ndarray, np.ndarray]:
     """Exact global top-k by merging local top-k lists: ``(values [N, k], ids [N, k])`` in (-z, id) order.
 
@@ -323,6 +353,12 @@ def top_k(shards: Shards, ranges: Sequence[tuple[int, int]], k: int) -> tuple[np
     return _ranked(np.concatenate(values, axis=-1), np.concatenate(ids, axis=-1), k)
 
 
+@rule(
+    "invariant.vocab_parallel_top_p",
+    title='Top-p is global, never shard-local',
+    section='M3.8 0x0A Distributed inference selection',
+    statement='The declared owner gathers the probability row, computes the global nucleus in (-p, id) order and broadcasts the cut; a top-p computed on each renormalized shard is a different set and is refused.',
+)
 def top_p_keep(prob_shards: Shards, ranges: Sequence[tuple[int, int]], p: float) -> list[np.ndarray]:
     """Exact global top-p: each rank's keep mask ``[N, V_r]`` of the global nucleus.
 
@@ -352,6 +388,12 @@ def top_p_keep(prob_shards: Shards, ranges: Sequence[tuple[int, int]], p: float)
     return keeps
 
 
+@rule(
+    "invariant.vocab_parallel_multinomial",
+    title='Distributed multinomial: one owner of the draw, CDF carried across shards',
+    section='M3.8 0x0A Distributed inference selection',
+    statement='One declared owner holds u and broadcasts it; the inverse CDF in vocabulary-id order is carried from rank to rank, so every CDF entry and the drawn id equal the single-rank draw bit for bit.',
+)
 def multinomial(prob_shards: Shards, ranges: Sequence[tuple[int, int]], u: np.ndarray) -> np.ndarray:
     """Exact global inverse-CDF draw with one owner of the uniform (``[N]`` int64), equal to ``selector.multinomial``.
 
@@ -402,6 +444,12 @@ class VocabTelemetry:
     denominator_valid: bool
 
 
+@rule(
+    "invariant.vocab_parallel_telemetry",
+    title='Distributed loss telemetry: owner count, outside targets, local maxima, denominator',
+    section='M3.8 0x0A Collective and failure ledger',
+    statement='A vocabulary-parallel loss reports per row how many ranks own its target (exactly 1), targets outside every shard, non-finite local maxima per rank and whether every global denominator is finite and positive.',
+)
 def telemetry(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.ndarray) -> VocabTelemetry:
     """Target-owner counts (a SUM of 0/1 per rank), targets outside all shards, non-finite local maxima, denominator validity."""
     _check(shards, ranges)

@@ -30,8 +30,14 @@ def _single(z, y, eps, conv):
     return loss, p - H.target_distribution(y, z.shape[1], spec)
 
 
-def test_rule_registered():
+def test_rules_registered_on_their_reference_functions():
     assert RULES["invariant.vocab_parallel_label_smoothing"].section.startswith("M3.8 0x0A")
+    # The distributed references tests/test_vocab_parallel.py compares with the single-rank spec carry named rules.
+    for rid, fn in (("logsumexp", VP.logsumexp), ("target_owner", VP.cross_entropy), ("backward", VP.logit_grads),
+                    ("greedy", VP.greedy), ("top_k", VP.top_k), ("top_p", VP.top_p_keep), ("multinomial", VP.multinomial),
+                    ("telemetry", VP.telemetry)):
+        r = RULES[f"invariant.vocab_parallel_{rid}"]
+        assert r.obj is fn and r.section.startswith("M3.8 0x0A"), rid
 
 
 @pytest.mark.parametrize("conv", list(H.Smoothing))
