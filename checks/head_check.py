@@ -40,6 +40,7 @@ Source: M3.8 0x02 "Parameter and logical-work ledger", 0x05 "Exact conformance c
 
 from __future__ import annotations
 
+import collections
 import importlib
 import math
 import os
@@ -52,10 +53,18 @@ import numpy as np
 
 from decodespec.spec.errors import Rejection, register_code
 from decodespec.spec.head import (
+    HALF_DTYPES,
     IGNORE_INDEX,
+    UNIT_ROUNDOFF,
+    PrecisionPolicy,
+    accumulation_violations,
+    gamma,
+    loss_error_bound,
+    rng_violations,
     HeadLedger,
     HeadShape,
     LossSpec,
+    TyingLayout,
     TyingObservation,
     head_gradients,
     head_ledger,
@@ -350,18 +359,54 @@ def _outputs(out: Any) -> tuple[Any, Any, Any, Any]:
     raise _Fail("INTERFACE", "outputs", f"the result is a {type(out).__name__}; the interface is {LOSS_INTERFACE}")
 
 
-def _check_case(fn: Callable[..., Any], case: LossCase, dtype: str, tol: LossTolerance) -> None:
+def _rounded(case: LossCase, dtype: str) -> LossCase:
+    """``case`` with hidden, weight and bias rounded to ``dtype`` (float64 values): what a 16-bit candidate sees."""
     import torch
 
+    def r(x: np.ndarray | None) -> np.ndarray | None:
+        return None if x is None else torch.tensor(x, dtype=getattr(torch, dtype)).double().numpy()
+
+    return LossCase(case.name, r(case.hidden), r(case.weight), r(case.bias), case.labels, case.spec)  # type: ignore[arg-type]
+
+
+def derived_tolerances(case: LossCase, policy: PrecisionPolicy) -> dict[str, LossTolerance]:
+    """Per-check tolerances of a 16-bit candidate, derived from :func:`~decodespec.spec.head.loss_error_bound`.
+
+    Keys ``row_losses``, ``loss_sum``, ``loss``, ``grad.hidden``, ``grad.weight``, ``grad.bias``;
+    each is absolute (``rtol = 0``).  With ``N`` supervised rows and a logit-gradient entry error
+    of at most ``grad / N``: ``dH = G E`` moves by ``grad / N * max_k sum_v |E_vk|`` (plus its own
+    rounding, ``gamma_V(u_acc) + u_in`` of the same scale), ``dE = G^T H`` by ``grad / N * max_k
+    sum_r |H_rk|``, ``db`` by ``grad``.  Source: M3.8 0x04 "Dtype and degenerate-row policy".
+    """
+    b = loss_error_bound(policy, case.hidden, case.weight, case.bias)
+    n = max(1, int(np.sum(np.asarray(case.labels) != case.spec.ignore_index)))
+    u_in, u_acc = UNIT_ROUNDOFF[policy.input_dtype], UNIT_ROUNDOFF[policy.accumulation_dtype]
+    v, r = case.weight.shape[0], case.hidden.shape[0]
+    g_h = (b.grad + gamma(v, u_acc) + u_in) / n * float(np.abs(case.weight).sum(axis=0).max())
+    g_w = (b.grad + gamma(r, u_acc) + u_in) / n * float(np.abs(case.hidden).sum(axis=0).max())
+    g_b = (b.grad + gamma(r, u_acc) + u_in)
+    return {"row_losses": LossTolerance(b.row, 0.0), "loss_sum": LossTolerance(b.row * n, 0.0), "loss": LossTolerance(b.row, 0.0),
+            "grad.hidden": LossTolerance(g_h, 0.0), "grad.weight": LossTolerance(g_w, 0.0), "grad.bias": LossTolerance(g_b, 0.0)}
+
+
+def _check_case(fn: Callable[..., Any], case: LossCase, dtype: str, tol: LossTolerance | Mapping[str, LossTolerance]) -> None:
+    import torch
+
+    tols: Mapping[str, LossTolerance] = tol if isinstance(tol, Mapping) else collections.defaultdict(lambda: tol)
     tdt = getattr(torch, dtype)
     hidden = torch.tensor(case.hidden, dtype=tdt, requires_grad=True)
     weight = torch.tensor(case.weight, dtype=tdt, requires_grad=True)
     bias = None if case.bias is None else torch.tensor(case.bias, dtype=tdt, requires_grad=True)
     labels = torch.tensor(case.labels, dtype=torch.int64)
+    global_before = torch.get_rng_state().numpy().tobytes()
     try:
         out = fn(hidden, weight, bias, labels, ignore_index=case.spec.ignore_index, label_smoothing=case.spec.label_smoothing)
     except Exception as exc:  # noqa: BLE001 - the candidate's own failure is a verdict, not a crash of the checker
         raise _Fail("INTERFACE", "call", f"the implementation raised {type(exc).__name__}: {exc}") from None
+    drew = rng_violations(global_before, torch.get_rng_state().numpy().tobytes())
+    if drew:
+        raise _Fail("INTERFACE", "rng", f"the loss call consumed random state ({', '.join(drew)}); the head and its loss are "
+                    "deterministic and never draw from a sampling stream", rule="invariant.head_loss_rng_free")
     rows, total, count, loss = _outputs(out)
     ref = materialized_loss(case.hidden, case.weight, case.bias, case.labels, case.spec)
 
@@ -375,20 +420,20 @@ def _check_case(fn: Callable[..., Any], case: LossCase, dtype: str, tol: LossTol
     if row_arr.shape != ref.row_losses.shape:
         raise _Fail("INTERFACE", "outputs", f"row_losses has shape {row_arr.shape}, expected [R] = {ref.row_losses.shape}")
     # ROWS: supervised rows against m + log s - z_y; ignored rows contribute exactly nothing.
-    _compare("ROWS", "row_losses", ref.row_losses[ref.valid], row_arr[ref.valid], tol, rows=np.flatnonzero(ref.valid))
+    _compare("ROWS", "row_losses", ref.row_losses[ref.valid], row_arr[ref.valid], tols["row_losses"], rows=np.flatnonzero(ref.valid))
     ignored = np.flatnonzero(~ref.valid)
     if ignored.size and np.any(row_arr[ignored] != 0.0):
         r = int(ignored[np.flatnonzero(row_arr[ignored] != 0.0)[0]])
         raise _Fail("ROWS", "ignored_rows", f"ignored row {r} (label {case.spec.ignore_index}) has loss {float(row_arr[r])!r}, not 0",
                     index=[r], expected=0.0, actual=float(row_arr[r]))
     # REDUCTION: the loss sum, the exact valid count and the mean = sum / count.
-    _compare("REDUCTION", "loss_sum", np.array(ref.loss_sum), arr(total, "loss_sum"), tol)
+    _compare("REDUCTION", "loss_sum", np.array(ref.loss_sum), arr(total, "loss_sum"), tols["loss_sum"])
     n = arr(count, "valid_count")
     if n.shape != () or float(n) != ref.valid_count:
         shown = int(n) if n.shape == () and float(n).is_integer() else n.tolist()
         raise _Fail("REDUCTION", "valid_count", f"valid_count is {shown}, the supervised rows are {ref.valid_count}",
                     expected=ref.valid_count, actual=shown)
-    _compare("REDUCTION", "loss", np.array(ref.mean), arr(loss, "loss"), tol)
+    _compare("REDUCTION", "loss", np.array(ref.mean), arr(loss, "loss"), tols["loss"])
     # GRADIENT: autograd of the candidate's mean against G = (P - Q) / N, dH = G E, dE = G^T H, db = sum G.
     if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
         raise _Fail("GRADIENT", "loss", "loss is not a differentiable tensor of hidden, weight and bias")
@@ -396,16 +441,22 @@ def _check_case(fn: Callable[..., Any], case: LossCase, dtype: str, tol: LossTol
     want = head_gradients(case.hidden, case.weight, case.bias, case.labels, case.spec)
     for name, g, w in zip(("hidden", "weight", "bias"), grads, (want.hidden, want.weight, want.bias)):
         got = np.zeros_like(w) if g is None else g.detach().double().numpy()
-        _compare("GRADIENT", f"grad.{name}", w, got, tol)
+        _compare("GRADIENT", f"grad.{name}", w, got, tols[f"grad.{name}"])
 
 
-def check_loss(fn: Callable[..., Any], *, dtype: str = "float64", cases: list[LossCase] | None = None) -> HeadVerdict:
+def check_loss(fn: Callable[..., Any], *, dtype: str = "float64", cases: list[LossCase] | None = None,
+               accumulation_dtype: str | None = None) -> HeadVerdict:
     """Check a loss/head implementation against the float64 reference, layer by layer, stopping at the first failure.
 
     Args:
         fn: The candidate, with the interface :data:`LOSS_INTERFACE`.
         dtype: ``"float64"`` or ``"float32"``: the dtype of the tensors the candidate gets; its
-            tolerance is :data:`LOSS_TOLERANCES` ``[dtype]``.
+            tolerance is :data:`LOSS_TOLERANCES` ``[dtype]``.  ``"bfloat16"`` or ``"float16"``: the
+            reference runs on the same rounded inputs and the tolerances are derived from the unit
+            roundoffs of ``dtype`` and ``accumulation_dtype`` (:func:`derived_tolerances`).
+        accumulation_dtype: The candidate's declared accumulation dtype (default float32 for
+            16-bit inputs, else ``dtype``), judged by ``invariant.head_accumulation_dtype`` before
+            any call (a failure at INTERFACE).
         cases: Default :func:`loss_cases`.
 
     Returns:
@@ -420,15 +471,27 @@ def check_loss(fn: Callable[..., Any], *, dtype: str = "float64", cases: list[Lo
     """
     from decodespec.spec.head import INVALID_INPUT
 
-    if dtype not in LOSS_TOLERANCES:
-        raise Rejection(INVALID_INPUT, f"dtype must be one of {sorted(LOSS_TOLERANCES)}, got {dtype!r}", "$.dtype")
-    tol = LOSS_TOLERANCES[dtype]
+    if dtype not in LOSS_TOLERANCES and dtype not in HALF_DTYPES:
+        raise Rejection(INVALID_INPUT, f"dtype must be one of {sorted(LOSS_TOLERANCES) + list(HALF_DTYPES)}, got {dtype!r}", "$.dtype")
+    if accumulation_dtype is None:
+        accumulation_dtype = "float32" if dtype in HALF_DTYPES else dtype
+    policy = PrecisionPolicy(dtype, accumulation_dtype)
+    bad = accumulation_violations(policy)
+    if bad:
+        return HeadVerdict(FAILED, "INTERFACE", "invariant.head_accumulation_dtype", None, "accumulation_dtype", None, accumulation_dtype,
+                           dtype, None, f"declared accumulation {accumulation_dtype} for {dtype} inputs breaks the dtype contract: "
+                           f"{list(bad)}", 0)
     run = loss_cases() if cases is None else cases
     for i, case in enumerate(run):
+        if dtype in HALF_DTYPES:
+            case = _rounded(case, dtype)  # the reference judges the inputs the candidate actually got
+            tol: LossTolerance | Mapping[str, LossTolerance] = derived_tolerances(case, policy)
+        else:
+            tol = LOSS_TOLERANCES[dtype]
         try:
             _check_case(fn, case, dtype, tol)
         except _Fail as f:
-            return HeadVerdict(FAILED, f.layer, LOSS_LAYERS[f.layer], case.name, f.check, f.kw.get("index"), f.kw.get("expected"),
+            return HeadVerdict(FAILED, f.layer, f.kw.get("rule", LOSS_LAYERS[f.layer]), case.name, f.check, f.kw.get("index"), f.kw.get("expected"),
                                f.kw.get("actual"), f.kw.get("bound"), f.message, i + 1)
     return HeadVerdict(PASSED, cases_run=len(run))
 
@@ -613,6 +676,34 @@ for _name, _fn, _title, _section, _statement in (
 
 
 # -- 0x09: weight tying read from torch ------------------------------------------------------------
+
+def observe_tying_layout(model: Any, *, source_vocab_hash: str | None = None, target_vocab_hash: str | None = None) -> TyingLayout:
+    """The storage layout (:class:`~decodespec.spec.head.TyingLayout`) of a ``LlamaForCausalLM`` or an encoder-decoder.
+
+    Identity keys are ``data_ptr`` plus the Python object id of each Parameter: two Parameters
+    with equal values get different keys.  A decoder-only model has no source table; the
+    Annotated Transformer's :class:`~decodespec.impl.encdec.EncoderDecoder` has
+    ``src_embed[0].lut.weight`` (source), ``tgt_embed[0].lut.weight`` (input) and
+    ``generator.proj.weight`` (output).  A ``head_projection`` Parameter of the model, if any,
+    is the projected-tying transform (its key ``head_projection``).
+
+    Source: M3.8 0x09 "Tying variants are different architectures"; 0x08 (``V_src``, ``V_tgt``).
+    """
+    def key(p: Any) -> str:
+        return f"{id(p)}:{p.data_ptr()}"
+
+    if hasattr(model, "generator") and hasattr(model, "src_embed"):
+        src, inp, out = model.src_embed[0].lut.weight, model.tgt_embed[0].lut.weight, model.generator.proj.weight
+        width = int(model.generator.proj.in_features)
+    else:
+        src, inp, out = None, model.model.embed_tokens.weight, model.lm_head.weight
+        width = int(model.config.hidden_size)
+    proj = getattr(model, "head_projection", None)
+    return TyingLayout(key(inp), key(out), int(inp.shape[1]), width, None if src is None else key(src), source_vocab_hash,
+                       target_vocab_hash, None if proj is None else tuple(int(x) for x in proj.shape),
+                       None if proj is None else "head_projection")
+
+
 
 def observe_tying(model: Any, optimizer: Any = None, *, declared_tied: bool | None = None) -> TyingObservation:
     """The tying facts of a ``LlamaForCausalLM`` (and, when given, its optimizer).

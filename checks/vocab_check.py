@@ -29,6 +29,7 @@ order), 0x09 (tied alias), 0x12 items 25-27, 31, 53-56.
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -36,7 +37,9 @@ import attrs
 import numpy as np
 
 from decodespec.spec.vocab import (
+    EncDecVocab,
     MigrationObservation,
+    MigrationSnapshot,
     NewRowInit,
     VocabAudit,
     VocabMap,
@@ -44,11 +47,17 @@ from decodespec.spec.vocab import (
     mapped_logit_gap,
     migrate_state,
     migration_violations,
+    transaction_violations,
     vocab_table_hash,
 )
 
 __all__ = [
     "MIGRATION_MUTANTS",
+    "ROLLBACK_MUTANTS",
+    "RollbackReport",
+    "check_migration_rollback",
+    "observe_encdec",
+    "snapshot_migration",
     "MigrationReport",
     "ReferenceVocab",
     "audit_model",
@@ -251,6 +260,22 @@ def _observe(model: Any, optimizer: Any, declared_tied: bool, old_vocab: set[int
                                 optimizer_entries=mine, stale_entries=stale, state_slots=slots)
 
 
+def _trained(model: Any, input_ids: Sequence[int] = (1, 40, 41, 42, 43)) -> Any:
+    """One Adam step of next-token loss on ``input_ids``: returns the optimizer (moments populated)."""
+    import torch
+
+    for p in model.parameters():
+        p.requires_grad_(True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ids = torch.tensor([list(input_ids)])
+    with torch.enable_grad():
+        out = model(ids)
+        torch.nn.functional.cross_entropy(out.logits[0, :-1], ids[0, 1:]).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
 def check_migration(model: Any, vmap: VocabMap, init: NewRowInit, *, migrate: Callable[..., Any] | None = None,
                     input_ids: Sequence[int] = (1, 40, 41, 42, 43), seed: int = 8) -> MigrationReport:
     """Train ``model`` one Adam step, migrate it with ``migrate`` and judge the result against the spec.
@@ -272,15 +297,7 @@ def check_migration(model: Any, vmap: VocabMap, init: NewRowInit, *, migrate: Ca
     from decodespec.impl.vocab import migrate_vocabulary
 
     migrate = migrate or migrate_vocabulary
-    for p in model.parameters():
-        p.requires_grad_(True)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    ids = torch.tensor([list(input_ids)])
-    with torch.enable_grad():
-        out = model(ids)
-        torch.nn.functional.cross_entropy(out.logits[0, :-1], ids[0, 1:]).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer = _trained(model, input_ids)
     declared_tied = bool(model.config.tie_word_embeddings)
     params = _vocab_params(model)
     old_rows = {name: _rows64(p) for name, p in params.items()}
@@ -378,6 +395,136 @@ def _bias_not_migrated(model: Any, old_to_new: Mapping[int, int], new_size: int,
     fresh[:k] = bias.detach()[:k]
     model.lm_head.bias = torch.nn.Parameter(fresh)
     return model
+
+
+# -- encoder-decoder vocabularies (M3.8 0x08) ---------------------------------------------------------
+
+def observe_encdec(model: Any, source_tokens: Sequence[Any], target_tokens: Sequence[Any]) -> EncDecVocab:
+    """The :class:`~decodespec.spec.vocab.EncDecVocab` of an Annotated-Transformer encoder-decoder and its two token tables.
+
+    Args:
+        model: :class:`~decodespec.impl.encdec.EncoderDecoder` (``src_embed[0].lut``,
+            ``tgt_embed[0].lut``, ``generator.proj``).
+        source_tokens, target_tokens: The ordered ``V_src`` and ``V_tgt`` tables (token strings
+            or bytes), hashed with :func:`~decodespec.spec.vocab.vocab_table_hash`.
+
+    Source: M3.8 0x08 "For encoder-decoder models".
+    """
+    src, tgt, out = model.src_embed[0].lut.weight, model.tgt_embed[0].lut.weight, model.generator.proj.weight
+
+    def key(p: Any) -> str:
+        return f"{id(p)}:{p.data_ptr()}"
+
+    return EncDecVocab(vocab_table_hash(source_tokens), vocab_table_hash(target_tokens), len(source_tokens), len(target_tokens),
+                       int(src.shape[0]), int(tgt.shape[0]), int(out.shape[0]), key(src), key(tgt), key(out))
+
+
+# -- the migration transaction (M3.8 0x08 "Release and rollback ledger") ----------------------------
+
+def snapshot_migration(model: Any, optimizer: Any) -> MigrationSnapshot:
+    """Fingerprint the vocabulary Parameters (objects and values), the tie, ``vocab_size`` and the optimizer.
+
+    A Parameter's key is its object identity, not its ``data_ptr``: the decode-weight arena may
+    relocate a Parameter's storage (``refuse_projections``) without changing the model.
+    """
+    def key(p: Any) -> str:
+        return str(id(p))
+
+    def digest(t: Any) -> str:
+        return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    named = [("embed", embed), ("head", head)] + ([("bias", model.lm_head.bias)] if model.lm_head.bias is not None else [])
+    params = tuple((name, key(p), digest(p)) for name, p in named)
+    entries = tuple(key(p) for g in optimizer.param_groups for p in g["params"])
+    h = hashlib.sha256()
+    for p, st in sorted(optimizer.state.items(), key=lambda kv: key(kv[0])):
+        h.update(key(p).encode())
+        for name in sorted(st):
+            v = st[name]
+            h.update(name.encode() + (digest(v).encode() if hasattr(v, "detach") else repr(v).encode()))
+    return MigrationSnapshot(params, head is embed, int(model.config.vocab_size), entries, h.hexdigest())
+
+
+class _FaultyGroup(dict):
+    """A parameter group that refuses the first new ``params`` list: a fault after the model's rows were installed."""
+
+    armed = True
+
+    def __setitem__(self, k: Any, v: Any) -> None:
+        if k == "params" and self.armed:
+            self.armed = False
+            raise RuntimeError("injected fault: the optimizer refused its new parameter groups")
+        super().__setitem__(k, v)
+
+
+@attrs.frozen
+class RollbackReport:
+    """Outcome of :func:`check_migration_rollback`.
+
+    Attributes:
+        fault_raised: The injected fault reached the caller (a migration that swallows it, or
+            never touches the optimizer, cannot be judged and does not pass).
+        violations: :func:`~decodespec.spec.vocab.transaction_violations` names.
+    """
+
+    fault_raised: bool
+    violations: tuple[str, ...]
+
+    @property
+    def passed(self) -> bool:
+        """The fault surfaced and nothing was left changed."""
+        return self.fault_raised and not self.violations
+
+
+def check_migration_rollback(model: Any, vmap: VocabMap, init: NewRowInit, *, migrate: Callable[..., Any] | None = None) -> RollbackReport:
+    """Train ``model`` one Adam step, migrate it with a fault injected after the rows are installed, judge the rollback.
+
+    The fault: the optimizer's first parameter group refuses its new ``params`` list (step 6 of
+    the construction order, after steps 2-5 changed the model).  Judged by
+    ``invariant.vocab_migration_transaction`` on :func:`snapshot_migration` before and after.
+
+    Source: M3.8 0x08 "Release and rollback ledger", "Tied alias and optimizer restoration order".
+    """
+    import torch
+
+    from decodespec.impl.vocab import migrate_vocabulary
+
+    migrate = migrate or migrate_vocabulary
+    optimizer = _trained(model)
+    before = snapshot_migration(model, optimizer)
+    optimizer.param_groups[0] = _FaultyGroup(optimizer.param_groups[0])
+    pairs = {int(a): int(b) for a, b in zip(vmap.old_ids, vmap.new_ids)}
+    values = None if init.values is None else torch.as_tensor(init.values, dtype=model.lm_head.weight.dtype)
+    raised = False
+    try:
+        migrate(model, pairs, vmap.new_size, init=init.kind, sources=dict(init.sources), values=values, optimizer=optimizer)
+    except RuntimeError as exc:
+        raised = "injected fault" in str(exc)
+    return RollbackReport(raised, transaction_violations(before, snapshot_migration(model, optimizer)))
+
+
+def _not_rolled_back(model: Any, old_to_new: Mapping[int, int], new_size: int, **kw: Any) -> Any:
+    """The migration without its undo log: a fault after step 4 leaves the new rows installed (failure lab, 0x08)."""
+    from decodespec.impl import vocab as iv
+
+    real = iv._undo_log
+    iv._undo_log = lambda model, optimizer: (lambda: None)
+    try:
+        return iv.migrate_vocabulary(model, old_to_new, new_size, **kw)
+    finally:
+        iv._undo_log = real
+
+
+#: name -> (migration, section, title, statement), judged by :func:`check_migration_rollback`.
+ROLLBACK_MUTANTS: dict[str, tuple[Callable[..., Any], str, str, str]] = {
+    "vocab_migration_not_rolled_back": (
+        _not_rolled_back, "M3.8 0x08 Release and rollback ledger; 0x12 Extended contract failures",
+        "A failed vocabulary migration is not rolled back",
+        "The migration installs the resized rows and then fails (the optimizer refuses its new groups): without the undo log "
+        "the model keeps the new Parameters and vocab_size while the optimizer holds the old ones. check_migration_rollback "
+        "reports model_changed and config_changed (invariant.vocab_migration_transaction)."),
+}
 
 
 #: name -> (migration, section, title, statement).  Each is the rule ``mutant.<name>``.

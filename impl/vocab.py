@@ -96,9 +96,13 @@ def migrate_vocabulary(model: Any, old_to_new: Mapping[int, int], new_size: int,
 
     Raises:
         Rejection: ``vocab.invalid_map`` (a bad map, new rows without a declared init, a bad
-            source or ``values`` shape), raised before anything changes.
+            source or ``values`` shape), raised before anything changes.  Any exception raised
+            after validation (an allocation, an optimizer that refuses its new groups, the
+            decode-weight arena) is re-raised after every replaced reference was put back: the
+            model, its tie, its configuration and the optimizer are exactly as before.
 
-    Source: M3.8 0x08 "Tied alias and optimizer restoration order" (steps 2-6).
+    Source: M3.8 0x08 "Tied alias and optimizer restoration order" (steps 2-6), "Release and
+    rollback ledger".
     """
     embed_mod, head_mod = model.model.embed_tokens, model.lm_head
     old_size = int(embed_mod.weight.shape[0])
@@ -117,6 +121,54 @@ def migrate_vocabulary(model: Any, old_to_new: Mapping[int, int], new_size: int,
                     raise Rejection(INVALID_MAP, f"mean sources of new row {n} must be old ids", f"$.sources.{n}")
         if init == "values" and (values is None or tuple(values.shape) != (fresh.numel(), embed_mod.weight.shape[1])):
             raise Rejection(INVALID_MAP, f"values must be [{fresh.numel()}, {embed_mod.weight.shape[1]}]", "$.values")
+    undo = _undo_log(model, optimizer)
+    try:
+        _apply(model, old, new, fresh, int(new_size), init, sources, values, optimizer, old_size)
+    except BaseException:
+        undo()  # the release bundle of before, exactly: a migration is one transaction (M3.8 0x08)
+        raise
+    return model
+
+
+def _undo_log(model: Any, optimizer: torch.optim.Optimizer | None) -> Any:
+    """Record every reference a migration replaces; the returned callable puts them all back.
+
+    The migration never writes into an old tensor (it allocates new ones), so restoring the old
+    Parameter objects, sizes, configuration, parameter-group lists and state entries restores
+    the values too.
+    """
+    embed_mod, head_mod = model.model.embed_tokens, model.lm_head
+    saved = (embed_mod.weight, head_mod.weight, head_mod.bias, getattr(embed_mod, "num_embeddings", None),
+             getattr(head_mod, "out_features", None), model.config, model.config.vocab_size)
+    groups = None if optimizer is None else [list(g["params"]) for g in optimizer.param_groups]
+    state = None if optimizer is None else dict(optimizer.state)
+
+    def undo() -> None:
+        embed_mod.weight, head_mod.weight = saved[0], saved[1]
+        if saved[2] is not None or head_mod.bias is not None:
+            head_mod.bias = saved[2]
+        if saved[3] is not None:
+            embed_mod.num_embeddings = saved[3]
+        if saved[4] is not None:
+            head_mod.out_features = saved[4]
+        model.config = saved[5]
+        if model.config.vocab_size != saved[6]:
+            model.config.vocab_size = saved[6]  # a mutable configuration edited in place
+        if optimizer is not None:
+            for g, params in zip(optimizer.param_groups, groups):
+                dict.__setitem__(g, "params", params)  # plain dict store: the group object itself is kept
+            optimizer.state.clear()
+            optimizer.state.update(state)
+        if hasattr(model, "refuse_projections"):
+            model.refuse_projections()  # the decode-weight arena holds the old head again
+
+    return undo
+
+
+def _apply(model: Any, old: torch.Tensor, new: torch.Tensor, fresh: torch.Tensor, new_size: int, init: str | None,
+           sources: dict, values: torch.Tensor | None, optimizer: torch.optim.Optimizer | None, old_size: int) -> None:
+    """Steps 2-6 of the construction order, in place (the caller validated the map and holds the undo log)."""
+    embed_mod, head_mod = model.model.embed_tokens, model.lm_head
     tied = head_mod.weight is embed_mod.weight
     # Steps 2-3: allocate and move.
     swaps: dict[int, torch.nn.Parameter] = {}  # id(old Parameter) -> new Parameter
@@ -173,4 +225,3 @@ def migrate_vocabulary(model: Any, old_to_new: Mapping[int, int], new_size: int,
             optimizer.state[swaps[key]] = moved
     if hasattr(model, "refuse_projections"):
         model.refuse_projections()  # the head moved: place it in the decode-weight arena again
-    return model

@@ -48,7 +48,24 @@ from decodespec.spec.policy.scores import ScoreKind
 from decodespec.spec.rules import rule
 
 __all__ = [
+    "ACCUMULATION_VIOLATIONS",
     "CRITERIA",
+    "HALF_DTYPES",
+    "LossErrorBound",
+    "PrecisionPolicy",
+    "ROW_MAP_VIOLATIONS",
+    "RowMap",
+    "TYING_VARIANT_VIOLATIONS",
+    "TyingLayout",
+    "TyingVariant",
+    "UNIT_ROUNDOFF",
+    "accumulation_violations",
+    "gamma",
+    "loss_error_bound",
+    "rng_violations",
+    "row_map_from_labels",
+    "row_map_violations",
+    "tying_variant_violations",
     "DEGENERATE_ROW",
     "HEAD_OUTPUT_KINDS",
     "IGNORE_INDEX",
@@ -882,3 +899,346 @@ def tied_gradient(token_ids: Any, grad_in: Any, grad_logits: Any, hidden: Any, v
     input_part = np.zeros((vocab_size, gin.shape[1]))
     np.add.at(input_part, ids, gin)  # scatter-add: repeated ids accumulate
     return input_part, g.T @ h
+
+
+# -- 0x04: the declared accumulation dtype and the error bound it implies ---------------------
+
+#: Unit roundoff ``u = 2^-p`` of each floating dtype a head or loss may run in (``p`` = significand
+#: bits including the implicit one: float64 53, float32 24, float16 11, bfloat16 8).  Rounding to
+#: nearest gives ``fl(x) = x (1 + delta)`` with ``|delta| <= u`` (Higham, *Accuracy and Stability of
+#: Numerical Algorithms*, 2.1); the loss checker's tolerances for 16-bit inputs are derived from it.
+UNIT_ROUNDOFF: dict[str, float] = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+
+#: Dtypes whose range or precision cannot carry a row maximum and an exponential sum over V
+#: classes: M3.8 0x04 "A runtime may project in bf16/fp16, promote row maximum and exponential
+#: reductions to fp32".
+HALF_DTYPES = ("float16", "bfloat16")
+
+#: Violation names of :func:`accumulation_violations`.
+ACCUMULATION_VIOLATIONS: dict[str, str] = {
+    "unknown_dtype": "a dtype of the declaration is not one of UNIT_ROUNDOFF's floating dtypes",
+    "half_accumulation": "16-bit logits reduced (row maximum, exponential sum, loss sum) in a 16-bit dtype",
+    "narrower_accumulation": "the accumulation dtype has a larger unit roundoff than the input dtype",
+}
+
+
+@attrs.frozen
+class PrecisionPolicy:
+    """The declared mixed-precision contract of a head and its loss.
+
+    Attributes:
+        input_dtype: Dtype of hidden rows, weights and the projected logits (``"bfloat16"``, ...).
+        accumulation_dtype: Dtype the row maximum, the exponential sum, the target gather and the
+            loss sum are accumulated in (PyTorch CPU and CUDA GEMMs accumulate 16-bit products in
+            float32; ``cross_entropy`` on 16-bit logits reduces in float32).
+    """
+
+    input_dtype: str
+    accumulation_dtype: str
+
+
+@rule(
+    "invariant.head_accumulation_dtype",
+    title="The loss declares its accumulation dtype; 16-bit logits are reduced in float32 or wider",
+    section="M3.8 0x04 Dtype and degenerate-row policy",
+    statement="Stable algebra does not choose an accumulation dtype: a head/loss declares (input dtype, accumulation dtype). "
+    "With bfloat16 or float16 logits, the row maximum, exponential sum and loss reduction are accumulated in float32 or "
+    "float64; no accumulation dtype is coarser than its input dtype. A candidate in a 16-bit dtype is judged against the "
+    "float64 reference on the same rounded inputs, within a bound derived from the two unit roundoffs.",
+)
+def accumulation_violations(policy: PrecisionPolicy) -> tuple[str, ...]:
+    """The names (:data:`ACCUMULATION_VIOLATIONS`) of every way ``policy`` breaks the dtype contract; empty when it keeps it.
+
+    Source: M3.8 0x04 "Dtype and degenerate-row policy" ("Accumulate the reduction in the
+    declared stable dtype"); 0x05 "Exact conformance checks" item 6.
+    """
+    u_in, u_acc = UNIT_ROUNDOFF.get(policy.input_dtype), UNIT_ROUNDOFF.get(policy.accumulation_dtype)
+    if u_in is None or u_acc is None:
+        return ("unknown_dtype",)
+    out = []
+    if policy.input_dtype in HALF_DTYPES and policy.accumulation_dtype in HALF_DTYPES:
+        out.append("half_accumulation")
+    if u_acc > u_in:
+        out.append("narrower_accumulation")
+    return tuple(out)
+
+
+def gamma(n: int, u: float) -> float:
+    """``gamma_n = n u / (1 - n u)``: the relative error bound of ``n`` rounded operations (Higham 3.1).
+
+    Raises:
+        Rejection: ``head.invalid_input`` when ``n u >= 1`` (no bound exists).
+    """
+    if n * u >= 1.0:
+        raise Rejection(INVALID_INPUT, f"{n} operations at unit roundoff {u:g} admit no error bound (n u >= 1)", "$.dtype")
+    return n * u / (1.0 - n * u)
+
+
+@attrs.frozen
+class LossErrorBound:
+    """First-order error bounds of a candidate loss under a :class:`PrecisionPolicy`, for one case.
+
+    Attributes:
+        logit: Bound on ``|z_hat - z|`` per logit: the dot product of length ``d`` (plus the bias)
+            accumulated at ``u_acc`` and the logit stored at ``u_in``:
+            ``(u_in + gamma_{d+1}(u_acc)) * S``, ``S = max_{r,v} sum_k |h_rk e_vk| + |b_v|``.
+        row: Bound on one row loss: ``LSE`` and ``z_y`` each move by at most ``logit``; the
+            reduction over ``V`` terms adds ``gamma_{V+2}(u_acc) (|LSE| + |z_y|)``, the stored
+            result ``u_in |L|`` (``2 logit + (gamma_{V+2}(u_acc) + u_in) (2 S + log V)``).
+        grad: Bound on a logit-gradient entry of the mean, ``|dG| <= grad / N``: each probability
+            moves by a factor ``exp(+-2 logit)`` (at most 1 in absolute value), plus the rounding
+            of ``P - Q`` (``min(1, expm1(2 logit)) + 2 gamma_{V+2}(u_acc) + u_in``).
+    """
+
+    logit: float
+    row: float
+    grad: float
+
+
+def loss_error_bound(policy: PrecisionPolicy, hidden: Any, weight: Any, bias: Any = None) -> LossErrorBound:
+    """The :class:`LossErrorBound` of ``policy`` on one case's (already rounded) inputs.
+
+    Args:
+        policy: The declared policy (it must keep :func:`accumulation_violations`).
+        hidden, weight, bias: ``[R, d]``, ``[V, d]``, ``[V]`` or ``None``.
+
+    Raises:
+        Rejection: ``head.invalid_input`` (a policy that breaks the contract, bad shapes).
+
+    Source: M3.8 0x04 "Dtype and degenerate-row policy"; 0x05 "Exact conformance checks" item 6
+    ("forward and backward dtypes within declared tolerances").
+    """
+    bad = accumulation_violations(policy)
+    if bad:
+        raise Rejection(INVALID_INPUT, f"precision policy {policy} breaks the dtype contract: {list(bad)}", "$.dtype")
+    h, e, b = _check_head(hidden, weight, bias)
+    u_in, u_acc = UNIT_ROUNDOFF[policy.input_dtype], UNIT_ROUNDOFF[policy.accumulation_dtype]
+    v, d = e.shape
+    scale = float((np.abs(h) @ np.abs(e).T + (0.0 if b is None else np.abs(np.where(np.isfinite(b), b, 0.0)))).max(initial=0.0))
+    logit = (u_in + gamma(d + 1, u_acc)) * scale
+    g = gamma(v + 2, u_acc)
+    row = 2.0 * logit + (g + u_in) * (2.0 * scale + float(np.log(v)))
+    grad = min(1.0, float(np.expm1(2.0 * logit))) + 2.0 * g + u_in
+    return LossErrorBound(logit, row, grad)
+
+
+# -- 0x05: the immutable row map and the loss's random streams ---------------------------------
+
+@attrs.frozen(eq=False)
+class RowMap:
+    """M3.9's immutable row map, as M3.8 0x05 consumes it: row ``r -> (batch index, position, target or ignore)``.
+
+    Attributes:
+        batch: ``[R]`` int64 batch index of each row.
+        position: ``[R]`` int64 sequence position of each row.
+        target: ``[R]`` int64 target token id, or the ignore index.
+        ignore_index: The ignore label (default :data:`IGNORE_INDEX`).
+
+    Build it once with :func:`row_map_from_labels`; the arrays are read-only.
+    """
+
+    batch: np.ndarray
+    position: np.ndarray
+    target: np.ndarray
+    ignore_index: int = IGNORE_INDEX
+
+    def __attrs_post_init__(self) -> None:
+        for a in (self.batch, self.position, self.target):
+            a.setflags(write=False)
+
+    @property
+    def supervised(self) -> np.ndarray:
+        """``[R]`` bool: rows whose target is not the ignore index."""
+        return self.target != self.ignore_index
+
+
+def row_map_from_labels(labels: Any, ignore_index: int = IGNORE_INDEX) -> RowMap:
+    """Build the row map of already shifted ``labels [B, T]`` (M3.9 owns the shift): row ``r = b T + t``.
+
+    Raises:
+        Rejection: ``head.invalid_input`` (labels not an integer ``[B, T]`` array).
+    """
+    y = np.asarray(labels)
+    if y.ndim != 2 or not (y.dtype.kind in "iu" or y.size == 0):
+        raise Rejection(INVALID_INPUT, f"labels must be integers [B, T], got {y.dtype} {y.shape}", "$.labels")
+    b, t = np.indices(y.shape)
+    return RowMap(b.reshape(-1).astype(np.int64), t.reshape(-1).astype(np.int64), y.reshape(-1).astype(np.int64).copy(), int(ignore_index))
+
+
+#: Violation names of :func:`row_map_violations`.
+ROW_MAP_VIOLATIONS: dict[str, str] = {
+    "rows_not_tiled": "the chunks do not cover rows [0, R) exactly once, in order",
+    "row_rederived": "a chunk's (batch, position, target) differs from the row map's rows it claims (re-derived per chunk)",
+}
+
+
+@rule(
+    "invariant.head_row_map",
+    title="One immutable row map, built before the loss, read by every chunk",
+    section=S05,
+    statement="M3.9 supplies one row map r -> (batch index, position, target or ignore), built once before the loss. Every "
+    "schedule (materialized, row-chunked, tiled) consumes slices of that map: the chunks tile rows [0, R) exactly once and "
+    "each chunk's (batch, position, target) triples are the map's, never re-derived per chunk (a second shift, a chunk-local "
+    "position, a re-padded target).",
+)
+def row_map_violations(row_map: RowMap, chunks: Sequence[tuple[int, Any, Any, Any]]) -> tuple[str, ...]:
+    """Judge the rows each chunk of a schedule consumed against the one row map.
+
+    Args:
+        row_map: The map built before the loss.
+        chunks: ``(start, batch [C], position [C], target [C])`` per chunk, in execution order,
+            as the schedule observed them.
+
+    Returns:
+        Violation names (:data:`ROW_MAP_VIOLATIONS`), empty when every chunk read the map.
+
+    Source: M3.8 0x05 "Source-to-tensor training trace" ("M3.9 supplies an immutable row map"),
+    "Backward state and recomputation" ("replay must preserve dtype and row map").
+    """
+    out: list[str] = []
+    nxt = 0
+    n = row_map.target.shape[0]
+    for start, batch, position, target in chunks:
+        got = [np.asarray(x).reshape(-1).astype(np.int64) for x in (batch, position, target)]
+        c = got[0].shape[0]
+        if int(start) != nxt or any(g.shape[0] != c for g in got) or nxt + c > n:
+            out.append("rows_not_tiled")
+            break
+        want = (row_map.batch[nxt:nxt + c], row_map.position[nxt:nxt + c], row_map.target[nxt:nxt + c])
+        if any(not np.array_equal(g, w) for g, w in zip(got, want)):
+            out.append("row_rederived")
+        nxt += c
+    if "rows_not_tiled" not in out and nxt != n:
+        out.append("rows_not_tiled")
+    return tuple(dict.fromkeys(out))
+
+
+@rule(
+    "invariant.head_loss_rng_free",
+    title="The training loss consumes no sampling randomness",
+    section=S05,
+    statement="The head and its loss are deterministic: computing (or recomputing) the loss draws from no random stream. A "
+    "replayed upstream dropout draws from M3.9's training stream; inference sampling RNG is a different state and is never "
+    "consumed by the training loss. Checked: the process-wide torch RNG (and a sampling generator the loss can reach) is unchanged by a loss call.",
+)
+def rng_violations(global_before: bytes, global_after: bytes, sampling_before: bytes | None = None,
+                   sampling_after: bytes | None = None) -> tuple[str, ...]:
+    """``global_rng_consumed`` / ``sampling_rng_consumed`` for each RNG state a loss call changed.
+
+    Args:
+        global_before, global_after: The process-wide generator's state around the loss call
+            (the stream a default-seeded dropout or sampler draws from).
+        sampling_before, sampling_after: A sampling generator's state around the call, when the
+            loss could reach one (``None``: not observed).
+
+    Source: M3.8 0x05 "Backward state and recomputation" ("Inference sampling RNG is a
+    different state and must never be consumed by the training loss").
+    """
+    out = []
+    if global_before != global_after:
+        out.append("global_rng_consumed")
+    if sampling_before is not None and sampling_before != sampling_after:
+        out.append("sampling_rng_consumed")
+    return tuple(out)
+
+
+# -- 0x09: the declared tying variant against the parameters ------------------------------------
+
+class TyingVariant(str, enum.Enum):
+    """M3.8 0x09 "Tying variants are different architectures"."""
+
+    UNTIED = "untied"
+    DIRECT = "direct"
+    PROJECTED = "projected"
+    SOURCE_TARGET_OUTPUT = "source_target_output"
+    COPIED_INIT = "copied_init"
+
+
+@attrs.frozen
+class TyingLayout:
+    """The storage facts of an embedding/head layout (identities as opaque keys, read by the checker).
+
+    Attributes:
+        input_table: Identity key of the (target) input embedding Parameter.
+        output_weight: Identity key of the output head's weight Parameter.
+        source_table: Identity key of an encoder's source embedding (``None``: decoder-only).
+        source_vocab_hash, target_vocab_hash: Ordered vocabulary hashes
+            (:func:`decodespec.spec.vocab.vocab_table_hash`) of ``V_src`` and ``V_tgt``
+            (``None`` for decoder-only).
+        input_width: Columns of the input table (``d_embed``).
+        model_width: ``d_model``, the width of the final hidden rows.
+        projection_shape: Shape of the learned projection between hidden rows and the shared
+            table (``[d_embed, d_model]``) or ``None``.
+        projection_key: Its pinned checkpoint key (``None``: not pinned).
+    """
+
+    input_table: str
+    output_weight: str
+    input_width: int
+    model_width: int
+    source_table: str | None = None
+    source_vocab_hash: str | None = None
+    target_vocab_hash: str | None = None
+    projection_shape: tuple[int, ...] | None = None
+    projection_key: str | None = None
+
+
+#: Violation names of :func:`tying_variant_violations`.
+TYING_VARIANT_VIOLATIONS: dict[str, str] = {
+    "shared_but_untied_declared": "untied (or copied initialization) declared, but the head's weight is the input table",
+    "not_shared": "a tying variant declared, but the head's weight is not the input table's Parameter",
+    "width_mismatch": "direct tying declared with d_embed != d_model",
+    "projection_missing": "projected tying declared without a [d_embed, d_model] projection",
+    "projection_not_pinned": "the projection's checkpoint key is not pinned",
+    "unexpected_projection": "a projection exists but the declaration is not projected tying",
+    "source_not_shared": "three-way tying declared, but the source embedding is another Parameter",
+    "source_target_vocab_differ": "three-way tying over two different ordered vocabularies (V_src != V_tgt)",
+    "no_source": "three-way tying declared on a model without a source embedding",
+}
+
+
+@rule(
+    "invariant.head_tying_variant",
+    title="The declared tying variant is checked against the parameters",
+    section=S09,
+    statement="A model declares one of untied, direct, projected, source-target-output or copied initialization, and its "
+    "parameters must be that architecture: untied and copied initialization keep two Parameters; direct tying shares one "
+    "table with d_embed = d_model; projected tying shares the table and has a [d_embed, d_model] projection with a pinned "
+    "key; three-way tying shares one table among source embedding, target embedding and output, and only when V_src and "
+    "V_tgt are one ordered vocabulary.",
+)
+def tying_variant_violations(declared: TyingVariant | str, layout: TyingLayout) -> tuple[str, ...]:
+    """The names (:data:`TYING_VARIANT_VIOLATIONS`) of every way ``layout`` differs from ``declared``.
+
+    Raises:
+        ValueError: ``declared`` is not a :class:`TyingVariant` value.
+
+    Source: M3.8 0x09 "Tying variants are different architectures", "What tying does and does
+    not imply" ("different source and target vocabularies: blind three-way tying is invalid").
+    """
+    v = TyingVariant(declared)
+    shared = layout.input_table == layout.output_weight
+    out: list[str] = []
+    if v in (TyingVariant.UNTIED, TyingVariant.COPIED_INIT):
+        if shared:
+            out.append("shared_but_untied_declared")
+    elif not shared:
+        out.append("not_shared")
+    if v is TyingVariant.DIRECT and layout.input_width != layout.model_width:
+        out.append("width_mismatch")
+    if v is TyingVariant.PROJECTED:
+        if layout.projection_shape != (layout.input_width, layout.model_width):
+            out.append("projection_missing")
+        elif layout.projection_key is None:
+            out.append("projection_not_pinned")
+    elif layout.projection_shape is not None and v is not TyingVariant.UNTIED:
+        out.append("unexpected_projection")
+    if v is TyingVariant.SOURCE_TARGET_OUTPUT:
+        if layout.source_table is None:
+            out.append("no_source")
+        else:
+            if layout.source_table != layout.input_table:
+                out.append("source_not_shared")
+            if layout.source_vocab_hash is None or layout.source_vocab_hash != layout.target_vocab_hash:
+                out.append("source_target_vocab_differ")
+    return tuple(out)

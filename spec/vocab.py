@@ -693,3 +693,129 @@ def migration_violations(obs: MigrationObservation, expected_rows: Mapping[str, 
                 out.append("new_moments_not_zero")
     order = list(MIGRATION_VIOLATIONS)
     return tuple(sorted(dict.fromkeys(out), key=order.index))
+
+
+# -- 0x08: encoder-decoder vocabularies and the migration transaction ---------------------------
+
+@attrs.frozen
+class EncDecVocab:
+    """The vocabulary facts of an encoder-decoder, read by the checker.
+
+    Attributes:
+        source_hash, target_hash: Ordered vocabulary hashes (:func:`vocab_table_hash`) of
+            ``V_src`` (source ids) and ``V_tgt`` (target decoder ids).
+        source_size, target_size: ``|V_src|``, ``|V_tgt|``.
+        source_rows, target_rows, output_rows: Rows of the source embedding, the target
+            embedding and the output head (the Generator's projection).
+        source_table, target_table, output_weight: Identity keys of those three Parameters.
+    """
+
+    source_hash: str
+    target_hash: str
+    source_size: int
+    target_size: int
+    source_rows: int
+    target_rows: int
+    output_rows: int
+    source_table: str
+    target_table: str
+    output_weight: str
+
+
+#: Violation names of :func:`encdec_violations`.
+ENCDEC_VIOLATIONS: dict[str, str] = {
+    "source_rows": "the source embedding's rows are not |V_src|",
+    "target_rows": "the target embedding's rows are not |V_tgt|",
+    "output_rows": "the output head's rows are not |V_tgt|",
+    "output_over_source": "the output head is the source table while V_src and V_tgt are different ordered vocabularies",
+    "target_over_source": "the target embedding is the source table while V_src and V_tgt are different ordered vocabularies",
+}
+
+
+@rule(
+    "invariant.vocab_encdec_identity",
+    title="Source ids address V_src, target ids and output logits address V_tgt",
+    section="M3.8 0x08 The vocabulary-axis identity contract",
+    statement="In an encoder-decoder, source ids address V_src (source embedding rows = |V_src|), target decoder ids and the "
+    "output logits address V_tgt (target embedding and head rows = |V_tgt|). V_src and V_tgt are two identities, compared by "
+    "their ordered hashes, never by size: a target embedding or output head bound to the source table is refused unless the "
+    "two ordered vocabularies are one.",
+)
+def encdec_violations(obs: EncDecVocab) -> tuple[str, ...]:
+    """The names (:data:`ENCDEC_VIOLATIONS`) of every way ``obs`` mixes the two vocabularies; empty when it keeps them apart.
+
+    Source: M3.8 0x08 ("For encoder-decoder models: source IDs address V_src, target decoder
+    IDs address V_tgt, output logits usually use V_tgt"; "Equal row counts do not prove equal
+    vocabulary semantics"), 0x09 ("different source and target vocabularies: blind three-way
+    tying is invalid").
+    """
+    out = []
+    if obs.source_rows != obs.source_size:
+        out.append("source_rows")
+    if obs.target_rows != obs.target_size:
+        out.append("target_rows")
+    if obs.output_rows != obs.target_size:
+        out.append("output_rows")
+    one = obs.source_hash == obs.target_hash
+    if obs.output_weight == obs.source_table and not one:
+        out.append("output_over_source")
+    if obs.target_table == obs.source_table and not one:
+        out.append("target_over_source")
+    return tuple(out)
+
+
+@attrs.frozen
+class MigrationSnapshot:
+    """A fingerprint of everything a vocabulary migration may touch (read by the checker before and after).
+
+    Attributes:
+        params: ``((name, identity key, sha256 of the values), ...)`` for the embedding, head and
+            bias Parameters.
+        tied: ``lm_head.weight is embed_tokens.weight``.
+        vocab_size: The configuration's ``vocab_size``.
+        optimizer_params: Identity keys of every parameter-group entry, in order.
+        optimizer_state: sha256 over every optimizer state entry (the Parameter's key, each
+            tensor's name and bytes).
+    """
+
+    params: tuple[tuple[str, str, str], ...]
+    tied: bool
+    vocab_size: int
+    optimizer_params: tuple[str, ...] = ()
+    optimizer_state: str = ""
+
+
+#: Violation names of :func:`transaction_violations`.
+TRANSACTION_VIOLATIONS: dict[str, str] = {
+    "model_changed": "a vocabulary Parameter's object or values differ from before the failed migration",
+    "tie_changed": "the tied alias differs from before",
+    "config_changed": "the configuration's vocab_size differs from before",
+    "optimizer_changed": "the optimizer's parameter groups or state differ from before",
+}
+
+
+@rule(
+    "invariant.vocab_migration_transaction",
+    title="A failed vocabulary migration leaves model, tie and optimizer exactly as before",
+    section="M3.8 0x08 Release and rollback ledger",
+    statement="A migration is a transaction over every row-addressed object: if any step fails after validation, the "
+    "embedding, head and bias Parameters (objects and values), the tied alias, the configuration's vocab_size, the "
+    "optimizer's parameter groups and its state are exactly those of before -- the previous release bundle, not an inverse "
+    "permutation of a half-applied one.",
+)
+def transaction_violations(before: MigrationSnapshot, after: MigrationSnapshot) -> tuple[str, ...]:
+    """The names (:data:`TRANSACTION_VIOLATIONS`) of what a failed migration left changed; empty when rolled back.
+
+    Source: M3.8 0x08 "Release and rollback ledger" ("Reliable rollback restores the complete
+    previous release bundle"), "Tied alias and optimizer restoration order".
+    """
+    out = []
+    if before.params != after.params:
+        out.append("model_changed")
+    if before.tied != after.tied:
+        out.append("tie_changed")
+    if before.vocab_size != after.vocab_size:
+        out.append("config_changed")
+    if (before.optimizer_params, before.optimizer_state) != (after.optimizer_params, after.optimizer_state):
+        out.append("optimizer_changed")
+    return tuple(out)

@@ -56,6 +56,8 @@ import attrs
 import numpy as np
 
 from .errors import Rejection, register_code
+from .head import Smoothing
+from .rules import rule
 from .policy.transforms import _prefix_keep, stable_order
 
 __all__ = [
@@ -72,6 +74,10 @@ __all__ = [
     "shard",
     "shard_logits",
     "shard_ranges",
+    "smoothed_cross_entropy",
+    "smoothed_logit_grads",
+    "smoothing_contributions",
+    "smoothing_targets",
     "target_contributions",
     "telemetry",
     "top_k",
@@ -143,6 +149,12 @@ def global_denominator(shards: Shards, m: np.ndarray) -> np.ndarray:
     return total
 
 
+@rule(
+    "invariant.vocab_parallel_logsumexp",
+    title='The sharded log-sum-exp uses a global MAX, then a global SUM',
+    section='M3.8 0x0A Exact forward trace over vocabulary shards',
+    statement='Each rank takes its local row maximum; an all-reduce MAX gives m; each rank sums exp(z - m) over its shard with that global m; an all-reduce SUM gives s; LSE = m + log s equals the single-rank log-sum-exp (a local maximum breaks it).',
+)
 def logsumexp(shards: Shards) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The distributed log-sum-exp: ``(m, s, m + log s)`` (MAX then SUM), each ``[N]``."""
     m = global_max(shards)
@@ -165,6 +177,12 @@ def target_contributions(shards: Shards, ranges: Sequence[tuple[int, int]], targ
     return out
 
 
+@rule(
+    "invariant.vocab_parallel_target_owner",
+    title="Exactly one rank contributes the target logit; non-owners contribute the SUM's neutral 0",
+    section='M3.8 0x0A Exact forward trace over vocabulary shards',
+    statement='The owner a_r <= y < b_r contributes z_y at local index y - a_r; every non-owner gathers a safe in-range index and contributes 0 (never -inf, the neutral value of MAX); an all-reduce SUM gives z_y and the row loss m + log s - z_y without gathering [N, V] logits.',
+)
 def cross_entropy(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.ndarray) -> np.ndarray:
     """Per-row ``L = m + log s - z_target`` (``[N]``), without gathering the ``[N, V]`` logits."""
     _, _, lse = logsumexp(shards)
@@ -175,6 +193,12 @@ def cross_entropy(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np
     return loss
 
 
+@rule(
+    "invariant.vocab_parallel_backward",
+    title='Owner-only target subtraction; G_E local, G_H summed over shards',
+    section='M3.8 0x0A Exact backward and ownership',
+    statement='Each rank normalizes its shard with the global m and s, P_r = exp(Z_r - m) / s; only the owner subtracts the target; G_{E_r} = G_{Z_r}^T H needs no all-gather; G_H = sum_r G_{Z_r} E_r is an all-reduce SUM; together they equal the single-rank gradients.',
+)
 def logit_grads(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.ndarray) -> list[np.ndarray]:
     """``G_{Z_r} = P_r - onehot`` with ``P_r = exp(Z_r - m) / s``; only the owner subtracts the target (``[N, V_r]`` each)."""
     _check(shards, ranges)
@@ -186,6 +210,78 @@ def logit_grads(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.n
         g[rows, targets[rows] - a] -= 1.0
         out.append(g)
     return out
+
+
+def smoothing_targets(ranges: Sequence[tuple[int, int]], targets: np.ndarray, eps: float,
+                      smoothing: Smoothing | str = Smoothing.ALL_CLASSES) -> list[np.ndarray]:
+    """Each rank's local target distribution ``Q_r`` (``[N, V_r]``), built from global ids only.
+
+    ``ALL_CLASSES``: ``(Q_r)_v = (1 - eps) 1[r owns y] 1[v = y - a_r] + eps / V``;
+    ``NON_TARGET``: ``eps / (V - 1)`` off the target, ``1 - eps`` at the owner's target.  ``V`` is
+    the *global* vocabulary size ``b_{R-1}``, never the shard's ``V_r``.
+
+    Raises:
+        Rejection: ``vocab_parallel.invalid_layout`` (eps outside [0, 1]; ``NON_TARGET`` with V < 2).
+    """
+    conv = Smoothing(smoothing)
+    vocab = int(ranges[-1][1])
+    if not 0.0 <= float(eps) <= 1.0 or (conv is Smoothing.NON_TARGET and eps > 0 and vocab < 2):
+        raise _refuse(f"label smoothing eps = {eps!r} with {conv.value} over V = {vocab} describes no target distribution", "$.eps")
+    off = eps / vocab if conv is Smoothing.ALL_CLASSES else (eps / (vocab - 1) if eps > 0 else 0.0)
+    on = (1.0 - eps) + (eps / vocab if conv is Smoothing.ALL_CLASSES else 0.0)
+    out = []
+    for a, b in ranges:
+        q = np.full((targets.shape[0], b - a), off)
+        rows = np.flatnonzero((a <= targets) & (targets < b))
+        q[rows, targets[rows] - a] = on
+        out.append(q)
+    return out
+
+
+@rule(
+    "invariant.vocab_parallel_label_smoothing",
+    title="Label smoothing over vocabulary shards: one convention, global V, a SUM of local terms",
+    section=S + "Exact backward and ownership",
+    statement="With label smoothing eps the per-row loss over shards is m + log s - sum_r sum_{v in V_r} (Q_r)_v z_v (a SUM "
+    "with neutral 0 after the MAX and SUM of the log-sum-exp) and the local logit gradient is P_r - Q_r, where every rank "
+    "builds Q_r from global ids with the one declared convention and the global V: ALL_CLASSES gives eps / V to every class "
+    "and 1 - eps more to the owner's target; NON_TARGET gives eps / (V - 1) off the target. The result equals the "
+    "single-rank smoothed loss and gradient; ranks mixing conventions (or using V_r) break both.",
+)
+def smoothing_contributions(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.ndarray, eps: float,
+                            smoothing: Smoothing | str = Smoothing.ALL_CLASSES) -> list[np.ndarray]:
+    """Each rank's contribution ``sum_{v in V_r} (Q_r)_v z_v`` (``[N]``) to the SUM that yields ``sum_v q_v z_v``.
+
+    A masked class (``z = -inf``) with ``q = 0`` contributes 0 (the single-rank ``0 * -inf = 0``
+    convention); one with ``q > 0`` contributes ``-inf`` (the loss is ``+inf``, as on one rank).
+
+    Source: M3.8 0x0A "Exact backward and ownership" ("Label smoothing adds a distributed target
+    value for every local class"); 0x04 "Label smoothing is a target-distribution contract".
+    """
+    _check(shards, ranges)
+    out = []
+    for z, q in zip(shards, smoothing_targets(ranges, targets, eps, smoothing)):
+        with np.errstate(invalid="ignore"):
+            out.append(np.where(q > 0, q * z, 0.0).sum(axis=-1))
+    return out
+
+
+def smoothed_cross_entropy(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.ndarray, eps: float,
+                           smoothing: Smoothing | str = Smoothing.ALL_CLASSES) -> np.ndarray:
+    """Per-row ``-sum_v q_v log p_v = LSE - sum_v q_v z_v`` (``[N]``; ``sum_v q_v = 1``): MAX, SUM, SUM."""
+    _, _, lse = logsumexp(shards)
+    qz = np.zeros_like(lse)
+    for c in smoothing_contributions(shards, ranges, targets, eps, smoothing):
+        qz = qz + c
+    return lse - qz
+
+
+def smoothed_logit_grads(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.ndarray, eps: float,
+                         smoothing: Smoothing | str = Smoothing.ALL_CLASSES) -> list[np.ndarray]:
+    """``G_{Z_r} = P_r - Q_r`` (``[N, V_r]`` each), ``P_r`` normalized with the global ``m`` and ``s``."""
+    _check(shards, ranges)
+    m, s, _ = logsumexp(shards)
+    return [np.exp(z - m[:, None]) / s[:, None] - q for z, q in zip(shards, smoothing_targets(ranges, targets, eps, smoothing))]
 
 
 def weight_grads(grads: Shards, hidden: np.ndarray) -> list[np.ndarray]:
@@ -203,6 +299,12 @@ def hidden_grad(grads: Shards, weight: np.ndarray, ranges: Sequence[tuple[int, i
     return total
 
 
+@rule(
+    "invariant.vocab_parallel_greedy",
+    title='Distributed greedy: global maximum, global id, lowest id on ties',
+    section='M3.8 0x0A Distributed inference selection',
+    statement='Each rank proposes (local max, global id); a MAX of values then a MIN of ids at the maximum gives the single-rank greedy token under the lowest-id tie rule.',
+)
 def greedy(shards: Shards, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
     """Exact global argmax with the lowest-global-id tie rule (``[N]`` int64).
 
@@ -225,6 +327,12 @@ def _ranked(values: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np
     return np.take_along_axis(values, order, axis=-1), np.take_along_axis(ids, order, axis=-1)
 
 
+@rule(
+    "invariant.vocab_parallel_top_k",
+    title='Distributed top-k: local top-k per shard suffices, merged by global id',
+    section='M3.8 0x0A Distributed inference selection',
+    statement="Each rank's local top-k (global ids) is sufficient; merging at most R k candidates with the (-score, id) key gives the single-rank top-k set and order.",
+)
 def top_k(shards: Shards, ranges: Sequence[tuple[int, int]], k: int) -> tuple[np.ndarray, np.ndarray]:
     """Exact global top-k by merging local top-k lists: ``(values [N, k], ids [N, k])`` in (-z, id) order.
 
@@ -248,6 +356,12 @@ def top_k(shards: Shards, ranges: Sequence[tuple[int, int]], k: int) -> tuple[np
     return _ranked(np.concatenate(values, axis=-1), np.concatenate(ids, axis=-1), k)
 
 
+@rule(
+    "invariant.vocab_parallel_top_p",
+    title='Top-p is global, never shard-local',
+    section='M3.8 0x0A Distributed inference selection',
+    statement='The declared owner gathers the probability row, computes the global nucleus in (-p, id) order and broadcasts the cut; a top-p computed on each renormalized shard is a different set and is refused.',
+)
 def top_p_keep(prob_shards: Shards, ranges: Sequence[tuple[int, int]], p: float) -> list[np.ndarray]:
     """Exact global top-p: each rank's keep mask ``[N, V_r]`` of the global nucleus.
 
@@ -277,6 +391,12 @@ def top_p_keep(prob_shards: Shards, ranges: Sequence[tuple[int, int]], p: float)
     return keeps
 
 
+@rule(
+    "invariant.vocab_parallel_multinomial",
+    title='Distributed multinomial: one owner of the draw, CDF carried across shards',
+    section='M3.8 0x0A Distributed inference selection',
+    statement='One declared owner holds u and broadcasts it; the inverse CDF in vocabulary-id order is carried from rank to rank, so every CDF entry and the drawn id equal the single-rank draw bit for bit.',
+)
 def multinomial(prob_shards: Shards, ranges: Sequence[tuple[int, int]], u: np.ndarray) -> np.ndarray:
     """Exact global inverse-CDF draw with one owner of the uniform (``[N]`` int64), equal to ``selector.multinomial``.
 
@@ -328,6 +448,12 @@ class VocabTelemetry:
     denominator_valid: bool
 
 
+@rule(
+    "invariant.vocab_parallel_telemetry",
+    title='Distributed loss telemetry: owner count, outside targets, local maxima, denominator',
+    section='M3.8 0x0A Collective and failure ledger',
+    statement='A vocabulary-parallel loss reports per row how many ranks own its target (exactly 1), targets outside every shard, non-finite local maxima per rank and whether every global denominator is finite and positive.',
+)
 def telemetry(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.ndarray) -> VocabTelemetry:
     """Target-owner counts (a SUM of 0/1 per rank), targets outside all shards, non-finite local maxima, denominator validity."""
     _check(shards, ranges)

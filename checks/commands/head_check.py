@@ -30,7 +30,9 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("head-check", help="check a loss/head implementation (module:function) against the M3.8 0x05 reference",
                        description=__doc__.split("\n\n")[1])
     p.add_argument("implementation", nargs="?", help="the callable, as module:function")
-    p.add_argument("--dtype", default="float64", choices=("float64", "float32"), help="dtype of the candidate's inputs")
+    p.add_argument("--dtype", default="float64", choices=("float64", "float32", "bfloat16", "float16"),
+                   help="dtype of the candidate's inputs (16-bit: tolerances derived from the unit roundoff)")
+    p.add_argument("--accumulation-dtype", default=None, help="the candidate's declared accumulation dtype (default float32 for 16-bit inputs, else --dtype)")
     p.add_argument("--mutants", action="store_true", help="run the built-in failure-lab mutants instead")
     p.add_argument("--reference", action="store_true", help="run the built-in correct schedules instead")
     p.add_argument("--json", action="store_true", help="print JSON lines")
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             targets = {args.implementation: hc.load_callable(args.implementation)}
         else:
             raise Rejection(hc.INVALID_CALLABLE, "name an implementation (module:function), or --mutants or --reference", "$.implementation")
-        verdicts = {name: hc.check_loss(fn, dtype=args.dtype) for name, fn in targets.items()}
+        verdicts = {name: hc.check_loss(fn, dtype=args.dtype, accumulation_dtype=args.accumulation_dtype) for name, fn in targets.items()}
     except DecodeSpecError as err:
         print(json.dumps({"error": err.to_json()}), file=sys.stderr)
         return 2

@@ -15,7 +15,10 @@ These bugs live at interfaces the gate's case table does not drive -- a user's t
   :func:`~decodespec.checks.vocab_check.check_migration` of the tiny model with a ``[V]`` head
   bias, after one Adam step, through a map that swaps ids 40 and 41, drops id 511 and appends 8
   rows (mean-initialized), calibrated on :func:`decodespec.impl.vocab.migrate_vocabulary`
-  (layer MIGRATION).
+  (layer MIGRATION);
+* ``vocab_migration_not_rolled_back`` (:data:`~decodespec.checks.vocab_check.ROLLBACK_MUTANTS`):
+  :func:`~decodespec.checks.vocab_check.check_migration_rollback` of the same model and map with
+  a fault injected after the rows are installed, judged by ``invariant.vocab_migration_transaction``.
 
 Their rules (``mutant.<name>``) are registered where the broken implementations live.
 
@@ -104,6 +107,21 @@ def _migration_checker(name: str) -> Callable[[bool], dict | None]:
     return check
 
 
+def _rollback_checker(name: str) -> Callable[[bool], dict | None]:
+    def check(mutated: bool) -> dict | None:
+        from ..vocab_check import ROLLBACK_MUTANTS, check_migration_rollback
+
+        vmap, init = _migration_plan()
+        report = check_migration_rollback(_tiny(bias=True), vmap, init, migrate=ROLLBACK_MUTANTS[name][0] if mutated else None)
+        if report.passed:
+            return None
+        first = report.violations[0] if report.violations else "fault_not_raised"
+        return {"check": "migration_rollback.tiny", "layer": "MIGRATION", "rule": "invariant.vocab_migration_transaction",
+                "ladder_check": first, "message": f"after an injected fault: {list(report.violations) or 'the fault did not surface'}"}
+
+    return check
+
+
 def _add(name: str, checker: Callable[[bool], dict | None], representative: bool = False) -> None:
     r = RULES[f"mutant.{name}"]
     MUTANTS[name] = Mutant(name, _G, r.title, r.section, r.statement, (), representative=representative, checker=checker)
@@ -111,7 +129,7 @@ def _add(name: str, checker: Callable[[bool], dict | None], representative: bool
 
 def _register_all() -> None:
     from ..head_check import LOSS_MUTANTS, TYING_MUTANTS
-    from ..vocab_check import MIGRATION_MUTANTS
+    from ..vocab_check import MIGRATION_MUTANTS, ROLLBACK_MUTANTS
 
     for name in LOSS_MUTANTS:
         _add(name, _loss_checker(name), representative=name == "head_chunk_mean")
@@ -120,6 +138,9 @@ def _register_all() -> None:
     for name, (fn, section, title, statement) in MIGRATION_MUTANTS.items():
         register(Rule(id=f"mutant.{name}", kind="mutant", title=title, section=section, statement=statement, obj=fn))
         _add(name, _migration_checker(name))
+    for name, (fn, section, title, statement) in ROLLBACK_MUTANTS.items():
+        register(Rule(id=f"mutant.{name}", kind="mutant", title=title, section=section, statement=statement, obj=fn))
+        _add(name, _rollback_checker(name))
 
 
 _register_all()
