@@ -54,17 +54,17 @@ from decodespec.spec.vocab import (
 __all__ = [
     "MIGRATION_MUTANTS",
     "ROLLBACK_MUTANTS",
-    "RollbackReport",
-    "check_migration_rollback",
-    "observe_encdec",
-    "snapshot_migration",
     "MigrationReport",
     "ReferenceVocab",
+    "RollbackReport",
     "audit_model",
     "check_migration",
+    "check_migration_rollback",
+    "observe_encdec",
     "reference_vocab",
     "runtime_table",
     "runtime_vocab_hash",
+    "snapshot_migration",
 ]
 
 #: GGUF ``tokenizer.ggml.token_type`` of a control token (llama.cpp ``LLAMA_TOKEN_TYPE_CONTROL``).
@@ -521,9 +521,9 @@ ROLLBACK_MUTANTS: dict[str, tuple[Callable[..., Any], str, str, str]] = {
     "vocab_migration_not_rolled_back": (
         _not_rolled_back, "M3.8 0x08 Release and rollback ledger; 0x12 Extended contract failures",
         "A failed vocabulary migration is not rolled back",
-        "The migration installs the resized rows and then fails (the optimizer refuses its new groups): without the undo log "
-        "the model keeps the new Parameters and vocab_size while the optimizer holds the old ones. check_migration_rollback "
-        "reports model_changed and config_changed (invariant.vocab_migration_transaction)."),
+        ("The migration installs the resized rows and then fails (the optimizer refuses its new groups): without the undo log "
+         "the model keeps the new Parameters and vocab_size while the optimizer holds the old ones. check_migration_rollback "
+         "reports model_changed and config_changed (invariant.vocab_migration_transaction).")),
 }
 
 

@@ -104,7 +104,7 @@ def migrate_vocabulary(model: Any, old_to_new: Mapping[int, int], new_size: int,
     Source: M3.8 0x08 "Tied alias and optimizer restoration order" (steps 2-6), "Release and
     rollback ledger".
     """
-    embed_mod, head_mod = model.model.embed_tokens, model.lm_head
+    embed_mod = model.model.embed_tokens
     old_size = int(embed_mod.weight.shape[0])
     old, new, fresh = _map(old_size, int(new_size), old_to_new)
     sources = dict(sources or {})

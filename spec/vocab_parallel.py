@@ -57,8 +57,8 @@ import numpy as np
 
 from .errors import Rejection, register_code
 from .head import Smoothing
-from .rules import rule
 from .policy.transforms import _prefix_keep, stable_order
+from .rules import rule
 
 __all__ = [
     "VOCAB_PARALLEL_INVALID",
@@ -273,7 +273,7 @@ def smoothed_cross_entropy(shards: Shards, ranges: Sequence[tuple[int, int]], ta
     qz = np.zeros_like(lse)
     for c in smoothing_contributions(shards, ranges, targets, eps, smoothing):
         qz = qz + c
-    return lse - qz
+    return np.asarray(lse - qz, dtype=np.float64)
 
 
 def smoothed_logit_grads(shards: Shards, ranges: Sequence[tuple[int, int]], targets: np.ndarray, eps: float,

@@ -15,7 +15,7 @@ from decodespec.spec.rules import RULES
 
 torch = pytest.importorskip("torch")
 
-from decodespec.checks import head_check as hc  # noqa: E402
+from decodespec.checks import head_check as hc
 
 
 def test_rules_registered_with_sections():
@@ -155,7 +155,7 @@ def test_loss_that_draws_random_state_is_caught():
 # -- 0x09 tying variants ---------------------------------------------------------------------------
 
 def _layout(**kw):
-    base = dict(input_table="E", output_weight="E", input_width=8, model_width=8)
+    base = {"input_table": "E", "output_weight": "E", "input_width": 8, "model_width": 8}
     return H.TyingLayout(**{**base, **kw})
 
 

@@ -13,10 +13,10 @@ from decodespec.spec.rules import RULES
 
 torch = pytest.importorskip("torch")
 
-from decodespec.checks import vocab_check as vc  # noqa: E402
-from decodespec.checks.mutants import MUTANTS  # noqa: E402
-from decodespec.impl.encdec import make_model  # noqa: E402
-from decodespec.impl.tiny import load_tiny  # noqa: E402
+from decodespec.checks import vocab_check as vc
+from decodespec.checks.mutants import MUTANTS
+from decodespec.impl.encdec import make_model
+from decodespec.impl.tiny import load_tiny
 
 SRC = [f"s{i}" for i in range(11)]
 TGT = [f"t{i}" for i in range(11)]  # the same size, another ordered vocabulary
@@ -28,8 +28,8 @@ def test_rules_registered():
 
 
 def _obs(**kw):
-    base = dict(source_hash="a", target_hash="b", source_size=5, target_size=7, source_rows=5, target_rows=7, output_rows=7,
-                source_table="S", target_table="T", output_weight="O")
+    base = {"source_hash": "a", "target_hash": "b", "source_size": 5, "target_size": 7, "source_rows": 5, "target_rows": 7, "output_rows": 7,
+                "source_table": "S", "target_table": "T", "output_weight": "O"}
     return SV.EncDecVocab(**{**base, **kw})
 
 
