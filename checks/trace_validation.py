@@ -90,6 +90,7 @@ from decodespec.spec.errors import DecodeSpecError, Rejection, quote, register_c
 from decodespec.spec.passport import CONTENT, DATA_UNKNOWN_CLASSIFICATION, REDACTED, TRACE_REDACTED, DataPassport, is_token_digest, passport_from_json
 from decodespec.spec.policy.config import PolicyConfig, policy_config_from_json
 from decodespec.spec.policy.receipt import content_id, receipt_policy_mismatch
+from decodespec.spec.policy.rng import rng_key
 from decodespec.spec.profiles import profile_named
 from decodespec.spec.snapshot import SnapshotRecord, take_snapshot
 from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, interrupt_point, is_terminal
@@ -259,6 +260,13 @@ def params_from_header(header: dict[str, Any]) -> RequestParams:
             own = sorted(header[field]) if field == "eos_ids" and isinstance(header[field], list) else header[field]
             if own != value:
                 raise Rejection(TRACE_INVALID, f"the header's {field} {own!r} disagrees with its params ({value!r})", f"$.{field}")
+    if header.get("profile", params.profile.name) != params.profile.name:
+        raise Rejection(TRACE_INVALID, f"the header's profile {quote(header['profile'])} disagrees with its params "
+                        f"({params.profile.name!r})", "$.profile")
+    lanes = list(params.profile.lane_names()) if params.cache_family != "none" else []
+    if "lanes" in header and header["lanes"] != lanes:
+        raise Rejection(TRACE_INVALID, f"the header's lanes {quote(header['lanes'])} are not the profile's lane roster {lanes!r} "
+                        f"(a request with cache {params.cache_family!r})", "$.lanes")
     outside = sorted(i for i in (*header.get("prompt_ids", ()), *params.eos_ids) if not 0 <= int(i) < params.vocab_size)
     if outside:
         raise Rejection(TRACE_INVALID, f"token id {outside[0]} is outside the vocabulary [0, {params.vocab_size})", "$.params")
@@ -317,6 +325,7 @@ class _Stream:
 
     num_chunks: int | None = 0     # None: unknown (a resumed trace without the tokenizer's bytes)
     published: int | None = 0
+    delivered_tokens: int | None = 0  # the last chunk's token_end
     text: str | None = ""
     failed: bool = False           # stream_error at a commit or as an interrupt
     closed: bool = False           # a finish event was seen
@@ -436,6 +445,9 @@ class _Replay:
         self.policy: PolicyConfig | None = None
         #: The request's wall-clock budget (header ``timeout_ms``), ``None`` without one.
         self.timeout_ms: int | None = header.get("timeout_ms")
+        #: The Philox key id the header's identity and seed derive (spec/policy/rng.py); a receipt's rng.key_id in clear
+        #: must be it.  ``None`` in a redacted trace: its key ids are keyed digests, so the seed is not checked there.
+        self.key_id: str | None = None if self.redacted else rng_key(self.params.identity, header["seed"]).key_id
 
     def bind_policy(self, policy: PolicyConfig) -> None:
         """Record the header policy every receipt must name (by :func:`~decodespec.spec.policy.receipt.policy_digest`)."""
@@ -498,6 +510,7 @@ class _Replay:
         if event == "stream":
             st.num_chunks = int(rec["chunk_idx"]) + 1
             st.published = int(rec["byte_end"])
+            st.delivered_tokens = int(rec["token_end"])
             st.text = None if st.text is None or "text" not in rec else st.text + str(rec["text"])
         elif event == "commit" and rec.get("stream_failed"):
             st.failed = True
@@ -507,13 +520,14 @@ class _Replay:
             st.closed = True
         elif event == "restore":
             state = next(iter(candidates))
-            self.stream = st = _Stream(num_chunks=None, published=None, text=None)
+            self.stream = st = _Stream(num_chunks=None, published=None, delivered_tokens=None, text=None)
             if state.phase is Phase.FINISHED:
                 st.restored_finished = st.closed = True
             elif self.token_bytes is not None and self.params.stream:
                 # What a conforming stream had published when the snapshot was taken.
                 ref = reference_stream(self.stop, state.output_ids, self._token_bytes(state.output_ids))
                 st.num_chunks, st.published = len(ref.chunks), ref.chunks[-1].byte_end if ref.chunks else 0
+                st.delivered_tokens = ref.chunks[-1].token_end if ref.chunks else 0
                 st.text = "".join(c.text for c in ref.chunks)
 
     # -- event -> [(action or None, check)] ------------------------------------------------------
@@ -634,6 +648,9 @@ class _Replay:
             _differs("receipt.state_after.rng_counter", receipt["state_after"]["rng_counter"], rec["rng_counter_after"]),
             _differs("len(receipt.rng.addresses)", len(rng["addresses"]), rec["draws"]),
             _differs("receipt.vocab_size", receipt["vocab_size"], self.params.vocab_size),
+            None if self.key_id is None or rng.get("key_id") in (None, self.key_id) else (
+                f"field 'receipt.rng.key_id' is {quote(rng['key_id'])} but the header's identity and seed derive the Philox key "
+                f"{self.key_id} (spec/policy/rng.py rng_key)"),
             self._policy_check(receipt),
         )
         if why is None:
@@ -756,15 +773,22 @@ class _Replay:
             return "the finish event carries a stream report but the request does not stream"
         if not self.params.stream or st.restored_finished:
             return None
+        if report is None:
+            return ("the finish event of a streamed request carries no stream report (chunks, delivered bytes and tokens, "
+                    "failure): the report is how the finish states what the stream delivered")
         failed = st.failed or FinishReason.STREAM_ERROR in state.triggers
         claims_failure = isinstance(report, dict) and report.get("failed") is True
         if report is not None:
             if not isinstance(report, dict):
                 return f"field 'stream' is {report!r}, expected the stream report object"
             why = _first(_differs("stream.chunks", report.get("chunks"), st.num_chunks) if st.num_chunks is not None else None,
-                         _differs("stream.delivered_bytes", report.get("delivered_bytes"), st.published) if st.published is not None else None)
+                         _differs("stream.delivered_bytes", report.get("delivered_bytes"), st.published) if st.published is not None else None,
+                         _differs("stream.delivered_tokens", report.get("delivered_tokens"), st.delivered_tokens)
+                         if st.delivered_tokens is not None else None)
             if why is not None:
                 return why
+            if report.get("error") is not None and not claims_failure:
+                return "the stream report names a consumer error but says the stream did not fail (an error fails the delivery)"
             if failed and not claims_failure:
                 return "the stream failed (stream_error) but the finish event's stream report says it did not"
             if claims_failure and not failed and state.finish_reason not in (FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR):
@@ -827,6 +851,11 @@ class _Replay:
                     "bytes are never retracted (invariant.stream_prefix)")
         if end <= start:
             return f"the chunk [{start}, {end}) is empty or reversed"
+        if not fields["token_start"] < fields["token_end"]:
+            return f"the chunk's token range [{fields['token_start']}, {fields['token_end']}) is empty or reversed"
+        if st.delivered_tokens is not None and not (fields["token_start"] >= st.delivered_tokens - 1 and fields["token_end"] >= st.delivered_tokens):
+            return (f"the chunk's token range [{fields['token_start']}, {fields['token_end']}) does not continue the previous chunk's, "
+                    f"which ended at token {st.delivered_tokens} (a chunk starts in the token where the last one ended or after it)")
         if fields["token_end"] > state.output_count:
             return (f"the chunk covers tokens up to {fields['token_end']} but only {state.output_count} are committed: "
                     "text is never published before its tokens are committed")

@@ -47,6 +47,7 @@ from decodespec.checks.traces import check_replay_runtime, load_trace
 from decodespec.spec.errors import ERROR_CODES, DecodeSpecError
 
 from fuzzing import DEEP, Chooser, Ledger, _dumps, byte_mutation, json_mutation  # noqa: E402  (tests/ is on sys.path)
+from trace_oracle import classify_acceptance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = sorted((ROOT / "traces").glob("*.itf.json"))
@@ -58,6 +59,8 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
 
 STATS: Counter = Counter()
 TIMES: Counter = Counter()
+#: The wrong acceptances seen (tests/trace_oracle.py): each fails the test that saw it.
+WRONG: list[dict[str, Any]] = []
 
 def _streams() -> tuple[io.TextIOWrapper, io.TextIOWrapper]:
     """stdout / stderr as a terminal has them: strict UTF-8 text over bytes (a lone surrogate cannot be written)."""
@@ -237,12 +240,16 @@ def _events_case(c: Chooser, event_traces: list[bytes], folder: Path) -> str:
     verdict = json.loads(out)
     if verdict["accepted"]:
         assert code == 0 and verdict["code"] is None
-        outcome = "events.accepted" + (".unchanged" if mutated == source else "")
+        kind, detail = ("unchanged", "") if mutated == source else classify_acceptance(source, mutated)
+        outcome = f"events.accepted.{kind}"
         STATS[outcome] += 1
+        if kind == "wrong":
+            WRONG.append({"seed": getattr(source, "name", "?"), "notes": notes, "why": detail})
         review = os.environ.get("DECODESPEC_FUZZ_ACCEPTED")
         if review and mutated != source:
             with open(review, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps({"notes": notes}, ensure_ascii=True) + "\n")
+                fh.write(json.dumps({"seed": getattr(source, "name", "?"), "notes": notes, "class": kind, "detail": detail},
+                                    ensure_ascii=True) + "\n")
     else:
         assert code == 1 and verdict["code"] in ERROR_CODES and verdict["line"] >= 1, (notes, verdict)
         outcome = f"events.rejected.{verdict['code']}"
@@ -253,7 +260,10 @@ def _events_case(c: Chooser, event_traces: list[bytes], folder: Path) -> str:
 @FUZZ
 @given(data=st.data())
 def test_a_mutated_event_trace_is_accepted_or_refused_with_a_code(data, event_traces, tmp_path_factory) -> None:
-    _events_case(Chooser(data), event_traces, tmp_path_factory.getbasetemp())
+    """... and an accepted mutant is one the oracle (tests/trace_oracle.py) says deserved it: no wrong acceptance."""
+    WRONG.clear()
+    outcome = _events_case(Chooser(data), event_traces, tmp_path_factory.getbasetemp())
+    assert outcome != "events.accepted.wrong", WRONG
 
 
 @pytest.mark.skipif("DECODESPEC_FUZZ_SECONDS" not in os.environ, reason="the long fuzz loop runs only with DECODESPEC_FUZZ_SECONDS=S")
@@ -272,6 +282,7 @@ def test_long_trace_fuzz_loop(event_traces, tmp_path_factory) -> None:
     shm = Path("/dev/shm")
     folder = Path(tempfile.mkdtemp(prefix="decodespec-fuzz-", dir=shm)) if shm.is_dir() else tmp_path_factory.mktemp("fuzz-long")
     ledger = Ledger()
+    WRONG.clear()
     rounds = 0
     try:
         with no_process_started():  # one patch around the loop (it costs more than a reader's call)
@@ -285,9 +296,11 @@ def test_long_trace_fuzz_loop(event_traces, tmp_path_factory) -> None:
         shutil.rmtree(folder, ignore_errors=True)
     report = os.environ.get("DECODESPEC_FUZZ_REPORT")
     if report:
-        Path(report).write_text(json.dumps({"seed": seed, "rounds": rounds, **ledger.to_json()}, indent=1) + "\n")
+        Path(report).write_text(json.dumps({"seed": seed, "rounds": rounds, **ledger.to_json(), "wrong_acceptances": len(WRONG),
+                                            "wrong": WRONG[:50]}, indent=1) + "\n")
     assert rounds > 0
     assert not ledger.untyped, ledger.untyped[:5]
+    assert not WRONG, WRONG[:5]
     assert not ledger.hangs(), ledger.hangs()
 
 
