@@ -401,11 +401,41 @@ def save_snapshot(snapshot: RuntimeSnapshot, path: str | Path, key: bytes | str 
         "score": None if snapshot.record.score is None else {"score_id": snapshot.record.score.score_id, "tensor": "score.logits"},
         "observer": snapshot.observer_state,
     }
+    doc["request_sha256"] = _request_digest(doc["request"])
     secret = snapshot_key(key)
     if secret is not None:
         doc["authentication"] = {"algorithm": SNAPSHOT_MAC_ALGORITHM, "mac": _mac(doc, secret)}
     path.write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     return path, tensor_path
+
+
+def _request_digest(request: Any) -> str:
+    """``sha256:<hex>`` of the carried request's canonical JSON (RFC 8785): binds the request constants to the snapshot.
+
+    Raises:
+        Rejection: ``snapshot.malformed`` when the request is not canonical JSON (NaN, a lone surrogate, ...).
+    """
+    try:
+        return "sha256:" + hashlib.sha256(rfc8785.dumps(request)).hexdigest()
+    except (rfc8785.CanonicalizationError, TypeError, ValueError, RecursionError) as exc:
+        raise Rejection(SNAPSHOT_MALFORMED, f"the request is not canonical JSON: {type(exc).__name__}", "$.request") from None
+
+
+def _check_request_digest(doc: dict[str, Any]) -> None:
+    """The carried request hashes to the recorded ``request_sha256`` (``snapshot.identity_mismatch`` at ``$.request``).
+
+    A snapshot of a request built through the Python API (no envelope) has a caller-chosen identity that does not
+    hash the request's constants, so without this digest a changed ``max_new_tokens``, ``seed``, ``context_cap`` or
+    ``vocab_hash`` resumed a different run (found by the snapshot fuzz's oracle, tests/test_fuzz_envelope.py).  Like
+    the tensor file's SHA-256 it shows accidental or naive change only: whoever rewrites the request can rewrite the
+    digest; an authenticated snapshot needs a key (``$DECODESPEC_SNAPSHOT_KEY``, HMAC-SHA256 over every field).
+    """
+    recorded = doc.get("request_sha256")
+    if not isinstance(recorded, str):
+        raise Rejection(SNAPSHOT_MALFORMED, "the snapshot records no request_sha256 (the digest of its request)", "$.request_sha256")
+    if _request_digest(doc.get("request")) != recorded:
+        raise Rejection(SNAPSHOT_IDENTITY_MISMATCH, "the request does not hash to the recorded request_sha256: a request constant "
+                        "was changed after the snapshot was taken", "$.request")
 
 
 def _carried_request(request: dict[str, Any], content: bool) -> dict[str, Any]:
@@ -488,13 +518,15 @@ def load_snapshot(path: str | Path, key: bytes | str | None = None) -> RuntimeSn
         score = _field(doc, "score", "$", (dict, type(None)))
         capacity = _field(cache, "capacity", "$.cache", (int, type(None)))
         abi = _field(cache, "abi", "$.cache", (dict, type(None)))
+        carried = request_from_json(_field(doc, "request", "$", dict))  # typed field checks first, then the digest
+        _check_request_digest(doc)
         return RuntimeSnapshot(
             record=SnapshotRecord.from_json(_field(doc, "state", "$", dict)),
             logprobs=tuple(_number(x, f"$.logprobs[{i}]") for i, x in enumerate(_field(doc, "logprobs", "$", list))),
             policy_state=PolicyState(_nonnegative(_field(policy, "rng_counter", "$.policy_state", int), "$.policy_state.rng_counter"),
                                      constraint_state, None if mu is None else _number(mu, "$.policy_state.mirostat_mu")),
             receipts=tuple(_field(doc, "receipts", "$", list)),
-            request=request_from_json(_field(doc, "request", "$", dict)),
+            request=carried,
             cache_family=_field(cache, "family", "$.cache", str),
             cache_abi=None if abi is None else CacheABI.from_json(abi),
             capacity=None if capacity is None else _nonnegative(capacity, "$.cache.capacity"),
