@@ -65,7 +65,7 @@ import torch
 
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection, published_finish_reason
 from decodespec.spec.envelope import lone_surrogate_path
-from decodespec.spec.errors import DecodeSpecError, Rejection, quote
+from decodespec.spec.errors import DecodeSpecError, Rejection, quote, quote_content
 from decodespec.spec.passport import CONTENT, passport_from_json, snapshot_passport
 from decodespec.spec.limits import MAX_SAFE_INT
 from decodespec.spec.policy.config import policy_config_from_json
@@ -272,7 +272,7 @@ def request_from_json(obj: dict[str, Any]):
         try:
             raw = rfc8785.dumps(obj["envelope"])
         except (rfc8785.CanonicalizationError, TypeError, ValueError, RecursionError) as exc:
-            raise Rejection(SNAPSHOT_MALFORMED, f"the carried envelope is not canonical JSON: {quote(str(exc))}", "$.request.envelope") from None
+            raise Rejection(SNAPSHOT_MALFORMED, f"the carried envelope is not canonical JSON: {type(exc).__name__}", "$.request.envelope") from None
         admitted, identity = validate_request_envelope(raw)
         dropped = "envelope_identity" in obj  # the prompt text was dropped (save_snapshot without content)
         if dropped and "text" in obj["envelope"].get("prompt", {}):
@@ -475,7 +475,7 @@ def load_snapshot(path: str | Path, key: bytes | str | None = None) -> RuntimeSn
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise Rejection(SNAPSHOT_MALFORMED, f"cannot read {quote(str(path))}: {type(exc).__name__}: {quote(str(exc))}", "$") from None
+        raise Rejection(SNAPSHOT_MALFORMED, f"cannot read {quote(str(path))}: {type(exc).__name__}: {quote_content(str(exc))}", "$") from None
     if not isinstance(doc, dict) or doc.get("format") != SNAPSHOT_FORMAT:
         raise Rejection(SNAPSHOT_MALFORMED, f"not a {SNAPSHOT_FORMAT} file", "$.format")
     try:
@@ -537,7 +537,7 @@ def load_snapshot(path: str | Path, key: bytes | str | None = None) -> RuntimeSn
     except DecodeSpecError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError) as exc:
-        raise _malformed(f"not a snapshot: {type(exc).__name__}: {quote(str(exc))}", "$") from None
+        raise _malformed(f"not a snapshot: {type(exc).__name__}: {quote_content(str(exc))}", "$") from None
 
 
 def _malformed(message: str, path: str) -> Rejection:
@@ -560,7 +560,8 @@ def _field(obj: Any, key: str, path: str, types: type | tuple[type, ...]) -> Any
 
 def _nonnegative(value: int, path: str) -> int:
     if not 0 <= value <= MAX_SAFE_INT:
-        raise _malformed(f"{quote(value)} is not an integer in [0, {MAX_SAFE_INT}]", path)
+        shown = quote_content if any(k in path for k in ("prompt_ids", "eos_ids", "output_ids")) else quote  # token ids: content
+        raise _malformed(f"{shown(value)} is not an integer in [0, {MAX_SAFE_INT}]", path)
     return value
 
 
@@ -772,9 +773,10 @@ def _check_receipts(snapshot: RuntimeSnapshot) -> None:
         expected = (("selected_id", outputs[i]), ("raw_logprob", snapshot.logprobs[i]), ("step", i), ("score_id", consumed.score_id),
                     ("draws", consumed.draws))
         for key, want in expected:
+            shown = quote_content if key == "selected_id" else quote  # a token id is user content (spec/errors.py)
             if receipt.get(key) != want or isinstance(receipt.get(key), bool):
-                raise _refuse(SNAPSHOT_LEDGER_INVALID, f"receipt {j} (output {i}) records {key} = {quote(receipt.get(key))}; the ledger "
-                              f"has {quote(want)}", f"{path}.{key}")
+                raise _refuse(SNAPSHOT_LEDGER_INVALID, f"receipt {j} (output {i}) records {key} = {shown(receipt.get(key))}; the ledger "
+                              f"has {shown(want)}", f"{path}.{key}")
         if not isinstance(rng, dict) or rng.get("counter_before") != consumed.rng_counter_before:
             raise _refuse(SNAPSHOT_LEDGER_INVALID, f"receipt {j} (output {i}) does not start at RNG counter {consumed.rng_counter_before}",
                           f"{path}.rng.counter_before")
@@ -812,9 +814,10 @@ def _check_observer(snapshot: RuntimeSnapshot) -> None:
             raise _refuse(SNAPSHOT_MALFORMED, f"the observer's {key} is not a list", f"$.observer.{key}")
         if len(got) != len(want):
             raise _refuse(SNAPSHOT_LEDGER_INVALID, f"the observer holds {len(got)} {key}, the ledger {len(want)}", f"$.observer.{key}")
+        shown = quote_content if key == "output_ids" else quote  # token ids are user content (spec/errors.py)
         for index, (g, w) in enumerate(zip(got, want)):
             if g != w or isinstance(g, bool) or not isinstance(g, (int, float)):
-                raise _refuse(SNAPSHOT_LEDGER_INVALID, f"the observer's {key}[{index}] is {quote(g)}; the ledger has {quote(w)}",
+                raise _refuse(SNAPSHOT_LEDGER_INVALID, f"the observer's {key}[{index}] is {shown(g)}; the ledger has {shown(w)}",
                               f"$.observer.{key}[{index}]")
 
 

@@ -27,6 +27,7 @@ import pytest
 from decodespec.checks.cli import main
 from decodespec.checks.trace_validation import EVENTS_SCHEMA_PATH, TRACE_INCOMPLETE, TRACE_RECEIPT, TRACE_SCHEMA, validate_trace
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection
+from decodespec.spec.errors import quote_content
 from decodespec.spec.state import InterruptPoint
 
 BASE = ["generate", "--model", "tiny", "--prompt", "hi", "--device", "cpu"]
@@ -124,7 +125,8 @@ def test_a_receipt_whose_selected_id_is_not_the_token_is_refused(greedy_trace, t
     _write(path, records)
     verdict = _verdict(capsys, path, 1)
     assert (verdict["code"], verdict["line"], verdict["event"]) == (TRACE_RECEIPT, i + 1, "decision")
-    assert f"'receipt.selected_id' is 9 but the spec says {records[i]['token_id']}" in verdict["reason"]
+    # Token ids are user content: the reason shows them as length and fingerprint (spec/errors.py quote_content), never raw.
+    assert f"'receipt.selected_id' is {quote_content(9)} but the spec says {quote_content(records[i]['token_id'])}" in verdict["reason"]
 
 
 def test_a_receipt_altered_behind_its_content_hash_is_refused(greedy_trace, tmp_path, capsys):
