@@ -342,6 +342,7 @@ def _set_path(record: dict, path: tuple, value, delete: bool = False) -> None:
     (("params", "max_draws"), 2**64, "$.params.max_draws"),
     (("params", "context_cap"), 1e308, "$.params.context_cap"),
     (("seed",), 10**39, "$.seed"),
+    (("seed",), -(2**63) - 1, "$.seed"),
     (("params", "final_cache"), "x", "$.params.final_cache"),
     (("params", "zero_new_tokens"), "x", "$.params.zero_new_tokens"),
     (("data", "note"), "x", "$.data"),
@@ -359,13 +360,13 @@ def test_a_header_value_outside_its_domain_is_a_schema_refusal_naming_it(greedy_
     assert json_path in verdict["reason"], verdict
 
 
-def test_every_integer_of_the_events_schema_is_bounded_by_max_safe_int():
+def test_every_integer_of_the_events_schema_is_in_0_to_max_safe_int():
     from decodespec.spec.limits import MAX_SAFE_INT
 
     def walk(node, where="$"):
         if isinstance(node, dict):
             if node.get("type") == "integer":
-                assert node.get("maximum", MAX_SAFE_INT + 1) <= MAX_SAFE_INT, where
+                assert node.get("maximum", MAX_SAFE_INT + 1) <= MAX_SAFE_INT and node.get("minimum", -1) >= 0, where
             for key, value in node.items():
                 walk(value, f"{where}/{key}")
         elif isinstance(node, list):
