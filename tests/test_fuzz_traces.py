@@ -8,7 +8,9 @@ delete, truncate, a byte that is not UTF-8) or the JSON level (replace a value a
 a lone surrogate, a long string, a ``stdio:`` command, a deep nest; delete a key; add one).
 
 Every outcome must be an acceptance or a typed refusal (a :class:`DecodeSpecError`, or
-``validate-trace``'s verdict / exit 2 with a registered code); any other exception fails the test,
+``validate-trace``'s verdict / exit 2 with a registered code), and every accepted event-trace mutant must be
+one the wrong-acceptance oracle (``tests/trace_oracle.py``: same canonical content, or only fields the format
+declares free) says deserved it; any other exception or a wrong acceptance fails the test,
 and no process may be started (``subprocess.Popen``, ``os.system`` and ``os.posix_spawn`` raise
 while an example runs).  A loaded conformance trace also goes through replay's runtime check
 (a ``stdio:`` runtime named by the file is refused).
@@ -16,7 +18,7 @@ while an example runs).  A loaded conformance trace also goes through replay's r
 Profiles: ``DECODESPEC_FUZZ_EXAMPLES`` (default 300 per test: the CI profile, under 60 s on one
 core) sets the examples per test; ``DECODESPEC_FUZZ_STATS=FILE`` writes the outcome counts and
 rates as JSON at the end (what docs/results/fuzz-traces.md reports), and
-``DECODESPEC_FUZZ_ACCEPTED=FILE`` appends each accepted event-trace mutation for review.  A long
+``DECODESPEC_FUZZ_ACCEPTED=FILE`` appends each accepted event-trace mutation with the oracle's class.  A long
 run: ``DECODESPEC_FUZZ_EXAMPLES=20000 nice -n 19 .venv/bin/python -m pytest tests/test_fuzz_traces.py``.
 
 Source: M3.10 0x06 "Bound parsers, matchers, traces, and sensitive data"; issue 16 deliverable 7.
