@@ -25,7 +25,16 @@ decision recorded; a completion's ``layers_written`` agrees with its selection (
 cached ALL_NEW call wrote every layer: at least one, and the count of the trace's first ALL_NEW
 completion, the model's depth); a ``snapshot`` event's ``state`` is, field by field, the spec's
 :func:`~decodespec.spec.snapshot.take_snapshot` of the matched state; the header's ``runtime``
-fields are in the runtime's domains (schema enums: name, model, device, dtype, attention, kernel).
+fields are in the runtime's domains (schema enums: name, model, device, dtype, attention, kernel) and
+all or nothing (model, device, dtype, attention and kernel together, or the name alone); every integer
+is in ``[0, MAX_SAFE_INT]`` (spec/limits.py) and every object closed, the snapshot event's ``state``
+included; the header's ``profile`` and ``lanes`` are its params' profile and lane roster; in a content
+trace each receipt's ``rng.key_id`` is the Philox key of the header's identity and ``seed``
+(spec/policy/rng.py); a streamed request's ``finish`` carries its stream report, whose
+``delivered_tokens`` is the last chunk's ``token_end`` and whose ``error`` implies ``failed``.
+
+A reason quotes no user content (token ids, text, stop strings): such values appear as length and
+fingerprint (:func:`~decodespec.spec.errors.quote_content`); the verdict's ``data`` says so.
 
 A ``cancel`` with ``source = "budget"`` (the request's own wall-clock budget fired) needs the
 header's ``timeout_ms``, ``kind = timeout``, ``at = before_launch`` and ``elapsed_ms >=
