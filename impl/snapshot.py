@@ -739,6 +739,16 @@ def _check_ledger(snapshot: RuntimeSnapshot, model, request) -> None:
     if rec.generation < len(rec.scores):
         raise _refuse(SNAPSHOT_LEDGER_INVALID, f"{len(rec.scores)} score rows under generation {rec.generation} (each ALL_NEW call "
                       f"advances it)", "$.state.generation")
+    # The generation counts the ALL_NEW completions and the recoveries, and each recovery follows a failed call, so it is at
+    # most the launches; with no retry in an open request every call was ALL_NEW, so it is exactly the launches; and no score
+    # is newer than it (the snapshot fuzz's oracle: a generation of 49151 was admitted and renamed every later score row).
+    if rec.generation > rec.num_calls or (rec.num_retries == 0 and rec.phase is not Phase.FINISHED and rec.generation != rec.num_calls):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, f"generation {rec.generation} after {rec.num_calls} model calls and {rec.num_retries} "
+                      "retries (each ALL_NEW call or recovery advances it once)", "$.state.generation")
+    newest = max((sc.generation for sc in rec.scores), default=0)
+    if newest > rec.generation or (rec.score is not None and rec.score.generation != rec.generation):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, f"a score row of generation {max(newest, getattr(rec.score, 'generation', 0))} beside "
+                      f"generation {rec.generation}", "$.state.generation")
 
 
 def _check_receipts(snapshot: RuntimeSnapshot) -> None:

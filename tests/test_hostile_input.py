@@ -398,3 +398,14 @@ def test_a_changed_request_constant_is_refused_not_resumed_as_another_run(tiny_m
     assert (err.code, err.path) == ("snapshot.identity_mismatch", "$.request"), err
     err = _refusal(tiny_model, byte_tokenizer, path, doc, lambda d: d.pop("request_sha256"))
     assert (err.code, err.path) == ("snapshot.malformed", "$.request_sha256"), err
+
+
+@pytest.mark.parametrize("delta", [49151, 1, -1])
+def test_a_forged_generation_is_refused(tiny_model, byte_tokenizer, observed, delta):
+    """Found by the snapshot fuzz's oracle: ``state.generation = 49151`` was admitted and renamed every later score row
+    (``score-49152``...), so the resumed run's receipts were not the uninterrupted run's.  With no retry, an open
+    request's generation is its number of model calls (each ALL_NEW completion advances it once)."""
+    path, doc = observed
+    assert doc["state"]["num_retries"] == 0 and doc["state"]["generation"] == doc["state"]["num_calls"]
+    err = _refusal(tiny_model, byte_tokenizer, path, doc, lambda d: d["state"].update(generation=d["state"]["generation"] + delta))
+    assert (err.code, err.path) == ("snapshot.ledger_invalid", "$.state.generation"), err
