@@ -24,11 +24,12 @@ import torch
 
 from decodespec.impl.cache import StaticCache
 from decodespec.impl.runtime import RequestRunner
+from decodespec.spec.request import static_capacity
 
 from .adapters.impl import ImplAdapter
 from .traces import RUNTIMES
 
-__all__ = ["FrozenRngRunner", "LeakyStaticCache", "NextStepLogprobRunner", "BROKEN_RUNTIMES"]
+__all__ = ["BROKEN_RUNTIMES", "FrozenRngRunner", "LeakyStaticCache", "NextStepLogprobRunner"]
 
 
 class NextStepLogprobRunner(RequestRunner):
@@ -86,7 +87,8 @@ class LeakyStaticCache(StaticCache):
 def _leaky_cache(request, model):
     if request.cache != "static":
         return None
-    capacity = request.static_capacity or min(len(request.prompt_ids) + request.max_new_tokens + 1, model.config.max_position_embeddings)
+    capacity = static_capacity("static", request.static_capacity, len(request.prompt_ids), request.max_new_tokens,
+                               model.config.max_position_embeddings)
     return LeakyStaticCache(model.cache_abi, capacity)
 
 

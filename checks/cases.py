@@ -41,8 +41,9 @@ import functools
 import json
 import math
 import tomllib
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -51,16 +52,15 @@ from decodespec.spec.errors import DecodeSpecError
 
 from .adapters import CORRUPTIONS, AdapterUnavailable, CaseConfig, config_capabilities
 from .coverage import record_items, record_lockstep
-from .ladder import (FAILED, PASSED, UNDECIDED, Expected, Tolerance, Verdict, compare, decision_probe, describe_probe, greedy_comparator,
-                     tolerance_for)
+from .ladder import FAILED, PASSED, UNDECIDED, Expected, Tolerance, Verdict, compare, decision_probe, describe_probe, greedy_comparator, tolerance_for
 from .lockstep import LockStep, ReferenceDecision, judge_decision, reference_for
 from .traces import make_trace, open_runtime
 
 __all__ = [
     "CUSTOM",
+    "EXPECTATIONS_DIR",
     "Case",
     "CaseResult",
-    "EXPECTATIONS_DIR",
     "Expectation",
     "cases_for",
     "load_expectations",
@@ -406,9 +406,7 @@ class Expectation:
             return False
         if self.rule is not None and self.rule != verdict.rule and self.rule not in json.dumps(verdict.to_json()):
             return False
-        if self.op is not None and (action or {}).get("op") != self.op:
-            return False
-        return True
+        return not (self.op is not None and (action or {}).get("op") != self.op)
 
 
 def load_expectations(runtime: str, directory: Path | None = None) -> tuple[Expectation, ...]:
@@ -432,7 +430,7 @@ def load_expectations(runtime: str, directory: Path | None = None) -> tuple[Expe
     return tuple(out)
 
 
-def unused_expectations(expectations: Sequence[Expectation], results: Sequence["CaseResult"]) -> list[Expectation]:
+def unused_expectations(expectations: Sequence[Expectation], results: Sequence[CaseResult]) -> list[Expectation]:
     """Deviations bound to a deterministic case (``case`` field, not a ``machine.*`` glob) that ran without producing them.
 
     Hypothesis machines draw their interleavings, so a machine deviation that did not occur in
@@ -806,4 +804,4 @@ CUSTOM[("matrix.padded_batch_right", "impl")] = _impl_padded_batch
 CUSTOM[("matrix.greedy_vs_beam1", "impl")] = _impl_beam_width_one
 CUSTOM[("matrix.padded_batch_eos_left", "impl")] = _impl_padded_batch
 
-from . import families  # noqa: E402,F401  (registers the beam and encoder-decoder procedures)
+from . import families  # noqa: F401 - registers the beam and encoder-decoder procedures

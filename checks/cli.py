@@ -16,7 +16,7 @@ import functools
 import importlib
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from decodespec.spec.errors import register_code
 
@@ -47,6 +47,9 @@ COMMANDS: dict[str, str] = {
     "export-tiny": "export_tiny",
     "replay": "replay",
     "head-check": "head_check",
+    "vocab-audit": "vocab_audit",
+    "sweep": "sweep",
+    "compare": "compare",
 }
 
 
@@ -59,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name, module in COMMANDS.items():
+    for module in COMMANDS.values():
         mod = importlib.import_module(f"decodespec.checks.commands.{module}")
         sp = mod.register(sub)
         sp.set_defaults(_run=mod.run)

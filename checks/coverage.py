@@ -25,7 +25,7 @@ The declared items (:func:`declared_items`) are derived from the registries, not
   within :data:`EDGE_FRACTION` of the range (exclusive bound);
 * ``finish.<reason>`` / ``trigger.<reason>``: :class:`~decodespec.spec.enums.FinishReason`;
   ``held.<reason>.stop_prefix`` / ``held.<reason>.utf8_tail``: each external close
-  (:data:`~decodespec.spec.stop.EXTERNAL_FINISH_REASONS`) of a stream with bytes held back;
+  (:data:`~decodespec.spec.enums.EXTERNAL_FINISH_REASONS`) of a stream with bytes held back;
 * ``action.<op>`` and ``action.<op>.<value>``: every contract op
   (:data:`~decodespec.checks.adapters.OPS`) and every value of its enum fields;
 * ``stop.*`` / ``eos.*``: the request shapes issue 15 names (:data:`SHAPES`);
@@ -43,20 +43,34 @@ from __future__ import annotations
 import collections
 import functools
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
-from decodespec.spec.enums import FinishReason
+from decodespec.spec.enums import EXTERNAL_FINISH_REASONS, FinishReason
 from decodespec.spec.policy.config import CATALOG, LLAMA_CPP_MIROSTAT_ORDER, PRESET_ORDERS, EarlyStopping, EmptySupport, Family, Order
-from decodespec.spec.stop import EXTERNAL_FINISH_REASONS, StopConfig, decoder_frontier, step_triggers, stop_holdback, token_ends
+from decodespec.spec.stop import StopConfig, decoder_frontier, step_triggers, stop_holdback, token_ends
 
 from .adapters import _ENUMS, OPS, CaseConfig
 from .adapters.features import CONFIG_FIELDS, feature_of, policy_feature, transform_capability
 
-__all__ = ["Coverage", "EDGE_FRACTION", "SCHEMA_ENUMS", "SHAPES", "declared_items", "edge_items", "enforced_items",
-           "record_items", "record_lockstep", "schema_enum", "session_coverage", "transform_orders", "unsupported_values"]
+__all__ = [
+    "EDGE_FRACTION",
+    "SCHEMA_ENUMS",
+    "SHAPES",
+    "Coverage",
+    "declared_items",
+    "edge_items",
+    "enforced_items",
+    "record_items",
+    "record_lockstep",
+    "schema_enum",
+    "session_coverage",
+    "transform_orders",
+    "unsupported_values",
+]
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "spec" / "schemas" / "request.v1.json"
 #: CaseConfig field -> the request schema's property path of its enum (the enum fields of
@@ -239,7 +253,7 @@ def enforced_items(capabilities: Iterable[str], runtime: str = "impl", *, model:
         if group in ("transform", "transform@order", "edge") and "sampling" not in caps and \
                 key.split(".")[1].split("@")[0] in warpers:
             continue
-        if (group == "family" or key.startswith("enum.policy.family.beam") or key.startswith("enum.policy.early_stopping")) \
+        if (group == "family" or key.startswith(("enum.policy.family.beam", "enum.policy.early_stopping"))) \
                 and runtime != "impl":
             continue
         if (key in _MULTI_BYTE_ONLY and model == "tiny") or (key == "field.device" and not cuda):
@@ -497,7 +511,7 @@ def _held(config: CaseConfig, before: Any, reason: str, token_bytes: Any) -> set
 
 def _match_items(stop_cfg: StopConfig, config: CaseConfig, ids: list[int], token_bytes: Any) -> set[str]:
     pieces = token_bytes(ids)
-    fired, match, _ = step_triggers(stop_cfg, ids, pieces)
+    _fired, match, _ = step_triggers(stop_cfg, ids, pieces)
     if match is None:
         return set()
     ends = token_ends(pieces)

@@ -56,8 +56,9 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import networkx as nx
@@ -67,29 +68,29 @@ from decodespec.spec.passport import SYNTHETIC, passport_from_json
 from decodespec.spec.rules import RULE_KINDS, RULES, Rule
 
 __all__ = [
-    "BuildResult",
-    "Coverage",
-    "DocsError",
     "FRONTIER_BOUNDARIES",
-    "FrontierBoundary",
-    "ImportReport",
     "KIND_PAGES",
     "PACKAGES",
     "REPO_ROOT",
+    "BuildResult",
+    "Coverage",
+    "DocsError",
+    "FrontierBoundary",
+    "ImportReport",
     "build_site",
     "check_coverage",
     "commit_spine_graph",
     "dot_available",
     "import_all",
     "load_results",
+    "mentions_in_tests",
     "phase_graph",
-    "spec_frontier_observations",
     "preset_orders",
     "render_svg",
     "scan_references",
     "schema_rows",
     "setup",
-    "mentions_in_tests",
+    "spec_frontier_observations",
     "to_dot",
     "write_generated_pages",
 ]
@@ -689,7 +690,7 @@ def render_svg(dot_source: str) -> str:
             "Install the Debian package 'graphviz' (.ci/setup does so when run as root).",
             missing_component=True,
         )
-    proc = subprocess.run([exe, "-Tsvg"], input=dot_source, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([exe, "-Tsvg"], check=False, input=dot_source, capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
         raise DocsError(f"dot failed: {proc.stderr.strip()}")
     svg = proc.stdout
@@ -779,20 +780,20 @@ def load_results(results_dir: Path) -> tuple[list[CaseResult], list[dict[str, An
 _KIND_INTRO = {
     "transition": (
         "Transitions",
-        "Every action of the request state machine: its guard (when it is enabled) and effect, "
-        "from the transition registry. A disabled action is rejected and changes nothing.",
+        ("Every action of the request state machine: its guard (when it is enabled) and effect, "
+        "from the transition registry. A disabled action is rejected and changes nothing."),
     ),
     "invariant": ("Invariants", "Named predicates over (parameters, state), checked after every step."),
     "profile": ("Profiles", "Architecture profiles: which state lanes a request carries and which frontiers apply."),
     "ladder": (
         "The conformance ladder",
-        "Layers compared in this order, stopping at the first failed layer; a later pass never "
-        "cures an earlier failure.",
+        ("Layers compared in this order, stopping at the first failed layer; a later pass never "
+        "cures an earlier failure."),
     ),
     "mutant": (
         "The failure lab",
-        "Deliberately broken variants (mutants) of the runtime or spec, each with the seed "
-        "section it breaks and the check that must kill it.",
+        ("Deliberately broken variants (mutants) of the runtime or spec, each with the seed "
+        "section it breaks and the check that must kill it."),
     ),
 }
 
@@ -1104,7 +1105,7 @@ def _require_sphinx() -> None:
 
 
 def stage_sources(src_dir: Path, docs_dir: Path) -> list[Path]:
-    """Copy ``conf.py`` and every hand-written page (``docs_dir/*.md``) into ``src_dir``.
+    """Copy ``conf.py``, every hand-written page (``docs_dir/*.md``) and the plots under ``docs_dir/results`` into ``src_dir``.
 
     Pages other than :data:`HAND_WRITTEN` are listed by the generated ``generated/more`` page.
 
@@ -1119,6 +1120,11 @@ def stage_sources(src_dir: Path, docs_dir: Path) -> list[Path]:
     for path in [docs_dir / "conf.py", *sorted(docs_dir.glob("*.md"))]:
         shutil.copy2(path, src_dir / path.name)
         copied.append(src_dir / path.name)
+    for path in sorted(docs_dir.glob("results/**/*.png")):  # committed plots the pages embed (docs/sweeps.md)
+        target = src_dir / path.relative_to(docs_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+        copied.append(target)
     return copied
 
 
@@ -1392,7 +1398,7 @@ def setup(app: Any) -> dict[str, Any]:
                 return self.body()
             except DocsError as exc:
                 self.warn(str(exc))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing directive warns and renders nothing; the build goes on
                 self.warn(f"{self.name} failed: {exc!r}")
             return []
 

@@ -37,13 +37,14 @@ Source: issue 15 item 4; M3.10 "Boundary cases", 0x06 (stop / stream / EOS), 0x0
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
-
 from hypothesis import strategies as st
 
 from decodespec.spec.policy.config import CATALOG, LLAMA_CPP_MIROSTAT_ORDER, PRESET_ORDERS, EmptySupport, Order, ParamSpec, Stage
+from decodespec.spec.request import prompt_room
 
 from .adapters import CaseConfig, config_capabilities
 from .adapters.features import CONFIG_FIELDS, feature_of, policy_feature, transform_capability
@@ -311,7 +312,7 @@ def case_configs(draw, model: str, cache: str, caps: frozenset[str], *, max_new:
     final_cache = enum("final_cache")
     if final_cache == "all_outputs" and not cached:
         final_cache = "processed_inputs_only"
-    need = len(prompt) + (1 if g else 0)
+    need = prompt_room(len(prompt), g)
     capacity = None
     if cache == "static":
         # Always declared (where the runtime declares runtime.static_capacity): a machine's ``reuse`` keeps the cache

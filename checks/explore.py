@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import networkx as nx
@@ -44,7 +45,6 @@ from decodespec.spec.actions import (
     Admit,
     Cancel,
     Commit,
-    Complete,
     Decide,
     Fault,
     Launch,
@@ -58,7 +58,16 @@ from decodespec.spec.actions import (
 )
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag
 from decodespec.spec.errors import ERROR_CODES, DecodeSpecError, Rejection, register_code
+from decodespec.spec.participation import (
+    EnterCollective,
+    RankFault,
+    RankTimeout,
+    ReportRank,
+    active,
+    expected_rank_report,
+)
 from decodespec.spec.profiles import PROFILES, profile_named
+from decodespec.spec.request import context_cap, prompt_room, unbounded_context_cap
 from decodespec.spec.snapshot import SNAPSHOT_FORMS, SnapshotRecord, take_snapshot
 from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, is_terminal
 from decodespec.spec.transitions import MACHINE, Machine, expected_report, expected_start
@@ -69,10 +78,10 @@ __all__ = [
     "CORRUPT_RESTORED",
     "DEADLOCK",
     "EXPLORE_INVALID_BOUNDS",
-    "ExploreBounds",
-    "InvalidBounds",
     "RESTORE_MISMATCH",
+    "ExploreBounds",
     "ExploreResult",
+    "InvalidBounds",
     "Violation",
     "candidate_actions",
     "corrupted_records",
@@ -106,7 +115,7 @@ class InvalidBounds(Rejection, ValueError):
 _OBSERVATIONS = (Snapshot,)
 #: Actions that only the environment takes to end or break a request; a state whose only
 #: successors come from these is stuck (a deadlock of the controller).
-_ENVIRONMENT_ONLY = (Cancel, StreamFailure, Fault)
+_ENVIRONMENT_ONLY = (Cancel, StreamFailure, Fault, RankFault)
 ITF_FORMAT = "decodespec.counterexample"
 ITF_FORMAT_VERSION = 1
 
@@ -141,6 +150,12 @@ class ExploreBounds:
             failure in a request without a stream).
         snapshots: Take both snapshot forms wherever a state admits them and restore each
             record into a fresh request (it must give back the state).
+        ranks: R declared participants of every call (1: one process, no rank layer).  With
+            R > 1 every interleaving of the ranks' collective entries, reports, bounded-wait
+            timeouts and (with ``faults``) rank faults is explored; with ``adversarial`` a rank
+            may also report a stale generation or a different frontier (M3.10 0x0A "One request
+            can still be model-parallel").
+        collectives: C, collectives per call in the ranks' common schedule.
     """
 
     vocab: int = 3
@@ -165,6 +180,8 @@ class ExploreBounds:
     faults: bool = True
     adversarial: bool = True
     snapshots: bool = True
+    ranks: int = 1
+    collectives: int = 1
 
 
 def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
@@ -193,7 +210,7 @@ def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
     if bounds.cache not in ("none", "dynamic", "static"):
         raise refuse("cache", f"unknown cache family {bounds.cache!r}; choose none, dynamic or static")
     for field, least in (("vocab", 2), ("prompt_len", 1), ("max_new_tokens", 0), ("min_new_tokens", 0),
-                         ("max_retries", 0), ("max_draws", 0)):
+                         ("max_retries", 0), ("max_draws", 0), ("ranks", 1), ("collectives", 0)):
         if getattr(bounds, field) < least:
             raise refuse(field, f"{field} {getattr(bounds, field)} must be >= {least}")
     for field in ("prefill_chunk", "capacity", "context_cap"):
@@ -207,7 +224,7 @@ def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
     if profile.source_indexed and bounds.source_len < 1:
         raise refuse("source_len", f"source_len {bounds.source_len} must be >= 1 for {bounds.profile} "
                      "(the envelope refuses an empty source: envelope.empty_prompt)")
-    needed = bounds.prompt_len + (1 if bounds.max_new_tokens else 0)
+    needed = prompt_room(bounds.prompt_len, bounds.max_new_tokens)
     capacity = None
     if bounds.cache == "static":
         capacity = bounds.capacity if bounds.capacity is not None else bounds.prompt_len + bounds.max_new_tokens
@@ -217,7 +234,6 @@ def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
     if bounds.context_cap is not None and bounds.context_cap < needed:
         raise refuse("context_cap", f"context_cap {bounds.context_cap} leaves no room after the {bounds.prompt_len}-token "
                      f"prompt (need >= {needed}: envelope.context_exceeded)")
-    caps = [c for c in (capacity, bounds.context_cap) if c is not None]
     prefix = None
     if bounds.profile == "prefix_lm":
         prefix = bounds.prefix_length if bounds.prefix_length is not None else bounds.prompt_len
@@ -235,7 +251,8 @@ def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
         eos_ids=frozenset({bounds.vocab - 1}),
         profile=profile,
         cache_family=bounds.cache,
-        context_cap=min(caps) if caps else bounds.prompt_len + bounds.max_new_tokens + 1,
+        context_cap=(unbounded_context_cap(bounds.prompt_len, bounds.max_new_tokens) if capacity is None and bounds.context_cap is None
+                     else context_cap(capacity, bounds.context_cap)),
         static_capacity=capacity,
         zero_new_tokens=bounds.zero_new_tokens,
         final_cache=bounds.final_cache,
@@ -247,6 +264,8 @@ def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
         stream=bounds.stream,
         stop_strings=bounds.stop_strings,
         structured=bounds.structured,
+        ranks=bounds.ranks,
+        collectives=bounds.collectives,
     )
 
 
@@ -269,6 +288,7 @@ def candidate_actions(params: RequestParams, state: RequestState, bounds: Explor
         yield StreamFailure()
     call = state.in_flight
     if call is not None:
+        yield from _rank_actions(params, state, bounds)
         yield from _completions(params, state, bounds)
         return
     if state.quarantined:
@@ -320,6 +340,25 @@ def _text_trigger_sets(params: RequestParams) -> list[frozenset[FinishReason]]:
         sets.append(frozenset({FinishReason.STRUCTURED}))
         sets.append(frozenset({FinishReason.STRUCTURED_ERROR}))
     return sets
+
+
+def _rank_actions(params: RequestParams, state: RequestState, bounds: ExploreBounds) -> Iterator[Action]:
+    """Every active rank's next step: enter, report (and, adversarially, a stale or shifted report), fault, time out."""
+    call = state.in_flight
+    assert call is not None
+    for progress in call.ranks:
+        if not active(progress):
+            continue
+        rank = progress.rank
+        yield EnterCollective(rank)
+        report = expected_rank_report(params, call, rank)
+        yield ReportRank(report)
+        if bounds.adversarial:  # a rank at another frontier (its K/V shard one row behind), else a stale generation
+            yield ReportRank(attrs.evolve(report, lanes=tuple((n, f - 1) for n, f in report.lanes)) if report.lanes
+                             else attrs.evolve(report, generation=report.generation - 1))
+        if bounds.faults:
+            yield RankFault(rank)
+        yield RankTimeout(rank)
 
 
 def _completions(params: RequestParams, state: RequestState, bounds: ExploreBounds) -> Iterator[Action]:
@@ -593,7 +632,7 @@ def explore(
             except DecodeSpecError as exc:
                 rejected[(type(action).__name__, exc.code)] += 1
                 continue
-            except Exception as exc:  # a typed error is the only acceptable refusal
+            except Exception as exc:  # noqa: BLE001 - a typed error is the only acceptable refusal
                 report(UNTYPED_REJECTION, state, f"{action_label(action)} raised {type(exc).__name__}: {exc}")
                 if stop_on_violation:
                     queue.clear()

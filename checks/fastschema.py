@@ -13,14 +13,15 @@ Source: issue 16 deliverable 7 (the trace readers were too slow to fuzz 10^5 inp
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 try:
     import jsonschema_rs
 except ImportError:  # pragma: no cover - optional
     jsonschema_rs = None
 
-__all__ = ["FastAccept", "MAX_INSTANCE_CHARS"]
+__all__ = ["MAX_INSTANCE_CHARS", "FastAccept"]
 
 #: How much of an offending value a refusal quotes.
 MAX_INSTANCE_CHARS = 120

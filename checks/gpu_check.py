@@ -38,7 +38,8 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["main"]
 
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         try:
             found = step(args.device)
-        except Exception as exc:  # report and go on: a later check may still tell something
+        except Exception as exc:  # noqa: BLE001 - report and go on: a later check may still tell something
             found = {step.__name__: {"ok": False, "error": f"{type(exc).__name__}: {exc}"}}
         for name, figures in found.items():
             print(f"{'PASS' if figures.get('ok') else 'FAIL'} {name} ({time.perf_counter() - start:.0f}s): "

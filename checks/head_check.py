@@ -44,7 +44,8 @@ import importlib
 import math
 import os
 import sys
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 import numpy as np
@@ -60,7 +61,6 @@ from decodespec.spec.head import (
     head_ledger,
     materialized_loss,
     tied_gradient,
-    tying_violations,
 )
 from decodespec.spec.rules import Rule, register
 
@@ -72,11 +72,11 @@ __all__ = [
     "LOSS_MUTANTS",
     "LOSS_TOLERANCES",
     "PASSED",
+    "TYING_MUTANTS",
     "HeadMeasurement",
     "HeadVerdict",
     "LossCase",
     "LossTolerance",
-    "TYING_MUTANTS",
     "TiedGradientReport",
     "check_loss",
     "head_shape_of",
@@ -85,10 +85,10 @@ __all__ = [
     "measure_head",
     "observe_tying",
     "tied_gradient_check",
-    "untie_by_copy",
     "torch_chunked",
     "torch_reference",
     "torch_tiled",
+    "untie_by_copy",
 ]
 
 PASSED, FAILED = "passed", "failed"
@@ -222,7 +222,7 @@ class LossCase:
     weight: np.ndarray
     bias: np.ndarray | None
     labels: np.ndarray
-    spec: LossSpec = LossSpec()
+    spec: LossSpec = attrs.field(factory=LossSpec)
 
 
 def loss_cases(seed: int = 20) -> list[LossCase]:
@@ -360,7 +360,7 @@ def _check_case(fn: Callable[..., Any], case: LossCase, dtype: str, tol: LossTol
     labels = torch.tensor(case.labels, dtype=torch.int64)
     try:
         out = fn(hidden, weight, bias, labels, ignore_index=case.spec.ignore_index, label_smoothing=case.spec.label_smoothing)
-    except Exception as exc:  # the candidate's own failure is a verdict, not a crash of the checker
+    except Exception as exc:  # noqa: BLE001 - the candidate's own failure is a verdict, not a crash of the checker
         raise _Fail("INTERFACE", "call", f"the implementation raised {type(exc).__name__}: {exc}") from None
     rows, total, count, loss = _outputs(out)
     ref = materialized_loss(case.hidden, case.weight, case.bias, case.labels, case.spec)
@@ -447,7 +447,7 @@ def load_callable(spec: str) -> Callable[..., Any]:
         sys.path.insert(0, os.getcwd())
     try:
         obj: Any = importlib.import_module(module_name)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any import failure of the candidate is a typed refusal
         raise Rejection(INVALID_CALLABLE, f"cannot import {module_name!r}: {type(exc).__name__}: {exc}", "$.implementation") from None
     finally:
         if added:
@@ -587,25 +587,25 @@ LOSS_MUTANTS: dict[str, Callable[..., Any]] = {}
 for _name, _fn, _title, _section, _statement in (
     ("head_chunk_mean", _chunk_mean, "Averaging chunk means instead of sum over count",
      _S12 + " item 51; M3.8 0x05 Materialized, chunked, and fused execution",
-     "The loss is the mean of per-chunk means (chunks of 4 rows) instead of loss_sum / valid_count: with uneven chunks or "
+     ("The loss is the mean of per-chunk means (chunks of 4 rows) instead of loss_sum / valid_count: with uneven chunks or "
      "ignored rows clustered in one chunk each row gets the wrong weight; per-row losses and the sum stay right, so only the "
-     "REDUCTION layer (loss) can kill it."),
+     "REDUCTION layer (loss) can kill it.")),
     ("head_valid_count_all_rows", _valid_count_all_rows, "Dividing by all rows instead of the supervised rows",
      _S12 + " items 20, 51; M3.8 0x05 The training interface: all supervised rows",
-     "The valid count includes rows labelled with the ignore index, so the mean is loss_sum / R instead of loss_sum / |V|; "
-     "per-row losses are right, the REDUCTION layer (valid_count) kills it."),
+     ("The valid count includes rows labelled with the ignore index, so the mean is loss_sum / R instead of loss_sum / |V|; "
+     "per-row losses are right, the REDUCTION layer (valid_count) kills it.")),
     ("head_smoothing_non_target", _smoothing_non_target, "Label-smoothing convention mixed (non-target instead of all-class)",
      _S12 + " items 51-52; M3.8 0x04 Label smoothing is a target-distribution contract",
-     "label_smoothing=eps is read as eps / (V - 1) on the non-target classes instead of PyTorch/HF's eps / V on all classes, "
-     "target included: without smoothing it is exact, with eps = 0.1 the per-row losses move (ROWS layer)."),
+     ("label_smoothing=eps is read as eps / (V - 1) on the non-target classes instead of PyTorch/HF's eps / V on all classes, "
+     "target included: without smoothing it is exact, with eps = 0.1 the per-row losses move (ROWS layer).")),
     ("head_ignored_rows_trained", _ignored_rows_trained, "Training ignored rows as token 0",
      _S12 + " item 20; M3.8 0x05 The training interface: all supervised rows",
-     "Rows labelled with the ignore index are clamped to token id 0 and trained: their row losses are non-zero and the sum and "
-     "gradients include them, while the count is right (ROWS layer, ignored_rows)."),
+     ("Rows labelled with the ignore index are clamped to token id 0 and trained: their row losses are non-zero and the sum and "
+     "gradients include them, while the count is right (ROWS layer, ignored_rows).")),
     ("head_bias_gradient_dropped", _bias_gradient_dropped, "A backward without the bias gradient",
      _S12 + " item 52; M3.8 0x02 Deriving the complete affine-head backward",
-     "The bias takes no gradient (db = 0 instead of sum_r G) while every loss, the sum, the count and the mean are exact: a "
-     "conformance check of the scalar loss alone passes it; the GRADIENT layer (grad.bias) kills it."),
+     ("The bias takes no gradient (db = 0 instead of sum_r G) while every loss, the sum, the count and the mean are exact: a "
+     "conformance check of the scalar loss alone passes it; the GRADIENT layer (grad.bias) kills it.")),
 ):
     LOSS_MUTANTS[_name] = _fn
     register(Rule(id=f"mutant.{_name}", kind="mutant", title=_title, section=_section, statement=_statement, obj=_fn))

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import jsonschema
@@ -48,9 +49,9 @@ from decodespec.spec.limits import MAX_SAFE_INT  # the largest integer ITF may w
 
 __all__ = [
     "ITF_SCHEMA",
+    "MAX_SAFE_INT",
     "ItfError",
     "ItfMap",
-    "MAX_SAFE_INT",
     "Tup",
     "Variant",
     "decode",
@@ -145,7 +146,7 @@ def encode(value: Any) -> Any:
         return {"tag": "None", "value": {"#tup": []}}
     if isinstance(value, enum.Enum):  # before str/int: str- and int-valued enums are variants
         return {"tag": value.name, "value": {"#tup": []}}
-    if isinstance(value, bool) or isinstance(value, str):
+    if isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
         return value if -MAX_SAFE_INT <= value <= MAX_SAFE_INT else {"#bigint": str(value)}
@@ -198,7 +199,7 @@ def decode(value: Any) -> Any:
     Raises:
         ItfError: for JSON values outside ITF (``null``, floats, ``#unserializable``, bad ``#bigint``).
     """
-    if isinstance(value, bool) or isinstance(value, str):
+    if isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
         return value

@@ -60,9 +60,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import attrs
 import jsonschema
@@ -627,7 +628,7 @@ def record_rows(runner: Any, *, runtime: dict[str, Any] | None = None) -> list[d
             out.append({"event": "token", "row": row, "token_id": decision.token_id, "logprob": decision.logprob, "draws": decision.draws,
                         "triggers": fired, **state})
     finish: dict[str, Any] = {"event": "finish", "finish_reason": None if runner.finish_reason is None else runner.finish_reason.value,
-                              "triggers": list(t.value for t in runner.ordered_triggers()), "output_ids": list(runner.output_ids),
+                              "triggers": [t.value for t in runner.ordered_triggers()], "output_ids": list(runner.output_ids),
                               "frontier": dict(runner.frontier()), "phase": runner.phase.value}
     out.append(finish)
     return out
@@ -639,8 +640,7 @@ def write_rows(path: str | Path, lines: Sequence[dict[str, Any]]) -> None:
     temp = target.with_name(f".{target.name}.partial")
     try:
         with open(temp, "w", encoding="utf-8") as handle:
-            for line in lines:
-                handle.write(json.dumps(line, ensure_ascii=False, allow_nan=False) + "\n")
+            handle.writelines(json.dumps(line, ensure_ascii=False, allow_nan=False) + "\n" for line in lines)
         temp.replace(target)
     finally:
         if temp.exists():

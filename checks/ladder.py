@@ -9,7 +9,8 @@ and stops at the first layer that does not pass (a later pass never cures an ear
 ========== ===================================================================================
 layer      what is compared (``ladder.<LAYER>``)
 ========== ===================================================================================
-STATE      phase, committed tokens, frontiers (L, O, |U|, P, tag), RNG counter, generation,
+STATE      vocabulary identity (ordered table hash, output rows), phase, committed tokens,
+           frontiers (L, O, |U|, P, tag), RNG counter, generation,
            quarantine, committed cache rows (K = P) and the launched call's slice/positions
 TENSOR     the latest score row against the reference row of the same prefix (L-infinity
            <= epsilon), committed K/V rows against the reference K/V (declared tolerance)
@@ -45,8 +46,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import enum
 import math
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -59,12 +62,14 @@ __all__ = [
     "FAILED",
     "LAYERS",
     "PASSED",
-    "TOLERANCES",
     "PROBE_ENTRIES",
     "PROBE_POSITIONS",
+    "TOLERANCES",
     "UNDECIDED",
     "DecisionCheck",
     "Expected",
+    "Layer",
+    "Result",
     "Tolerance",
     "Verdict",
     "cache_probe_failure",
@@ -79,11 +84,30 @@ __all__ = [
     "tolerance_for",
 ]
 
+
+
+class Layer(enum.StrEnum):
+    """A layer of the ladder (a ``str``: ``Layer.STATE == "STATE"``, rule id ``ladder.<LAYER>``)."""
+
+    STATE = "STATE"
+    TENSOR = "TENSOR"
+    POLICY = "POLICY"
+    DECISION = "DECISION"
+    SEQUENCE = "SEQUENCE"
+    RESUME = "RESUME"
+
+
+class Result(enum.StrEnum):
+    """The result of a verdict (a ``str``: ``Result.PASSED == "passed"``, as the reports write it)."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    UNDECIDED = "undecided"
+
+
 #: The ladder's layers, in checking order.
-LAYERS = ("STATE", "TENSOR", "POLICY", "DECISION", "SEQUENCE", "RESUME")
-PASSED = "passed"
-FAILED = "failed"
-UNDECIDED = "undecided"
+LAYERS: tuple[Layer, ...] = tuple(Layer)
+PASSED, FAILED, UNDECIDED = Result.PASSED, Result.FAILED, Result.UNDECIDED
 _S = "M3.10 A logit tolerance is not a token-equality proof; Correctness matrix"
 
 
@@ -121,7 +145,7 @@ class Tolerance:
     row_scale: float = 0.0
 
     @classmethod
-    def from_logit(cls, logit: float, kv: float, *, logit_rel: float = 0.0, kv_rel: float = 0.0, row_scale: float = 0.0) -> "Tolerance":
+    def from_logit(cls, logit: float, kv: float, *, logit_rel: float = 0.0, kv_rel: float = 0.0, row_scale: float = 0.0) -> Tolerance:
         """Derived tolerances: a logit error epsilon moves log-softmax by at most 2 epsilon."""
         eps = logit + logit_rel * row_scale
         return cls(logit=logit, kv=kv, prob=2 * eps + 1e-6, logprob=2 * eps + 1e-5, logit_rel=logit_rel, kv_rel=kv_rel,
@@ -138,12 +162,12 @@ class Tolerance:
         finite = ref[np.isfinite(ref)]
         return self.logit + self.logit_rel * (float(np.max(np.abs(finite))) if finite.size else 0.0)
 
-    def at_row(self, reference_row: Any) -> "Tolerance":
+    def at_row(self, reference_row: Any) -> Tolerance:
         """This tolerance with epsilon fixed at ``reference_row``'s (probabilities and logprobs derived from it)."""
         eps = self.epsilon(reference_row)
         return Tolerance(logit=eps, kv=self.kv, prob=2 * eps + 1e-6, logprob=2 * eps + 1e-5, kv_rel=self.kv_rel)
 
-    def scaled(self, factor: float) -> "Tolerance":
+    def scaled(self, factor: float) -> Tolerance:
         """Every bound multiplied by ``factor`` (two runs each within the tolerance differ by at most twice it)."""
         return Tolerance(logit=factor * self.logit, kv=factor * self.kv, prob=factor * self.prob, logprob=factor * self.logprob,
                          logit_rel=factor * self.logit_rel, kv_rel=factor * self.kv_rel, row_scale=self.row_scale)
@@ -248,8 +272,8 @@ class Verdict:
             for checks that compare no rows.  Failure traces keep it (``#meta.verdict.probe``).
     """
 
-    result: str
-    layer: str | None = None
+    result: Result = attrs.field(converter=Result)
+    layer: Layer | None = attrs.field(default=None, converter=attrs.converters.optional(Layer))
     rule: str | None = None
     check: str | None = None
     expected: Any = None
@@ -272,13 +296,13 @@ class Verdict:
         return out
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "Verdict":
+    def from_json(cls, obj: dict[str, Any]) -> Verdict:
         """Inverse of :meth:`to_json`."""
         return cls(result=obj["result"], layer=obj.get("layer"), rule=obj.get("rule"), check=obj.get("check"),
                    expected=obj.get("expected"), actual=obj.get("actual"), message=obj.get("message", ""), step=obj.get("step"),
                    probe=obj.get("probe"))
 
-    def same_outcome(self, other: "Verdict") -> bool:
+    def same_outcome(self, other: Verdict) -> bool:
         """Whether two verdicts agree on result, layer and rule (what a replay must reproduce)."""
         return (self.result, self.layer, self.rule) == (other.result, other.layer, other.rule)
 
@@ -443,9 +467,12 @@ def score_row_failure(reference: Any, candidate: Any, epsilon: float, *, layer: 
         where: A prefix naming the row (``"output 3: "``).
         suffix: Text appended to the message.
 
-    Raises:
-        ValueError: as :func:`compare_rows`.
+    A candidate row of another length than the reference fails at STATE (``vocab.rows``): the
+    runtime scores another vocabulary (M3.8 0x08), which no tolerance can judge.
     """
+    bad = vocab_rows_failure(reference, candidate)
+    if bad is not None:
+        return bad
     cmp = compare_rows(reference, candidate, epsilon)
     if cmp.within:
         return None
@@ -463,7 +490,7 @@ def score_row_failure(reference: Any, candidate: Any, epsilon: float, *, layer: 
     return _fail(layer, check, f"<= {epsilon:.6g}", cmp.linf, message, probe)
 
 
-def cache_probe_failure(reference: Any, candidate: Any, tolerance: "Tolerance") -> Verdict | None:
+def cache_probe_failure(reference: Any, candidate: Any, tolerance: Tolerance) -> Verdict | None:
     """The failed TENSOR verdict of committed K/V rows outside the declared per-layer K / V bounds, else ``None``.
 
     The layer reported is the first (in forward order, K before V) whose bound is exceeded: where
@@ -502,7 +529,7 @@ def cache_probe_failure(reference: Any, candidate: Any, tolerance: "Tolerance") 
              "worst": {"layer": layer, "kv": name, **w, "bound": bound}, "top": top,
              "positions_over_bound": positions[:PROBE_POSITIONS].tolist(), "heads_over_bound": heads[:PROBE_POSITIONS].tolist(),
              "exceeded": [{"layer": int(a), "kv": "KV"[int(b)], "error": float(err[a, b]), "bound": float(bounds[a, b])}
-                          for a, b in bad[:PROBE_ENTRIES]], "exceeded_count": int(len(bad))}
+                          for a, b in bad[:PROBE_ENTRIES]], "exceeded_count": len(bad)}
     shown = ", ".join(str(q) for q in positions[:PROBE_POSITIONS]) + (" ..." if positions.size > PROBE_POSITIONS else "")
     message = (f"committed {name} rows of layer {layer} differ by {err[layer, kind]:.3g} > {bound:.3g}: worst at layer {layer} {name}, "
                f"head {w['head']}, position {w['position']} (dim {w['dim']}): reference {w['reference']:.6g}, observed "
@@ -538,6 +565,18 @@ def describe_probe(probe: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def vocab_rows_failure(reference: Any, candidate: Any) -> Verdict | None:
+    """A STATE ``vocab.rows`` failure when a runtime's score row is not as long as the reference's, else ``None``.
+
+    Source: M3.8 0x08 (the last axis is the checkpoint's ordered vocabulary; V_out is part of its identity).
+    """
+    n_ref, n_cand = int(np.shape(reference)[-1]), int(np.shape(candidate)[-1])
+    if n_ref == n_cand:
+        return None
+    return _fail("STATE", "vocab.rows", n_ref, n_cand,
+                 f"the runtime's score row has {n_cand} entries, the checkpoint's head {n_ref} rows: another vocabulary")
+
+
 def greedy_comparator(reference: Any, candidate: Any, epsilon: float, *, candidate_id: int | None = None) -> Verdict:
     """The seed's valid greedy comparator, in its order: L-infinity <= epsilon, tie rule, margin > 2 epsilon, ids.
 
@@ -553,6 +592,9 @@ def greedy_comparator(reference: Any, candidate: Any, epsilon: float, *, candida
         the margin exceeds 2 epsilon; ``undecided`` at DECISION when the ids differ and the margin
         is at most 2 epsilon; ``passed`` otherwise.
     """
+    bad = vocab_rows_failure(reference, candidate)
+    if bad is not None:
+        return bad
     cmp = compare_rows(reference, candidate, epsilon)
     if not cmp.within:
         return score_row_failure(reference, candidate, epsilon, suffix=f" (ids {cmp.ref_top} / {cmp.cand_top} prove nothing)")
@@ -608,6 +650,8 @@ class Expected:
         text / chunks / finish_reason / triggers: The spec's output (SEQUENCE).
         resume: The observation of the uninterrupted run at the same point (RESUME), or ``None``.
         tolerance: The declared :class:`Tolerance`.
+        vocab_hash / vocab_rows: The checkpoint's ordered vocabulary hash and output rows, as the
+            gate reads them (:func:`decodespec.checks.vocab_check.reference_vocab`).
     """
 
     tolerance: Tolerance
@@ -638,6 +682,8 @@ class Expected:
     beam_tokens: tuple[int, ...] | None = None
     beam_parents: tuple[int, ...] | None = None
     resume: Observation | None = None
+    vocab_hash: str | None = None
+    vocab_rows: int | None = None
 
 
 def _eq(layer: str, check: str, expected: Any, actual: Any, what: str) -> Verdict | None:
@@ -659,13 +705,16 @@ def _first_difference(layer: str, checks: Sequence[tuple[str, Any, Any, str]]) -
     "ladder.STATE",
     title="State equivalence: tokens, frontiers, positions, RNG counter",
     section="M3.10 Correctness matrix (1. state); A logit tolerance is not a token-equality proof",
-    statement="The runtime's phase, committed output ids, frontiers (L, O, |U|, P, pending tag), RNG counter, generation, "
-    "quarantine flag, committed cache rows (K = P; 0 without a cache) and the launched call's slice and positions "
+    statement="The runtime's vocabulary identity (the ordered id -> token table hash its receipts carry, and its output "
+    "rows V_out: M3.8 0x08, invariant.vocab_ordered_identity), phase, committed output ids, frontiers (L, O, |U|, P, "
+    "pending tag), RNG counter, generation, quarantine flag, committed cache rows (K = P; 0 without a cache) and the launched call's slice and positions "
     "(position_ids = cache_position = start..start+length-1) equal the spec state's, exactly.",
 )
 def check_state(exp: Expected, obs: Observation) -> Verdict | None:
     """``ladder.STATE``; ``None`` when it passes."""
     bad = _first_difference("STATE", (
+        ("vocab.hash", exp.vocab_hash, obs.vocab_hash, "ordered vocabulary hash (M3.8 0x08: equal sizes prove no identity)"),
+        ("vocab.rows", exp.vocab_rows, obs.vocab_rows, "output rows V_out"),
         ("phase", exp.phase, obs.phase, "phase"),
         ("output_ids", exp.output_ids, obs.output_ids, "committed output ids"),
         ("rng_counter", exp.rng_counter, obs.rng_counter, "RNG counter"),

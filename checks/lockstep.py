@@ -26,8 +26,10 @@ legal spec behaviour -- so the lock step goes on).
 
 Declared choices of the spec side (the contract's, mirrored by our runtime): ``min_new_tokens``
 is enforced by the policy's ``min_new_tokens`` legality transform (added when the policy lacks
-it); the static capacity defaults to ``L + G + 1`` capped by the model window; the context cap
-is the least of the model window, ``context_cap`` and the capacity; admission refuses G = 0
+it); the static capacity and the context cap are the spec's (:mod:`decodespec.spec.request`: S
+defaults to ``L + G + 1`` capped by the model window; C is the least of the model window,
+``context_cap`` and the capacity); the schedule of calls is :func:`decodespec.spec.state.due_call`;
+admission refuses G = 0
 under ``reject``, a prompt id outside the vocabulary, ``L >= window`` and a static capacity
 that cannot hold the prompt (``L + 1`` slots when G >= 1).
 
@@ -38,15 +40,15 @@ Source: M3.10 "A logit tolerance is not a token-equality proof", "Correctness ma
 
 from __future__ import annotations
 
-import collections
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
 
 from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure, SupportEmpty
-from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag
+from decodespec.spec.enums import EXTERNAL_FINISH_REASONS, FINISH_PRECEDENCE, CallKind, FinishReason
 from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED
 from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit
 from decodespec.spec.policy import PolicyConfig, PolicyState, RequestView, ScoreRow, child_state, decide, policy_config_from_json, processed_row
@@ -55,16 +57,32 @@ from decodespec.spec.policy.config import Family
 from decodespec.spec.policy.rng import rng_key, uniform
 from decodespec.spec.policy.scores import log_softmax
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
+from decodespec.spec.request import context_cap, prompt_room
+from decodespec.spec.request import static_capacity as request_static_capacity
 from decodespec.spec.snapshot import REPAIRED, SnapshotRecord, take_snapshot
-from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, repair_outstanding
-from decodespec.spec.stop import EXTERNAL_FINISH_REASONS, StopConfig, align_output, reference_stream, step_triggers
+from decodespec.spec.state import Phase, RequestParams, RequestState, due_call, initial_state, repair_outstanding
+from decodespec.spec.stop import StopConfig, align_output, reference_stream, step_triggers
 from decodespec.spec.transitions import MACHINE, NOT_ENABLED, Machine, expected_report, expected_start
 
+from .adapters import ADAPTER_UNSUPPORTED, Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
+from .ladder import (
+    FAILED,
+    LAYERS,
+    PASSED,
+    UNDECIDED,
+    DecisionCheck,
+    Expected,
+    Tolerance,
+    Verdict,
+    compare,
+    decision_probe,
+    describe_probe,
+    score_row_failure,
+    tolerance_for,
+)
 from .reference import Reference64, load_gguf64
 from .reference.files import gguf_path
-from .adapters import ADAPTER_UNSUPPORTED, Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
-from .ladder import (FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, Tolerance, Verdict, compare, describe_probe,
-                     decision_probe, score_row_failure, tolerance_for)
+from .vocab_check import reference_vocab
 
 __all__ = [
     "LockStep",
@@ -115,16 +133,13 @@ def reference_for(model: str) -> Reference64:
 
 
 def static_capacity(config: CaseConfig, window: int) -> int | None:
-    """S of a static cache: the config's, else ``L + G + 1`` capped by the model window."""
-    if config.cache != "static":
-        return None
-    return config.static_capacity or min(config.prompt_len + config.max_new_tokens + 1, window)
+    """S of a static cache: the config's, else the spec's default (:func:`decodespec.spec.request.static_capacity`)."""
+    return request_static_capacity(config.cache, config.static_capacity, config.prompt_len, config.max_new_tokens, window)
 
 
 def params_for(config: CaseConfig, vocab_size: int, window: int) -> RequestParams:
     """The spec's :class:`RequestParams` of ``config`` (see the module docstring for the declared defaults)."""
     capacity = static_capacity(config, window)
-    caps = [window] + [c for c in (config.context_cap, capacity) if c is not None]
     family = config.policy.get("family")
     return RequestParams(
         identity=config.identity(),
@@ -134,7 +149,7 @@ def params_for(config: CaseConfig, vocab_size: int, window: int) -> RequestParam
         eos_ids=frozenset(config.eos_ids),
         min_new_tokens=config.min_new_tokens,
         cache_family=config.cache,
-        context_cap=min(caps),
+        context_cap=context_cap(window, config.context_cap, capacity),
         static_capacity=capacity,
         zero_new_tokens=config.zero_new_tokens,
         final_cache=config.final_cache,
@@ -177,29 +192,8 @@ def admission_refusal(config: CaseConfig, vocab_size: int, window: int) -> Decod
     if config.prompt_len >= window:
         return ResourceLimit(_CONTEXT_WINDOW_EXCEEDED, f"prompt length {config.prompt_len} leaves no room in the window {window}", "$.prompt_ids")
     capacity = static_capacity(config, window)
-    if capacity is not None and capacity < config.prompt_len + (1 if config.max_new_tokens else 0):
+    if capacity is not None and capacity < prompt_room(config.prompt_len, config.max_new_tokens):
         return ResourceLimit(CACHE_CAPACITY_EXCEEDED, f"static capacity {capacity} cannot hold the prompt", "$.static_capacity")
-    return None
-
-
-def due_call(params: RequestParams, state: RequestState) -> tuple[CallKind, int, int] | None:
-    """``(kind, start, length)`` of the call the controller launches next, or ``None``.
-
-    The whole remaining prompt (or the next chunk) while the prompt is unprocessed; the pending
-    token's decode call; the repair call when it is owed.
-    """
-    if state.in_flight is not None or state.quarantined:
-        return None
-    if state.phase is Phase.READY and state.processed < params.prompt_len and not state.output_ids:
-        if not params.cached:
-            return CallKind.PREFILL, 0, params.prompt_len
-        remaining = params.prompt_len - state.processed
-        return CallKind.PREFILL, state.processed, remaining if params.prefill_chunk is None else min(params.prefill_chunk, remaining)
-    start, length = expected_start(params, state), (1 if params.cached else params.prompt_len + state.output_count)
-    if state.phase is Phase.READY and state.pending_tag is PendingTag.PENDING_NEXT_CALL:
-        return CallKind.DECODE, start, length
-    if repair_outstanding(params, state):
-        return CallKind.REPAIR, start, length
     return None
 
 
@@ -897,8 +891,11 @@ class LockStep:
             call = {**s.last_call, "in_flight": state.in_flight is not None and state.in_flight.call_id == s.last_call["call_id"]}
         decision = s.last_decision
         text, chunks, returned = self._text(state)
+        vocab = reference_vocab(s.config.model)
         return Expected(
             tolerance=self.tolerance,
+            vocab_hash=vocab.vocab_hash,
+            vocab_rows=vocab.output_rows,
             phase=state.phase.value,
             output_ids=state.output_ids,
             frontier={"prompt_len": params.prompt_len, "output_count": state.output_count, "pending": len(state.pending_ids),

@@ -48,8 +48,10 @@ Source: M3.10 "Boundary cases" (adversarial state transitions); /work/shared/DES
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import hypothesis
 from hypothesis import HealthCheck, settings
@@ -59,17 +61,17 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from decodespec.spec.actions import Fault, Recover, StreamFailure
 from decodespec.spec.enums import CallKind
-from decodespec.spec.policy.config import EarlyStopping
 from decodespec.spec.invariants import violated
-from decodespec.spec.state import Phase, interrupt_point, repair_outstanding
+from decodespec.spec.policy.config import EarlyStopping
+from decodespec.spec.state import Phase, due_call, interrupt_point, repair_outstanding
 
-from .adapters import CORRUPTIONS, Adapter, CaseConfig
+from .adapters import CORRUPTIONS, Adapter
 from .cases import load_expectations
 from .ladder import FAILED, PASSED, Expected, Tolerance, Verdict, compare
-from .lockstep import LockStep, due_call
+from .lockstep import LockStep
 from .traces import make_trace, open_runtime, write_trace
 
-__all__ = ["BeamMachine", "GateMachine", "PROMPT_TEXTS", "machine_failure", "run_beam_machine", "SAMPLED_POLICY", "machine_for", "machine_settings", "prompts_for", "run_machine"]
+__all__ = ["PROMPT_TEXTS", "SAMPLED_POLICY", "BeamMachine", "GateMachine", "machine_failure", "machine_for", "machine_settings", "prompts_for", "run_beam_machine", "run_machine"]
 
 #: The multinomial policy the machines draw (temperature 0.8, top-k 40: one draw per decision).
 SAMPLED_POLICY = {"family": "multinomial", "transforms": [{"name": "temperature", "temperature": 0.8}, {"name": "top_k", "k": 40}]}
@@ -105,8 +107,8 @@ def machine_settings(model: str, **overrides: Any) -> settings:
     name = settings.get_current_profile_name()
     key = "full" if name == "full" else ("ci" if name.startswith("ci") else "fast")
     examples, steps = BUDGETS[key][model]
-    values = dict(max_examples=examples, stateful_step_count=steps, deadline=None,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    values = {"max_examples": examples, "stateful_step_count": steps, "deadline": None,
+                  "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]}
     values.update(overrides)
     return settings(**values)
 
@@ -122,7 +124,7 @@ class GateMachine(RuleBasedStateMachine):
     max_new_tokens = 6
     #: ``(deviation id, verdict)`` of every documented deviation any example of this class hit
     #: (:func:`machine_for` gives each class its own list; :func:`run_machine` returns it).
-    seen_deviations: list[tuple[str, Any]] = []
+    seen_deviations: ClassVar[list[tuple[str, Any]]] = []
 
     def __init__(self) -> None:
         super().__init__()
@@ -356,10 +358,8 @@ class GateMachine(RuleBasedStateMachine):
 
 def _event(text: str) -> None:
     """A Hypothesis ``event`` (the statistics of ``--hypothesis-show-statistics``); nothing outside a test."""
-    try:
+    with contextlib.suppress(Exception):  # outside a Hypothesis test (a pasted program) it raises
         hypothesis.event(text[:200])
-    except Exception:  # noqa: BLE001 - outside a Hypothesis test (a pasted program)
-        pass
 
 
 def machine_for(runtime: str = "impl", model: str = "tiny", cache: str = "dynamic", *,

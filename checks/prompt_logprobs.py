@@ -28,7 +28,8 @@ token-equality proof" (2 epsilon margins).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np

@@ -89,7 +89,7 @@ def serve(runtime: str, stdin: TextIO, stdout: TextIO) -> int:
                 send(response_error(seq, ADAPTER_PROTOCOL, f"unknown command {cmd!r}"))
         except DecodeSpecError as exc:
             send(response_error(seq, exc.code, exc.message))
-        except Exception as exc:  # the adapter itself failed: a protocol error, keep serving
+        except Exception as exc:  # noqa: BLE001 - the adapter itself failed: a protocol error, keep serving
             send(response_error(seq, ADAPTER_PROTOCOL, f"{type(exc).__name__}: {exc}"))
     if adapter is not None:
         adapter.close()

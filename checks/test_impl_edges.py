@@ -45,7 +45,7 @@ def tiny():
 
 
 def _request(max_new_tokens: int = 8, **changes) -> RuntimeRequest:
-    values = dict(identity="edges", prompt_ids=PROMPT, max_new_tokens=max_new_tokens, seed=5, eos_ids=frozenset(), stream=True)
+    values = {"identity": "edges", "prompt_ids": PROMPT, "max_new_tokens": max_new_tokens, "seed": 5, "eos_ids": frozenset(), "stream": True}
     values.update(changes)
     return RuntimeRequest(**values)
 
@@ -131,7 +131,7 @@ def test_structured_json_from_a_parsed_envelope(tiny) -> None:
     Kills: ``stop_config`` testing ``request.structured is "json"``; ``output_header`` writing
     ``"json"`` when JSON completion is off.
     """
-    model, _ = tiny
+    _model, _ = tiny
     value = json.loads('{"structured": "json"}')["structured"]
     assert stop_config(_request(structured=value), 64).json_completion is True
     assert stop_config(_request(structured=json.loads('"none"')), 64).json_completion is False
@@ -146,7 +146,7 @@ def test_observer_refuses_an_index_that_is_not_the_next(tiny) -> None:
     Kills: ``observe`` testing ``<``, ``>`` or ``is not`` instead of ``!=``; the ``*`` of the
     keyword-only ``on_chunk`` turned into ``/``.
     """
-    model, tok = tiny
+    _model, tok = tiny
     observer = OutputObserver(tok, stop_config(_request(), 64))
     for index in (1, -1):
         with pytest.raises(Rejection) as info:

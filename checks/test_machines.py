@@ -40,7 +40,7 @@ def test_lockstep_machine(cache: str, model: str, gate_runtime: str, gate_model:
     case = f"machine.{cache}"
     try:
         deviations = run_machine(gate_runtime, model, cache)
-    except Exception as exc:  # noqa: BLE001 - every crash becomes a report line, then fails the test
+    except Exception as exc:  # every crash becomes a report line, then fails the test
         gate_report.add(CaseResult(case, gate_runtime, model, *machine_failure(exc)))
         raise
     if deviations:

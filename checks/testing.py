@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, settings
 from decodespec.impl.gguf import smollm2_available
 
 __all__ = [
-    "SMOLLM2_SKIP_REASON",
     "HF_SKIP_REASON",
+    "SMOLLM2_SKIP_REASON",
     "hf_available",
     "register_profiles",
     "requires_hf",

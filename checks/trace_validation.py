@@ -85,16 +85,33 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import attrs
 import jsonschema
 
 from decodespec.checks.fastschema import FastAccept
-from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Complete, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure, SupportEmpty, action_label
-from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag, Selection
+from decodespec.spec.actions import (
+    TEXT_TRIGGERS,
+    Action,
+    Admit,
+    Cancel,
+    Commit,
+    Complete,
+    Decide,
+    Fault,
+    Launch,
+    Recover,
+    Restore,
+    Snapshot,
+    StreamFailure,
+    SupportEmpty,
+    action_label,
+)
+from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, Selection
 from decodespec.spec.errors import MESSAGE_CLASSIFICATION, DecodeSpecError, Rejection, quote, quote_content, register_code
 from decodespec.spec.passport import CONTENT, DATA_UNKNOWN_CLASSIFICATION, REDACTED, TRACE_REDACTED, DataPassport, is_token_digest, passport_from_json
 from decodespec.spec.policy.config import PolicyConfig, policy_config_from_json
@@ -498,7 +515,7 @@ class _Replay:
             out.append(b)
         return out
 
-    def _oracle(self, state: RequestState) -> "int | AlignedOutput":
+    def _oracle(self, state: RequestState) -> int | AlignedOutput:
         """The stream frontier F of an open state, or the aligned output of a finished one (needs token bytes)."""
         finished = state.phase is Phase.FINISHED
         key = (state.output_ids, frozenset(state.triggers) if finished else None)
@@ -542,9 +559,7 @@ class _Replay:
             st.published = int(rec["byte_end"])
             st.delivered_tokens = int(rec["token_end"])
             st.text = None if st.text is None or "text" not in rec else st.text + str(rec["text"])
-        elif event == "commit" and rec.get("stream_failed"):
-            st.failed = True
-        elif event == "fault" and rec.get("kind") == "stream_error":
+        elif event == "commit" and rec.get("stream_failed") or event == "fault" and rec.get("kind") == "stream_error":
             st.failed = True
         elif event == "finish":
             st.closed = True

@@ -73,7 +73,8 @@ transformers 5.24 ``generation/utils.py`` ``_beam_search`` (log-softmax then pro
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -94,12 +95,13 @@ from decodespec.spec.beam import (
     RngState,
     branch_hash,
 )
-from decodespec.spec.enums import FINISH_PRECEDENCE, FinishReason, canonical_finish_reason
+from decodespec.spec.enums import FinishReason, canonical_finish_reason
 from decodespec.spec.errors import Rejection, ResourceLimit, register_code
 from decodespec.spec.policy.config import Family, PolicyConfig
 from decodespec.spec.policy.scores import ScoreKind
 from decodespec.spec.policy.state import PolicyState, RequestView, initial_policy_state
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
+from decodespec.spec.request import context_cap
 
 from .cache import StaticCache, make_cache
 from .events import EVENTS_FORMAT, EventSink
@@ -337,12 +339,12 @@ class BeamRunner:
         self.policy = _with_min_new_tokens(request.policy, request.min_new_tokens)
         self.capacity = request.static_capacity if request.cache == "static" else None
         window = model.config.max_position_embeddings
-        caps = [window] + [c for c in (request.context_cap, self.capacity) if c is not None]
+        cap = context_cap(window, request.context_cap, self.capacity)
         need = request.prompt_len + request.max_new_tokens
-        if need > min(caps):
+        if need > cap:
             code = CACHE_CAPACITY_EXCEEDED if self.capacity is not None and self.capacity < need else CONTEXT_WINDOW_EXCEEDED
-            raise ResourceLimit(code, f"L + G = {need} exceeds the context cap {min(caps)}; beams finish only by EOS or "
-                                "max_new_tokens", "$.termination.max_new_tokens", details={"limit": min(caps), "actual": need})
+            raise ResourceLimit(code, f"L + G = {need} exceeds the context cap {cap}; beams finish only by EOS or "
+                                "max_new_tokens", "$.termination.max_new_tokens", details={"limit": cap, "actual": need})
         if self.capacity is not None:
             _check_static_capacity(model, self.capacity, batch_size=request.policy.num_beams)
         #: One cache for the whole frontier: batch row k is live slot k (1 row until the first reorder).
@@ -637,7 +639,7 @@ class BeamRunner:
             return "decide"
         return None
 
-    def run(self) -> "BeamRunner":
+    def run(self) -> BeamRunner:
         """Drive the search to its end; returns ``self``."""
         while self.step() is not None:
             pass

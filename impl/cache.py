@@ -48,7 +48,7 @@ contracts" (``0 <= K_committed <= K_reserved <= K_max``); 0x0A "Logical recovery
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import attrs
 import torch
@@ -56,13 +56,14 @@ import torch
 from decodespec.spec.errors import Rejection, ResourceLimit, register_code
 from decodespec.spec.limits import CACHE_MEMORY_EXCEEDED, MAX_STATIC_CACHE_BYTES, static_cache_bytes
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED, CACHE_SLOT_MISMATCH
+from decodespec.spec.state import CACHE_FAMILIES  # the runtime offers every family of the envelope
 
 __all__ = [
     "CACHE_ABI_MISMATCH",
     "CACHE_FAMILIES",
+    "INVALID_CACHE_OPERATION",
     "CacheABI",
     "DynamicCache",
-    "INVALID_CACHE_OPERATION",
     "LaneWrite",
     "StaticCache",
     "check_static_reservation",
@@ -82,7 +83,7 @@ INVALID_CACHE_OPERATION = register_code(
     "A cache update, crop or reorder has the wrong layer index, shape, dtype, batch size or argument range.",
 )
 
-def check_static_reservation(abi: "CacheABI", capacity: int, *, batch_size: int = 1, path: str = "$.cache.capacity") -> int:
+def check_static_reservation(abi: CacheABI, capacity: int, *, batch_size: int = 1, path: str = "$.cache.capacity") -> int:
     """The bytes a static cache of ``capacity`` slots reserves under ``abi``, refused past the declared bound.
 
     Returns:
@@ -101,8 +102,6 @@ def check_static_reservation(abi: "CacheABI", capacity: int, *, batch_size: int 
     return need
 
 
-#: Cache families the runtime offers (the envelope's ``runtime.cache_family``).
-CACHE_FAMILIES = ("none", "dynamic", "static")
 
 
 @attrs.frozen
@@ -139,7 +138,7 @@ class CacheABI:
     window: str = "full"
 
     @classmethod
-    def for_config(cls, config, dtype: torch.dtype) -> "CacheABI":
+    def for_config(cls, config, dtype: torch.dtype) -> CacheABI:
         """The ABI a model with :class:`~decodespec.impl.config.LlamaConfig` ``config`` writes in ``dtype``."""
         scaling = config.rope_scaling
         return cls(
@@ -158,7 +157,7 @@ class CacheABI:
         return out
 
     @classmethod
-    def from_json(cls, obj: dict) -> "CacheABI":
+    def from_json(cls, obj: dict) -> CacheABI:
         """Inverse of :meth:`to_json`.
 
         Raises:

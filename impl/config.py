@@ -13,7 +13,8 @@ consistency" (RoPE base and scaling belong to the positional transform).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -141,7 +142,7 @@ class LlamaConfig:
         *,
         tie_word_embeddings: bool = True,
         attn_implementation: str = "sdpa",
-    ) -> "LlamaConfig":
+    ) -> LlamaConfig:
         """The configuration a llama-architecture GGUF file declares.
 
         Args:

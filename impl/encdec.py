@@ -41,13 +41,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodespec.spec.errors import Rejection, register_code
+from decodespec.spec.errors import Rejection
 from decodespec.spec.positions import INVALID_MASK
 
 from .batch import check_attention_mask
 from .model import TRAINING_MODE
 
 __all__ = [
+    "LANES",
+    "TRAINING_MODE",
     "Decoder",
     "DecoderLayer",
     "EncDecCache",
@@ -57,9 +59,7 @@ __all__ = [
     "EncoderLayer",
     "FixedLaneFingerprint",
     "Generator",
-    "LANES",
     "MultiHeadedAttention",
-    "TRAINING_MODE",
     "greedy_decode",
     "make_model",
     "subsequent_mask",
@@ -208,7 +208,7 @@ class DecoderLayer(nn.Module):
         x = self.sublayer[1](x, lambda y: self.src_attn(y, memory, memory, src_mask))
         return self.sublayer[2](x, self.feed_forward)
 
-    def step(self, x: torch.Tensor, cache: "EncDecCache", layer_idx: int) -> torch.Tensor:
+    def step(self, x: torch.Tensor, cache: EncDecCache, layer_idx: int) -> torch.Tensor:
         """The cached layer for new target rows ``x [B, T, d_model]`` at target positions ``[t, t+T)``.
 
         Appends this call's self K/V to the ``self_kv`` lane and reads the fixed ``cross_kv`` lane.
@@ -303,12 +303,12 @@ class EncoderDecoder(nn.Module):
         """The uncached decoder over the whole target prefix ``tgt int64[B, t]`` -> ``[B, t, d_model]``."""
         return self.decoder(self.tgt_embed(tgt), memory, src_mask, tgt_mask)
 
-    def new_cache(self, memory: torch.Tensor, src_mask: torch.Tensor) -> "EncDecCache":
+    def new_cache(self, memory: torch.Tensor, src_mask: torch.Tensor) -> EncDecCache:
         """The request's lanes: the memory, every layer's cross K/V projected once, an empty self K/V lane."""
         cross = tuple(layer.src_attn.project_kv(memory, memory) for layer in self.decoder.layers)
         return EncDecCache(memory=memory, src_mask=src_mask, cross_kv=cross, self_kv=[None] * len(cross))
 
-    def decode_step(self, tgt: torch.Tensor, cache: "EncDecCache") -> torch.Tensor:
+    def decode_step(self, tgt: torch.Tensor, cache: EncDecCache) -> torch.Tensor:
         """The cached decoder for new target rows ``tgt int64[B, T]`` after ``cache.processed`` rows -> ``[B, T, d_model]``."""
         embed, positions = self.tgt_embed[0], self.tgt_embed[1]
         x = positions(embed(tgt), start=cache.processed)  # [B, T, d_model]
@@ -453,7 +453,7 @@ def greedy_decode(
 def make_model(
     src_vocab: int,
     tgt_vocab: int,
-    N: int = 6,  # noqa: N803 - the Annotated Transformer's name
+    N: int = 6,  # the Annotated Transformer's name
     d_model: int = 512,
     d_ff: int = 2048,
     h: int = 8,

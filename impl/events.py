@@ -53,6 +53,14 @@ event               spec action (or check)
                     ``decodespec.spec.beam.BeamStepRecord.to_event()`` for the same rows
 ==================  =====================================================================
 
+Times (issue 19; M3.10 0x0BA "Latency semantics"): ``call_launched``, ``call_completed``,
+``stream`` and ``finish`` carry an optional ``t_ns`` -- integer nanoseconds since admission on the
+host monotonic clock, read after the completion boundary (:mod:`decodespec.impl.latency`); absent
+past ``spec.latency.MAX_TIMED_EVENTS`` timed calls or emissions, and in traces written before
+issue 19 (which still validate).  What they mean -- TTFT, ITL, E2E, per-phase times -- is
+:mod:`decodespec.spec.latency`; :func:`decodespec.checks.latency.timeline_from_trace` reads them.
+Timings are not user content: the redactor keeps them.
+
 Every file is written through a :class:`decodespec.spec.passport.Redactor` unless the caller asks
 for content (``content=True``; ``decodespec generate --trace-content``): ids, texts, stop strings
 and identities become keyed digests and byte counts, and the ``request`` header gets ``data``, the
@@ -74,8 +82,9 @@ import re
 import secrets
 import stat
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, TextIO
+from typing import Any, Self, TextIO
 
 try:
     import fcntl
@@ -334,7 +343,7 @@ class FileSink(EventSink):
 
     def __init__(self, path: str | Path, *, content: bool = False):
         self.path = Path(path)
-        self._file = open(self.path, "w", encoding="utf-8")
+        self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - the sink owns the file until close()
         super().__init__(self._file, content=content)
         if TEMP_NAME.fullmatch(self.path.name):
             _lock(self.path)
@@ -344,7 +353,7 @@ class FileSink(EventSink):
         if not self._file.closed:
             self._file.close()
 
-    def __enter__(self) -> "FileSink":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

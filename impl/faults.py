@@ -30,8 +30,6 @@ boundaries".
 
 from __future__ import annotations
 
-from typing import Union
-
 import attrs
 
 from decodespec.spec.enums import FinishReason
@@ -39,9 +37,9 @@ from decodespec.spec.errors import Rejection, register_code
 from decodespec.spec.state import InterruptPoint
 
 __all__ = [
+    "INVALID_FAULT_PLAN",
     "DeviceFault",
     "FaultPlan",
-    "INVALID_FAULT_PLAN",
     "InjectedDeviceFault",
     "Interrupt",
     "MissingLane",
@@ -93,7 +91,7 @@ class StreamFailureAt:
     output_index: int
 
 
-Fault = Union[DeviceFault, MissingLane, Interrupt, StreamFailureAt]
+Fault = DeviceFault | MissingLane | Interrupt | StreamFailureAt
 
 
 @attrs.frozen
@@ -108,7 +106,7 @@ class FaultPlan:
     faults: tuple[Fault, ...] = ()
 
     @classmethod
-    def of(cls, *faults: Fault) -> "FaultPlan":
+    def of(cls, *faults: Fault) -> FaultPlan:
         """``FaultPlan.of(DeviceFault(2), Interrupt(FinishReason.TIMEOUT, 4, InterruptPoint.IN_FLIGHT))``."""
         return cls(tuple(faults))
 

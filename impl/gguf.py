@@ -22,8 +22,8 @@ from decodespec.spec.errors import Rejection, register_code
 
 __all__ = [
     "MODEL_FILE_MISSING",
-    "UNSUPPORTED_ARCHITECTURE",
     "SMOLLM2_FILENAME",
+    "UNSUPPORTED_ARCHITECTURE",
     "file_sha256",
     "read_metadata",
     "smollm2_available",

@@ -34,7 +34,7 @@ before capture).
 from __future__ import annotations
 
 import contextlib
-from typing import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 import torch
 
@@ -188,9 +188,8 @@ class GraphDecoder:
                 self._step()
         torch.cuda.current_stream(self.model.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with cache.slot_writes():
-            with torch.cuda.graph(graph):
-                self._row = self._step()
+        with cache.slot_writes(), torch.cuda.graph(graph):
+            self._row = self._step()
         self._graph = graph
         self._check_layers()
 

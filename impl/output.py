@@ -44,13 +44,14 @@ resetting the parser or the stream suffix is a different continuation).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from decodespec.spec.actions import TEXT_TRIGGERS
-from decodespec.spec.enums import FinishReason
+from decodespec.spec.enums import EXTERNAL_FINISH_REASONS, FinishReason
 from decodespec.spec.errors import Rejection, quote
 from decodespec.spec.snapshot import SNAPSHOT_LEDGER_INVALID, SNAPSHOT_MALFORMED
-from decodespec.spec.stop import EXTERNAL_FINISH_REASONS, AlignedOutput, Chunk, StopConfig
+from decodespec.spec.stop import AlignedOutput, Chunk, StopConfig
 from decodespec.spec.structured import DEFAULT_MAX_JSON_DEPTH
 
 from .stream import Streamer
@@ -290,7 +291,7 @@ class OutputObserver:
         def flag(key: str, default: Any = None) -> bool:
             value = state.get(key, default)
             if not isinstance(value, bool):
-                raise ValueError(f"{key} must be a boolean, got {quote(value)}")
+                raise ValueError(f"{key} must be a boolean, got {quote(value)}")  # noqa: TRY004 - every malformed field reads as ValueError
             return value
 
         try:

@@ -24,7 +24,7 @@ ties, stable sorts, the crossing token kept by top-p and typical.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch

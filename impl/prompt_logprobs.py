@@ -15,7 +15,7 @@ Source: M3.10 0x02; vLLM ``prompt_logprobs`` (ranks from 1); HF ``logits[:, :-1]
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

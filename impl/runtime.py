@@ -77,7 +77,8 @@ from __future__ import annotations
 import contextlib
 import numbers
 import time
-from typing import Any, Callable, Collection, Iterator, Protocol, Sequence
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -87,16 +88,18 @@ from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, Pen
 from decodespec.spec.envelope import MAX_TIMEOUT_MS, ZERO_NEW_TOKENS_REJECTED, AdmittedRequest
 from decodespec.spec.errors import NOT_ENABLED, DecodeSpecError, Rejection, ResourceLimit, quote, register_code
 from decodespec.spec.policy.codes import FAMILY_MISMATCH, TERMINAL_DECISION_CODES
-from decodespec.spec.policy.config import Family, Order, PolicyConfig, policy_config_from_json
+from decodespec.spec.policy.config import Family, PolicyConfig, policy_config_from_json
 from decodespec.spec.policy.receipt import DecisionReceipt
 from decodespec.spec.policy.state import PolicyState, RequestView, initial_policy_state
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
 from decodespec.spec.prompt_logprobs import PromptLogprob, PromptLogprobsSpec
-from decodespec.spec.state import ENVIRONMENT_FAILURES, InterruptPoint, Phase
+from decodespec.spec.request import context_cap, default_static_capacity, prompt_room
+from decodespec.spec.state import InterruptPoint, Phase, call_interrupt_point, next_call, repair_owed
 
-from .cache import CacheABI, DynamicCache, StaticCache, check_static_reservation, make_cache
+from .cache import DynamicCache, StaticCache, check_static_reservation, make_cache
 from .events import EVENTS_FORMAT, EventSink
 from .faults import FaultPlan, InjectedDeviceFault
+from .latency import LatencyRecorder
 from .model import CONTEXT_WINDOW_EXCEEDED, TRAINING_MODE, LlamaForCausalLM, StageObserver
 from .output import OutputObserver, output_header, stop_config
 from .policy import decide as policy_decide
@@ -105,11 +108,11 @@ from .rng import RequestRng
 
 __all__ = [
     "ARTIFACT_MISMATCH",
+    "INVALID_REQUEST",
     "CallRecord",
     "CommitObservation",
     "CommitObserver",
     "Decision",
-    "INVALID_REQUEST",
     "RequestRunner",
     "RuntimeRequest",
     "Score",
@@ -205,7 +208,7 @@ class RuntimeRequest:
     prompt_logprobs: PromptLogprobsSpec | None = None
 
     @classmethod
-    def from_admitted(cls, request: AdmittedRequest) -> "RuntimeRequest":
+    def from_admitted(cls, request: AdmittedRequest) -> RuntimeRequest:
         """The runtime request of an admitted envelope (``decodespec.spec.envelope.validate_request_envelope``).
 
         Raises:
@@ -216,7 +219,6 @@ class RuntimeRequest:
             raise Rejection(INVALID_REQUEST, f"the reference runtime runs decoder_only requests, not {request.artifact.architecture}",
                             "$.artifact.architecture")
         term, rt, pv = request.termination, request.runtime, request.position_visibility
-        caps = [pv.max_context] + [c for c in (term.max_total_tokens,) if c is not None]
         return cls(
             identity=request.identity,
             prompt_ids=request.decoder_input_ids,
@@ -232,7 +234,7 @@ class RuntimeRequest:
             zero_new_tokens=term.zero_new_tokens,
             final_cache=request.output.final_cache,
             max_retries=rt.max_retries,
-            context_cap=min(caps),
+            context_cap=context_cap(pv.max_context, term.max_total_tokens),
             stream=request.output.stream,
             stop_strings=term.stop_strings,
             structured=term.structured,
@@ -458,10 +460,9 @@ class RequestRunner:
         self.tokenizer = tokenizer
         self.runtime_info = dict(runtime_info or {})
         self.capacity = request.static_capacity if request.cache == "static" else None
-        caps = [model.config.max_position_embeddings] + [c for c in (request.context_cap, self.capacity) if c is not None]
         #: C: L + O reaching it fires ``context_length``.
-        self.context_cap = min(caps)
-        if self.capacity is not None and self.capacity < request.prompt_len + (1 if request.max_new_tokens else 0):
+        self.context_cap = context_cap(model.config.max_position_embeddings, request.context_cap, self.capacity)
+        if self.capacity is not None and self.capacity < prompt_room(request.prompt_len, request.max_new_tokens):
             raise ResourceLimit(CACHE_CAPACITY_EXCEEDED, f"static capacity {self.capacity} cannot hold the {request.prompt_len}-token prompt",
                                 "$.runtime.static_capacity")
         if self.capacity is not None:
@@ -513,6 +514,9 @@ class RequestRunner:
         self.triggers: set[FinishReason] = set()
         self.quarantined = False
         self.num_calls = 0
+        #: Call and emission times (M3.10 0x0BA "Latency semantics"; :mod:`decodespec.impl.latency`).
+        self.latency = LatencyRecorder(request.prompt_len)
+        self._emitted_at: int | None = None
         self.num_retries = 0
         self.suspended = False
         self.clock = clock
@@ -539,9 +543,8 @@ class RequestRunner:
 
     def repair_owed(self) -> bool:
         """Whether the declared append/repair call still has to process the closed final token."""
-        return (self.phase is Phase.FINISHED and self.request.final_cache == "all_outputs" and self.request.cached
-                and self.pending_tag is PendingTag.CLOSED_UNPROCESSED and self.finish_reason is not None
-                and not self.triggers & ENVIRONMENT_FAILURES)
+        return repair_owed(phase=self.phase, repair_required=self.request.final_cache == "all_outputs" and self.request.cached,
+                           pending_tag=self.pending_tag, finish_reason=self.finish_reason, triggers=self.triggers)
 
     def terminal(self) -> bool:
         """Whether no further controller action is required (FINISHED, no call in flight, no repair owed)."""
@@ -552,10 +555,7 @@ class RequestRunner:
 
         The repair call in flight after the close is ``IN_FLIGHT`` too (a cancel or timeout lands on it).
         """
-        if self.in_flight is not None:
-            return InterruptPoint.IN_FLIGHT
-        return {Phase.READY: InterruptPoint.BEFORE_LAUNCH, Phase.IN_FLIGHT: InterruptPoint.IN_FLIGHT,
-                Phase.SCORED: InterruptPoint.AFTER_COMPLETION, Phase.DECIDED: InterruptPoint.AFTER_DECISION}.get(self.phase)
+        return call_interrupt_point(self.phase, self.in_flight is not None)
 
     def ordered_triggers(self) -> tuple[FinishReason, ...]:
         """Every trigger recorded, in precedence order."""
@@ -571,6 +571,7 @@ class RequestRunner:
             Rejection: ``transition.not_enabled`` unless the phase is NEW.
         """
         self._require(self.phase is Phase.NEW, "transition.admit", "phase == NEW")
+        self.latency.admit()
         if self.request.timeout_ms is not None:
             self.admitted_at = self.clock()
         self._emit_request()
@@ -624,19 +625,9 @@ class RequestRunner:
     def next_call(self) -> tuple[CallKind, int, int] | None:
         """``(kind, start, length)`` of the call the state calls for, or ``None`` when none is due."""
         r = self.request
-        if self.in_flight is not None or self.quarantined:
-            return None
-        if self.phase is Phase.READY and self.processed < r.prompt_len and not self.output_ids:
-            if not r.cached:
-                return CallKind.PREFILL, 0, r.prompt_len
-            remaining = r.prompt_len - self.processed
-            length = remaining if r.prefill_chunk is None else min(r.prefill_chunk, remaining)
-            return CallKind.PREFILL, self.processed, length
-        if self.phase is Phase.READY and self.pending_tag is PendingTag.PENDING_NEXT_CALL:
-            return (CallKind.DECODE, self.processed, 1) if r.cached else (CallKind.DECODE, 0, r.prompt_len + self.output_count)
-        if self.repair_owed():
-            return CallKind.REPAIR, self.processed, 1
-        return None
+        return next_call(phase=self.phase, processed=self.processed, prompt_len=r.prompt_len, output_count=self.output_count,
+                         cached=r.cached, prefill_chunk=r.prefill_chunk, pending_tag=self.pending_tag,
+                         call_in_flight=self.in_flight is not None, quarantined=self.quarantined, repair_owed=self.repair_owed())
 
     def launch(self, kind: CallKind | str | None = None, *, start: int | None = None, length: int | None = None) -> CallRecord:
         """``Launch``: validate and record the next model call; nothing runs yet (see :meth:`complete`).
@@ -703,10 +694,11 @@ class RequestRunner:
         self.num_calls += 1
         if kind is not CallKind.REPAIR:
             self.phase = Phase.IN_FLIGHT
+        t_ns = self.latency.launch(kind.value, length)
         if self.sink is not None:
             self.sink.emit("call_launched", call_id=call.call_id, kind=kind.value, input_ids=list(input_ids),
                            position_ids=list(range(start, end)), cache_position=list(range(start, end)),
-                           frontier_before=frontier_before, generation=call.generation)
+                           frontier_before=frontier_before, generation=call.generation, **_timed(t_ns))
         return call
 
     def complete(self) -> Selection:
@@ -728,6 +720,7 @@ class RequestRunner:
         assert call is not None
         triggers_before = set(self.triggers)
         report = self._forward(call)
+        t_ns = self.latency.complete()  # after the completion boundary (_forward synchronises CUDA)
         reason = self._completion_reason(call, report)
         selection = Selection.ALL_NEW if reason is None else Selection.ALL_OLD
         score = None
@@ -739,7 +732,8 @@ class RequestRunner:
             self.sink.emit("call_completed", call_id=call.call_id, selection=selection.value,
                            lanes_completed=[list(lane) for lane in report.lanes], layers_written=report.layers_written,
                            stages_ok=report.stages_ok, output_row=report.output_row, frontier_after=self.frontier(),
-                           score_id=None if score is None else score.score_id, generation=report.generation, reason=reason)
+                           score_id=None if score is None else score.score_id, generation=report.generation, reason=reason,
+                           **_timed(t_ns))
             if self.quarantined and selection is Selection.ALL_OLD:
                 self.sink.emit("quarantine", generation=self.generation, processed=self.processed)
         if self.phase is Phase.FINISHED and (self.triggers != triggers_before or call.kind is CallKind.REPAIR and selection is Selection.ALL_NEW):
@@ -988,6 +982,8 @@ class RequestRunner:
         if stream_failed:
             fired.add(FinishReason.STREAM_ERROR)
         self._stream_chunks.extend(observation.chunks)
+        if r.stream and observation.chunks:
+            self._emitted_at = self.latency.emit(observation.chunks[-1].token_end)
         if fired:
             self.phase = Phase.FINISHED
             self.triggers |= fired
@@ -1072,7 +1068,10 @@ class RequestRunner:
         close = getattr(self.observer, "close", None)
         if close is not None:
             # The output closes outside a commit: the observer flushes its held-back bytes.
-            self._stream_chunks.extend(close(self.finish_reason))
+            flushed = close(self.finish_reason)
+            self._stream_chunks.extend(flushed)
+            if self.request.stream and flushed:
+                self._emitted_at = self.latency.emit(flushed[-1].token_end)
         if emit:
             self._emit_finish()
 
@@ -1080,15 +1079,19 @@ class RequestRunner:
         """Write a ``stream`` event for every published chunk not yet in the trace (streamed requests only)."""
         if self.sink is not None and self.request.stream:
             for chunk in self._stream_chunks:
-                self.sink.emit("stream", **chunk.to_json())
+                self.sink.emit("stream", **chunk.to_json(), **_timed(self._emitted_at))
         self._stream_chunks.clear()
 
     def _emit_finish(self) -> None:
         self._emit_stream()
+        first = self.latency.final_ns is None
+        t_ns = self.latency.finish()
+        if first and not self.request.stream and self.output_count:
+            self.latency.emit(self.output_count)  # an unstreamed output is delivered whole, at the final flush
         if self.sink is not None:
             report = self.stream_report() if self.request.stream else None
             self.sink.emit("finish", finish_reason=self.finish_reason.value, triggers=[t.value for t in self.ordered_triggers()],
-                           frontier=self.frontier(), **({} if report is None else {"stream": report}))
+                           frontier=self.frontier(), **({} if report is None else {"stream": report}), t_ns=t_ns)
 
     def stream_report(self) -> dict[str, Any] | None:
         """What the stream delivered: ``{"chunks", "delivered_bytes", "delivered_tokens", "failed", "error"}``.
@@ -1171,7 +1174,7 @@ class RequestRunner:
             self._budget_elapsed = None
         return True
 
-    def run(self, *, max_outputs: int | None = None) -> "RequestRunner":
+    def run(self, *, max_outputs: int | None = None) -> RequestRunner:
         """Drive the request until it is terminal (or suspend after ``max_outputs`` committed tokens).
 
         Args:
@@ -1200,10 +1203,10 @@ class RequestRunner:
         """
         from .generate import GenerationResult
 
-        common = dict(prompt_ids=self.request.prompt_ids, finish_reason=self.finish_reason, triggers=self.ordered_triggers(),
-                      frontier=self.frontier(), receipts=tuple(self.receipts), rng_counter=self.policy_state.rng_counter,
-                      num_committed=self.output_count, stream=self.stream_report() if self.request.stream else None,
-                      prompt_logprobs=self.prompt_logprobs())
+        common = {"prompt_ids": self.request.prompt_ids, "finish_reason": self.finish_reason, "triggers": self.ordered_triggers(),
+                      "frontier": self.frontier(), "receipts": tuple(self.receipts), "rng_counter": self.policy_state.rng_counter,
+                      "num_committed": self.output_count, "stream": self.stream_report() if self.request.stream else None,
+                      "prompt_logprobs": self.prompt_logprobs(), "timeline": self.latency.timeline()}
         out = getattr(self.observer, "output", None) if self.phase is Phase.FINISHED else None
         if out is not None:
             match = out.stop_match
@@ -1256,7 +1259,7 @@ class RequestRunner:
         return take_runtime_snapshot(self, form)
 
     @classmethod
-    def restore(cls, model: LlamaForCausalLM, snapshot, request: RuntimeRequest | None = None, **kwargs: Any) -> "RequestRunner":
+    def restore(cls, model: LlamaForCausalLM, snapshot, request: RuntimeRequest | None = None, **kwargs: Any) -> RequestRunner:
         """``Restore``: a runner continuing ``snapshot`` (validated before any state is built).
 
         Args:
@@ -1343,9 +1346,7 @@ def _validated(model: LlamaForCausalLM, request: RuntimeRequest) -> RuntimeReque
         raise Rejection(ZERO_NEW_TOKENS_REJECTED, "max_new_tokens is 0 and the declared G=0 branch is 'reject'", "$.termination.max_new_tokens")
     changes: dict[str, Any] = {"prompt_ids": prompt, "eos_ids": frozenset(int(i) for i in request.eos_ids)}
     if request.cache == "static" and request.static_capacity is None:
-        # Default: room for every output and the repair call, plus one slot so that the capacity
-        # (part of the context cap C) never fires context_length before length.
-        changes["static_capacity"] = min(len(prompt) + g + 1, window)
+        changes["static_capacity"] = default_static_capacity(len(prompt), g, window)
     if request.cache == "none":
         changes["prefill_chunk"] = None
     return attrs.evolve(request, **changes)
@@ -1383,3 +1384,8 @@ def _stage_roster(model: LlamaForCausalLM, stages: list[str], fault_layer: int |
             inner.__dict__.pop("observer", None)
         else:
             inner.observer = before
+
+
+def _timed(t_ns: int | None) -> dict[str, int]:
+    """The optional ``t_ns`` trace field (ns since admission; absent past ``spec.latency.MAX_TIMED_EVENTS``)."""
+    return {} if t_ns is None else {"t_ns": t_ns}

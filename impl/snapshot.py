@@ -57,20 +57,21 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import attrs
 import rfc8785
 import torch
 
-from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection, published_finish_reason
+from decodespec.spec.enums import CallKind, PendingTag, Selection, published_finish_reason
 from decodespec.spec.envelope import lone_surrogate_path
 from decodespec.spec.errors import DecodeSpecError, Rejection, quote, quote_content
-from decodespec.spec.passport import CONTENT, passport_from_json, snapshot_passport
 from decodespec.spec.limits import MAX_SAFE_INT
+from decodespec.spec.passport import CONTENT, passport_from_json, snapshot_passport
 from decodespec.spec.policy.config import policy_config_from_json
 from decodespec.spec.policy.receipt import content_id, receipt_policy_mismatch
 from decodespec.spec.policy.state import PolicyState
+from decodespec.spec.request import context_cap
 from decodespec.spec.snapshot import (
     PENDING_SUFFIX,
     REPAIRED,
@@ -79,10 +80,10 @@ from decodespec.spec.snapshot import (
     SNAPSHOT_FORMS,
     SNAPSHOT_FRONTIER_INVALID,
     SNAPSHOT_IDENTITY_MISMATCH,
-    SNAPSHOT_LEDGER_INVALID,
-    SNAPSHOT_MALFORMED,
     SNAPSHOT_KEY_ENV,
+    SNAPSHOT_LEDGER_INVALID,
     SNAPSHOT_MAC_ALGORITHM,
+    SNAPSHOT_MALFORMED,
     SNAPSHOT_PENDING_INVALID,
     SNAPSHOT_UNAUTHENTICATED,
     SnapshotRecord,
@@ -90,7 +91,7 @@ from decodespec.spec.snapshot import (
 from decodespec.spec.state import Phase, Receipt
 from decodespec.spec.state import Score as SpecScore
 
-from .cache import CacheABI, StaticCache
+from .cache import CacheABI
 from .output import OUTPUT_STATE_FORMAT
 
 __all__ = [
@@ -725,9 +726,9 @@ def _check_ledger(snapshot: RuntimeSnapshot, model, request) -> None:
         raise _refuse(SNAPSHOT_LEDGER_INVALID, f"EOS at output positions {eos_at}: only the last output of a finished request, "
                       f"at or after min_new_tokens {request.min_new_tokens}", "$.state.output_ids")
     # bounds
-    context_cap = min(c for c in (model.config.max_position_embeddings, request.context_cap, snapshot.capacity) if c is not None)
-    if len(outputs) > request.max_new_tokens or prompt_len + len(outputs) > context_cap or any(not 0 <= t < vocab_size for t in outputs):
-        raise _refuse(SNAPSHOT_LEDGER_INVALID, f"outputs beyond max_new_tokens {request.max_new_tokens}, the context cap {context_cap} "
+    cap = context_cap(model.config.max_position_embeddings, request.context_cap, snapshot.capacity)
+    if len(outputs) > request.max_new_tokens or prompt_len + len(outputs) > cap or any(not 0 <= t < vocab_size for t in outputs):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, f"outputs beyond max_new_tokens {request.max_new_tokens}, the context cap {cap} "
                       f"or the vocabulary", "$.state.output_ids")
     # call counters against P (the runtime counts every launch and advances the generation on every ALL_NEW)
     if rec.num_calls < 0 or rec.generation < 0 or not 0 <= rec.num_retries <= request.max_retries:

@@ -41,12 +41,12 @@ from __future__ import annotations
 import bisect
 import codecs
 from collections import deque
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from decodespec.spec.enums import FINISH_PRECEDENCE, FinishReason
+from decodespec.spec.enums import EXTERNAL_FINISH_REASONS, FINISH_PRECEDENCE, FinishReason
 from decodespec.spec.errors import Rejection
 from decodespec.spec.stop import (
-    EXTERNAL_FINISH_REASONS,
     STOP_AFTER_FINISH,
     STOP_EMPTY_PATTERN,
     STOP_FINISH_NOT_ALLOWED,

@@ -16,31 +16,36 @@ candidate" (SELECT LOGICAL STATE), 0x0A "Asynchronous completion and error bound
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from .enums import CallKind, FinishReason
+from .participation import EnterCollective, RankFault, RankTimeout, ReportRank
 
 if TYPE_CHECKING:  # pragma: no cover
     from .snapshot import SnapshotRecord
 
 __all__ = [
+    "FAULT_KINDS",
+    "TEXT_TRIGGERS",
     "Action",
     "Admit",
     "Cancel",
     "Commit",
     "Complete",
     "Decide",
-    "FAULT_KINDS",
+    "EnterCollective",
     "Fault",
     "Launch",
+    "RankFault",
+    "RankTimeout",
     "Recover",
+    "ReportRank",
     "Restore",
     "Snapshot",
     "StreamFailure",
     "SupportEmpty",
-    "TEXT_TRIGGERS",
     "action_json",
     "action_label",
 ]
@@ -188,15 +193,18 @@ class Restore:
         record: The snapshot's logical record (:class:`decodespec.spec.snapshot.SnapshotRecord`).
     """
 
-    record: "SnapshotRecord"
+    record: SnapshotRecord
 
 
-Action = Union[Admit, Launch, Fault, Complete, Decide, SupportEmpty, Commit, Cancel, StreamFailure, Recover, Snapshot, Restore]
+Action = (Admit | Launch | Fault | Complete | Decide | SupportEmpty | Commit | Cancel | StreamFailure | Recover | Snapshot | Restore
+          | EnterCollective | ReportRank | RankFault | RankTimeout)
 
 
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "to_json") and not isinstance(value, (CallKind, FinishReason)):
         return value.to_json()
+    if attrs.has(type(value)):  # a nested value (a rank's report)
+        return {f.name: _jsonable(getattr(value, f.name)) for f in attrs.fields(type(value))}
     if hasattr(value, "value") and isinstance(value, (CallKind, FinishReason)):
         return value.value
     if isinstance(value, frozenset):

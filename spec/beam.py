@@ -63,7 +63,8 @@ import enum
 import hashlib
 import math
 import operator
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -77,6 +78,7 @@ from decodespec.spec.policy.scores import ScoreKind, ScoreRow
 from decodespec.spec.rules import rule
 
 __all__ = [
+    "SCORE_KIND",
     "BeamParams",
     "BeamPhase",
     "BeamResult",
@@ -95,7 +97,6 @@ __all__ = [
     "PenaltyForm",
     "RngState",
     "RowSelection",
-    "SCORE_KIND",
     "admissible_bound",
     "beam_call",
     "beam_completed_metadata",
@@ -171,6 +172,16 @@ BEAM_INVALID_LANE_STATE = register_code(
 
 def _reject(code: str, message: str, path: str = "$", **details: Any) -> Rejection:
     return Rejection(code, message, path=path, details=details or None)
+
+
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    """The converter of an id list: a tuple."""
+    return tuple(values)
+
+
+def _reason_value(reason: FinishReason | None) -> str | None:
+    """A finish reason's JSON value (``None`` while open)."""
+    return None if reason is None else reason.value
 
 
 def _as_int(value: Any, code: str, path: str, minimum: int) -> int:
@@ -282,7 +293,8 @@ class LengthPenalty:
         """
         assert length >= 1, "a normalized score needs |y| >= 1"
         base = float(length) if self.form is PenaltyForm.POWER else (5.0 + length) / 6.0
-        return base ** self.alpha
+        factor: float = base ** self.alpha
+        return factor
 
     @rule("transform.beam_length_penalty", title="Beam length normalisation", section="M3.8 0x0F Length penalty",
           statement="normalized = score / lp(|y|) with lp = |y|**alpha (power) or ((5+|y|)/6)**alpha (GNMT); "
@@ -330,7 +342,7 @@ class BeamParams:
 
     num_beams: int
     max_new_tokens: int
-    eos_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    eos_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
     length_penalty: LengthPenalty = attrs.field(factory=LengthPenalty)
     early_stop: EarlyStop = attrs.field(default=EarlyStop.EXACT, converter=_early_stop)
     num_completed: int | None = None
@@ -339,7 +351,9 @@ class BeamParams:
     hf_envelope: bool = False
 
     def __attrs_post_init__(self) -> None:
-        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen init
+        def set_(name: str, value: object) -> None:  # frozen init
+            object.__setattr__(self, name, value)
+
         set_("num_beams", _as_int(self.num_beams, BEAM_INVALID_WIDTH, "$.num_beams", 1))
         set_("max_new_tokens", _as_int(self.max_new_tokens, BEAM_INVALID_MAX_NEW_TOKENS, "$.max_new_tokens", 1))
         eos = tuple(_as_int(e, BEAM_INVALID_EOS, f"$.eos_ids[{i}]", 0) for i, e in enumerate(self.eos_ids))
@@ -379,7 +393,7 @@ class BeamParams:
         *,
         length_penalty: float = 1.0,
         early_stopping: bool | str = False,
-    ) -> "BeamParams":
+    ) -> BeamParams:
         """The parameters under which the spec equals HF ``generate(num_beams=K, ...)``.
 
         HF transformers 5.24 ``_beam_search`` (``do_sample=False``, one request): power length
@@ -427,7 +441,7 @@ class BeamParams:
         )
 
     @classmethod
-    def from_policy(cls, config: PolicyConfig, max_new_tokens: int, eos_ids: Iterable[int] = ()) -> "BeamParams":
+    def from_policy(cls, config: PolicyConfig, max_new_tokens: int, eos_ids: Iterable[int] = ()) -> BeamParams:
         """The beam parameters of a beam-family :class:`~decodespec.spec.policy.config.PolicyConfig`.
 
         The policy's ``num_beams``, ``length_penalty`` and ``early_stopping`` carry HF's names and
@@ -446,7 +460,7 @@ class BeamParams:
             return cls(num_beams=config.num_beams, max_new_tokens=max_new_tokens, eos_ids=tuple(eos_ids),
                        length_penalty=LengthPenalty(alpha=config.length_penalty, form=PenaltyForm.POWER),
                        early_stop=EarlyStop.EXACT)
-        early = {EarlyStopping.TRUE: True, EarlyStopping.FALSE: False, EarlyStopping.NEVER: "never"}
+        early: dict[EarlyStopping, bool | str] = {EarlyStopping.TRUE: True, EarlyStopping.FALSE: False, EarlyStopping.NEVER: "never"}
         return cls.hf_compatible(config.num_beams, max_new_tokens, eos_ids, length_penalty=config.length_penalty,
                                  early_stopping=early[config.early_stopping])
 
@@ -520,7 +534,7 @@ class CacheRef:
     digest: str
 
     @classmethod
-    def of(cls, tokens: Sequence[int]) -> "CacheRef":
+    def of(cls, tokens: Sequence[int]) -> CacheRef:
         """The cache holding rows for exactly ``tokens``."""
         return cls(num_rows=len(tokens), digest=token_digest(tokens))
 
@@ -775,14 +789,14 @@ def select_candidates(logprobs: np.ndarray, beam_scores: np.ndarray, num_beams: 
         live_ranks = np.flatnonzero(~is_eos)[:k]
         done_ranks = np.flatnonzero(is_eos[:k])
 
-        def cand(r: int) -> Candidate:
+        def cand(r: int, order: np.ndarray = order, flat: np.ndarray = flat, b: int = b) -> Candidate:  # binds this row's arrays
             i = int(order[r])
             parent, token = divmod(i, vocab)
             return Candidate(rank=int(r), flat_idx=i, parent=parent, token=token,
                              score=float(flat[i]), increment=float(lp[b, parent, token]))
 
-        out.append(RowSelection(live=tuple(cand(r) for r in live_ranks),
-                                completed=tuple(cand(r) for r in done_ranks), num_finite=num_finite))
+        out.append(RowSelection(live=tuple(cand(int(r)) for r in live_ranks),
+                                completed=tuple(cand(int(r)) for r in done_ranks), num_finite=num_finite))
     return tuple(out)
 
 
@@ -792,7 +806,7 @@ def select_candidates(logprobs: np.ndarray, beam_scores: np.ndarray, num_beams: 
 
 
 def _completed_key(b: BranchState) -> tuple[float, int, int]:
-    return (-b.normalized, b.step, b.slot)  # type: ignore[operator]
+    return (-b.normalized, b.step, b.slot)  # type: ignore[operator]  # a completed branch always has its normalized score
 
 
 @attrs.frozen
@@ -989,7 +1003,7 @@ def stop_satisfied(params: BeamParams, live: Sequence[BranchState], completed: S
         g = live[0].length
         hyp_len = params.max_new_tokens if (kind is EarlyStop.NEVER and pen.alpha > 0) else g
         bound = max(b.score for b in live) / pen.denominator(hyp_len)
-    return bound <= threshold  # type: ignore[operator]
+    return bound <= threshold  # type: ignore[operator]  # completed branches always have normalized scores
 
 
 @attrs.frozen
@@ -1027,7 +1041,7 @@ class BeamStepRecord:
             "scores": [b.score for b in self.children],
             "completed": [
                 {"parent": c.parent, "token": c.token, "rank": c.rank, "score": b.score,
-                 "normalized": b.normalized, "length": b.length, "finish_reason": b.finish_reason.value,
+                 "normalized": b.normalized, "length": b.length, "finish_reason": _reason_value(b.finish_reason),
                  "triggers": [r.value for r in b.triggers]}
                 for c, b in zip(self.completed_candidates, self.completed)
             ],
@@ -1238,12 +1252,12 @@ _STATE_INVARIANTS = (beam_live_frontier, beam_completed_metadata)
 
 def check_state(params: BeamParams, state: BeamState) -> tuple[str, ...]:
     """Ids of the beam state invariants that ``state`` violates (empty when all hold)."""
-    return tuple(f.__rule_id__ for f in _STATE_INVARIANTS if not f(params, state))  # type: ignore[attr-defined]
+    return tuple(f.__rule_id__ for f in _STATE_INVARIANTS if not f(params, state))  # type: ignore[attr-defined]  # set by @rule
 
 
 def check_step(params: BeamParams, before: BeamState, record: BeamStepRecord, after: BeamState) -> tuple[str, ...]:
     """Ids of the beam step and state invariants violated by ``before -> after`` (empty when all hold)."""
-    bad = [f.__rule_id__ for f in _STEP_INVARIANTS if not f(params, before, record, after)]  # type: ignore[attr-defined]
+    bad = [f.__rule_id__ for f in _STEP_INVARIANTS if not f(params, before, record, after)]  # type: ignore[attr-defined]  # set by @rule
     return tuple(bad) + check_state(params, after)
 
 
@@ -1279,7 +1293,7 @@ class Hypothesis:
     branch_hash: str
 
     @classmethod
-    def of(cls, b: BranchState) -> "Hypothesis":
+    def of(cls, b: BranchState) -> Hypothesis:
         assert b.status is BeamStatus.COMPLETED and b.finish_reason is not None and b.normalized is not None
         return cls(output_ids=b.output_ids, score=b.score, normalized=b.normalized, length=b.length,
                    finish_reason=b.finish_reason, triggers=b.triggers, ancestry=b.ancestry, rank=b.slot,

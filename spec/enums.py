@@ -15,9 +15,9 @@ import enum
 
 __all__ = [
     "AFTER_CLOSE_FAILURES",
-    "CallKind",
-    "ENVIRONMENT_FAILURES",
+    "EXTERNAL_FINISH_REASONS",
     "FINISH_PRECEDENCE",
+    "CallKind",
     "FinishReason",
     "PendingTag",
     "Selection",
@@ -115,7 +115,7 @@ FINISH_PRECEDENCE: tuple[FinishReason, ...] = (
 )
 
 
-def canonical_finish_reason(triggers: "frozenset[FinishReason] | set[FinishReason] | tuple[FinishReason, ...]") -> FinishReason | None:
+def canonical_finish_reason(triggers: frozenset[FinishReason] | set[FinishReason] | tuple[FinishReason, ...]) -> FinishReason | None:
     """The one finish reason published for a set of simultaneous triggers, or ``None`` if empty.
 
     Args:
@@ -131,22 +131,28 @@ def canonical_finish_reason(triggers: "frozenset[FinishReason] | set[FinishReaso
     return None
 
 
-#: Finish reasons caused by the environment rather than the output content.  A request that
-#: finished for one of these never runs the repair call.
-ENVIRONMENT_FAILURES = frozenset(
-    {FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR, FinishReason.STREAM_ERROR}
-)
+#: The external finish reasons: those that close the output from outside a token commit (no
+#: committed token fired them).  The environment's (cancelled, timeout, device_error, stream_error)
+#: and ``constraint_error``, which closes the output at a decision whose legal support is empty
+#: (M3.10 0x02 branch table; U is empty then).  A request that finished for one of these never
+#: runs the repair call; a stream closes on one only through ``Streamer.finish``; an output
+#: observer replays a close for one (``external``, a member of this set, or ``length``).
+#: This is the one name of the concept (it was also ``ENVIRONMENT_FAILURES``, issue 17).
+EXTERNAL_FINISH_REASONS = frozenset({
+    FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR, FinishReason.STREAM_ERROR,
+    FinishReason.CONSTRAINT_ERROR,
+})
 #: What can still happen after a content trigger closed the output: the declared repair call is
 #: cancelled, times out, or fails past its retries.  Recorded as triggers (diagnostics; the repair is
 #: then abandoned and the final-cache promise not kept), never published as the finish reason.
 AFTER_CLOSE_FAILURES = frozenset({FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR})
 
 
-def published_finish_reason(triggers: "frozenset[FinishReason] | set[FinishReason] | tuple[FinishReason, ...]") -> FinishReason | None:
+def published_finish_reason(triggers: frozenset[FinishReason] | set[FinishReason] | tuple[FinishReason, ...]) -> FinishReason | None:
     """The finish reason a request publishes for every trigger it recorded, or ``None`` if none.
 
     The canonical reason (:func:`canonical_finish_reason`) of the triggers that closed the output.
-    When a content trigger closed it (no environment failure among the closing triggers), an
+    When a content trigger closed it (no external finish reason among the closing triggers), an
     :data:`AFTER_CLOSE_FAILURES` trigger can only have been recorded afterwards, by the repair call
     (M3.10 "The first-output off-by-one": the repair call "is not another output decision"), and
     does not rewrite the published reason: ``{length, device_error}`` publishes ``length``.  At a
@@ -158,6 +164,6 @@ def published_finish_reason(triggers: "frozenset[FinishReason] | set[FinishReaso
     """
     fired = frozenset(triggers)
     closing = fired - AFTER_CLOSE_FAILURES
-    if closing - ENVIRONMENT_FAILURES:
+    if closing - EXTERNAL_FINISH_REASONS:
         return canonical_finish_reason(closing)
     return canonical_finish_reason(fired)

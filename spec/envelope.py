@@ -75,8 +75,9 @@ import itertools
 import json
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import attrs
 import jsonschema
@@ -84,14 +85,14 @@ import rfc8785
 
 from .errors import DecodeSpecError, Rejection, ResourceLimit, quote, register_code
 from .limits import MAX_SAFE_INT
+from .passport import is_content_path, quote_content
 from .policy import POLICY_JSON_SCHEMA, PolicyConfig, policy_config_from_json
 from .profiles import PROFILES
 from .prompt_logprobs import PROMPT_LOGPROBS_JSON_SCHEMA, PromptLogprobsSpec
-from .passport import is_content_path, quote_content
+from .request import prompt_room
 from .stop import MAX_STOP_PATTERN_BYTES, MAX_STOP_STRINGS, OutputAlignment, encode_stop_strings
 
 __all__ = [
-    "AdmittedRequest",
     "DEFAULT_TIMEOUT_MS",
     "DOMAIN_TAG",
     "MAX_ANNOTATIONS",
@@ -110,6 +111,7 @@ __all__ = [
     "MAX_VOCAB_SIZE",
     "SCHEMA_NAME",
     "SCHEMA_PATH",
+    "AdmittedRequest",
     "canonical_bytes",
     "identity_of",
     "lone_surrogate_path",
@@ -359,7 +361,8 @@ def schema_text() -> str:
 
 def published_schema() -> dict[str, Any]:
     """The committed schema file :data:`SCHEMA_PATH`, parsed."""
-    return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+    schema: dict[str, Any] = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+    return schema
 
 
 def _strict_validator_class() -> type:
@@ -367,7 +370,9 @@ def _strict_validator_class() -> type:
     checker = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
         "integer", lambda _checker, value: isinstance(value, int) and not isinstance(value, bool)
     )
-    return jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=checker)
+    validator: type = jsonschema.validators.extend(  # type: ignore[no-untyped-call]  # types-jsonschema leaves extend untyped
+        jsonschema.Draft202012Validator, type_checker=checker)
+    return validator
 
 
 @functools.lru_cache(maxsize=1)
@@ -382,7 +387,7 @@ def _validator() -> Any:
 #: One JSON string, closed or not: the possessive repeats never backtrack and the closing quote
 #: is optional, so a match that starts at a quote always succeeds and the scan never restarts
 #: inside a string (linear time, also on an unclosed string full of escaped quotes).
-_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"?', re.S)
+_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"?', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _DEPTH_STEP = str.maketrans({"[": "\x01", "{": "\x01", "]": "\xff", "}": "\xff"})
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -583,7 +588,7 @@ def _discriminated(error: jsonschema.ValidationError) -> jsonschema.ValidationEr
 
 def _range_error(error: jsonschema.ValidationError, path: str) -> Rejection:
     """``envelope.out_of_range`` naming the field (``top_p.p``) and its declared range."""
-    schema = error.schema
+    schema: Any = error.schema  # a schema object here (the stubs also allow bool and Unset)
     lo = (f"[{schema['minimum']}" if "minimum" in schema
           else f"({schema['exclusiveMinimum']}" if "exclusiveMinimum" in schema else "(-inf")
     hi = (f"{schema['maximum']}]" if "maximum" in schema
@@ -594,12 +599,18 @@ def _range_error(error: jsonschema.ValidationError, path: str) -> Rejection:
     return Rejection(OUT_OF_RANGE, f"{name} = {quote(error.instance)} is outside its range {lo}, {hi}", path)
 
 
+def schema_of(error: jsonschema.ValidationError) -> Any:
+    """The schema object of the failing keyword (the stubs also allow bool and Unset)."""
+    return error.schema
+
+
 def _owner_name(error: jsonschema.ValidationError) -> str | None:
     """The ``name`` of the transform object holding the offending field, if any."""
     node: Any = error
     while node is not None:
         if isinstance(node.instance, dict) and isinstance(node.instance.get("name"), str) and node.instance is not error.instance:
-            return node.instance["name"]
+            name: str = node.instance["name"]
+            return name
         node = node.parent
     return None
 
@@ -609,6 +620,7 @@ def _schema_error(error: jsonschema.ValidationError) -> Rejection:
     path = _json_path(error.absolute_path)
     keyword = str(error.validator)
     instance = error.instance
+    expected: Any = error.validator_value  # the keyword's value in the schema (typed loosely by the stubs)
     if is_content_path(path) and isinstance(instance, (str, list, dict)):  # user content: length and fingerprint, never a prefix
         bound = error.validator_value if isinstance(error.validator_value, (int, str)) and keyword != "type" else None
         code = OUT_OF_RANGE if keyword in ("minimum", "maximum") else _KEYWORD_CODES.get(keyword, SCHEMA_VIOLATION)
@@ -617,16 +629,16 @@ def _schema_error(error: jsonschema.ValidationError) -> Rejection:
     if keyword in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         return _range_error(error, path)
     if keyword == "oneOf" and isinstance(instance, dict) and isinstance(instance.get("name"), str):
-        known = sorted(b["properties"]["name"]["const"] for b in error.validator_value if "name" in b.get("properties", {}))
+        known = sorted(b["properties"]["name"]["const"] for b in expected if "name" in b.get("properties", {}))
         if instance["name"] not in known:
             return Rejection(INVALID_VALUE, f"unknown transform name {quote(instance['name'])}; known: {', '.join(known)}", f"{path}.name")
     if keyword in ("additionalProperties", "unevaluatedProperties") and isinstance(instance, dict):
-        allowed = set(error.schema.get("properties", {}))
+        allowed = set(schema_of(error).get("properties", {}))
         extra = sorted(k for k in instance if k not in allowed)
         if extra:
             return Rejection(UNKNOWN_FIELD, f"unknown field {quote(extra[0])} (the field set is closed)", f"{path}.{extra[0]}")
     if keyword == "required" and isinstance(instance, dict):
-        missing = [k for k in error.validator_value if k not in instance]
+        missing = [k for k in expected if k not in instance]
         if missing:
             return Rejection(MISSING_FIELD, f"required field {missing[0]!r} is absent", f"{path}.{missing[0]}")
     if keyword == "type" and instance is None:
@@ -793,6 +805,11 @@ class Termination:
     timeout_ms: int | None = DEFAULT_TIMEOUT_MS
 
 
+def _prompt_logprobs_spec(value: Any) -> PromptLogprobsSpec | None:
+    """The converter of ``output.prompt_logprobs``: a JSON object becomes the spec, a spec or ``None`` stays."""
+    return PromptLogprobsSpec.from_json(value) if isinstance(value, Mapping) else value
+
+
 @attrs.frozen
 class OutputSpec:
     """Output plane: returned fields, final-cache promise, stop-string inclusion, alignment, stream, prompt logprobs.
@@ -807,8 +824,7 @@ class OutputSpec:
     include_stop_str: bool = False
     alignment: str = "token"
     stream: bool = False
-    prompt_logprobs: PromptLogprobsSpec | None = attrs.field(
-        default=None, converter=lambda v: PromptLogprobsSpec.from_json(v) if isinstance(v, Mapping) else v)
+    prompt_logprobs: PromptLogprobsSpec | None = attrs.field(default=None, converter=_prompt_logprobs_spec)
 
 
 @attrs.frozen
@@ -867,7 +883,7 @@ class AdmittedRequest:
 
     def to_json(self) -> dict[str, Any]:
         """The admitted value as JSON (defaults filled in, sets sorted, annotations included)."""
-        value = json.loads(self.canonical)
+        value: dict[str, Any] = json.loads(self.canonical)
         if self.annotations:
             value["annotations"] = dict(self.annotations)
         return value
@@ -898,7 +914,7 @@ def _check_prompt_geometry(v: Mapping[str, Any]) -> list[int]:
 def _check_bounds(v: Mapping[str, Any], num_valid: int) -> None:
     term, runtime, pv = v["termination"], v["runtime"], v["position_visibility"]
     decoder_len = 1 if v["artifact"]["architecture"] == "encoder_decoder" or num_valid == 0 else num_valid
-    need = decoder_len + (1 if term["max_new_tokens"] >= 1 else 0)
+    need = prompt_room(decoder_len, term["max_new_tokens"])
     caps = [("position_visibility.max_context", pv["max_context"])]
     if "max_total_tokens" in term:
         caps.append(("termination.max_total_tokens", term["max_total_tokens"]))

@@ -34,11 +34,11 @@ import attrs
 
 __all__ = [
     "ERROR_CODES",
-    "NOT_ENABLED",
-    "ErrorCode",
-    "DecodeSpecError",
     "MAX_MESSAGE_CHARS",
     "MAX_QUOTED_CHARS",
+    "NOT_ENABLED",
+    "DecodeSpecError",
+    "ErrorCode",
     "Rejection",
     "ResourceLimit",
     "MESSAGE_CLASSIFICATION",

@@ -37,7 +37,8 @@ type ledger).
 from __future__ import annotations
 
 import enum
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -208,7 +209,7 @@ def head_logits(hidden: Any, weight: Any, bias: Any = None) -> np.ndarray:
     Source: M3.8 0x01 (``z_i = h_i W_U + b_U``), 0x02 ("Algebra versus PyTorch weight shape").
     """
     h, e, b = _check_head(hidden, weight, bias)
-    z = h @ e.T  # [R, V]
+    z: np.ndarray = h @ e.T  # [R, V]
     return z if b is None else z + b[None, :]
 
 
@@ -217,7 +218,8 @@ def _lse(z: np.ndarray) -> np.ndarray:
     m = z.max(axis=1)  # [R]
     safe = np.where(np.isfinite(m), m, 0.0)
     with np.errstate(divide="ignore"):
-        return safe + np.log(np.exp(z - safe[:, None]).sum(axis=1))
+        lse: np.ndarray = safe + np.log(np.exp(z - safe[:, None]).sum(axis=1))
+    return lse
 
 
 @rule(
@@ -522,7 +524,7 @@ def row_losses(logits: Any, labels: Any, spec: LossSpec = LossSpec()) -> LossRes
         _check_rows(z[valid], np.flatnonzero(valid))
     losses = np.zeros(z.shape[0])
     if valid.any():
-        zv, yv = z[valid], y[valid]
+        zv = z[valid]
         lse = _lse(zv)
         q = target_distribution(y, z.shape[1], spec)[valid]
         with np.errstate(invalid="ignore"):
@@ -560,6 +562,8 @@ def chunk_bounds(num_rows: int, chunks: int | Sequence[int]) -> list[tuple[int, 
             raise Rejection(INVALID_INPUT, f"chunk size must be >= 1, got {chunks}", "$.chunks")
         sizes = [min(int(chunks), num_rows - a) for a in range(0, num_rows, int(chunks))]
     else:
+        if isinstance(chunks, bool):  # a bool is neither a chunk size nor a list of sizes
+            raise Rejection(INVALID_INPUT, f"chunks must be a size or a list of sizes, got {chunks!r}", "$.chunks")
         sizes = [int(c) for c in chunks]
         if any(c < 1 for c in sizes) or sum(sizes) != num_rows:
             raise Rejection(INVALID_INPUT, f"chunk sizes {sizes} must be >= 1 and sum to R = {num_rows}", "$.chunks")

@@ -50,7 +50,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
 
@@ -61,18 +62,18 @@ __all__ = [
     "CONTENT",
     "CONTENT_PASSPORT",
     "CONTENT_PATHS",
-    "EVENT_FIELDS",
-    "SNAPSHOT_DROPPED",
-    "SNAPSHOT_NOTE",
-    "SYNTHETIC_PASSPORT",
-    "is_content_path",
     "DATA_UNKNOWN_CLASSIFICATION",
     "DIGEST_SCHEME",
+    "EVENT_FIELDS",
     "REDACTED",
+    "SNAPSHOT_DROPPED",
+    "SNAPSHOT_NOTE",
     "SYNTHETIC",
+    "SYNTHETIC_PASSPORT",
     "TRACE_REDACTED",
     "DataPassport",
     "Redactor",
+    "is_content_path",
     "is_token_digest",
     "passport_from_json",
     "quote_content",
@@ -224,6 +225,11 @@ EVENT_FIELDS = (
 )
 
 
+def _int_set(values: Iterable[int]) -> frozenset[int]:
+    """The converter of ``Redactor.clear_ids``: a frozenset."""
+    return frozenset(values)
+
+
 @attrs.frozen
 class Redactor:
     """Replaces user content in runtime events by keyed digests and counters (module docstring).
@@ -237,9 +243,9 @@ class Redactor:
     """
 
     key: bytes = attrs.field(converter=bytes, repr=False)
-    clear_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+    clear_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_int_set)
 
-    def for_request(self, record: Mapping[str, Any]) -> "Redactor":
+    def for_request(self, record: Mapping[str, Any]) -> Redactor:
         """The redactor for the request whose ``request`` event is ``record`` (its ``eos_ids`` stay in clear)."""
         return attrs.evolve(self, clear_ids=frozenset(int(i) for i in record.get("eos_ids", ()) if isinstance(i, int)))
 
@@ -333,6 +339,6 @@ CONTENT_PATHS = ("$.prompt", "$.termination.stop_strings", "$.annotations")
 
 def is_content_path(path: str) -> bool:
     """Whether the JSON path ``path`` is (inside) one of :data:`CONTENT_PATHS`."""
-    return any(path == p or path.startswith(p + ".") or path.startswith(p + "[") for p in CONTENT_PATHS)
+    return any(path == p or path.startswith((p + ".", p + "[")) for p in CONTENT_PATHS)
 
 

@@ -29,7 +29,7 @@ Source: M3.10 0x07 "Batched inference and padding-side bugs", 0x09, 0x0A.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import attrs
 
@@ -374,7 +374,7 @@ class StaticCacheLedger:
             )
         return tuple(range(start, start + length))
 
-    def write(self, start: int, length: int) -> "StaticCacheLedger":
+    def write(self, start: int, length: int) -> StaticCacheLedger:
         """The ledger after a checked write of ``length`` rows at ``start`` (see :meth:`check_write`)."""
         self.check_write(start, length)
         return attrs.evolve(self, committed=start + length)

@@ -31,9 +31,9 @@ import attrs
 from .rules import Rule, register
 
 __all__ = [
+    "PROFILES",
     "Lane",
     "LaneKind",
-    "PROFILES",
     "Profile",
     "Visibility",
     "profile_named",
@@ -141,18 +141,18 @@ _STATEMENTS = {
         "M3.10 0x08 Output, input, and cache frontiers",
     ),
     "encoder_decoder": (
-        "Roster {encoder_memory (fixed), cross_kv (fixed), self_kv (advancing)}; fixed lanes are computed by "
-        "the first call at the source length S and never change; target self state advances with P.",
+        ("Roster {encoder_memory (fixed), cross_kv (fixed), self_kv (advancing)}; fixed lanes are computed by "
+        "the first call at the source length S and never change; target self state advances with P."),
         "M3.10 0x01 Encoder-decoder cached state has two lifetimes",
     ),
     "prefix_lm": (
-        "Roster {self_kv (advancing)}; bidirectional inside the prefix, causal after it; the prefix is "
-        "processed by one call (a chunk may not split it).",
+        ("Roster {self_kv (advancing)}; bidirectional inside the prefix, causal after it; the prefix is "
+        "processed by one call (a chunk may not split it)."),
         "M3.10 0x01 Prefix execution has a phase change inside one sequence",
     ),
     "hybrid": (
-        "Roster {self_kv, recurrent} both advancing; every lane frontier F_lane equals the dynamic "
-        "processed frontier P_dyn before the next decision.",
+        ("Roster {self_kv, recurrent} both advancing; every lane frontier F_lane equals the dynamic "
+        "processed frontier P_dyn before the next decision."),
         "M3.10 0x01 Recurrent and hybrid state generalize the cache frontier",
     ),
 }

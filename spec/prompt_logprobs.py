@@ -33,8 +33,10 @@ Source: M3.10 0x02 "Prompt logprobs versus generated-token logprobs"; vLLM
 from __future__ import annotations
 
 import enum
+import itertools
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -43,9 +45,9 @@ from .rules import rule
 __all__ = [
     "DEFAULT_FIRST_TOKEN",
     "DEFAULT_TOP_K",
-    "FirstTokenPolicy",
     "MAX_PROMPT_LOGPROBS_TOP_K",
     "PROMPT_LOGPROBS_JSON_SCHEMA",
+    "FirstTokenPolicy",
     "PromptLogprob",
     "PromptLogprobsSpec",
     "prompt_logprobs_aligned",
@@ -104,7 +106,7 @@ class PromptLogprobsSpec:
             raise ValueError(f"top_k must be an integer in [0, {MAX_PROMPT_LOGPROBS_TOP_K}], got {value!r}")
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> "PromptLogprobsSpec":
+    def from_json(cls, obj: Mapping[str, Any]) -> PromptLogprobsSpec:
         """The value of a schema-valid ``output.prompt_logprobs`` object (absent fields take the defaults)."""
         return cls(first_token=obj.get("first_token", DEFAULT_FIRST_TOKEN.value), top_k=obj.get("top_k", DEFAULT_TOP_K))
 
@@ -192,7 +194,7 @@ def prompt_logprobs_aligned(prompt_ids: Sequence[int], spec: PromptLogprobsSpec,
         top = entry.top
         if len(top) != spec.top_k or len({t for t, _ in top}) != len(top):
             return False
-        if any(not math.isfinite(v) or v > 0 for _, v in top) or any(a[1] < b[1] for a, b in zip(top, top[1:])):
+        if any(not math.isfinite(v) or v > 0 for _, v in top) or any(a[1] < b[1] for a, b in itertools.pairwise(top)):
             return False
         if top and top[0][1] < lp:
             return False

@@ -16,7 +16,8 @@ Source: STYLE.md ("A reader should find any rule by its id"); research/aesthetic
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import attrs
 
@@ -81,7 +82,7 @@ def rule(id: str, *, title: str, section: str, statement: str) -> Callable[[F], 
     def deco(obj: F) -> F:
         register(Rule(id=id, kind=kind, title=title, section=section, statement=statement, obj=obj))
         try:
-            obj.__rule_id__ = id  # type: ignore[attr-defined]
+            obj.__rule_id__ = id  # type: ignore[attr-defined]  # tags the function or class it registers
         except (AttributeError, TypeError):  # pragma: no cover - builtins
             pass
         return obj

@@ -48,7 +48,8 @@ mutable state), 0x0A (resume equivalence is the RESUME comparison level).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -60,18 +61,18 @@ __all__ = [
     "PENDING_SUFFIX",
     "REPAIRED",
     "RESTORE_CHECKS",
-    "RestoreCheck",
     "SNAPSHOT_ABI_MISMATCH",
     "SNAPSHOT_FORMS",
     "SNAPSHOT_FORM_UNAVAILABLE",
     "SNAPSHOT_FRONTIER_INVALID",
     "SNAPSHOT_IDENTITY_MISMATCH",
-    "SNAPSHOT_LEDGER_INVALID",
-    "SNAPSHOT_MALFORMED",
     "SNAPSHOT_KEY_ENV",
+    "SNAPSHOT_LEDGER_INVALID",
     "SNAPSHOT_MAC_ALGORITHM",
+    "SNAPSHOT_MALFORMED",
     "SNAPSHOT_PENDING_INVALID",
     "SNAPSHOT_UNAUTHENTICATED",
+    "RestoreCheck",
     "SnapshotRecord",
     "form_available",
     "restore_failure",
@@ -190,7 +191,7 @@ class SnapshotRecord:
         }
 
     @classmethod
-    def from_json(cls, obj: Any, path: str = "$.state") -> "SnapshotRecord":
+    def from_json(cls, obj: Any, path: str = "$.state") -> SnapshotRecord:
         """Inverse of :meth:`to_json`.
 
         Raises:

@@ -35,17 +35,20 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .enums import ENVIRONMENT_FAILURES, CallKind, FinishReason, PendingTag, Selection
+from .enums import EXTERNAL_FINISH_REASONS, CallKind, FinishReason, PendingTag, Selection
+from .participation import RankProgress
 from .profiles import Profile, profile_named
+from .request import context_cap
 
 if TYPE_CHECKING:  # pragma: no cover
     from .envelope import AdmittedRequest
 
 __all__ = [
     "CACHE_FAMILIES",
-    "Completion",
-    "ENVIRONMENT_FAILURES",
     "FINAL_CACHE_PROMISES",
+    "ZERO_NEW_TOKENS_BRANCHES",
+    "CacheFamily",
+    "Completion",
     "InFlightCall",
     "InterruptPoint",
     "Phase",
@@ -53,23 +56,34 @@ __all__ = [
     "RequestParams",
     "RequestState",
     "Score",
-    "ZERO_NEW_TOKENS_BRANCHES",
+    "call_interrupt_point",
+    "due_call",
     "initial_state",
     "interrupt_point",
     "is_terminal",
+    "next_call",
     "params_from_request",
     "repair_outstanding",
+    "repair_owed",
 ]
 
-#: Cache families of the envelope's ``runtime.cache_family`` (M3.10 0x09 family table).
-CACHE_FAMILIES = ("none", "dynamic", "static")
+
+
+class CacheFamily(enum.StrEnum):
+    """The envelope's ``runtime.cache_family`` (M3.10 0x09 family table); a ``str`` (``CacheFamily.STATIC == "static"``)."""
+
+    NONE = "none"
+    DYNAMIC = "dynamic"
+    STATIC = "static"
+
+
+#: The cache family names, in table order (the values of :class:`CacheFamily`).
+CACHE_FAMILIES: tuple[str, ...] = tuple(f.value for f in CacheFamily)
 #: The G=0 union (M3.10 "The first-output off-by-one"): reject before state construction,
 #: prohibit every call, or perform a prefill-only call and select no output.
 ZERO_NEW_TOKENS_BRANCHES = ("reject", "no_call", "prefill_only")
 #: The envelope's ``output.final_cache`` promise.
 FINAL_CACHE_PROMISES = ("none", "processed_inputs_only", "all_outputs")
-# ENVIRONMENT_FAILURES (finish reasons caused by the environment, not the output content) is defined in
-# .enums beside the precedence and re-exported here.
 
 
 class Phase(str, enum.Enum):
@@ -130,6 +144,9 @@ class RequestParams:
         stop_strings: Whether stop strings are declared (enables the ``stop_string`` trigger).
         structured: Whether structured completion is declared (``structured`` /
             ``structured_error`` triggers).
+        ranks: R, the declared participants of every model call (tensor-parallel ranks; 1 = one
+            process, no rank layer; :mod:`decodespec.spec.participation`).
+        collectives: C, collectives per call in the ranks' common schedule (R > 1 only).
 
     Units: tokens for every length and count.
     """
@@ -155,6 +172,8 @@ class RequestParams:
     stream: bool = False
     stop_strings: bool = False
     structured: bool = False
+    ranks: int = 1
+    collectives: int = 1
 
     @property
     def cached(self) -> bool:
@@ -224,6 +243,8 @@ class InFlightCall:
             (non-final prefill chunk, repair, G=0 prefill).
         interrupts: Cancel / timeout / stream failures that arrived while in flight.
         fault: ``"device_fault"`` / ``"missing_lane"`` reported while in flight, else ``None``.
+        ranks: Each declared rank's progress through the call (``()`` when R = 1;
+            M3.10 0x0A "One request can still be model-parallel").
     """
 
     call_id: int
@@ -235,6 +256,7 @@ class InFlightCall:
     decision_row: int | None
     interrupts: frozenset[FinishReason] = frozenset()
     fault: str | None = None
+    ranks: tuple[RankProgress, ...] = ()
 
     @property
     def end(self) -> int:
@@ -249,7 +271,10 @@ class InFlightCall:
 
 @attrs.frozen
 class Completion:
-    """What the last completed call selected (kept so invariants can check ALL_OLD)."""
+    """What the last completed call selected (kept so invariants can check ALL_OLD and the rank roster).
+
+    ``ranks`` is the call's rank progress at completion (``()`` when R = 1).
+    """
 
     call_id: int
     kind: CallKind
@@ -257,6 +282,7 @@ class Completion:
     processed_before: int
     processed_after: int
     score_id: str | None
+    ranks: tuple[RankProgress, ...] = ()
 
 
 @attrs.frozen(cache_hash=True)
@@ -338,23 +364,69 @@ def initial_state(params: RequestParams) -> RequestState:
     )
 
 
-def repair_outstanding(params: RequestParams, state: RequestState) -> bool:
+def repair_owed(*, phase: Phase, repair_required: bool, pending_tag: PendingTag, finish_reason: FinishReason | None,
+                triggers: frozenset[FinishReason] | set[FinishReason]) -> bool:
     """Whether the declared append/repair call still has to process the closed final token.
 
     True when the request finished for a content reason (EOS, length, stop string, structured,
-    context length), the output promises ``final_cache == "all_outputs"``, the last output is
-    still CLOSED_UNPROCESSED, and no environment failure is recorded (not at the close, and not
-    after it: a repair call that was cancelled, timed out or failed past its retries is abandoned).
+    context length), the output promises a final cache holding every output (``repair_required``),
+    the last output is still CLOSED_UNPROCESSED, and no external finish reason
+    (:data:`~decodespec.spec.enums.EXTERNAL_FINISH_REASONS`) is recorded (not at the close, and
+    not after it: a repair call that was cancelled, timed out or failed past its retries is
+    abandoned).  Over plain fields, so that a runtime's controller asks the same rule.
 
     Source: M3.10 "The first-output off-by-one" (``P = L + G`` only after an explicit append).
     """
     return (
-        state.phase is Phase.FINISHED
-        and params.repair_required
-        and state.pending_tag is PendingTag.CLOSED_UNPROCESSED
-        and state.finish_reason is not None
-        and not state.triggers & ENVIRONMENT_FAILURES
+        phase is Phase.FINISHED
+        and repair_required
+        and pending_tag is PendingTag.CLOSED_UNPROCESSED
+        and finish_reason is not None
+        and not triggers & EXTERNAL_FINISH_REASONS
     )
+
+
+def repair_outstanding(params: RequestParams, state: RequestState) -> bool:
+    """:func:`repair_owed` of a spec state (``final_cache == "all_outputs"``)."""
+    return repair_owed(phase=state.phase, repair_required=params.repair_required, pending_tag=state.pending_tag,
+                       finish_reason=state.finish_reason, triggers=state.triggers)
+
+
+def next_call(*, phase: Phase, processed: int, prompt_len: int, output_count: int, cached: bool, prefill_chunk: int | None,
+              pending_tag: PendingTag, call_in_flight: bool, quarantined: bool, repair_owed: bool) -> tuple[CallKind, int, int] | None:
+    """``(kind, start, length)`` of the call the controller launches next, or ``None`` when none is due.
+
+    The schedule of model calls: no call while one is in flight or the handle is quarantined;
+    the whole remaining prompt (the next chunk of ``prefill_chunk`` rows when chunked; the whole
+    prompt from 0 without a cache) while the prompt is unprocessed; the pending token's decode
+    call (one row at P cached, ``L + O`` rows from 0 without a cache); the repair call (same
+    slice) when it is owed (:func:`repair_owed`).  Over plain fields, so that every controller
+    (the spec side of the gate, the reference runtime, the peer adapters) asks this one rule.
+
+    Source: M3.10 0x08 "Prefill and decode", "The first-output off-by-one", 0x03 "Decoder-only
+    serving loop".
+    """
+    if call_in_flight or quarantined:
+        return None
+    if phase is Phase.READY and processed < prompt_len and output_count == 0:
+        if not cached:
+            return CallKind.PREFILL, 0, prompt_len
+        remaining = prompt_len - processed
+        return CallKind.PREFILL, processed, remaining if prefill_chunk is None else min(prefill_chunk, remaining)
+    start, length = (processed, 1) if cached else (0, prompt_len + output_count)
+    if phase is Phase.READY and pending_tag is PendingTag.PENDING_NEXT_CALL:
+        return CallKind.DECODE, start, length
+    if repair_owed:
+        return CallKind.REPAIR, start, length
+    return None
+
+
+def due_call(params: RequestParams, state: RequestState) -> tuple[CallKind, int, int] | None:
+    """:func:`next_call` of a spec state."""
+    return next_call(phase=state.phase, processed=state.processed, prompt_len=params.prompt_len, output_count=state.output_count,
+                     cached=params.cached, prefill_chunk=params.prefill_chunk, pending_tag=state.pending_tag,
+                     call_in_flight=state.in_flight is not None, quarantined=state.quarantined,
+                     repair_owed=repair_outstanding(params, state))
 
 
 def is_terminal(params: RequestParams, state: RequestState) -> bool:
@@ -364,23 +436,31 @@ def is_terminal(params: RequestParams, state: RequestState) -> bool:
     return state.phase is Phase.FINISHED and state.in_flight is None and not repair_outstanding(params, state)
 
 
-def interrupt_point(state: RequestState) -> InterruptPoint | None:
-    """Where an interrupt arriving now would land, or ``None`` when the phase admits none.
+def call_interrupt_point(phase: Phase, call_in_flight: bool) -> InterruptPoint | None:
+    """Where an interrupt arriving now would land, or ``None`` when the phase admits none (NEW, REJECTED, FINISHED).
 
     A repair call in flight after the close (phase FINISHED) is ``IN_FLIGHT`` too: a cancel or
-    timeout lands on it (the stream is closed, so a stream failure does not).
+    timeout lands on it (the stream is closed, so a stream failure does not).  Over plain fields,
+    so that every controller asks this one map.
+
+    Source: M3.10 "Authoritative phase and commit spine" (cancellation and timeout at each phase).
     """
-    if state.in_flight is not None:
+    if call_in_flight:
         return InterruptPoint.IN_FLIGHT
     return {
         Phase.READY: InterruptPoint.BEFORE_LAUNCH,
         Phase.IN_FLIGHT: InterruptPoint.IN_FLIGHT,
         Phase.SCORED: InterruptPoint.AFTER_COMPLETION,
         Phase.DECIDED: InterruptPoint.AFTER_DECISION,
-    }.get(state.phase)
+    }.get(phase)
 
 
-def params_from_request(request: "AdmittedRequest") -> RequestParams:
+def interrupt_point(state: RequestState) -> InterruptPoint | None:
+    """:func:`call_interrupt_point` of a spec state."""
+    return call_interrupt_point(state.phase, state.in_flight is not None)
+
+
+def params_from_request(request: AdmittedRequest) -> RequestParams:
     """The state-machine parameters of an admitted envelope.
 
     Beams are a different state machine (coupled branch state, M3.10 0x05); this single-path
@@ -392,11 +472,6 @@ def params_from_request(request: "AdmittedRequest") -> RequestParams:
     """
     runtime = request.runtime
     termination = request.termination
-    caps = [request.position_visibility.max_context]
-    if termination.max_total_tokens is not None:
-        caps.append(termination.max_total_tokens)
-    if runtime.static_capacity is not None:
-        caps.append(runtime.static_capacity)
     # M3.8 selectors (decodespec.spec.policy.selectors.DRAWS): multinomial draws one uniform per
     # decision; greedy and beam draw nothing.
     family = request.policy.family.value
@@ -409,7 +484,7 @@ def params_from_request(request: "AdmittedRequest") -> RequestParams:
         eos_ids=frozenset(termination.eos_ids),
         profile=profile_named(request.artifact.architecture),
         cache_family=runtime.cache_family,
-        context_cap=min(caps),
+        context_cap=context_cap(request.position_visibility.max_context, termination.max_total_tokens, runtime.static_capacity),
         static_capacity=runtime.static_capacity,
         zero_new_tokens=termination.zero_new_tokens,
         final_cache=request.output.final_cache,

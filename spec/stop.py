@@ -68,7 +68,8 @@ from __future__ import annotations
 
 import bisect
 import enum
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
@@ -78,13 +79,8 @@ from .rules import rule
 from .structured import DEFAULT_MAX_JSON_DEPTH, JsonStatus, json_prefix_status, utf8_lead_info
 
 __all__ = [
-    "AlignedOutput",
-    "Chunk",
-    "EXTERNAL_FINISH_REASONS",
     "MAX_STOP_PATTERN_BYTES",
     "MAX_STOP_STRINGS",
-    "OutputAlignment",
-    "ReferenceRun",
     "STOP_AFTER_FINISH",
     "STOP_EMPTY_PATTERN",
     "STOP_FINISH_NOT_ALLOWED",
@@ -94,6 +90,10 @@ __all__ = [
     "STOP_PATTERN_TYPE",
     "STOP_TOKEN_OUT_OF_RANGE",
     "STOP_TOO_MANY_PATTERNS",
+    "AlignedOutput",
+    "Chunk",
+    "OutputAlignment",
+    "ReferenceRun",
     "StopConfig",
     "StopMatch",
     "StreamStep",
@@ -153,12 +153,6 @@ MAX_STOP_STRINGS = 64
 #: Declared bound on one stop string's UTF-8 length in bytes.
 MAX_STOP_PATTERN_BYTES = 512
 
-#: Reasons a runtime may close the output with from outside a token commit (between commits);
-#: ``constraint_error`` closes it at a decision whose legal support is empty (M3.10 0x02 branch table).
-EXTERNAL_FINISH_REASONS = frozenset({
-    FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR, FinishReason.STREAM_ERROR,
-    FinishReason.CONSTRAINT_ERROR,
-})
 
 
 class OutputAlignment(str, enum.Enum):
@@ -200,7 +194,7 @@ def encode_stop_strings(stop_strings: Sequence[str]) -> tuple[bytes, ...]:
     return tuple(out)
 
 
-def _to_alignment(value: Any) -> "OutputAlignment":
+def _to_alignment(value: Any) -> OutputAlignment:
     try:
         return OutputAlignment(value)
     except ValueError:
@@ -675,7 +669,7 @@ def reference_stream(config: StopConfig, token_ids: Sequence[int], token_bytes: 
         token_bytes: Their bytes (``b""`` for special tokens), same length.
         logprobs: ``float[len(token_ids)]`` or ``None``.
         external: If no trigger fires, close the output after the last token with this reason
-            (an :data:`EXTERNAL_FINISH_REASONS` member other than ``stream_error``); ``None``
+            (an :data:`~decodespec.spec.enums.EXTERNAL_FINISH_REASONS` member other than ``stream_error``); ``None``
             leaves the run unfinished (``output is None``).
 
     Returns:

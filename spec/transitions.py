@@ -41,7 +41,8 @@ boundaries".
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import attrs
 
@@ -63,10 +64,27 @@ from .actions import (
     SupportEmpty,
 )
 from .enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason, published_finish_reason
-from .errors import ERROR_CODES, NOT_ENABLED, Rejection, ResourceLimit, register_code
+from .errors import ERROR_CODES, NOT_ENABLED, Rejection, ResourceLimit
+from .participation import (
+    RANK_TIMEOUT,
+    EnterCollective,
+    RankFault,
+    RankTimeout,
+    ReportRank,
+    active,
+    anyone_left,
+    blocked,
+    initial_progress,
+    participation_failure,
+    rank_enter,
+    rank_fault,
+    rank_report,
+    rank_timeout,
+    roster_closed,
+)
 from .positions import CACHE_CAPACITY_EXCEEDED
 from .rules import rule
-from .snapshot import RESTORE_CHECKS, SNAPSHOT_FORM_UNAVAILABLE, form_available, restore_state
+from .snapshot import RESTORE_CHECKS, SNAPSHOT_FORM_UNAVAILABLE, RestoreCheck, form_available, restore_state
 from .state import (
     Completion,
     InFlightCall,
@@ -79,10 +97,10 @@ from .state import (
 )
 
 __all__ = [
-    "Clause",
     "MACHINE",
-    "Machine",
     "NOT_ENABLED",
+    "Clause",
+    "Machine",
     "Transition",
     "completion_reason",
     "enabled",
@@ -99,26 +117,51 @@ __all__ = [
 
 S = "M3.10 "
 Effect = Callable[[RequestParams, RequestState, Action], RequestState]
+#: The action type a guard clause reads (contravariant: a clause over every action serves any rule).
+A_contra = TypeVar("A_contra", bound=Action, contravariant=True)
+#: The action type a transition handles.
+A = TypeVar("A", bound=Action)
 
 
 @attrs.frozen
-class Clause:
+class Clause(Generic[A_contra]):
     """One named guard clause: ``holds(params, state, action) -> bool``; ``code`` raised when it fails."""
 
     name: str
-    holds: Callable[[RequestParams, RequestState, Action], bool]
+    holds: Callable[[RequestParams, RequestState, A_contra], bool]
     code: str = NOT_ENABLED
 
 
 @attrs.frozen
-class Transition:
+class Transition(Generic[A]):
     """One rule of the table: which action/variant it handles, its guard clauses and its effect."""
 
     rule_id: str
-    action_type: type
-    applies: Callable[[RequestParams, RequestState, Action], bool]
-    guard: tuple[Clause, ...]
-    effect: Effect
+    action_type: type[A]
+    applies: Callable[[RequestParams, RequestState, A], bool]
+    guard: tuple[Clause[A], ...]
+    effect: Callable[[RequestParams, RequestState, A], RequestState]
+
+
+def _in_flight(state: RequestState) -> InFlightCall:
+    """The call in flight, which an earlier guard clause checked (``AttributeError`` without one, as before)."""
+    if state.in_flight is None:
+        raise AttributeError("'NoneType' object has no attribute of an in-flight call")
+    return state.in_flight
+
+
+def _score(state: RequestState) -> Score:
+    """The current score, which an earlier guard clause checked (``AttributeError`` without one)."""
+    if state.score is None:
+        raise AttributeError("'NoneType' object has no attribute of a score")
+    return state.score
+
+
+def _receipt(state: RequestState) -> Receipt:
+    """The pending receipt, which an earlier guard clause checked (``AttributeError`` without one)."""
+    if state.receipt is None:
+        raise AttributeError("'NoneType' object has no attribute of a receipt")
+    return state.receipt
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,14 +204,14 @@ def expected_report(params: RequestParams, state: RequestState) -> Complete:
 
 
 def _failure_reason(params: RequestParams, call: InFlightCall, report: Complete) -> str | None:
-    """Why the report forbids ALL_NEW, ignoring interrupts: a fault, a stage or a lane disagreement."""
+    """Why the report forbids ALL_NEW, ignoring interrupts: a fault, a stage, a lane or a rank disagreement."""
     if call.fault is not None:
         return call.fault
     if not report.stages_ok or report.output_row != call.decision_row:
         return "device_fault"
     if report.generation != call.generation or sorted(report.lanes) != sorted(expected_lanes(params, call)):
         return "missing_lane"
-    return None
+    return participation_failure(params, call)
 
 
 def completion_reason(params: RequestParams, state: RequestState, report: Complete) -> str | None:
@@ -176,7 +219,8 @@ def completion_reason(params: RequestParams, state: RequestState, report: Comple
 
     Interrupts come first (``cancelled`` / ``timeout`` / ``stream_error`` by finish
     precedence), then a reported fault, then a compute-stage failure (``device_fault``), then a
-    lane / generation / frontier disagreement (``missing_lane``).
+    lane / generation / frontier disagreement (``missing_lane``), then the rank roster of an
+    R > 1 request (``missing_rank`` / ``rank_timeout``, :func:`decodespec.spec.participation.participation_failure`).
     """
     call = state.in_flight
     if call is None:
@@ -194,7 +238,8 @@ def select_logical_state(params: RequestParams, state: RequestState, report: Com
     ALL_NEW requires: no interrupt or fault recorded for the call; every compute stage through
     the vocabulary projection completed and exported the declared decision row; every roster
     lane reports the call's generation at its expected frontier (advancing lanes at the call's
-    end, fixed lanes at S), and no other lane.
+    end, fixed lanes at S), and no other lane; with R > 1 declared ranks, every rank reported
+    its expected report and none left (M3.10 0x0A "One request can still be model-parallel").
 
     Source: M3.10 0x08 "One model call prepares a complete logical state candidate".
     """
@@ -227,7 +272,7 @@ def _close_pending(state: RequestState) -> PendingTag:
     return PendingTag.CLOSED_UNPROCESSED if state.pending_ids else PendingTag.EMPTY
 
 
-def _finish(state: RequestState, triggers: frozenset[FinishReason], **changes: object) -> RequestState:
+def _finish(state: RequestState, triggers: frozenset[FinishReason], **changes: Any) -> RequestState:
     fired = state.triggers | triggers
     return attrs.evolve(
         state,
@@ -243,7 +288,7 @@ def _finish(state: RequestState, triggers: frozenset[FinishReason], **changes: o
 # Admission and the G=0 union.
 # --------------------------------------------------------------------------------------------
 
-_PHASE_NEW = Clause("phase == NEW", lambda p, s, a: s.phase is Phase.NEW)
+_PHASE_NEW: Clause[Action] = Clause("phase == NEW", lambda p, s, a: s.phase is Phase.NEW)
 
 
 @rule(
@@ -284,13 +329,13 @@ def admit_reject(params: RequestParams, state: RequestState, action: Action) -> 
 # Model calls.
 # --------------------------------------------------------------------------------------------
 
-_NO_CALL = Clause("no call in flight", lambda p, s, a: s.in_flight is None)
-_NOT_QUARANTINED = Clause("handle not quarantined", lambda p, s, a: not s.quarantined)
-_START = Clause("start == expected start (P cached, 0 uncached)", lambda p, s, a: a.start == expected_start(p, s))
-_CAPACITY = Clause(
+_NO_CALL: Clause[Action] = Clause("no call in flight", lambda p, s, a: s.in_flight is None)
+_NOT_QUARANTINED: Clause[Action] = Clause("handle not quarantined", lambda p, s, a: not s.quarantined)
+_START: Clause[Launch] = Clause("start == expected start (P cached, 0 uncached)", lambda p, s, a: a.start == expected_start(p, s))
+_CAPACITY: Clause[Launch] = Clause(
     "start + length <= static capacity", lambda p, s, a: _fits_capacity(p, a), code=CACHE_CAPACITY_EXCEEDED
 )
-_ONE_PENDING_ROW = Clause(
+_ONE_PENDING_ROW: Clause[Launch] = Clause(
     "length == 1 (cached) or L + O (uncached full prefix)",
     lambda p, s, a: a.length == (1 if p.cached else p.prompt_len + s.output_count),
 )
@@ -305,6 +350,7 @@ def _launch(params: RequestParams, state: RequestState, action: Launch, phase: P
         generation=state.generation,
         roster=params.roster,
         decision_row=_decision_row(params, action.kind, action.start, action.length),
+        ranks=initial_progress(params),
     )
     return attrs.evolve(state, phase=phase, in_flight=call, num_calls=state.num_calls + 1)
 
@@ -371,9 +417,10 @@ def fault(params: RequestParams, state: RequestState, action: Action) -> Request
     return attrs.evolve(state, in_flight=attrs.evolve(state.in_flight, fault=action.kind))
 
 
-_COMPLETE_GUARD = (
+_COMPLETE_GUARD: tuple[Clause[Complete], ...] = (
     Clause("a call is in flight", lambda p, s, a: s.in_flight is not None),
-    Clause("call_id is the in-flight call", lambda p, s, a: a.call_id == s.in_flight.call_id),
+    Clause("call_id is the in-flight call", lambda p, s, a: a.call_id == _in_flight(s).call_id),
+    Clause("every declared rank reported or left (closed rank roster)", lambda p, s, a: roster_closed(_in_flight(s))),
 )
 
 
@@ -392,17 +439,17 @@ def complete_all_new(params: RequestParams, state: RequestState, action: Action)
     call = state.in_flight
     assert call is not None
     generation = state.generation + 1
-    changes: dict[str, object] = dict(
-        in_flight=None,
-        processed=call.end,
-        lanes=expected_lanes(params, call) if params.cached else state.lanes,
-        generation=generation,
-    )
+    changes: dict[str, Any] = {
+        "in_flight": None,
+        "processed": call.end,
+        "lanes": expected_lanes(params, call) if params.cached else state.lanes,
+        "generation": generation,
+    }
     score = None
     if call.kind is CallKind.PREFILL and call.end < params.prompt_len:
         changes["phase"] = Phase.READY
     elif call.kind is CallKind.PREFILL and params.max_new_tokens == 0:
-        done = attrs.evolve(state, **changes)  # type: ignore[arg-type]
+        done = attrs.evolve(state, **changes)
         return _finish(done, frozenset({FinishReason.LENGTH}), last_completion=_completed(state, call, Selection.ALL_NEW, None))
     elif call.kind is CallKind.REPAIR:
         changes.update(phase=Phase.FINISHED, pending_ids=(), pending_tag=PendingTag.EMPTY)
@@ -414,12 +461,12 @@ def complete_all_new(params: RequestParams, state: RequestState, action: Action)
             phase=Phase.SCORED, pending_ids=(), pending_tag=PendingTag.EMPTY, score=score, scores=state.scores + (score,)
         )
     changes["last_completion"] = _completed(state, call, Selection.ALL_NEW, score.score_id if score else None)
-    return attrs.evolve(state, **changes)  # type: ignore[arg-type]
+    return attrs.evolve(state, **changes)
 
 
 def _completed(state: RequestState, call: InFlightCall, selection: Selection, score_id: str | None) -> Completion:
     after = call.end if selection is Selection.ALL_NEW else state.processed
-    return Completion(call.call_id, call.kind, selection, state.processed, after, score_id)
+    return Completion(call.call_id, call.kind, selection, state.processed, after, score_id, call.ranks)
 
 
 @rule(
@@ -430,13 +477,14 @@ def _completed(state: RequestState, call: InFlightCall, selection: Selection, sc
     "recorded. Effect: P, U, O, lanes and generation unchanged; no consumable score; a cached handle is "
     "quarantined. With interrupts: finish with every trigger (plus device_error when the call itself failed). "
     "Otherwise retry (READY, or FINISHED with repair still owed) while retries remain, else add device_error "
-    "and finish. After the close (the repair call) the triggers are recorded but the published finish reason "
+    "and finish (with timeout instead when a rank's bounded wait expired, rank_timeout). After the close (the repair call) the triggers are recorded but the published finish reason "
     "stays the closing one (published_finish_reason), and the repair is no longer owed.",
 )
 def complete_all_old(params: RequestParams, state: RequestState, action: Action) -> RequestState:
     call = state.in_flight
     assert call is not None and isinstance(action, Complete)
-    failed = _failure_reason(params, call, action) is not None
+    reason = _failure_reason(params, call, action)
+    failed = reason is not None
     base = attrs.evolve(
         state,
         in_flight=None,
@@ -449,7 +497,7 @@ def complete_all_old(params: RequestParams, state: RequestState, action: Action)
     if state.num_retries < params.max_retries:
         phase = Phase.FINISHED if call.kind is CallKind.REPAIR else Phase.READY
         return attrs.evolve(base, phase=phase, num_retries=state.num_retries + 1)
-    return _finish(base, frozenset({FinishReason.DEVICE_ERROR}))
+    return _finish(base, frozenset({FinishReason.TIMEOUT if reason == RANK_TIMEOUT else FinishReason.DEVICE_ERROR}))
 
 
 @rule(
@@ -558,11 +606,11 @@ def commit(params: RequestParams, state: RequestState, action: Action) -> Reques
 # --------------------------------------------------------------------------------------------
 
 
-def _reason(action: Action) -> FinishReason:
-    return FinishReason.STREAM_ERROR if isinstance(action, StreamFailure) else action.reason  # type: ignore[union-attr]
+def _reason(action: Cancel | StreamFailure) -> FinishReason:
+    return FinishReason.STREAM_ERROR if isinstance(action, StreamFailure) else action.reason
 
 
-_INTERRUPT_KIND = Clause(
+_INTERRUPT_KIND: Clause[Cancel | StreamFailure] = Clause(
     "cancel reason is cancelled or timeout; stream failure needs a stream",
     lambda p, s, a: (
         p.stream if isinstance(a, StreamFailure) else a.reason in (FinishReason.CANCELLED, FinishReason.TIMEOUT)
@@ -577,7 +625,7 @@ _INTERRUPT_KIND = Clause(
     statement="Guard: phase READY. Effect: no launch and no logical mutation: phase FINISHED with the reason; "
     "a pending token becomes CLOSED_UNPROCESSED.",
 )
-def interrupt_before_launch(params: RequestParams, state: RequestState, action: Action) -> RequestState:
+def interrupt_before_launch(params: RequestParams, state: RequestState, action: Cancel | StreamFailure) -> RequestState:
     return _finish(state, frozenset({_reason(action)}))
 
 
@@ -590,7 +638,7 @@ def interrupt_before_launch(params: RequestParams, state: RequestState, action: 
     "completion must select ALL_OLD and then finishes the request -- or, for the repair call, records the reason "
     "as a trigger and abandons the repair without rewriting the published finish reason.",
 )
-def interrupt_in_flight(params: RequestParams, state: RequestState, action: Action) -> RequestState:
+def interrupt_in_flight(params: RequestParams, state: RequestState, action: Cancel | StreamFailure) -> RequestState:
     call = state.in_flight
     assert call is not None
     return attrs.evolve(state, in_flight=attrs.evolve(call, interrupts=call.interrupts | {_reason(action)}))
@@ -603,7 +651,7 @@ def interrupt_in_flight(params: RequestParams, state: RequestState, action: Acti
     statement="Guard: phase SCORED. Effect: the score is discarded unconsumed; phase FINISHED with the reason; "
     "P keeps the completed call (ALL_NEW was already selected).",
 )
-def interrupt_after_completion(params: RequestParams, state: RequestState, action: Action) -> RequestState:
+def interrupt_after_completion(params: RequestParams, state: RequestState, action: Cancel | StreamFailure) -> RequestState:
     return _finish(state, frozenset({_reason(action)}), score=None)
 
 
@@ -614,7 +662,7 @@ def interrupt_after_completion(params: RequestParams, state: RequestState, actio
     statement="Guard: phase DECIDED. Effect: the receipt is discarded unconsumed (it stays issued, so a later "
     "commit of it is stale), the score is discarded, the RNG counter is unchanged; phase FINISHED.",
 )
-def interrupt_after_decision(params: RequestParams, state: RequestState, action: Action) -> RequestState:
+def interrupt_after_decision(params: RequestParams, state: RequestState, action: Cancel | StreamFailure) -> RequestState:
     return _finish(state, frozenset({_reason(action)}), score=None, receipt=None)
 
 
@@ -649,13 +697,18 @@ def restore(params: RequestParams, state: RequestState, action: Action) -> Reque
     return restore_state(params, action.record)
 
 
-_SNAPSHOT_GUARD = (
+_SNAPSHOT_GUARD: tuple[Clause[Snapshot], ...] = (
     Clause("the state admits the snapshot form", lambda p, s, a: form_available(p, s, a.form) is None,
            code=SNAPSHOT_FORM_UNAVAILABLE),
 )
-_RESTORE_GUARD = (_PHASE_NEW,) + tuple(
-    Clause(check.name, (lambda c: lambda p, s, a: c.holds(p, a.record))(check), code=check.code) for check in RESTORE_CHECKS
-)
+
+
+def _restore_clause(check: RestoreCheck) -> Clause[Restore]:
+    """The guard clause of one restore check (binds ``check`` per clause)."""
+    return Clause(check.name, lambda p, s, a: check.holds(p, a.record), code=check.code)
+
+
+_RESTORE_GUARD: tuple[Clause[Restore], ...] = (_PHASE_NEW,) + tuple(_restore_clause(check) for check in RESTORE_CHECKS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -667,11 +720,11 @@ def _g0(branch: str) -> Callable[[RequestParams, RequestState, Action], bool]:
     return lambda p, s, a: p.max_new_tokens == 0 and p.zero_new_tokens == branch
 
 
-def _kind(kind: CallKind) -> Callable[[RequestParams, RequestState, Action], bool]:
+def _kind(kind: CallKind) -> Callable[[RequestParams, RequestState, Launch], bool]:
     return lambda p, s, a: a.kind is kind
 
 
-def _selection(selection: Selection) -> Callable[[RequestParams, RequestState, Action], bool]:
+def _selection(selection: Selection) -> Callable[[RequestParams, RequestState, Complete], bool]:
     return lambda p, s, a: select_logical_state(p, s, a) is selection
 
 
@@ -684,11 +737,22 @@ def _interrupt_phase(phase: Phase) -> Callable[[RequestParams, RequestState, Act
     return lambda p, s, a: s.phase is phase
 
 
-_CURRENT_SCORE = Clause(
-    "score is bound to the current generation", lambda p, s, a: s.score.generation == s.generation
+def _rank_guard(rank_of: Callable[[Any], int]) -> tuple[Clause[Any], ...]:
+    """A call with a rank roster is in flight and the action's rank is declared and active."""
+    return (
+        Clause("a call with a rank roster is in flight", lambda p, s, a: s.in_flight is not None and bool(s.in_flight.ranks)),
+        Clause("rank is declared (0 <= rank < R)", lambda p, s, a: 0 <= rank_of(a) < len(_in_flight(s).ranks)),
+        Clause("rank is active (not reported, not left)", lambda p, s, a: active(_in_flight(s).ranks[rank_of(a)])),
+    )
+
+
+_RANK_GUARD = _rank_guard(lambda a: a.rank)
+
+_CURRENT_SCORE: Clause[Action] = Clause(
+    "score is bound to the current generation", lambda p, s, a: _score(s).generation == s.generation
 )
 
-TRANSITIONS: tuple[Transition, ...] = (
+TRANSITIONS: tuple[Transition[Any], ...] = (
     Transition("transition.admit_reject", Admit, _g0("reject"), (_PHASE_NEW,), admit_reject),
     Transition("transition.admit_no_call", Admit, _g0("no_call"), (_PHASE_NEW,), admit_no_call),
     Transition("transition.admit", Admit, lambda p, s, a: True, (_PHASE_NEW,), admit),
@@ -743,9 +807,9 @@ TRANSITIONS: tuple[Transition, ...] = (
         lambda p, s, a: True,
         (
             Clause("a call is in flight", lambda p, s, a: s.in_flight is not None),
-            Clause("no fault recorded yet", lambda p, s, a: s.in_flight.fault is None),
+            Clause("no fault recorded yet", lambda p, s, a: _in_flight(s).fault is None),
             Clause("kind is device_fault or missing_lane", lambda p, s, a: a.kind in FAULT_KINDS),
-            Clause("missing_lane needs a non-empty roster", lambda p, s, a: a.kind != "missing_lane" or bool(s.in_flight.roster)),
+            Clause("missing_lane needs a non-empty roster", lambda p, s, a: a.kind != "missing_lane" or bool(_in_flight(s).roster)),
         ),
         fault,
     ),
@@ -768,7 +832,7 @@ TRANSITIONS: tuple[Transition, ...] = (
         lambda p, s, a: True,
         (
             Clause("phase == SCORED", lambda p, s, a: s.phase is Phase.SCORED and s.score is not None),
-            Clause("score_id is the current score", lambda p, s, a: a.score_id == s.score.score_id),
+            Clause("score_id is the current score", lambda p, s, a: a.score_id == _score(s).score_id),
             _CURRENT_SCORE,
             Clause("0 <= token_id < V", lambda p, s, a: 0 <= a.token_id < p.vocab_size),
             Clause(
@@ -785,7 +849,7 @@ TRANSITIONS: tuple[Transition, ...] = (
         lambda p, s, a: True,
         (
             Clause("phase == SCORED", lambda p, s, a: s.phase is Phase.SCORED and s.score is not None),
-            Clause("score_id is the current score", lambda p, s, a: a.score_id == s.score.score_id),
+            Clause("score_id is the current score", lambda p, s, a: a.score_id == _score(s).score_id),
             _CURRENT_SCORE,
         ),
         decide_empty_support,
@@ -797,10 +861,10 @@ TRANSITIONS: tuple[Transition, ...] = (
         (
             Clause("phase == DECIDED", lambda p, s, a: s.phase is Phase.DECIDED and s.receipt is not None),
             Clause("receipt was never consumed", lambda p, s, a: all(r.receipt_id != a.receipt_id for r in s.consumed)),
-            Clause("receipt is the pending one (not stale)", lambda p, s, a: a.receipt_id == s.receipt.receipt_id),
-            Clause("receipt is bound to the current score", lambda p, s, a: s.score is not None and s.receipt.score_id == s.score.score_id),
+            Clause("receipt is the pending one (not stale)", lambda p, s, a: a.receipt_id == _receipt(s).receipt_id),
+            Clause("receipt is bound to the current score", lambda p, s, a: s.score is not None and _receipt(s).score_id == s.score.score_id),
             _CURRENT_SCORE,
-            Clause("receipt read the current RNG counter", lambda p, s, a: s.receipt.rng_counter_before == s.rng_counter),
+            Clause("receipt read the current RNG counter", lambda p, s, a: _receipt(s).rng_counter_before == s.rng_counter),
             Clause(
                 "text triggers are declared (stop strings / structured); stop strings only from output index min_new_tokens",
                 lambda p, s, a: a.text_triggers <= TEXT_TRIGGERS
@@ -811,18 +875,42 @@ TRANSITIONS: tuple[Transition, ...] = (
         ),
         commit,
     ),
+    Transition(
+        "transition.rank_enter",
+        EnterCollective,
+        lambda p, s, a: True,
+        _RANK_GUARD + (
+            Clause("rank not blocked in an incomplete collective", lambda p, s, a: not blocked(_in_flight(s), a.rank)),
+            Clause("entered < C", lambda p, s, a: _in_flight(s).ranks[a.rank].entered < p.collectives),
+            Clause("no rank has left the call", lambda p, s, a: not anyone_left(_in_flight(s))),
+        ),
+        rank_enter,
+    ),
+    Transition(
+        "transition.rank_report",
+        ReportRank,
+        lambda p, s, a: True,
+        _rank_guard(lambda a: a.report.rank) + (
+            Clause("rank not blocked in an incomplete collective", lambda p, s, a: not blocked(_in_flight(s), a.report.rank)),
+            Clause("entered == C", lambda p, s, a: _in_flight(s).ranks[a.report.rank].entered == p.collectives),
+        ),
+        rank_report,
+    ),
+    Transition("transition.rank_fault", RankFault, lambda p, s, a: True, _RANK_GUARD, rank_fault),
+    Transition("transition.rank_timeout", RankTimeout, lambda p, s, a: True, _RANK_GUARD, rank_timeout),
     Transition("transition.snapshot", Snapshot, lambda p, s, a: True, _SNAPSHOT_GUARD, snapshot),
     Transition("transition.restore", Restore, lambda p, s, a: True, _RESTORE_GUARD, restore),
 )
 
+_Interrupt = Cancel | StreamFailure
 for _action_type in (Cancel, StreamFailure):
     TRANSITIONS += (
-        Transition("transition.interrupt_in_flight", _action_type, _in_flight_interrupt,
-                   (_INTERRUPT_KIND, Clause("reason not yet recorded for the call", lambda p, s, a: _reason(a) not in s.in_flight.interrupts)),
+        Transition[_Interrupt]("transition.interrupt_in_flight", _action_type, _in_flight_interrupt,
+                   (_INTERRUPT_KIND, Clause("reason not yet recorded for the call", lambda p, s, a: _reason(a) not in _in_flight(s).interrupts)),
                    interrupt_in_flight),
-        Transition("transition.interrupt_after_completion", _action_type, _interrupt_phase(Phase.SCORED), (_INTERRUPT_KIND,), interrupt_after_completion),
-        Transition("transition.interrupt_after_decision", _action_type, _interrupt_phase(Phase.DECIDED), (_INTERRUPT_KIND,), interrupt_after_decision),
-        Transition("transition.interrupt_before_launch", _action_type, lambda p, s, a: True,
+        Transition[_Interrupt]("transition.interrupt_after_completion", _action_type, _interrupt_phase(Phase.SCORED), (_INTERRUPT_KIND,), interrupt_after_completion),
+        Transition[_Interrupt]("transition.interrupt_after_decision", _action_type, _interrupt_phase(Phase.DECIDED), (_INTERRUPT_KIND,), interrupt_after_decision),
+        Transition[_Interrupt]("transition.interrupt_before_launch", _action_type, lambda p, s, a: True,
                    (_INTERRUPT_KIND, Clause("phase == READY (before launch)", lambda p, s, a: s.phase is Phase.READY)),
                    interrupt_before_launch),
     )
@@ -837,16 +925,16 @@ class Machine:
     its guard clauses are then checked in order.
     """
 
-    transitions: tuple[Transition, ...] = TRANSITIONS
+    transitions: tuple[Transition[Any], ...] = TRANSITIONS
 
-    def route(self, params: RequestParams, state: RequestState, action: Action) -> Transition | None:
+    def route(self, params: RequestParams, state: RequestState, action: Action) -> Transition[Any] | None:
         """The transition that handles ``action`` in ``state``, or ``None`` for a foreign action type."""
         for transition in self.transitions:
             if isinstance(action, transition.action_type) and transition.applies(params, state, action):
                 return transition
         return None
 
-    def guard_failure(self, params: RequestParams, state: RequestState, action: Action) -> tuple[str, Clause | None] | None:
+    def guard_failure(self, params: RequestParams, state: RequestState, action: Action) -> tuple[str, Clause[Any] | None] | None:
         """``None`` when enabled, else ``(rule id or "", the first failing clause or None)``."""
         transition = self.route(params, state, action)
         if transition is None:
@@ -886,13 +974,13 @@ class Machine:
                 )
         return transition.rule_id, transition.effect(params, state, action)
 
-    def with_effect(self, rule_id: str, effect: Effect) -> "Machine":
+    def with_effect(self, rule_id: str, effect: Effect) -> Machine:
         """A copy whose rule ``rule_id`` has ``effect`` (to plug in a deliberately broken transition)."""
         if rule_id not in self.rule_ids():
             raise KeyError(rule_id)
         return Machine(tuple(attrs.evolve(t, effect=effect) if t.rule_id == rule_id else t for t in self.transitions))
 
-    def with_guard(self, rule_id: str, guard: Sequence[Clause]) -> "Machine":
+    def with_guard(self, rule_id: str, guard: Sequence[Clause[Any]]) -> Machine:
         """A copy whose rule ``rule_id`` has the guard ``guard`` (e.g. a weakened guard)."""
         if rule_id not in self.rule_ids():
             raise KeyError(rule_id)

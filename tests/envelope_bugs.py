@@ -24,7 +24,7 @@ M3.8 0x0C (min_p), 0x0B (min_new_tokens legality over the EOS set).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = ["BUGS"]
 

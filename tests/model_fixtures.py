@@ -14,7 +14,7 @@ fixture runs on the CPU in float32 (the parity contract is stated there).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch

@@ -28,8 +28,8 @@ def sampled_policy():
 
 def request(prompt_ids, max_new_tokens: int = 6, **changes: Any) -> RuntimeRequest:
     """A request with test defaults: identity ``"test"``, seed 5, no EOS (runs to ``length``)."""
-    values: dict[str, Any] = dict(identity="test", prompt_ids=tuple(prompt_ids), max_new_tokens=max_new_tokens, seed=5,
-                                  eos_ids=frozenset())
+    values: dict[str, Any] = {"identity": "test", "prompt_ids": tuple(prompt_ids), "max_new_tokens": max_new_tokens, "seed": 5,
+                                  "eos_ids": frozenset()}
     values.update(changes)
     return RuntimeRequest(**values)
 

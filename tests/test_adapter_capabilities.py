@@ -18,8 +18,7 @@ import textwrap
 import attrs
 import pytest
 
-from decodespec.checks.adapters import ADAPTER_UNSUPPORTED, CAPABILITIES, CaseConfig, config_capabilities
-from decodespec.checks.adapters import features
+from decodespec.checks.adapters import ADAPTER_UNSUPPORTED, CAPABILITIES, CaseConfig, config_capabilities, features
 from decodespec.checks.adapters.impl import IMPL_CAPABILITIES, ImplAdapter
 from decodespec.checks.adapters.wire import start_response
 from decodespec.checks.cases import Case, cases_for, run_case

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_fixtures import attention  # tests/ is on sys.path
+from runtime_helpers import LOGIT_TOL
 
 from decodespec.checks.testing import requires_smollm2
 from decodespec.impl.batch import batch_generate
 from decodespec.impl.cache import DynamicCache, StaticCache
 from decodespec.impl.generate import generate
-
-from model_fixtures import attention  # noqa: E402  (tests/ is on sys.path)
-from runtime_helpers import LOGIT_TOL  # noqa: E402
 
 BF16_TOL = {"tiny": 0.5, "smollm2": 2.0}
 TINY_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], [70, 71, 72, 73]]

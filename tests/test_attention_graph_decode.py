@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_fixtures import attention  # tests/ is on sys.path
+from runtime_helpers import LOGIT_TOL
 
 from decodespec.checks.testing import requires_smollm2
 from decodespec.impl.generate import generate
 from decodespec.impl.graphs import GraphDecoder, SlotStaticCache, graph_greedy_generate
 from decodespec.spec.errors import Rejection, ResourceLimit
-
-from model_fixtures import attention  # noqa: E402  (tests/ is on sys.path)
-from runtime_helpers import LOGIT_TOL  # noqa: E402
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from runtime_helpers import LOGIT_TOL, sampled_policy  # tests/ is on sys.path
 
 from decodespec.checks.testing import requires_smollm2
 from decodespec.impl.batch import (
@@ -36,14 +37,12 @@ from decodespec.spec.enums import FinishReason
 from decodespec.spec.errors import Rejection
 from decodespec.spec.policy import policy_config_from_json
 from decodespec.spec.positions import (
-    call_positions,
     cached_causal_mask,
+    call_positions,
     decision_column,
     intersect_key_validity,
     translation_receipt,
 )
-
-from runtime_helpers import LOGIT_TOL, sampled_policy  # noqa: E402  (tests/ is on sys.path)
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [40, 41, 42, 43]]
 
@@ -75,13 +74,13 @@ def test_bad_masks_are_refused_with_typed_errors(mask, code, path):
 def test_bad_batches_are_refused_before_any_call(tiny_model):
     """runtime.invalid_request / runtime.empty_input_row before the model runs."""
     cases = [
-        (dict(prompts=[[1], []]), "runtime.empty_input_row"),
-        (dict(prompts=[[1], [2]], max_new_tokens=[1]), "runtime.invalid_request"),
-        (dict(prompts=[[1], [2]], max_new_tokens=0), "runtime.invalid_request"),
-        (dict(prompts=[[1], [2]], cache="none"), "runtime.invalid_request"),
-        (dict(prompts=[[1], [2]], padding_side="middle"), "runtime.invalid_request"),
-        (dict(prompts=[[1], [2]], policy=policy_config_from_json({"family": "beam", "num_beams": 2})), "runtime.invalid_request"),
-        (dict(prompts=[[1], [2]], identities=["only-one"]), "runtime.invalid_request"),
+        ({"prompts": [[1], []]}, "runtime.empty_input_row"),
+        ({"prompts": [[1], [2]], "max_new_tokens": [1]}, "runtime.invalid_request"),
+        ({"prompts": [[1], [2]], "max_new_tokens": 0}, "runtime.invalid_request"),
+        ({"prompts": [[1], [2]], "cache": "none"}, "runtime.invalid_request"),
+        ({"prompts": [[1], [2]], "padding_side": "middle"}, "runtime.invalid_request"),
+        ({"prompts": [[1], [2]], "policy": policy_config_from_json({"family": "beam", "num_beams": 2})}, "runtime.invalid_request"),
+        ({"prompts": [[1], [2]], "identities": ["only-one"]}, "runtime.invalid_request"),
     ]
     for kwargs, code in cases:
         kwargs.setdefault("max_new_tokens", 2)
@@ -145,7 +144,7 @@ def _assert_rows_equal_unbatched(model, result, prompts, limits, tol, *, policie
     for b, prompt in enumerate(prompts):
         kwargs = {}
         if policies is not None:
-            kwargs = dict(policy=policies[b], seed=seeds[b], identity=identities[b])
+            kwargs = {"policy": policies[b], "seed": seeds[b], "identity": identities[b]}
         alone = generate(model, prompt, max_new_tokens=limits[b], eos_token_ids=eos, **kwargs)
         row = result.rows[b]
         assert row.output_ids == alone.output_ids, b

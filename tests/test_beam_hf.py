@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_beam_runtime_smollm2 import EOS, QUESTIONS, chat_ids, search
 
 from decodespec.checks.testing import requires_hf, requires_smollm2
 from decodespec.spec import beam as B
 from decodespec.spec.rules import RULES
-from test_beam_runtime_smollm2 import EOS, QUESTIONS, chat_ids, search
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTATIONS = ROOT / "checks" / "expectations" / "hf.toml"
@@ -179,7 +179,7 @@ def test_every_beam_expectation_names_a_rule_a_doc_row_and_an_existing_test():
         assert not loaded[e["id"]].matches("beam.search", other)
     assert len(entries) >= 6 and len({e["id"] for e in entries}) == len(entries)
     doc = (ROOT / "docs" / "beam-expectations.md").read_text(encoding="utf-8")
-    rows = {int(m) for m in re.findall(r"^\| (\d+) \|", doc, flags=re.M)}
+    rows = {int(m) for m in re.findall(r"^\| (\d+) \|", doc, flags=re.MULTILINE)}
     for e in entries:
         assert {"id", "rule", "hf", "spec", "reason", "source", "doc_row", "test"} <= set(e), e["id"]
         assert e["rule"] in RULES, e["rule"]

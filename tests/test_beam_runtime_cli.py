@@ -73,9 +73,9 @@ def test_trace_and_cache_flags(capsys, tmp_path):
 
 def test_a_beam_request_envelope_runs_the_beam_runtime(capsys, tmp_path):
     """--request FILE with a beam-family policy (the envelope's identity heads the branch hashes)."""
-    from decodespec.checks.commands.generate import envelope_from_flags, register  # noqa: F401
     import argparse
 
+    from decodespec.checks.commands.generate import envelope_from_flags, register
     from decodespec.impl.tiny import TINY_VOCAB_SIZE, load_tiny
     from decodespec.impl.tokenizer import ByteTokenizer
 

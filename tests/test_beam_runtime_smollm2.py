@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
+from test_beam_runtime import assert_same_beams, beam_request, replay_against_spec
 
 from decodespec.checks.testing import requires_smollm2
 from decodespec.impl.beam import BeamRunner
@@ -18,7 +19,6 @@ from decodespec.impl.cache import DynamicCache
 from decodespec.impl.generate import generate
 from decodespec.spec import beam as B
 from decodespec.spec.enums import FinishReason
-from test_beam_runtime import assert_same_beams, beam_request, replay_against_spec
 
 pytestmark = [requires_smollm2, pytest.mark.smollm2]
 

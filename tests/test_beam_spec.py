@@ -111,13 +111,13 @@ def test_branch_hash_covers_every_lane():
     _, _, record, _ = crossed_step()
     child = record.children[0]
     h = B.branch_hash(child)
-    changes = dict(
-        request_id="other", row=1, slot=5, step=9, prefix=child.prefix + (0,), prompt_len=2,
-        score=child.score - 1e-12, normalized=0.5, length=7, cache=B.CacheRef.of(child.prefix),
-        position=child.position + 1, constraint="q", rng=B.RngState(child.rng.key, 1), decoder=[9],
-        status=B.BeamStatus.COMPLETED, finish_reason=FinishReason.EOS, triggers=(FinishReason.EOS,),
-        ancestry=(1, 1), parent_hash="0" * 64, policy_revision="x", consumed_step=None,
-    )
+    changes = {
+        "request_id": "other", "row": 1, "slot": 5, "step": 9, "prefix": child.prefix + (0,), "prompt_len": 2,
+        "score": child.score - 1e-12, "normalized": 0.5, "length": 7, "cache": B.CacheRef.of(child.prefix),
+        "position": child.position + 1, "constraint": "q", "rng": B.RngState(child.rng.key, 1), "decoder": [9],
+        "status": B.BeamStatus.COMPLETED, "finish_reason": FinishReason.EOS, "triggers": (FinishReason.EOS,),
+        "ancestry": (1, 1), "parent_hash": "0" * 64, "policy_revision": "x", "consumed_step": None,
+    }
     assert set(changes) == {f.name for f in attrs.fields(B.BranchState)}
     for name, value in changes.items():
         assert B.branch_hash(attrs.evolve(child, **{name: value})) != h, name
@@ -409,16 +409,16 @@ def test_vacant_slots_when_fewer_candidates_than_beams():
 
 
 @pytest.mark.parametrize("kwargs, code", [
-    (dict(num_beams=0, max_new_tokens=3), "beam.invalid_width"),
-    (dict(num_beams=True, max_new_tokens=3), "beam.invalid_width"),
-    (dict(num_beams=1.5, max_new_tokens=3), "beam.invalid_width"),
-    (dict(num_beams=2, max_new_tokens=0), "beam.invalid_max_new_tokens"),
-    (dict(num_beams=2, max_new_tokens=3, eos_ids=(2, 2)), "beam.invalid_eos"),
-    (dict(num_beams=2, max_new_tokens=3, eos_ids=(-1,)), "beam.invalid_eos"),
-    (dict(num_beams=2, max_new_tokens=3, early_stop="sometimes"), "beam.invalid_early_stopping"),
-    (dict(num_beams=2, max_new_tokens=3, completed_capacity=0), "beam.invalid_capacity"),
-    (dict(num_beams=2, max_new_tokens=3, num_completed=0), "beam.invalid_num_completed"),
-    (dict(num_beams=3, max_new_tokens=3, early_stop="heuristic", completed_capacity=2), "beam.invalid_num_completed"),
+    ({"num_beams": 0, "max_new_tokens": 3}, "beam.invalid_width"),
+    ({"num_beams": True, "max_new_tokens": 3}, "beam.invalid_width"),
+    ({"num_beams": 1.5, "max_new_tokens": 3}, "beam.invalid_width"),
+    ({"num_beams": 2, "max_new_tokens": 0}, "beam.invalid_max_new_tokens"),
+    ({"num_beams": 2, "max_new_tokens": 3, "eos_ids": (2, 2)}, "beam.invalid_eos"),
+    ({"num_beams": 2, "max_new_tokens": 3, "eos_ids": (-1,)}, "beam.invalid_eos"),
+    ({"num_beams": 2, "max_new_tokens": 3, "early_stop": "sometimes"}, "beam.invalid_early_stopping"),
+    ({"num_beams": 2, "max_new_tokens": 3, "completed_capacity": 0}, "beam.invalid_capacity"),
+    ({"num_beams": 2, "max_new_tokens": 3, "num_completed": 0}, "beam.invalid_num_completed"),
+    ({"num_beams": 3, "max_new_tokens": 3, "early_stop": "heuristic", "completed_capacity": 2}, "beam.invalid_num_completed"),
 ])
 def test_invalid_parameters_are_rejected(kwargs, code):
     """BeamParams validation raises the registered beam.* code."""

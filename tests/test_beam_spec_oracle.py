@@ -111,7 +111,7 @@ def _mutant_from_flat(decode):
     """A selector that ranks like the spec but decodes the flat index with ``decode(flat, K, V)``."""
     def select(lp, bs, k, eos):
         rows = B.select_candidates(lp, bs, k, eos)
-        fix = lambda c: attrs.evolve(c, **dict(zip(("parent", "token"), decode(c.flat_idx, lp.shape[1], lp.shape[2]))))  # noqa: E731
+        fix = lambda c: attrs.evolve(c, **dict(zip(("parent", "token"), decode(c.flat_idx, lp.shape[1], lp.shape[2]))))
         return tuple(attrs.evolve(r, live=tuple(map(fix, r.live)), completed=tuple(map(fix, r.completed))) for r in rows)
     return select
 
@@ -119,7 +119,7 @@ def _mutant_from_flat(decode):
 def _mutant_local_scores(lp, bs, k, eos):
     """M3.8 0x12 item 43: rank tokens by their local log-probability without the parent's score."""
     rows = B.select_candidates(lp, np.zeros_like(bs), k, eos)
-    add = lambda c, b: attrs.evolve(c, score=c.score + float(bs[b, c.parent]))  # noqa: E731
+    add = lambda c, b: attrs.evolve(c, score=c.score + float(bs[b, c.parent]))
     return tuple(attrs.evolve(r, live=tuple(add(c, b) for c in r.live), completed=tuple(add(c, b) for c in r.completed))
                  for b, r in enumerate(rows))
 

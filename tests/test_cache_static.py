@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runtime_helpers import LOGIT_TOL, drive, request  # tests/ is on sys.path
 
 from decodespec.impl.cache import DynamicCache, LaneWrite, StaticCache, make_cache
 from decodespec.impl.runtime import RequestRunner
 from decodespec.spec.errors import Rejection, ResourceLimit
-
-from runtime_helpers import LOGIT_TOL, drive, request  # noqa: E402  (tests/ is on sys.path)
 
 
 def _rows(model, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

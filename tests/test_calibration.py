@@ -8,8 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from decodespec.checks.calibrate import (ABS_FLOOR, HEADROOM, calibration_configs, derive, load_calibration, measure,
-                                         summarize)
+from decodespec.checks.calibrate import ABS_FLOOR, HEADROOM, calibration_configs, derive, load_calibration, measure, summarize
 from decodespec.checks.ladder import TOLERANCES, Tolerance, tolerance_for
 
 
@@ -107,8 +106,8 @@ def test_merge_takes_the_entries_of_an_out_file_and_refuses_anything_else(tmp_pa
     assert main(["calibrate", "--merge", str(good)]) == 0
     tol = derive(entry["variants"])
     assert f"impl tiny float32: declared epsilon = {tol.logit:.3g} + {tol.logit_rel:.3g}" in capsys.readouterr().out
-    for bad in ("[]", '{"entries": []}', '{"entries": [{"runtime": "impl"}]}', "not json", '{"entries": [{"runtime": "x", '
-                '"model": "tiny", "dtype": "float32", "variants": [{"rows": 1}]}]}'):
+    for bad in ("[]", '{"entries": []}', '{"entries": [{"runtime": "impl"}]}', "not json", ('{"entries": [{"runtime": "x", '
+                '"model": "tiny", "dtype": "float32", "variants": [{"rows": 1}]}]}')):
         path = tmp_path / "bad.json"
         path.write_text(bad)
         assert main(["calibrate", "--merge", str(path)]) == 2

@@ -119,11 +119,11 @@ def section_problems(section: str) -> list[str]:
 
 
 def _registered_sections() -> list[tuple[str, str]]:
-    import decodespec.checks.mutants.harness  # noqa: F401  (registers every mutant)
-    import decodespec.checks.trace_validation  # noqa: F401
-    import decodespec.impl.runtime  # noqa: F401
-    import decodespec.spec.invariants  # noqa: F401
-    import decodespec.spec.transitions  # noqa: F401
+    import decodespec.checks.mutants.harness  # registers every mutant
+    import decodespec.checks.trace_validation
+    import decodespec.impl.runtime
+    import decodespec.spec.invariants
+    import decodespec.spec.transitions  # noqa: F401 - registers the transition rules
     from decodespec.checks.mutants import MUTANTS
     from decodespec.spec.errors import ERROR_CODES
     from decodespec.spec.rules import RULES

@@ -11,6 +11,7 @@ Source: docs/design.md section 8 (runtime outputs: "streams add per-chunk lines"
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -40,7 +41,7 @@ def test_stream_json_prints_one_line_per_chunk_then_the_result(capsys, free_text
     chunks, result = _generate(capsys, "--stream")
     assert chunks and all(list(c) == CHUNK_KEYS for c in chunks)
     assert [c["chunk_idx"] for c in chunks] == list(range(len(chunks)))
-    assert all(a["byte_end"] == b["byte_start"] for a, b in zip(chunks, chunks[1:])) and chunks[0]["byte_start"] == 0
+    assert all(a["byte_end"] == b["byte_start"] for a, b in itertools.pairwise(chunks)) and chunks[0]["byte_start"] == 0
     assert all(c["token_end"] <= len(result["output_ids"]) for c in chunks)
     assert "".join(c["text"] for c in chunks) == result["text"] == free_text
     assert result["finish_reason"] == "length" and result["stream"] == {

@@ -136,7 +136,7 @@ def test_state_machine_page_has_the_commit_spine_svg(site: docs.BuildResult) -> 
 def test_phase_diagram_is_drawn_from_the_explorer(site: docs.BuildResult) -> None:
     page = _html(site, "generated/state-machine.html")
     try:
-        import decodespec.checks.explore  # noqa: F401
+        import decodespec.checks.explore  # noqa: F401 - is the explorer importable?
     except ImportError:
         assert "Phase diagram not drawn" in page
         return

@@ -17,8 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from decodespec.checks.adapters import OPS, CaseConfig
 from decodespec.checks.adapters.impl import IMPL_CAPABILITIES
 from decodespec.checks.conftest import full_gate_run
-from decodespec.checks.coverage import (Coverage, config_items, declared_items, edge_items, enforced_items, run_items,
-                                        transform_orders, unsupported_values)
+from decodespec.checks.coverage import Coverage, config_items, declared_items, edge_items, enforced_items, run_items, transform_orders, unsupported_values
 from decodespec.checks.drawing import case_configs, sweep_cases
 from decodespec.spec.enums import FinishReason
 from decodespec.spec.policy.config import CATALOG, PRESET_ORDERS, Order

@@ -25,12 +25,12 @@ Source: issue 15 item 4; M3.10 0x06; M3.8 0x0B-0x0C.
 from __future__ import annotations
 
 import pytest
+from envelope_bugs import BUGS
 from hypothesis import Phase
 
 from decodespec.checks.cases import run_case
 from decodespec.checks.drawing import sweep_cases
 from decodespec.checks.machines import run_machine
-from envelope_bugs import BUGS
 
 #: bug -> (the sweep case that kills it, the ladder layer and check of its failed verdict).
 SWEEP_KILLS = {

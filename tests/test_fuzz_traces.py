@@ -37,19 +37,18 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 from unittest import mock
 
 import pytest
+from fuzzing import DEEP, Chooser, Ledger, _dumps, byte_mutation, json_mutation  # tests/ is on sys.path
+from trace_oracle import classify_acceptance  # tests/ is on sys.path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from decodespec.checks.cli import main
 from decodespec.checks.traces import check_replay_runtime, load_trace
 from decodespec.spec.errors import ERROR_CODES, DecodeSpecError
-
-from fuzzing import DEEP, Chooser, Ledger, _dumps, byte_mutation, json_mutation  # noqa: E402  (tests/ is on sys.path)
-from trace_oracle import classify_acceptance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = sorted((ROOT / "traces").glob("*.itf.json"))
@@ -92,7 +91,7 @@ def no_process_started():
 class Seed(bytes):
     """A seed file's bytes, shown by its name (Hypothesis prints drawn values)."""
 
-    def __new__(cls, name: str, data: bytes) -> "Seed":
+    def __new__(cls, name: str, data: bytes) -> Self:
         seed = super().__new__(cls, data)
         seed.name = name
         return seed

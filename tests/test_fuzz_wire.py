@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fuzzing import Chooser, Ledger, byte_mutation, json_mutation  # tests/ is on sys.path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,8 +37,6 @@ from decodespec.checks.adapters.wire import PROTOCOL_VERSION, request
 from decodespec.checks.lockstep import LockStep
 from decodespec.checks.stdio_server import serve
 from decodespec.spec.errors import ERROR_CODES, DecodeSpecError
-
-from fuzzing import Chooser, Ledger, byte_mutation, json_mutation  # noqa: E402  (tests/ is on sys.path)
 
 EXAMPLES = int(os.environ.get("DECODESPEC_FUZZ_EXAMPLES", "60"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,

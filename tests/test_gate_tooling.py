@@ -24,7 +24,7 @@ def _gate(*args: str, cwd: Path = REPO, timeout: int = 300) -> subprocess.Comple
     """``pytest checks/...`` in a subprocess (the gate's own conftest and options)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "pytest", *args, "-q", "-p", "no:cacheprovider", "-o", "addopts="],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+                          check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 # ---- finding 1: a trace written under a mutant records it, and replay installs it ---------------------------------
@@ -120,8 +120,8 @@ def test_explore_bounds_at_the_edge_are_explored(tmp_path, monkeypatch, capsys) 
 
 def test_explore_prefix_lm_default_chunk_holds_the_prefix() -> None:
     """Without --prefill-chunk a prefix_lm profile gets a chunk that holds its prefix (rule: explore bounds)."""
-    from decodespec.checks.commands.explore import _prefill_chunk
     from decodespec.checks.cli import build_parser
+    from decodespec.checks.commands.explore import _prefill_chunk
 
     parser = build_parser()
     assert _prefill_chunk(parser.parse_args(["explore", "--profile", "prefix_lm"]), 2) == 3

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from runtime_helpers import request, sampled_policy  # tests/ is on sys.path
 
 from decodespec.checks.cli import main
 from decodespec.checks.testing import requires_smollm2
@@ -45,8 +45,6 @@ from decodespec.spec.envelope import MAX_ENVELOPE_BYTES, validate_request_envelo
 from decodespec.spec.errors import MAX_MESSAGE_CHARS, MAX_QUOTED_CHARS, DecodeSpecError, Rejection, ResourceLimit, quote
 from decodespec.spec.policy.config import policy_config_from_json
 from decodespec.spec.snapshot import SNAPSHOT_KEY_ENV
-
-from runtime_helpers import request, sampled_policy  # noqa: E402  (tests/ is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = json.loads((REPO / "docs" / "examples" / "tiny.request.json").read_text())

@@ -38,18 +38,18 @@ FRONTIER = {"prompt_len": 3, "output_count": 1, "pending": 1, "processed": 3, "p
 
 
 def _obs(**changes) -> Observation:
-    values = dict(phase="ready", output_ids=[0], logprobs=[-0.2], frontier=dict(FRONTIER), finish_reason=None, triggers=[],
-                  rng_counter=0, generation=1, quarantined=False, cache_committed=3, score_row=ROW, score_output_count=0,
-                  decision={"receipt_id": "receipt-0", "score_id": "score-1", "token_id": 0, "logprob": -0.2, "draws": 0},
-                  support_ids=[0, 1, 2, 3], support_probs=[0.8, 0.1, 0.05, 0.05], text="a", chunks=[])
+    values = {"phase": "ready", "output_ids": [0], "logprobs": [-0.2], "frontier": dict(FRONTIER), "finish_reason": None, "triggers": [],
+                  "rng_counter": 0, "generation": 1, "quarantined": False, "cache_committed": 3, "score_row": ROW, "score_output_count": 0,
+                  "decision": {"receipt_id": "receipt-0", "score_id": "score-1", "token_id": 0, "logprob": -0.2, "draws": 0},
+                  "support_ids": [0, 1, 2, 3], "support_probs": [0.8, 0.1, 0.05, 0.05], "text": "a", "chunks": []}
     values.update(changes)
     return Observation(**values)
 
 
 def _exp(**changes) -> Expected:
-    values = dict(tolerance=TOL, phase="ready", output_ids=(0,), frontier=dict(FRONTIER), rng_counter=0, generation=1, quarantined=False,
-                  cache_committed=3, score_row=ROW.copy(), support_ids=np.array([0, 1, 2, 3]), support_probs=np.array([0.8, 0.1, 0.05, 0.05]),
-                  draws=0, decision_token=0, decision_logprob=-0.2, logprobs=(-0.2,), finish_reason=None, triggers=(), text="a", chunks=())
+    values = {"tolerance": TOL, "phase": "ready", "output_ids": (0,), "frontier": dict(FRONTIER), "rng_counter": 0, "generation": 1, "quarantined": False,
+                  "cache_committed": 3, "score_row": ROW.copy(), "support_ids": np.array([0, 1, 2, 3]), "support_probs": np.array([0.8, 0.1, 0.05, 0.05]),
+                  "draws": 0, "decision_token": 0, "decision_logprob": -0.2, "logprobs": (-0.2,), "finish_reason": None, "triggers": (), "text": "a", "chunks": ()}
     values.update(changes)
     return Expected(**values)
 
@@ -66,19 +66,19 @@ def test_matching_observation_passes() -> None:
 
 
 @pytest.mark.parametrize("change, layer, check", [
-    (dict(phase="finished"), "STATE", "phase"),
-    (dict(output_ids=[1]), "STATE", "output_ids"),
-    (dict(rng_counter=1), "STATE", "rng_counter"),
-    (dict(cache_committed=4), "STATE", "cache_committed"),
-    (dict(frontier={**FRONTIER, "processed": 4}), "STATE", "frontier.processed"),
-    (dict(score_row=ROW + np.float32(0.01)), "TENSOR", "score_row.linf"),
-    (dict(support_ids=[0, 1, 2]), "POLICY", "support.ids"),
-    (dict(support_probs=[0.7, 0.2, 0.05, 0.05]), "POLICY", "support.probs"),
-    (dict(decision={"receipt_id": "receipt-0", "score_id": "score-1", "token_id": 0, "logprob": -0.2, "draws": 1}), "POLICY", "draws"),
-    (dict(decision={"receipt_id": "receipt-0", "score_id": "score-1", "token_id": 1, "logprob": -0.2, "draws": 0}), "DECISION", "decision.selected_id"),
-    (dict(logprobs=[-0.3]), "DECISION", "logprobs.value"),
-    (dict(text="b"), "SEQUENCE", "text"),
-    (dict(chunks=[{"chunk_idx": 0}]), "SEQUENCE", "stream.chunks"),
+    ({"phase": "finished"}, "STATE", "phase"),
+    ({"output_ids": [1]}, "STATE", "output_ids"),
+    ({"rng_counter": 1}, "STATE", "rng_counter"),
+    ({"cache_committed": 4}, "STATE", "cache_committed"),
+    ({"frontier": {**FRONTIER, "processed": 4}}, "STATE", "frontier.processed"),
+    ({"score_row": ROW + np.float32(0.01)}, "TENSOR", "score_row.linf"),
+    ({"support_ids": [0, 1, 2]}, "POLICY", "support.ids"),
+    ({"support_probs": [0.7, 0.2, 0.05, 0.05]}, "POLICY", "support.probs"),
+    ({"decision": {"receipt_id": "receipt-0", "score_id": "score-1", "token_id": 0, "logprob": -0.2, "draws": 1}}, "POLICY", "draws"),
+    ({"decision": {"receipt_id": "receipt-0", "score_id": "score-1", "token_id": 1, "logprob": -0.2, "draws": 0}}, "DECISION", "decision.selected_id"),
+    ({"logprobs": [-0.3]}, "DECISION", "logprobs.value"),
+    ({"text": "b"}, "SEQUENCE", "text"),
+    ({"chunks": [{"chunk_idx": 0}]}, "SEQUENCE", "stream.chunks"),
 ])
 def test_each_layer_fails_on_its_own_field(change, layer, check) -> None:
     """A difference in one field fails its layer (``ladder.<LAYER>``) with the named check."""
@@ -141,7 +141,7 @@ def test_judge_decision_greedy_and_sampled() -> None:
                           cand_token=0).check == "decision.policy"
     sampled = policy_config_from_json({"family": "multinomial"})
     probs = np.array([0.5, 0.3, 0.2])
-    kw = dict(policy=sampled, ref_values=np.log(probs), ref_token=0, tolerance=TOL, greedy=False, ref_probs=probs)
+    kw = {"policy": sampled, "ref_values": np.log(probs), "ref_token": 0, "tolerance": TOL, "greedy": False, "ref_probs": probs}
     assert judge_decision(runtime_token=1, u=0.4999, **kw).result == UNDECIDED  # u at the boundary of [0.5, 0.8)
     assert judge_decision(runtime_token=1, u=0.2, **kw).result == FAILED
     assert judge_decision(runtime_token=0, u=0.2, **kw).result == PASSED

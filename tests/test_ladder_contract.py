@@ -22,13 +22,13 @@ from decodespec.checks.adapters import (
     corrupt_record,
     open_adapter,
     required_capabilities,
+    wire,
 )
-from decodespec.checks.adapters import wire
 from decodespec.checks.adapters.impl import IMPL_CAPABILITIES, ImplAdapter
+from decodespec.spec.enums import PendingTag
 from decodespec.spec.errors import Rejection
 from decodespec.spec.snapshot import SnapshotRecord
 from decodespec.spec.state import Phase
-from decodespec.spec.enums import PendingTag
 
 CONFIG = CaseConfig(model="tiny", prompt_ids=[1, 75, 105], max_new_tokens=3, eos_ids=[2])
 

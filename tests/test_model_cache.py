@@ -13,16 +13,17 @@ rounding; measured max ~1e-5) and 1e-5 on K/V; SmolLM2 2e-4 on logits
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from model_fixtures import attention  # tests/ is on sys.path via tests/conftest.py
 
 from decodespec.impl.cache import CacheABI, DynamicCache
 from decodespec.spec.errors import Rejection
-
-from model_fixtures import attention  # noqa: E402  (tests/ is on sys.path via tests/conftest.py)
 
 TOL = {"tiny": {"logits": 5e-5, "kv": 1e-5}, "smollm2": {"logits": 2e-4, "kv": 1e-4}}
 TEXT = "The cache must not change the answer: 1, 2, 3, 4, 5"
@@ -96,7 +97,7 @@ def test_any_chunking_equals_one_shot_prefill_tiny(tiny_model, ids, cuts):
     cache = tiny_model.new_cache()
     with torch.inference_mode():
         one_shot = tiny_model(input_ids, logits_to_keep=1).logits
-        for start, stop in zip(bounds, bounds[1:]):
+        for start, stop in itertools.pairwise(bounds):
             out = tiny_model(input_ids[:, start:stop], past_key_values=cache, logits_to_keep=1)
     torch.testing.assert_close(out.logits, one_shot, rtol=0, atol=TOL["tiny"]["logits"])
     assert cache.get_seq_length() == len(ids)

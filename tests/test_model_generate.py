@@ -14,13 +14,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from model_fixtures import attention  # tests/ is on sys.path via tests/conftest.py
 
 from decodespec.impl.generate import GenerationResult, greedy_generate, select_greedy
 from decodespec.impl.tiny import load_tiny, tiny_config
 from decodespec.spec.enums import FinishReason
 from decodespec.spec.errors import Rejection, ResourceLimit
-
-from model_fixtures import attention  # noqa: E402  (tests/ is on sys.path via tests/conftest.py)
 
 PROMPTS = ["hello", "The quick brown fox", "12345", "def f(x):"]
 

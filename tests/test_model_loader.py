@@ -9,16 +9,15 @@ artifact identity).
 from __future__ import annotations
 
 import attrs
-import gguf
 import numpy as np
 import pytest
 import torch
 
+from decodespec.checks.reference.files import llama_gguf_tensors
+from decodespec.checks.reference.files import write_llama_gguf as write_gguf
 from decodespec.checks.testing import requires_smollm2
 from decodespec.impl.config import LlamaConfig, RopeScaling
 from decodespec.impl.tiny import load_tiny, tiny_config
-from decodespec.checks.reference.files import llama_gguf_tensors
-from decodespec.checks.reference.files import write_llama_gguf as write_gguf
 from decodespec.impl.weights import load_llama_gguf, permute, read_gguf_state_dict, reverse_permute
 from decodespec.spec.errors import Rejection
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_fixtures import attention  # tests/ is on sys.path via tests/conftest.py
 
 from decodespec.checks.testing import requires_hf, requires_smollm2
 from decodespec.impl.generate import greedy_generate
-
-from model_fixtures import attention  # noqa: E402  (tests/ is on sys.path via tests/conftest.py)
 
 pytestmark = [requires_smollm2, requires_hf, pytest.mark.smollm2, pytest.mark.hf, pytest.mark.slow]
 

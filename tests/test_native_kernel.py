@@ -25,14 +25,13 @@ import sys
 
 import pytest
 import torch
+from runtime_helpers import LOGIT_TOL, drive, request  # tests/ is on sys.path
 
 from decodespec.impl import native
 from decodespec.impl.cache import StaticCache
 from decodespec.impl.faults import DeviceFault, FaultPlan
 from decodespec.impl.runtime import RequestRunner
 from decodespec.spec.errors import Rejection, ResourceLimit
-
-from runtime_helpers import LOGIT_TOL, drive, request  # noqa: E402  (tests/ is on sys.path)
 
 REASON = native.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"native kernel unavailable here: {REASON}")
@@ -114,7 +113,7 @@ def test_calls_the_kernel_does_not_cover_run_the_torch_path_bitwise(pair, kernel
 
 
 def test_a_padded_batch_runs_the_torch_path(pair, kernel_calls):
-    torch_model, native_model = pair
+    _torch_model, _native_model = pair
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     with torch.inference_mode():
         outs = []
@@ -152,7 +151,7 @@ def test_a_device_fault_inside_a_kernel_call_leaves_the_torch_lanes(pair, kernel
 
 
 def test_refusals_change_nothing(pair):
-    torch_model, native_model = pair
+    _torch_model, native_model = pair
     with pytest.raises(Rejection) as info:
         native_model.set_decode_kernel("fused")
     assert info.value.code == "model.invalid_config" and native_model.decode_kernel == "native"
@@ -165,15 +164,14 @@ def test_refusals_change_nothing(pair):
 def test_a_missing_compiler_is_a_reason_not_a_crash(tmp_path):
     code = "from decodespec.impl import native; print(native.unavailable_reason())"
     env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "DECODESPEC_CACHE_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "building the native decode kernel failed" in out.stdout and "no-such-cc" in out.stdout
     assert not list(tmp_path.glob("*.so"))
 
 
 def test_the_gate_kills_a_kernel_that_scales_attention_wrongly(monkeypatch):
-    from decodespec.checks.cases import cases_for
-    from decodespec.checks.cases import run_case
+    from decodespec.checks.cases import cases_for, run_case
 
     case = next(c for c in cases_for("tiny") if c.id == "matrix.torch_vs_native_kernel")
     assert run_case(case, "impl").result == "pass"
@@ -195,16 +193,16 @@ def test_generate_cli_runs_the_native_kernel(tmp_path):
     runs = {}
     for kernel in ("torch", "native"):
         out = subprocess.run([*base, "--decode-kernel", kernel, "--trace", str(tmp_path / f"{kernel}.ndjson")],
-                             capture_output=True, text=True, timeout=300)
+                             check=False, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
         runs[kernel] = json.loads(out.stdout)
     assert runs["native"]["decode_kernel"] == "native" and runs["native"]["output_ids"] == runs["torch"]["output_ids"]
     header = json.loads((tmp_path / "native.ndjson").read_text().splitlines()[0])
     assert header["runtime"]["decode_kernel"] == "native"
     check = subprocess.run([sys.executable, "-m", "decodespec.checks", "validate-trace", str(tmp_path / "native.ndjson")],
-                           capture_output=True, text=True, timeout=300)
+                           check=False, capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stdout + check.stderr
-    bad = subprocess.run([*base, "--decode-kernel", "native", "--dtype", "bfloat16"], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run([*base, "--decode-kernel", "native", "--dtype", "bfloat16"], check=False, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and json.loads(bad.stderr)["error"]["code"] == "runtime.kernel_unavailable" and bad.stdout == ""
 
 

@@ -215,7 +215,7 @@ def test_a_commit_whose_digest_is_not_its_decisions_is_refused(card_run, tmp_pat
 def test_a_decode_launch_of_another_digest_is_refused(card_run, tmp_path):
     card_run = card_run[0]
     records = _records(card_run)
-    i = [k for k, r in enumerate(records) if r["event"] == "call_launched" and r["kind"] == "decode"][0]
+    i = next(k for k, r in enumerate(records) if r["event"] == "call_launched" and r["kind"] == "decode")
     records[i]["input_ids"] = [next(d for d in records[0]["prompt_ids"] if d != records[i]["input_ids"][0])]
     verdict = _tampered(records, tmp_path, "launch")
     assert (verdict.code, verdict.line, verdict.event) == (TRACE_MISMATCH, i + 1, "call_launched")
@@ -224,7 +224,7 @@ def test_a_decode_launch_of_another_digest_is_refused(card_run, tmp_path):
 def test_a_redacted_receipt_is_bound_by_its_content_hash(card_run, tmp_path):
     card_run = card_run[0]
     records = _records(card_run)
-    i = [k for k, r in enumerate(records) if r["event"] == "decision"][0]
+    i = next(k for k, r in enumerate(records) if r["event"] == "decision")
     records[i]["receipt"]["support_size"] += 1
     verdict = _tampered(records, tmp_path, "receipt")
     assert (verdict.code, verdict.line) == (TRACE_RECEIPT, i + 1) and "content hash" in verdict.reason
@@ -233,7 +233,7 @@ def test_a_redacted_receipt_is_bound_by_its_content_hash(card_run, tmp_path):
 def test_a_stream_byte_count_that_disagrees_is_refused(card_run, tmp_path):
     card_run = card_run[0]
     records = _records(card_run)
-    i = [k for k, r in enumerate(records) if r["event"] == "stream"][0]
+    i = next(k for k, r in enumerate(records) if r["event"] == "stream")
     records[i]["text_redacted"]["bytes"] += 1
     verdict = _tampered(records, tmp_path, "stream")
     assert (verdict.code, verdict.line) == (TRACE_MISMATCH, i + 1) and "text_redacted.bytes" in verdict.reason
@@ -242,7 +242,7 @@ def test_a_stream_byte_count_that_disagrees_is_refused(card_run, tmp_path):
 def test_a_token_id_in_clear_in_a_redacted_trace_is_refused(card_run, tmp_path):
     card_run = card_run[0]
     records = _records(card_run)
-    i = [k for k, r in enumerate(records) if r["event"] == "commit"][0]
+    i = next(k for k, r in enumerate(records) if r["event"] == "commit")
     records[i]["token_id"] = 100
     verdict = _tampered(records, tmp_path, "clear")
     assert (verdict.code, verdict.line) == (TRACE_SCHEMA, i + 1) and "in clear" in verdict.reason

@@ -22,7 +22,7 @@ from decodespec.checks.cli import main
 from decodespec.checks.testing import requires_smollm2
 from decodespec.impl import generate as gen
 from decodespec.impl import runtime as rt  # the controller calls the policy twin
-from decodespec.spec.policy import PolicyState, RequestView, ScoreRow, decide, policy_config_from_json, processed_row
+from decodespec.spec.policy import PolicyState, ScoreRow, decide, policy_config_from_json, processed_row
 from decodespec.spec.policy.selectors import greedy, multinomial
 
 SAMPLING = {"family": "multinomial", "order": "hf", "transforms": [
@@ -65,7 +65,7 @@ def _spec_agrees(config, calls, result):
 def test_sampled_generation_has_one_receipt_per_token_and_counts_its_draws(tiny_model, byte_tokenizer):
     """selector.multinomial in the loop: receipts chain states, one draw per token at (step, 0), replayable."""
     config = policy_config_from_json(SAMPLING)
-    kwargs = dict(max_new_tokens=12, policy=config, eos_token_ids=(), identity="req-A", seed=7, tokenizer=byte_tokenizer)
+    kwargs = {"max_new_tokens": 12, "policy": config, "eos_token_ids": (), "identity": "req-A", "seed": 7, "tokenizer": byte_tokenizer}
     result = gen.generate(tiny_model, [1, 2, 3], **kwargs)
     assert len(result.receipts) == len(result.output_ids) == 12 and result.rng_counter == 12
     before = PolicyState()
@@ -148,7 +148,7 @@ def test_smollm2_sampling_replays_and_the_spec_agrees(smollm2_model, smollm2_tok
     """SmolLM2: a seeded sampled run replays exactly, and the spec reproduces its decisions on its rows."""
     config = policy_config_from_json(SAMPLING)
     prompt = [1, *smollm2_tokenizer.encode("The capital of France is")]
-    kwargs = dict(max_new_tokens=8, policy=config, identity="smollm2-sample", seed=11, vocab_hash=smollm2_tokenizer.sha256)
+    kwargs = {"max_new_tokens": 8, "policy": config, "identity": "smollm2-sample", "seed": 11, "vocab_hash": smollm2_tokenizer.sha256}
     result, calls = _captured_generate(monkeypatch, smollm2_model, prompt, **kwargs)
     again = gen.generate(smollm2_model, prompt, **kwargs)
     assert again.output_ids == result.output_ids and again.receipts == result.receipts

@@ -12,11 +12,9 @@ import textwrap
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from decodespec.impl import policy as twin
 from decodespec.impl.rng import RequestRng, philox4x64_10
 from decodespec.spec.errors import Rejection
 from decodespec.spec.policy import PolicyConfig, PolicyState, RequestView, ScoreRow, decide, policy_config_from_json, rng_key, uniform

@@ -11,11 +11,9 @@ import math
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from decodespec.checks.testing import requires_hf
 from decodespec.spec.errors import Rejection
 from decodespec.spec.policy import (
     CATALOG,
@@ -38,13 +36,14 @@ from decodespec.spec.policy.transforms import TRANSFORMS
 from decodespec.spec.rules import RULES
 
 EMPTY_VIEW = RequestView(prompt_ids=())
+EMPTY_STATE = PolicyState()
 
 
 def spec_of(obj: dict):
     return policy_config_from_json({"family": "multinomial", "order": "explicit", "transforms": [obj]}).transforms[0]
 
 
-def apply(obj: dict, z, view: RequestView = EMPTY_VIEW, state: PolicyState = PolicyState()) -> np.ndarray:
+def apply(obj: dict, z, view: RequestView = EMPTY_VIEW, state: PolicyState = EMPTY_STATE) -> np.ndarray:
     spec = spec_of(obj)
     return TRANSFORMS[spec.name](np.asarray(z, dtype=np.float64), spec, view, state).values
 

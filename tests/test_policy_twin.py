@@ -68,7 +68,7 @@ def ids(vocab: int, max_size: int = 6):
 def transform(name: str, vocab: int):
     """Strategy for one transform JSON object with random parameters."""
     history = st.sampled_from(["prompt_and_output", "output"])
-    floats = lambda lo, hi: st.floats(lo, hi, allow_nan=False)  # noqa: E731
+    floats = lambda lo, hi: st.floats(lo, hi, allow_nan=False)
     return {
         "constraint": st.builds(lambda a, b: {"name": "constraint", "automaton": {"initial": "s0", "transitions": {
             "s0": {str(t): "s1" for t in a} | {str(vocab - 1): "s0"}, "s1": {str(t): "s0" for t in b} | {"0": "s1"}}}},
@@ -238,7 +238,7 @@ def test_spec_and_torch_twin_agree_on_beam_candidates(device, case, num_parents,
     )
     if spec_out is None:
         return
-    cand_scores, parents, tokens, logprobs = twin_out
+    _cand_scores, parents, tokens, _logprobs = twin_out
     grid = (np.asarray(scores)[:, None] + spec_out.logprobs).ravel()
     top = spec_out.scores[np.isfinite(spec_out.scores)]
     gaps = np.abs(np.diff(top))

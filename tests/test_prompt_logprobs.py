@@ -15,8 +15,7 @@ import pytest
 
 from decodespec.spec import envelope as E
 from decodespec.spec.errors import Rejection
-from decodespec.spec.prompt_logprobs import (FirstTokenPolicy, PromptLogprob, PromptLogprobsSpec, prompt_logprobs_aligned,
-                                             scored_positions)
+from decodespec.spec.prompt_logprobs import FirstTokenPolicy, PromptLogprob, PromptLogprobsSpec, prompt_logprobs_aligned, scored_positions
 from decodespec.spec.rules import RULES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,7 +98,7 @@ def test_envelope_field_defaults_and_identity():
     assert plain.output.prompt_logprobs is None
     req, requested = E.validate_request_envelope(_envelope(prompt_logprobs={}))
     assert req.output.prompt_logprobs == PromptLogprobsSpec()
-    explicit, same = E.validate_request_envelope(_envelope(prompt_logprobs={"first_token": "none", "top_k": 0}))
+    _explicit, same = E.validate_request_envelope(_envelope(prompt_logprobs={"first_token": "none", "top_k": 0}))
     assert same == requested != identity  # defaults filled in before hashing; absent is another request
     other, omitted = E.validate_request_envelope(_envelope(prompt_logprobs={"first_token": "omitted", "top_k": 5}))
     assert other.output.prompt_logprobs == PromptLogprobsSpec(first_token=FirstTokenPolicy.OMITTED, top_k=5)
@@ -135,17 +134,16 @@ def test_envelope_refuses_prompt_logprobs_without_a_prefill_call():
 
 # -- runtime --------------------------------------------------------------------------------
 
-import attrs  # noqa: E402
-import numpy as np  # noqa: E402
+import attrs
 
-from decodespec.checks.adapters import CaseConfig  # noqa: E402
-from decodespec.checks.adapters.impl import ImplAdapter, load_model  # noqa: E402
-from decodespec.checks.cases import prompt_ids  # noqa: E402
-from decodespec.checks.ladder import tolerance_for  # noqa: E402
-from decodespec.checks.prompt_logprobs import judge, reference_rows, variants  # noqa: E402
-from decodespec.checks.testing import requires_hf, requires_smollm2  # noqa: E402
-from decodespec.impl.faults import DeviceFault, FaultPlan  # noqa: E402
-from decodespec.impl.runtime import RequestRunner, RuntimeRequest  # noqa: E402
+from decodespec.checks.adapters import CaseConfig
+from decodespec.checks.adapters.impl import ImplAdapter, load_model
+from decodespec.checks.cases import prompt_ids
+from decodespec.checks.ladder import tolerance_for
+from decodespec.checks.prompt_logprobs import judge, reference_rows, variants
+from decodespec.checks.testing import requires_hf, requires_smollm2
+from decodespec.impl.faults import DeviceFault, FaultPlan
+from decodespec.impl.runtime import RequestRunner, RuntimeRequest
 
 SPEC3 = PromptLogprobsSpec(top_k=3)
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import attrs
 import pytest
+from runtime_helpers import renumber, request  # tests/ is on sys.path
 
 from decodespec.checks.cli import main
 from decodespec.checks.trace_validation import TRACE_RECEIPT, validate_trace
@@ -28,8 +30,6 @@ from decodespec.spec.errors import Rejection
 from decodespec.spec.policy import policy_config_from_json
 from decodespec.spec.policy.receipt import content_id, policy_digest, receipt_policy_mismatch
 from decodespec.spec.snapshot import SNAPSHOT_LEDGER_INVALID
-
-from runtime_helpers import renumber, request  # noqa: E402  (tests/ is on sys.path)
 
 TOKENS = 12
 
@@ -42,7 +42,7 @@ def _automaton(states: int, edges: int) -> dict:
 
 @pytest.fixture(scope="module")
 def big_request(tmp_path_factory):
-    env = json.load(open("docs/examples/tiny.request.json"))
+    env = json.loads(Path("docs/examples/tiny.request.json").read_text())
     env["policy"] = {"family": "greedy", "transforms": [{"name": "constraint", "automaton": _automaton(4096, 4)}]}
     env["termination"]["max_new_tokens"] = TOKENS
     env["output"]["stream"] = False

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import attrs
 import pytest
+from runtime_helpers import drive, request  # tests/ is on sys.path
 
 from decodespec.impl.runtime import CommitObservation, RequestRunner
 from decodespec.spec import transitions as T
 from decodespec.spec.actions import Admit, Commit, Decide, Launch, Recover
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag
 from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit
+from decodespec.spec.policy import PolicyConfig
 from decodespec.spec.state import RequestParams, initial_state
-
-from runtime_helpers import drive, request  # noqa: E402  (tests/ is on sys.path)
 
 
 def _prompt(tok) -> list[int]:
@@ -240,7 +240,7 @@ def test_a_model_in_training_mode_is_refused(tiny_model, byte_tokenizer):
     assert RequestRunner(tiny_model, request(prompt, 1)).run().output_count == 1
 
 
-def _forced(ids) -> "PolicyConfig":
+def _forced(ids) -> PolicyConfig:
     """Greedy under a constraint automaton that allows exactly ``ids`` in order, then nothing (an empty legal set)."""
     from decodespec.spec.policy import policy_config_from_json
 

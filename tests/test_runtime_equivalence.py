@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_fixtures import attention  # tests/ is on sys.path via tests/conftest.py
+from runtime_helpers import LOGIT_TOL, drive, request, sampled_policy
 
+from decodespec.checks.testing import requires_smollm2
 from decodespec.impl.runtime import RequestRunner
 from decodespec.impl.tiny import load_tiny
-from decodespec.checks.testing import requires_smollm2
-
-from model_fixtures import attention  # noqa: E402  (tests/ is on sys.path via tests/conftest.py)
-from runtime_helpers import LOGIT_TOL, drive, request, sampled_policy  # noqa: E402
 
 PROMPT = "Equivalence: the cache must not change the answer."
 

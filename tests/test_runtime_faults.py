@@ -12,6 +12,7 @@ the spec (``decodespec.checks.trace_validation``).
 from __future__ import annotations
 
 import pytest
+from runtime_helpers import request  # tests/ is on sys.path
 
 from decodespec.checks.trace_validation import validate_trace
 from decodespec.impl.events import ListSink
@@ -20,8 +21,6 @@ from decodespec.impl.runtime import RequestRunner
 from decodespec.spec.enums import FinishReason, PendingTag
 from decodespec.spec.errors import Rejection
 from decodespec.spec.state import InterruptPoint
-
-from runtime_helpers import request  # noqa: E402  (tests/ is on sys.path)
 
 G = 4
 FAMILIES = ["none", "dynamic", "static"]

@@ -19,6 +19,7 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from runtime_helpers import renumber, request  # tests/ is on sys.path
 
 from decodespec.checks.trace_validation import token_bytes_of, validate_trace
 from decodespec.impl.events import ListSink
@@ -31,9 +32,7 @@ from decodespec.spec.actions import Commit
 from decodespec.spec.enums import FinishReason as FR
 from decodespec.spec.errors import Rejection
 from decodespec.spec.state import InterruptPoint, PendingTag
-from decodespec.spec.stop import StopConfig, reference_stream
-
-from runtime_helpers import renumber, request  # noqa: E402  (tests/ is on sys.path)
+from decodespec.spec.stop import reference_stream
 
 G = 12
 
@@ -281,7 +280,7 @@ def test_chunk_consumer_and_stop_settings_are_validated(tiny_model, byte_tokeniz
 
 def test_zero_new_tokens_streams_nothing(tiny_model, byte_tokenizer, prompt):
     consumer = Consumer()
-    runner, result, lines = run(tiny_model, byte_tokenizer, prompt, 0, stop_strings=("B",), consumer=consumer)
+    _runner, result, lines = run(tiny_model, byte_tokenizer, prompt, 0, stop_strings=("B",), consumer=consumer)
     assert result.finish_reason is FR.LENGTH and result.text == "" and result.output_ids == () and consumer.chunks == []
     assert result.stream == {"chunks": 0, "delivered_bytes": 0, "delivered_tokens": 0, "failed": False, "error": None}
     accepted(lines, byte_tokenizer)
@@ -296,7 +295,7 @@ def test_zero_new_tokens_streams_nothing(tiny_model, byte_tokenizer, prompt):
 def test_resume_publishes_the_same_stream(tiny_model, byte_tokenizer, prompt, free, form, tmp_path):
     """The stop/stream state rides in the snapshot: a resumed run publishes exactly the remaining chunks."""
     stop = free.text[8:10]
-    kwargs = dict(stop_strings=(stop,), alignment="span", cache="static", final_cache="all_outputs")
+    kwargs = {"stop_strings": (stop,), "alignment": "span", "cache": "static", "final_cache": "all_outputs"}
     whole = Consumer()
     _, expected, _ = run(tiny_model, byte_tokenizer, prompt, consumer=whole, **kwargs)
     assert expected.finish_reason is FR.STOP_STRING
@@ -392,7 +391,7 @@ def test_a_stream_event_in_a_request_that_does_not_stream_is_rejected(tiny_model
     _, _, lines = run(tiny_model, byte_tokenizer, prompt, 4, stream=False)
     records = [json.loads(line) for line in lines]
     assert not any(r["event"] == "stream" for r in records) and "stream" not in records[-1]
-    i = [n for n, r in enumerate(records) if r["event"] == "commit"][0]
+    i = next(n for n, r in enumerate(records) if r["event"] == "commit")
     records.insert(i + 1, {"v": 1, "seq": 0, "event": "stream", "chunk_idx": 0, "text": "B", "byte_start": 0, "byte_end": 1,
                            "token_start": 0, "token_end": 1})
     verdict = _reject(records, byte_tokenizer)

@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from runtime_helpers import renumber, request  # tests/ is on sys.path
 
 from decodespec.checks.testing import requires_smollm2
 from decodespec.checks.trace_validation import token_bytes_of, validate_trace
 from decodespec.impl.events import ListSink
 from decodespec.impl.runtime import RequestRunner
 from decodespec.spec.enums import FinishReason as FR
-
-from runtime_helpers import renumber, request  # noqa: E402  (tests/ is on sys.path)
 
 pytestmark = [requires_smollm2, pytest.mark.smollm2]
 
@@ -58,7 +57,7 @@ def streamed(chunks) -> str:
 def france(smollm2_model, smollm2_tokenizer):
     """The greedy continuation of FRANCE, streamed, with a stop string that never matches (all flushed at EOS)."""
     prompt = chat_ids(smollm2_tokenizer, FRANCE)
-    runner, result, chunks, _ = run(smollm2_model, smollm2_tokenizer, prompt, 12, stop_strings=("zzz",))
+    _runner, result, chunks, _ = run(smollm2_model, smollm2_tokenizer, prompt, 12, stop_strings=("zzz",))
     assert result.finish_reason is FR.EOS and result.output_ids[-1] == EOS
     assert streamed(chunks) == result.text == smollm2_tokenizer.decode(result.output_ids[:-1])
     token_bytes = [smollm2_tokenizer.token_bytes(i) for i in result.output_ids[:-1]]
@@ -191,7 +190,7 @@ def test_a_broken_smollm2_stream_trace_is_rejected_at_the_right_line(smollm2_mod
     data = b"".join(tb)
     start = spans(tb)[1][0] + 1
     stop = data[start:spans(tb)[3][1]].decode()
-    _, _, chunks, lines = run(smollm2_model, smollm2_tokenizer, prompt, 12, stop_strings=(stop,), alignment="text")
+    _, _, _chunks, lines = run(smollm2_model, smollm2_tokenizer, prompt, 12, stop_strings=(stop,), alignment="text")
     records = [json.loads(line) for line in lines]
     i = next(n for n, r in enumerate(records) if r["event"] == "commit" and r["output_count"] == 2) + 1
     assert records[i]["event"] == "stream" and records[i]["byte_end"] == start  # " capital" held back after " "

@@ -20,14 +20,13 @@ import json
 import attrs
 import pytest
 import torch
+from runtime_helpers import request, sampled_policy  # tests/ is on sys.path
 
 from decodespec.checks.testing import requires_smollm2
 from decodespec.impl.runtime import RequestRunner
 from decodespec.impl.snapshot import load_snapshot, save_snapshot
 from decodespec.spec.enums import PendingTag
 from decodespec.spec.errors import Rejection
-
-from runtime_helpers import request, sampled_policy  # noqa: E402  (tests/ is on sys.path)
 
 G = 5
 

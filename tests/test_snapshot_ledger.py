@@ -18,6 +18,7 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
+from runtime_helpers import request  # tests/ is on sys.path
 
 from decodespec.checks.trace_validation import params_from_header
 from decodespec.impl.events import ListSink
@@ -25,8 +26,6 @@ from decodespec.impl.runtime import RequestRunner
 from decodespec.spec.enums import FinishReason
 from decodespec.spec.errors import Rejection
 from decodespec.spec.snapshot import SNAPSHOT_LEDGER_INVALID, restore_failure
-
-from runtime_helpers import request  # noqa: E402  (tests/ is on sys.path)
 
 PROMPT = (1, 40, 41, 42)
 

@@ -142,7 +142,7 @@ def test_json_braces_and_quotes_inside_strings(tok) -> None:
     ids = tok.encode(text)
     assert b"}\\" in [tok.token_bytes(i) for i in ids]              # a token with } inside a string
     more = tok.encode("\n\nDone.")
-    s, chunks = stream(tok, ids + more, json_completion=True)
+    s, _chunks = stream(tok, ids + more, json_completion=True)
     out = s.output
     assert out.finish_reason is FR.STRUCTURED and out.num_committed == len(ids)
     assert out.text == text and out.structured_end == len(text.encode())
@@ -165,7 +165,7 @@ def test_json_completion_inside_a_token_is_trimmed(tok) -> None:
 def test_min_new_tokens_past_the_first_stop_and_eos(tok) -> None:
     """invariant.stop_triggers: min_new_tokens suppresses the first <STOP> and an early EOS."""
     ids = tok.encode("Hello <STOP> world <STOP> more")
-    s, chunks = stream(tok, ids, stop_strings=["<STOP>"], min_new_tokens=5)
+    s, _chunks = stream(tok, ids, stop_strings=["<STOP>"], min_new_tokens=5)
     out = s.output
     assert out.stop_match == StopMatch(0, 19, 25) and out.text == "Hello <STOP> world "
     assert out.num_committed == 8

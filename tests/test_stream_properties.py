@@ -12,7 +12,8 @@ Runs on the tiny model's ``ByteTokenizer`` and on SmolLM2's real byte-level BPE 
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from hypothesis import event, given
@@ -103,7 +104,7 @@ def stop_configs(draw, text: str, num_tokens: int, json_completion: bool = False
 
 
 _BYTE_TOK = ByteTokenizer(vocab_size=262)
-_BYTE_POOL = sorted({b + 3 for b in "ab<>S é€😀日{}\":1".encode("utf-8")} | {0xFF + 3, 0xED + 3, 0xA0 + 3, 0x80 + 3, 2, 260})
+_BYTE_POOL = sorted({b + 3 for b in "ab<>S é€😀日{}\":1".encode()} | {0xFF + 3, 0xED + 3, 0xA0 + 3, 0x80 + 3, 2, 260})
 
 
 @given(st.data())

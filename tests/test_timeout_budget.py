@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 
 import attrs
-
 import pytest
+from runtime_helpers import renumber, request  # tests/ is on sys.path
+from test_envelope import dumps, edit, tiny
 
 from decodespec.checks.cli import main
 from decodespec.checks.trace_validation import validate_trace
@@ -27,9 +28,6 @@ from decodespec.spec import envelope as E
 from decodespec.spec.enums import FinishReason, PendingTag
 from decodespec.spec.errors import DecodeSpecError
 from decodespec.spec.policy import policy_config_from_json
-
-from runtime_helpers import renumber, request  # noqa: E402  (tests/ is on sys.path)
-from test_envelope import dumps, edit, tiny  # noqa: E402
 
 #: Fake time per model call, in seconds (10 ms).
 CALL_S = 0.010

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from runtime_helpers import renumber, request, sampled_policy  # tests/ is on sys.path
 
 from decodespec.checks.cli import main
 from decodespec.checks.trace_validation import validate_trace
@@ -21,22 +22,20 @@ from decodespec.impl.runtime import CommitObservation, RequestRunner
 from decodespec.spec.enums import FinishReason
 from decodespec.spec.state import InterruptPoint
 
-from runtime_helpers import renumber, request, sampled_policy  # noqa: E402  (tests/ is on sys.path)
-
 CASES = {
-    "greedy": dict(),
-    "sampled": dict(policy=sampled_policy()),
-    "chunked": dict(prefill_chunk=3),
-    "static": dict(cache="static", prefill_chunk=4),
-    "no-cache": dict(cache="none"),
-    "repaired": dict(final_cache="all_outputs"),
-    "g0-no-call": dict(max_new_tokens=0),
-    "g0-prefill-only": dict(max_new_tokens=0, zero_new_tokens="prefill_only"),
-    "cancelled": dict(faults=FaultPlan.of(Interrupt(FinishReason.CANCELLED, 2, InterruptPoint.IN_FLIGHT))),
-    "timeout": dict(faults=FaultPlan.of(Interrupt(FinishReason.TIMEOUT, 1, InterruptPoint.AFTER_DECISION))),
-    "device-fault": dict(faults=FaultPlan.of(DeviceFault(2, layer=1))),
-    "missing-lane-retried": dict(cache="static", max_retries=1, faults=FaultPlan.of(MissingLane(1, layer=3))),
-    "repair-faulted-retried": dict(final_cache="all_outputs", max_retries=2, faults=FaultPlan.of(DeviceFault(5), DeviceFault(6))),
+    "greedy": {},
+    "sampled": {"policy": sampled_policy()},
+    "chunked": {"prefill_chunk": 3},
+    "static": {"cache": "static", "prefill_chunk": 4},
+    "no-cache": {"cache": "none"},
+    "repaired": {"final_cache": "all_outputs"},
+    "g0-no-call": {"max_new_tokens": 0},
+    "g0-prefill-only": {"max_new_tokens": 0, "zero_new_tokens": "prefill_only"},
+    "cancelled": {"faults": FaultPlan.of(Interrupt(FinishReason.CANCELLED, 2, InterruptPoint.IN_FLIGHT))},
+    "timeout": {"faults": FaultPlan.of(Interrupt(FinishReason.TIMEOUT, 1, InterruptPoint.AFTER_DECISION))},
+    "device-fault": {"faults": FaultPlan.of(DeviceFault(2, layer=1))},
+    "missing-lane-retried": {"cache": "static", "max_retries": 1, "faults": FaultPlan.of(MissingLane(1, layer=3))},
+    "repair-faulted-retried": {"final_cache": "all_outputs", "max_retries": 2, "faults": FaultPlan.of(DeviceFault(5), DeviceFault(6))},
 }
 
 
@@ -56,7 +55,7 @@ def prompt(byte_tokenizer):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_runtime_trace_is_accepted(tiny_model, prompt, name):
-    runner, lines = _trace(tiny_model, prompt, **dict(CASES[name]))
+    _runner, lines = _trace(tiny_model, prompt, **dict(CASES[name]))
     verdict = validate_trace(lines)
     assert verdict.accepted, verdict
     assert verdict.consumed == len(lines) and verdict.final_phase == "finished"

@@ -84,10 +84,10 @@ def test_snapshot_and_resume_traces_are_accepted(tmp_path, capsys, tiny_model):
     Built with the Python API (``RequestRunner`` + ``FileSink``), the traces ``generate --snapshot`` /
     ``--resume`` write.
     """
+    from runtime_helpers import request, sampled_policy  # tests/ is on sys.path
+
     from decodespec.impl.events import FileSink
     from decodespec.impl.runtime import RequestRunner
-
-    from runtime_helpers import request, sampled_policy  # noqa: E402  (tests/ is on sys.path)
 
     first, second = tmp_path / "first.ndjson", tmp_path / "second.ndjson"
     with FileSink(first) as sink:
@@ -131,7 +131,7 @@ def test_a_receipt_whose_selected_id_is_not_the_token_is_refused(greedy_trace, t
 
 def test_a_receipt_altered_behind_its_content_hash_is_refused(greedy_trace, tmp_path, capsys):
     records = _records(greedy_trace)
-    i = [k for k, r in enumerate(records) if r["event"] == "decision"][0]
+    i = next(k for k, r in enumerate(records) if r["event"] == "decision")
     records[i]["receipt"]["support_size"] -= 1  # bound by no event field: only the content hash catches it
     path = tmp_path / "hash.ndjson"
     _write(path, records)
@@ -143,13 +143,13 @@ def test_a_receipt_altered_behind_its_content_hash_is_refused(greedy_trace, tmp_
 def test_an_unknown_field_is_refused(greedy_trace, tmp_path, capsys, where):
     records = _records(greedy_trace)
     if where == "top":
-        i = [k for k, r in enumerate(records) if r["event"] == "commit"][0]
+        i = next(k for k, r in enumerate(records) if r["event"] == "commit")
         records[i]["note"], path_part = "hi", "$"
     elif where == "frontier":
-        i = [k for k, r in enumerate(records) if r["event"] == "call_completed"][0]
+        i = next(k for k, r in enumerate(records) if r["event"] == "call_completed")
         records[i]["frontier_after"]["note"], path_part = 1, "$.frontier_after"
     elif where == "receipt.rng":
-        i = [k for k, r in enumerate(records) if r["event"] == "decision"][0]
+        i = next(k for k, r in enumerate(records) if r["event"] == "decision")
         records[i]["receipt"]["rng"]["note"], path_part = 1, "$.receipt.rng"
     else:
         i = 0
@@ -220,7 +220,7 @@ def test_a_commit_whose_logprob_is_not_its_decisions_is_refused(greedy_trace, tm
 def test_a_logprob_too_large_for_a_float_is_a_mismatch_not_a_crash(greedy_trace, tmp_path, capsys, event):
     """Found by the long trace fuzz (seed 41): an integer logprob of 400 digits raised OverflowError in math.isfinite."""
     records = _records(greedy_trace)
-    i = [k for k, r in enumerate(records) if r["event"] == event][0]
+    i = next(k for k, r in enumerate(records) if r["event"] == event)
     records[i]["logprob"] = -(10**400)
     path = tmp_path / "huge.ndjson"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -247,7 +247,7 @@ def test_a_no_cache_trace_writes_no_layer(tmp_path, capsys):
     path = _generate(tmp_path, "nocache", "--max-new-tokens", "2", "--cache", "none")
     assert _verdict(capsys, path, 0)["accepted"]
     records = _records(path)
-    i = [k for k, r in enumerate(records) if r["event"] == "call_completed"][0]
+    i = next(k for k, r in enumerate(records) if r["event"] == "call_completed")
     records[i]["layers_written"] = 4
     _write(path, records)
     verdict = _verdict(capsys, path, 1)

@@ -56,7 +56,7 @@ def test_a_sigkilled_generate_leaves_a_temporary_and_the_next_run_removes_it(tmp
     leftover = _temporaries(tmp_path)
     assert len(leftover) == 1 and leftover[0].stat().st_size > 20_000 and not target.exists()  # what the kill leaves
     time.sleep(STALE_AFTER_S)
-    done = subprocess.run([*cmd, "--max-new-tokens", "2"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*cmd, "--max-new-tokens", "2"], check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert _temporaries(tmp_path) == [] and not leftover[0].exists()
     lines = target.read_text().splitlines()
@@ -132,13 +132,13 @@ def _staging(folder: Path, target: str = "s.json") -> list[Path]:
 def test_a_kill_while_a_snapshot_is_written_leaves_a_staging_folder_that_the_next_run_removes(tmp_path) -> None:
     target = tmp_path / "s.json"
     args = ["generate", "--model", "tiny", "--prompt", "hi", "--max-new-tokens", "3", "--snapshot", str(target)]
-    killed = subprocess.run([sys.executable, "-c", _KILL_DURING_SAVE, *args], capture_output=True, text=True, timeout=300)
+    killed = subprocess.run([sys.executable, "-c", _KILL_DURING_SAVE, *args], check=False, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     leftover = _staging(tmp_path)
     assert len(leftover) == 1 and sorted(p.name for p in leftover[0].iterdir()) == ["s.json", "s.json.safetensors"]
     assert not target.exists() and not target.with_name("s.json.safetensors").exists()  # nothing half-published
     _age(leftover[0])
-    done = subprocess.run([sys.executable, "-m", "decodespec.checks.cli", *args], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "decodespec.checks.cli", *args], check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "s.json.safetensors"]
 
@@ -176,7 +176,7 @@ def test_write_atomically_replaces_whole_and_a_killed_writers_temporary_is_remov
         "import decodespec.impl.events as ev\n"
         "real = os.replace\n"
         "os.replace = lambda a, b: os.kill(os.getpid(), signal.SIGKILL)\n"
-        f"ev.write_atomically({str(target)!r}, 'x' * 100000)\n")], capture_output=True, text=True, timeout=120)
+        f"ev.write_atomically({str(target)!r}, 'x' * 100000)\n")], check=False, capture_output=True, text=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert target.read_text() == "old\n"
     (leftover,) = _temporaries(tmp_path, "r.jsonl")

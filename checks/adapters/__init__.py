@@ -93,7 +93,8 @@ Capabilities (:data:`CAPABILITIES`)
     outside the declared names, and a config refused with ``adapter.unsupported`` is a skip.
 
 Runtimes
-    :func:`open_adapter` resolves ``impl``, ``hf``, ``llamacpp`` and ``stdio:CMD``: module
+    :func:`open_adapter` resolves ``impl``, ``hf``, ``llamacpp``, ``stdio:CMD`` and ``engine:CMD``
+    (:mod:`decodespec.checks.adapters.engine`: the gate's controller over a process that answers model calls): module
     ``decodespec.checks.adapters.<name>`` exposes ``available() -> str | None`` (``None`` when
     usable, else the skip reason) and ``create(**options) -> Adapter``.
 
@@ -108,33 +109,35 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import re
 import json
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import numpy as np
 import rfc8785
 
+from decodespec.spec.enums import PendingTag
 from decodespec.spec.errors import Rejection, quote_content, register_code
 from decodespec.spec.snapshot import SnapshotRecord
-from decodespec.spec.enums import PendingTag
 
 __all__ = [
     "ADAPTER_INVALID_ACTION",
     "ADAPTER_INVALID_CONFIG",
     "ADAPTER_PROTOCOL",
     "ADAPTER_UNSUPPORTED",
+    "CAPABILITIES",
+    "COMMAND_RUNTIMES",
+    "CORRUPTIONS",
+    "MODELS",
+    "OPS",
+    "OP_AND_PROBE_CAPABILITIES",
+    "OP_CAPABILITIES",
     "Adapter",
     "AdapterUnavailable",
     "ApplyResult",
-    "CAPABILITIES",
-    "CORRUPTIONS",
     "CaseConfig",
-    "OP_AND_PROBE_CAPABILITIES",
-    "MODELS",
-    "OPS",
-    "OP_CAPABILITIES",
     "Observation",
     "check_action",
     "config_capabilities",
@@ -265,7 +268,7 @@ def no_controller_action(phase: str) -> Rejection:
                      details={"rule": "controller", "guard": "the request is not terminal"})
 
 
-def required_capabilities(action: Mapping[str, Any], config: "CaseConfig | None" = None) -> frozenset[str]:
+def required_capabilities(action: Mapping[str, Any], config: CaseConfig | None = None) -> frozenset[str]:
     """Capabilities an action needs (chunked prefill also needs ``prefill_chunk``)."""
     need = set(OP_CAPABILITIES[action["op"]])
     if action["op"] == "prefill" and action.get("chunk") is not None:
@@ -415,7 +418,7 @@ class CaseConfig:
         return out
 
     @classmethod
-    def from_json(cls, obj: Any) -> "CaseConfig":
+    def from_json(cls, obj: Any) -> CaseConfig:
         """Inverse of :meth:`to_json` (absent optional fields take their defaults).
 
         Raises:
@@ -437,7 +440,7 @@ class CaseConfig:
             # The exception text may hold a value of the config (a prompt id, a stop string): user content, so fingerprinted.
             raise Rejection(ADAPTER_INVALID_CONFIG, f"{type(exc).__name__}: {quote_content(str(exc))}", "$") from None
 
-    def evolve(self, **changes: Any) -> "CaseConfig":
+    def evolve(self, **changes: Any) -> CaseConfig:
         """A copy with ``changes`` (validated again)."""
         return attrs.evolve(self, **changes)
 
@@ -452,7 +455,7 @@ class CaseConfig:
         return "sha256:" + digest
 
 
-from .features import config_capabilities, feature_capabilities  # noqa: E402 - needs CaseConfig's defaults
+from .features import config_capabilities, feature_capabilities  # needs CaseConfig's defaults
 
 #: Every capability an adapter may declare: :data:`OP_AND_PROBE_CAPABILITIES` plus one name per policy transform
 #: and per envelope feature, derived from the request and policy schemas
@@ -478,12 +481,12 @@ class ApplyResult:
     message: str | None = None
 
     @classmethod
-    def accepted(cls, data: Mapping[str, Any] | None = None) -> "ApplyResult":
+    def accepted(cls, data: Mapping[str, Any] | None = None) -> ApplyResult:
         """An accepted action's result."""
         return cls(True, dict(data or {}))
 
     @classmethod
-    def rejected(cls, code: str, message: str = "") -> "ApplyResult":
+    def rejected(cls, code: str, message: str = "") -> ApplyResult:
         """A refused action's result (the typed error's code and message)."""
         return cls(False, {}, code, message)
 
@@ -494,7 +497,7 @@ class ApplyResult:
         return {"status": "rejected", "code": self.code, "message": self.message or ""}
 
     @classmethod
-    def from_json(cls, obj: Any) -> "ApplyResult":
+    def from_json(cls, obj: Any) -> ApplyResult:
         """Inverse of :meth:`to_json`.
 
         Raises:
@@ -563,6 +566,10 @@ class Observation:
         returned_ids / returned_logprobs: The returned output once the request is finished, under
             its alignment contract (a stop cut trims both, ``len(logprobs) == len(ids)``;
             ``invariant.output_alignment``), or ``None`` while open / not exposed.
+        vocab_hash: The ordered vocabulary identity the runtime scores and decodes with
+            (:func:`decodespec.spec.vocab.vocab_table_hash` of its id -> token-bytes table; the
+            ``vocab_hash`` its receipts carry), or ``None``.
+        vocab_rows: Rows of its output head (the score row's length V_out), or ``None``.
 
     Shapes: see each attribute; V the vocabulary size.
     """
@@ -592,6 +599,8 @@ class Observation:
     beam_parents: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_tuple)
     returned_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_tuple)
     returned_logprobs: tuple[float, ...] | None = attrs.field(default=None, converter=_opt_tuple)
+    vocab_hash: str | None = None
+    vocab_rows: int | None = None
 
     def summary(self) -> dict[str, Any]:
         """The JSON-able, array-free part (what traces record per step; arrays as their shapes)."""
@@ -643,26 +652,32 @@ class AdapterUnavailable(Exception):
     """The named runtime cannot run here (not installed, no model file); the message is the skip reason."""
 
 
+#: Runtime kinds that take a command line after ``:`` and start it as a process: ``stdio:CMD`` (the whole contract over
+#: :mod:`.wire`) and ``engine:CMD`` (model calls only over :mod:`.engine`; the gate's controller owns the contract).
+COMMAND_RUNTIMES = ("stdio", "engine")
+
+
 def parse_runtime(runtime: str) -> tuple[str, str]:
-    """``(name, command)`` of a runtime name: ``impl``, ``hf``, ``llamacpp`` (command ``""``) or ``stdio:CMD``.
+    """``(name, command)`` of a runtime name: ``impl``, ``hf``, ``llamacpp`` (command ``""``), ``stdio:CMD`` or ``engine:CMD``.
 
     Raises:
         Rejection: ``adapter.unsupported`` for an unknown name or a ``:`` argument to a runtime
-            other than ``stdio``.
+            other than ``stdio`` and ``engine``.
     """
     name, _, rest = runtime.partition(":")
-    if name != "stdio" and rest:
-        raise Rejection(ADAPTER_UNSUPPORTED, f"only stdio takes a ':' argument, got {runtime!r}", "$.runtime")
-    if name not in ("impl", "hf", "llamacpp", "stdio"):
-        raise Rejection(ADAPTER_UNSUPPORTED, f"unknown runtime {runtime!r}; expected impl, hf, llamacpp or stdio:CMD", "$.runtime")
+    if name not in COMMAND_RUNTIMES and rest:
+        raise Rejection(ADAPTER_UNSUPPORTED, f"only stdio and engine take a ':' argument, got {runtime!r}", "$.runtime")
+    if name not in ("impl", "hf", "llamacpp", *COMMAND_RUNTIMES):
+        raise Rejection(ADAPTER_UNSUPPORTED, f"unknown runtime {runtime!r}; expected impl, hf, llamacpp, stdio:CMD or engine:CMD",
+                        "$.runtime")
     return name, rest
 
 
 def open_adapter(runtime: str, **options: Any) -> Adapter:
-    """Create the adapter named ``runtime``: ``impl``, ``hf``, ``llamacpp`` or ``stdio:CMD``.
+    """Create the adapter named ``runtime``: ``impl``, ``hf``, ``llamacpp``, ``stdio:CMD`` or ``engine:CMD``.
 
     Args:
-        runtime: The runtime name (``stdio:`` followed by the server's command line).
+        runtime: The runtime name (``stdio:`` or ``engine:`` followed by the process's command line).
         **options: Passed to the module's ``create`` (e.g. ``model="smollm2"``).
 
     Raises:
@@ -670,7 +685,7 @@ def open_adapter(runtime: str, **options: Any) -> Adapter:
         Rejection: ``adapter.unsupported`` for an unknown runtime name.
     """
     name, rest = parse_runtime(runtime)
-    if name == "stdio":
+    if name in COMMAND_RUNTIMES:
         options = {"command": rest, **options}
     try:
         module = importlib.import_module(f"decodespec.checks.adapters.{name}")

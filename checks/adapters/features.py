@@ -37,14 +37,29 @@ fields), 0x09 (the cache ABI); M3.8 0x0B (the transform catalog); issue 22 item 
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from decodespec.spec.envelope import request_schema
 from decodespec.spec.policy import POLICY_JSON_SCHEMA
 
-__all__ = ["CONFIG_FIELDS", "SECTIONS", "SHORT_NAMES", "config_capabilities", "config_features", "config_needs", "feature_capabilities",
-           "envelope_features", "feature_of", "missing_capabilities", "names_at", "policy_feature", "sendable_features",
-           "transform_capability", "undeclared"]
+__all__ = [
+    "CONFIG_FIELDS",
+    "SECTIONS",
+    "SHORT_NAMES",
+    "config_capabilities",
+    "config_features",
+    "config_needs",
+    "envelope_features",
+    "feature_capabilities",
+    "feature_of",
+    "missing_capabilities",
+    "names_at",
+    "policy_feature",
+    "sendable_features",
+    "transform_capability",
+    "undeclared",
+]
 
 #: The request envelope's sections whose properties are runtime choices (the rest -- artifact, text interface,
 #: prompt, RNG -- is the request's data, which every runtime takes).
@@ -308,7 +323,7 @@ def undeclared(config: Any, declared: Iterable[str], runtime: str) -> Any:
     missing = {name: path for name, path in config_needs(config).items() if name not in have}
     if not missing:
         return None
-    first = sorted(missing.values())[0]
+    first = min(missing.values())
     return Rejection(ADAPTER_UNSUPPORTED, f"{runtime} does not declare {sorted(missing)}", first)
 
 

@@ -62,14 +62,27 @@ from decodespec.spec.enums import FinishReason
 from decodespec.spec.errors import Rejection
 from decodespec.spec.policy.codes import EMPTY_SUPPORT
 from decodespec.spec.policy.config import EmptySupport, Family, policy_config_from_json
+from decodespec.spec.request import static_capacity
 
 from . import CaseConfig
 from .features import envelope_features, names_at, transform_capability
-from .peer import PeerAdapter, PeerDecision, main_value, unsupported
+from .peer import PeerAdapter, PeerDecision, bound_triggers, main_value, unsupported
 
-__all__ = ["HF_CAPABILITIES", "HFEngine", "adopt_model", "available", "batch_generate", "constraint_fn", "create",
-           "register_custom_cases", "generation_config", "generate_sequence", "hf_model", "hf_tiny",
-           "hf_tokenizer"]
+__all__ = [
+    "HF_CAPABILITIES",
+    "HFEngine",
+    "adopt_model",
+    "available",
+    "batch_generate",
+    "constraint_fn",
+    "create",
+    "generate_sequence",
+    "generation_config",
+    "hf_model",
+    "hf_tiny",
+    "hf_tokenizer",
+    "register_custom_cases",
+]
 
 #: What the step-wise HF adapter declares.
 #: Policy transform -> the ``GenerationConfig`` field HF builds its processor from (its one parameter).
@@ -307,7 +320,7 @@ class HFEngine:
                                                   prefix_allowed_tokens_fn=constraint_fn(config))
         criteria = model._get_stopping_criteria(gen, StoppingCriteriaList(), tokenizer)
         if config.cache == "static":
-            capacity = config.static_capacity or min(L + G + 1, int(model.config.max_position_embeddings))
+            capacity = static_capacity("static", config.static_capacity, L, G, int(model.config.max_position_embeddings))
         reused = self.cache if reuse else None
         if config.cache == "none":
             cache = None
@@ -441,10 +454,7 @@ class HFEngine:
                 fired.add(FinishReason.STOP_STRING)
             elif isinstance(criterion, MaxLengthCriteria):
                 # One HF bound, max_length = min(L + G, C): say which declared bound it stands for.
-                if output_count >= self.config.max_new_tokens:
-                    fired.add(FinishReason.LENGTH)
-                if len(sequence) >= self.context_cap:
-                    fired.add(FinishReason.CONTEXT_LENGTH)
+                fired |= bound_triggers(sequence, output_count, self.config.max_new_tokens, self.context_cap)
         return fired
 
     def text(self, output_ids: list[int]) -> str | None:

@@ -31,7 +31,8 @@ Source: docs/design.md sections 6 and 11; M3.10 0x0BA (observable fields).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -45,6 +46,7 @@ from decodespec.spec.policy import RequestView, policy_config_from_json
 from decodespec.spec.state import Phase
 from decodespec.spec.transitions import NOT_ENABLED
 
+from ..vocab_check import runtime_vocab_hash
 from . import (
     ADAPTER_INVALID_ACTION,
     ADAPTER_PROTOCOL,
@@ -78,7 +80,7 @@ def available() -> str | None:
     return None
 
 
-def create(**options: Any) -> "ImplAdapter":
+def create(**options: Any) -> ImplAdapter:
     """The adapter (``options``: see :class:`ImplAdapter`; a ``model`` option is ignored: the config names it)."""
     options.pop("model", None)
     return ImplAdapter(**options)
@@ -123,8 +125,11 @@ def model_window(name: str) -> int:
     return int(load_model(name).config.max_position_embeddings)
 
 
-def runtime_request(config: CaseConfig) -> RuntimeRequest:
+def runtime_request(config: CaseConfig, vocab_hash: str = "") -> RuntimeRequest:
     """The runner's request for ``config`` (identity :meth:`CaseConfig.identity`).
+
+    ``vocab_hash`` is the ordered vocabulary hash of the runtime's tokenizer
+    (:func:`decodespec.checks.vocab_check.runtime_vocab_hash`), which every receipt carries.
 
     Raises:
         Rejection: ``policy.*`` for a policy object the M3.8 schema refuses.
@@ -149,6 +154,7 @@ def runtime_request(config: CaseConfig) -> RuntimeRequest:
         structured=config.structured,
         include_stop_str=config.include_stop_str,
         alignment=config.alignment,
+        vocab_hash=vocab_hash,
     )
 
 
@@ -208,10 +214,11 @@ class ImplAdapter:
         if refusal is not None:
             raise refusal
         model = load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
-        request = runtime_request(config)
+        tokenizer = load_tokenizer(config.model)
+        request = runtime_request(config, runtime_vocab_hash(tokenizer))
         if cache is None and self.cache_factory is not None and request.cache != "none":
             cache = self.cache_factory(request, model)
-        runner = self.runner_cls(model, request, cache=cache, tokenizer=load_tokenizer(config.model),
+        runner = self.runner_cls(model, request, cache=cache, tokenizer=tokenizer,
                                  runtime_info={"device": config.device, "dtype": config.dtype, "attention": config.attention,
                                                "decode_kernel": config.decode_kernel})
         runner.admit()
@@ -269,6 +276,8 @@ class ImplAdapter:
             cache_physical=0 if cache is None else (cache.reserved_length if hasattr(cache, "reserved_length") else max(cache.layer_lengths())),
             call=call,
             cache_probe=self._cache_probe(),
+            vocab_hash=latest.receipt.vocab_hash if latest is not None and latest.receipt is not None else r.request.vocab_hash,
+            vocab_rows=int(score[1].shape[0]) if score is not None else int(r.model.lm_head.weight.shape[0]),
             **self._returned(),
         )
 

@@ -33,17 +33,19 @@ frontiers"; HF ``GenerationMixin._sample`` (loop order), llama-cpp-python ``Llam
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
 
-from decodespec.spec.enums import ENVIRONMENT_FAILURES, FINISH_PRECEDENCE, FinishReason, PendingTag, canonical_finish_reason, published_finish_reason
+from decodespec.spec.enums import FINISH_PRECEDENCE, FinishReason, PendingTag, canonical_finish_reason, published_finish_reason
 from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED
 from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit
 from decodespec.spec.policy.codes import TERMINAL_DECISION_CODES
+from decodespec.spec.request import context_cap, default_static_capacity, static_capacity
 from decodespec.spec.snapshot import SNAPSHOT_FORM_UNAVAILABLE
-from decodespec.spec.state import InterruptPoint, Phase
+from decodespec.spec.state import InterruptPoint, Phase, call_interrupt_point, next_call, repair_owed
 from decodespec.spec.transitions import NOT_ENABLED
 
 from . import (
@@ -58,7 +60,7 @@ from . import (
 )
 from .features import undeclared
 
-__all__ = ["PeerAdapter", "PeerDecision", "PeerEngine", "log_softmax_at", "main_value", "register_tolerances", "unsupported"]
+__all__ = ["PeerAdapter", "PeerDecision", "PeerEngine", "bound_triggers", "log_softmax_at", "main_value", "register_tolerances", "unsupported"]
 
 
 def unsupported(message: str, path: str = "$") -> Rejection:
@@ -95,6 +97,16 @@ def register_tolerances(runtime: str) -> dict[tuple[str, str, str], Any]:
 def main_value(transform: Any) -> Any:
     """The value of a transform's first catalog parameter (the one a peer's processor or sampler takes)."""
     return transform.params[0][1]
+
+
+def bound_triggers(sequence: list[int], output_count: int, max_new_tokens: int, context_cap: int) -> set[FinishReason]:
+    """The envelope's two bounds after a commit: ``length`` when O >= G, ``context_length`` when L + O = ``len(sequence)`` >= C."""
+    fired: set[FinishReason] = set()
+    if output_count >= max_new_tokens:
+        fired.add(FinishReason.LENGTH)
+    if len(sequence) >= context_cap:
+        fired.add(FinishReason.CONTEXT_LENGTH)
+    return fired
 
 
 def log_softmax_at(row: np.ndarray, token_id: int) -> float:
@@ -289,14 +301,13 @@ class PeerAdapter:
             from decodespec.impl.model import CONTEXT_WINDOW_EXCEEDED
 
             raise ResourceLimit(CONTEXT_WINDOW_EXCEEDED, f"a {config.prompt_len}-token prompt needs L < {window}", "$.prompt_ids")
-        caps = [window] + [c for c in (config.context_cap,) if c is not None]
-        if config.cache == "static":
-            caps.append(config.static_capacity or min(config.prompt_len + config.max_new_tokens + 1, window))
-        self.engine.start(config, context_cap=min(caps), reuse=reuse)
+        capacity = static_capacity(config.cache, config.static_capacity, config.prompt_len, config.max_new_tokens, window)
+        cap = context_cap(window, config.context_cap, capacity)
+        self.engine.start(config, context_cap=cap, reuse=reuse)
         self.config = config
         self.window = window
         #: C: L + O reaching it fires ``context_length``.
-        self.context_cap = min(caps)
+        self.context_cap = cap
         self.phase = Phase.READY
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -323,9 +334,9 @@ class PeerAdapter:
 
     @property
     def capacity(self) -> int:
-        """S of a static cache: the config's, else L + G + 1 within the window (the reference's default)."""
+        """S of a static cache: the config's, else the spec's default (:func:`decodespec.spec.request.default_static_capacity`)."""
         c = self.config
-        return c.static_capacity or min(c.prompt_len + c.max_new_tokens + 1, self.window)
+        return c.static_capacity if c.static_capacity is not None else default_static_capacity(c.prompt_len, c.max_new_tokens, self.window)
 
     def apply(self, action: Mapping[str, Any]) -> ApplyResult:
         """Apply one action; typed refusals become ``rejected`` (validated before anything changes)."""
@@ -388,6 +399,7 @@ class PeerAdapter:
             cache_physical=self.engine.physical() if cached else 0,
             call=call,
             cache_probe=self.engine.cache_probe(processed) if cached and self.in_flight is None and processed > 0 else None,
+            vocab_rows=None if score is None else len(score[1]),  # the peer's V_out (its ordered table is not read: no hash)
         )
 
     def close(self) -> None:
@@ -411,33 +423,21 @@ class PeerAdapter:
         return list(self.config.prompt_ids) + self.output_ids
 
     def _repair_owed(self) -> bool:
-        return (self.phase is Phase.FINISHED and self.config.final_cache == "all_outputs" and self.config.cache != "none"
-                and self.pending_tag is PendingTag.CLOSED_UNPROCESSED and self.finish_reason is not None
-                and not self.triggers & ENVIRONMENT_FAILURES)
+        return repair_owed(phase=self.phase, repair_required=self.config.final_cache == "all_outputs" and self.config.cache != "none",
+                           pending_tag=self.pending_tag, finish_reason=self.finish_reason, triggers=self.triggers)
 
     def _next_call(self) -> tuple[str, int, int] | None:
         """The due call ``(kind, start, length)``, or ``None``."""
         c = self.config
-        if self.in_flight is not None:
-            return None
         cached = c.cache != "none"
         processed = self.engine.processed() if cached else self.uncached_processed
-        if self.phase is Phase.READY and processed < c.prompt_len and not self.output_ids:
-            if not cached:
-                return "prefill", 0, c.prompt_len
-            remaining = c.prompt_len - processed
-            return "prefill", processed, remaining if c.prefill_chunk is None else min(c.prefill_chunk, remaining)
-        if self.phase is Phase.READY and self.pending_tag is PendingTag.PENDING_NEXT_CALL:
-            return ("decode", processed, 1) if cached else ("decode", 0, c.prompt_len + len(self.output_ids))
-        if self._repair_owed():
-            return "repair", processed, 1
-        return None
+        due = next_call(phase=self.phase, processed=processed, prompt_len=c.prompt_len, output_count=len(self.output_ids), cached=cached,
+                        prefill_chunk=c.prefill_chunk, pending_tag=self.pending_tag, call_in_flight=self.in_flight is not None,
+                        quarantined=self.quarantined, repair_owed=self._repair_owed())
+        return None if due is None else (due[0].value, due[1], due[2])
 
     def _interrupt_point(self) -> InterruptPoint | None:
-        if self.in_flight is not None:  # also the repair call after the close
-            return InterruptPoint.IN_FLIGHT
-        return {Phase.READY: InterruptPoint.BEFORE_LAUNCH, Phase.IN_FLIGHT: InterruptPoint.IN_FLIGHT,
-                Phase.SCORED: InterruptPoint.AFTER_COMPLETION, Phase.DECIDED: InterruptPoint.AFTER_DECISION}.get(self.phase)
+        return call_interrupt_point(self.phase, self.in_flight is not None)  # IN_FLIGHT also for the repair call after the close
 
     def _finish(self, triggers: set[FinishReason]) -> None:
         self.triggers |= triggers

@@ -25,7 +25,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from decodespec.spec.errors import ERROR_CODES, Rejection, ResourceLimit
 
@@ -43,7 +44,7 @@ def available() -> str | None:
     return None
 
 
-def create(command: str = "", **options: Any) -> "StdioAdapter":
+def create(command: str = "", **options: Any) -> StdioAdapter:
     """A :class:`StdioAdapter` running ``command`` (``timeout`` may be given; other options are ignored).
 
     Raises:
@@ -72,7 +73,7 @@ class StdioAdapter:
             argv[0] = sys.executable
         self.command = command
         self.timeout = timeout
-        self.stderr = tempfile.TemporaryFile(mode="w+b")
+        self.stderr = tempfile.TemporaryFile(mode="w+b")  # noqa: SIM115 - the adapter owns it until close()
         try:
             self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
                                             text=True, encoding="utf-8", bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"})

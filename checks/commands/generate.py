@@ -93,6 +93,8 @@ import json
 import sys
 from typing import Any
 
+from decodespec.spec.request import static_capacity
+
 __all__ = ["envelope_from_flags", "policy_json", "register", "run", "tiny_checkpoint_sha256"]
 
 
@@ -178,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     from decodespec.impl.events import FileSink
     from decodespec.impl.gguf import MODEL_FILE_MISSING
     from decodespec.impl.runtime import RequestRunner
-    from decodespec.impl.snapshot import load_snapshot, save_snapshot
+    from decodespec.impl.snapshot import load_snapshot
     from decodespec.spec.errors import DecodeSpecError
 
     refused = _beam_refusal(args) or _flag_refusal(args)
@@ -295,7 +297,6 @@ def _flag_refusal(args: argparse.Namespace) -> dict[str, Any] | None:
 def _close(sink):
     if sink is not None:
         sink.close()
-    return None
 
 
 class _Outputs:
@@ -503,7 +504,7 @@ def envelope_from_flags(args: argparse.Namespace, model, tokenizer) -> dict[str,
     }
     if args.cache == "static":
         g = max(args.max_new_tokens, 0)
-        runtime["static_capacity"] = args.capacity if args.capacity is not None else min(len(prompt_ids) + g + 1, model.config.max_position_embeddings)
+        runtime["static_capacity"] = static_capacity("static", args.capacity, len(prompt_ids), g, model.config.max_position_embeddings)
     if args.prefill_chunk is not None:
         runtime["prefill_chunk"] = args.prefill_chunk
     final_cache = "none" if args.cache == "none" else ("all_outputs" if args.repair else "processed_inputs_only")

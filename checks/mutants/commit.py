@@ -124,4 +124,5 @@ def _repair_failure_rewrites_finish():
     "(the spec accepts the interrupt, the runtime refuses it).",
 )
 def _repair_ignores_interrupts():
-    return [Patch(f"{_RUNNER}.interrupt_point", edits=[("if self.in_flight is not None:", "if self.phase is Phase.IN_FLIGHT:")])]
+    return [Patch(f"{_RUNNER}.interrupt_point", edits=[("call_interrupt_point(self.phase, self.in_flight is not None)",
+                                                        "call_interrupt_point(self.phase, self.phase is Phase.IN_FLIGHT)")])]

@@ -19,7 +19,7 @@ Source: docs/results/mutation.md (the equivalence argument); Cosmic Ray's filter
 from __future__ import annotations
 
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import parso
@@ -39,7 +39,7 @@ def _annotation_nodes(node):
         yield from _annotation_nodes(child)
 
 
-@lru_cache(maxsize=None)
+@cache
 def annotation_spans(path: str) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]:
     """The (start, end) positions (1-based row, 0-based column, as parso) of ``path``'s annotations.
 

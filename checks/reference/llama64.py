@@ -31,8 +31,8 @@ GQA ``repeat_kv``); gguf-py ``gguf/quants.py`` (block layouts of Q4_1 and Q8_0).
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import attrs
 import numpy as np

@@ -114,7 +114,7 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             try:
-                proc = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+                proc = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], check=False, capture_output=True, text=True)
             except OSError as exc:
                 return None, f"building the native decode kernel failed ({compiler}): {exc}"
             if proc.returncode != 0:
@@ -135,7 +135,7 @@ def unavailable_reason() -> str | None:
     return _build()[1]
 
 
-def kernel() -> "NativeKernel":
+def kernel() -> NativeKernel:
     """The process's native kernel (built on first use; one instance per process).
 
     Raises:
@@ -148,7 +148,7 @@ def kernel() -> "NativeKernel":
 
 
 @functools.lru_cache(maxsize=1)
-def _instance(lib: ctypes.CDLL) -> "NativeKernel":
+def _instance(lib: ctypes.CDLL) -> NativeKernel:
     return NativeKernel(lib)
 
 
@@ -168,7 +168,7 @@ class NativeKernel:
         # per tuple of LayerWeights ids: the C array of their structs, and the LayerWeights (so the ids stay unique while cached)
         self._layer_arrays: dict[tuple[int, ...], tuple[ctypes.Array, list]] = {}
 
-    def layers(self, weights: list["LayerWeights"], dims: _Dims, h_in: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+    def layers(self, weights: list[LayerWeights], dims: _Dims, h_in: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                slot: int, mask: torch.Tensor | None, keys: list[torch.Tensor], values: list[torch.Tensor], *,
                final_norm: torch.Tensor | None = None, head: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decoder layers ``0..n-1`` (``n = len(weights)``) for one row in one kernel call, optionally the final norm and head.

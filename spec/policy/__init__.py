@@ -35,16 +35,16 @@ from decodespec.spec.policy.scores import ScoreKind, ScoreRow
 from decodespec.spec.policy.state import PolicyState, RequestView, initial_policy_state
 
 __all__ = [
+    "CATALOG",
+    "POLICY_JSON_SCHEMA",
+    "PRESET_ORDERS",
     "Automaton",
     "BeamCandidates",
-    "CATALOG",
     "DecisionReceipt",
     "EarlyStopping",
     "EmptySupport",
     "Family",
     "Order",
-    "POLICY_JSON_SCHEMA",
-    "PRESET_ORDERS",
     "PolicyConfig",
     "PolicyState",
     "ProcessedRow",

@@ -38,7 +38,8 @@ from __future__ import annotations
 import enum
 import math
 import re
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 
@@ -56,18 +57,18 @@ from decodespec.spec.policy import codes
 from decodespec.spec.policy.scores import ScoreKind
 
 __all__ = [
-    "Automaton",
     "CATALOG",
+    "POLICY_JSON_SCHEMA",
+    "PRESET_ORDERS",
+    "TIE_RULE_LOWEST_ID",
+    "Automaton",
     "EarlyStopping",
     "EmptySupport",
     "Family",
     "Order",
-    "POLICY_JSON_SCHEMA",
-    "PRESET_ORDERS",
     "ParamSpec",
     "PolicyConfig",
     "Stage",
-    "TIE_RULE_LOWEST_ID",
     "TransformInfo",
     "TransformSpec",
     "policy_config_from_json",
@@ -412,7 +413,7 @@ class PolicyConfig:
     early_stopping: EarlyStopping = EarlyStopping.FALSE
 
     @classmethod
-    def greedy(cls) -> "PolicyConfig":
+    def greedy(cls) -> PolicyConfig:
         """The plain greedy policy: no transforms, lowest-id argmax."""
         return cls(family=Family.GREEDY)
 
@@ -493,7 +494,8 @@ def _parse_number(spec: ParamSpec, value: Any, path: str) -> float:
     if not math.isfinite(value):
         raise _reject(codes.INVALID_PARAMETER, f"{spec.name} must be finite", path)
     _check_bounds(spec, value, path)
-    return value
+    number: float = value
+    return number
 
 
 def _parse_integer(spec: ParamSpec, value: Any, path: str) -> int:
@@ -695,7 +697,7 @@ def resolve_order(order: Order, transforms: tuple[TransformSpec, ...], path: str
 _TOP_FIELDS = ("family", "order", "transforms", "tie_rule", "empty_support", "num_beams", "length_penalty", "early_stopping")
 
 
-def policy_config_from_json(obj: dict, path: str = "$.policy") -> PolicyConfig:
+def policy_config_from_json(obj: Mapping[str, Any], path: str = "$.policy") -> PolicyConfig:
     """Validate a policy JSON object and build the frozen :class:`PolicyConfig`.
 
     Args:

@@ -25,7 +25,7 @@ mutable"), 0x0C-0x0F, 0x12 items 35-44.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
@@ -244,10 +244,14 @@ def child_state(config: PolicyConfig, state: PolicyState, token_id: int, *, draw
     """
     constraint = config.find("constraint")
     mirostat = config.find("mirostat_v2")
+    mu = state.mirostat_mu
+    if mirostat is not None and selected_prob is not None:
+        assert mu is not None, "initial_policy_state sets mu for a mirostat_v2 policy"
+        mu = mirostat_update(mu, mirostat, selected_prob)
     return PolicyState(
         rng_counter=state.rng_counter + draws,
         constraint_state=None if constraint is None else constraint.get("automaton").step(state.constraint_state, token_id),
-        mirostat_mu=state.mirostat_mu if mirostat is None or selected_prob is None else mirostat_update(state.mirostat_mu, mirostat, selected_prob),
+        mirostat_mu=mu,
     )
 
 
@@ -284,6 +288,8 @@ def decide(row: ScoreRow, config: PolicyConfig, state: PolicyState, view: Reques
         raise Rejection(codes.FAMILY_MISMATCH, "the beam family decides with beam_candidates, not decide", "$.policy.family")
     pr = processed_row(row, config, state, view)
     key = rng_key(view.identity, view.seed)
+    addresses: tuple[tuple[int, int], ...]
+    uniforms: tuple[float, ...]
     if pr.selector == "multinomial":
         u = uniform(key, view.step, 0)
         token, _ = multinomial(pr.probs, u)

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import rfc8785
@@ -177,7 +178,7 @@ class DecisionReceipt:
     state_after: PolicyState
 
     @classmethod
-    def build(cls, *, policy: PolicyConfig, transforms: tuple[TransformSpec, ...], **fields: Any) -> "DecisionReceipt":
+    def build(cls, *, policy: PolicyConfig, transforms: tuple[TransformSpec, ...], **fields: Any) -> DecisionReceipt:
         """Construct a receipt from every field but ``receipt_id``, which is computed.
 
         Args:

@@ -53,14 +53,14 @@ def _frozen_array(values: Any) -> np.ndarray:
     return arr
 
 
-def _score_kind(kind: Any) -> "ScoreKind":
+def _score_kind(kind: Any) -> ScoreKind:
     try:
         return ScoreKind(kind)
     except ValueError:
         raise Rejection(codes.INVALID_ROW, f"unknown score kind {kind!r}", "$.row.kind") from None
 
 
-def _check_row(kind: "ScoreKind", arr: np.ndarray) -> None:
+def _check_row(kind: ScoreKind, arr: np.ndarray) -> None:
     """The row checks of :meth:`ScoreRow.create`, run on every construction (direct ones too)."""
     if arr.ndim != 1 or arr.shape[0] == 0:
         raise Rejection(codes.INVALID_ROW, f"a score row is one non-empty vocabulary axis, got shape {arr.shape}", "$.row.values")
@@ -109,7 +109,7 @@ class ScoreRow:
         return int(self.values.shape[0])
 
     @classmethod
-    def create(cls, values: Any, *, kind: ScoreKind | str = ScoreKind.LOGITS, vocab_hash: str = "", row_id: str = "") -> "ScoreRow":
+    def create(cls, values: Any, *, kind: ScoreKind | str = ScoreKind.LOGITS, vocab_hash: str = "", row_id: str = "") -> ScoreRow:
         """Validate and build a row.
 
         Args:
@@ -151,7 +151,8 @@ def softmax(z: np.ndarray) -> np.ndarray:
     finite = np.isfinite(z)
     m = z[finite].max()
     e = np.where(finite, np.exp(np.where(finite, z - m, 0.0)), 0.0)
-    return e / e.sum()
+    probs: np.ndarray = e / e.sum()
+    return probs
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:

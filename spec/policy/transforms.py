@@ -27,7 +27,7 @@ Source: M3.8 0x0B-0x0E; HF ``generation/logits_process.py`` (5.24); vLLM
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 import numpy as np
@@ -37,7 +37,7 @@ from decodespec.spec.policy.scores import log_softmax, softmax
 from decodespec.spec.policy.state import PolicyState, RequestView
 from decodespec.spec.rules import rule
 
-__all__ = ["Step", "TRANSFORMS", "stable_order"]
+__all__ = ["TRANSFORMS", "Step", "stable_order"]
 
 NEG_INF = -math.inf
 
@@ -370,10 +370,12 @@ def top_n_sigma(z: np.ndarray, spec: TransformSpec, view: RequestView, state: Po
 )
 def mirostat_v2(z: np.ndarray, spec: TransformSpec, view: RequestView, state: PolicyState) -> Step:
     surprise = -log_softmax(z) / math.log(2.0)  # bits; +inf for forbidden ids
-    keep = surprise <= state.mirostat_mu
+    mu = state.mirostat_mu
+    assert mu is not None, "initial_policy_state sets mu for a mirostat_v2 policy"
+    keep = surprise <= mu
     if not keep.any():
         keep[stable_order(-z)[0]] = True
-    return Step(_mask(z, ~keep), _threshold_margin(surprise, state.mirostat_mu, np.isfinite(surprise)))
+    return Step(_mask(z, ~keep), _threshold_margin(surprise, mu, np.isfinite(surprise)))
 
 
 def mirostat_update(mu: float, spec: TransformSpec, selected_prob: float) -> float:
@@ -390,4 +392,4 @@ def mirostat_update(mu: float, spec: TransformSpec, selected_prob: float) -> flo
     Units:
         bits (log base 2), as llama.cpp.
     """
-    return mu - spec.get("eta") * (-math.log2(selected_prob) - spec.get("tau"))
+    return mu - float(spec.get("eta")) * (-math.log2(selected_prob) - float(spec.get("tau")))
