@@ -42,9 +42,9 @@ from unittest import mock
 
 import pytest
 from fuzzing import DEEP, Chooser, Ledger, _dumps, byte_mutation, json_mutation  # tests/ is on sys.path
-from trace_oracle import classify_acceptance  # tests/ is on sys.path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from trace_oracle import classify_acceptance  # tests/ is on sys.path
 
 from decodespec.checks.cli import main
 from decodespec.checks.traces import check_replay_runtime, load_trace
