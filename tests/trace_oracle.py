@@ -50,6 +50,11 @@ FREE_FIELDS: dict[tuple[str, tuple[str, ...]], str] = {
                                                "depth bounds the JSON matcher, which does not run then",
     ("*", ("t_ns",)): "any event's optional timestamp (issue 19; spec/latency.py): host wall-clock nanoseconds, which the "
                       "spec's state machine does not determine (the schema bounds it to [0, MAX_SAFE_INT])",
+    ("request", ("output", "stop_strings", "*", "digest")): "free only in a redacted trace: a stop string's keyed digest "
+                                                            "(HMAC under a per-file key that is not stored) is checked by nothing "
+                                                            "(the stop oracle needs the text; needs_content says so)",
+    ("request", ("params", "context_cap")): "free only while the trace never reaches it (no context_length trigger, and "
+                                            "prompt_len + output_count stays below both values): the cap shows only when reached",
     ("finish", ("stream", "error")): "free only while the report says the delivery failed: the consumer's exception text "
                                      "(a runtime message, not a spec value)",
 }
@@ -120,12 +125,20 @@ def _diffs(a: Any, b: Any, path: tuple = ()) -> list[tuple]:
 def _free(event: str, path: tuple, header: dict[str, Any], rec: dict[str, Any], lines: list[Any]) -> bool:
     if path == ("t_ns",):  # any event's optional timestamp (FREE_FIELDS["*", ("t_ns",)])
         return True
-    if (event, path) not in FREE_FIELDS:
+    if (event, path) not in FREE_FIELDS and not (len(path) == 4 and (event, (*path[:2], "*", path[3])) in FREE_FIELDS):
         return False
     data = header.get("data")
     redacted = isinstance(data, dict) and data.get("classification") == "redacted"
     if path in (("seed",), ("token_start",), ("token_end",)):
         return redacted
+    if len(path) == 4 and path[:2] == ("output", "stop_strings") and path[3] == "digest":
+        return redacted
+    if path == ("params", "context_cap"):
+        cap = header["params"]["context_cap"]
+        reached = max((r["frontier"]["prompt_len"] + r["frontier"]["output_count"] for r in lines
+                       if isinstance(r, dict) and isinstance(r.get("frontier"), dict)), default=0)
+        fired = any(isinstance(r, dict) and "context_length" in (r.get("triggers") or ()) for r in lines)
+        return not fired and isinstance(cap, int) and reached < cap
     if path == ("params", "max_retries"):
         return not any(isinstance(r, dict) and r.get("event") == "fault" for r in lines)
     if path == ("params", "max_draws"):
