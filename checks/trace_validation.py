@@ -25,7 +25,16 @@ decision recorded; a completion's ``layers_written`` agrees with its selection (
 cached ALL_NEW call wrote every layer: at least one, and the count of the trace's first ALL_NEW
 completion, the model's depth); a ``snapshot`` event's ``state`` is, field by field, the spec's
 :func:`~decodespec.spec.snapshot.take_snapshot` of the matched state; the header's ``runtime``
-fields are in the runtime's domains (schema enums: name, model, device, dtype, attention, kernel).
+fields are in the runtime's domains (schema enums: name, model, device, dtype, attention, kernel) and
+all or nothing (model, device, dtype, attention and kernel together, or the name alone); every integer
+is in ``[0, MAX_SAFE_INT]`` (spec/limits.py) and every object closed, the snapshot event's ``state``
+included; the header's ``profile`` and ``lanes`` are its params' profile and lane roster; in a content
+trace each receipt's ``rng.key_id`` is the Philox key of the header's identity and ``seed``
+(spec/policy/rng.py); a streamed request's ``finish`` carries its stream report, whose
+``delivered_tokens`` is the last chunk's ``token_end`` and whose ``error`` implies ``failed``.
+
+A reason quotes no user content (token ids, text, stop strings): such values appear as length and
+fingerprint (:func:`~decodespec.spec.errors.quote_content`); the verdict's ``data`` says so.
 
 A ``cancel`` with ``source = "budget"`` (the request's own wall-clock budget fired) needs the
 header's ``timeout_ms``, ``kind = timeout``, ``at = before_launch`` and ``elapsed_ms >=
@@ -103,10 +112,11 @@ from decodespec.spec.actions import (
     action_label,
 )
 from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, Selection
-from decodespec.spec.errors import DecodeSpecError, Rejection, register_code
+from decodespec.spec.errors import MESSAGE_CLASSIFICATION, DecodeSpecError, Rejection, quote, quote_content, register_code
 from decodespec.spec.passport import CONTENT, DATA_UNKNOWN_CLASSIFICATION, REDACTED, TRACE_REDACTED, DataPassport, is_token_digest, passport_from_json
 from decodespec.spec.policy.config import PolicyConfig, policy_config_from_json
 from decodespec.spec.policy.receipt import content_id, receipt_policy_mismatch
+from decodespec.spec.policy.rng import rng_key
 from decodespec.spec.profiles import profile_named
 from decodespec.spec.snapshot import SnapshotRecord, take_snapshot
 from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, interrupt_point, is_terminal
@@ -213,6 +223,9 @@ class TraceVerdict:
             when the header was not read.
         needs_content: For a redacted trace, the checks that need the raw content and were not
             run: ``{"code": "trace.redacted", "checks": [...], "message"}``; else ``None``.
+        data: The declared classification of the verdict's own text (``reason``): ``redacted``
+            (spec/errors.py MESSAGE_CLASSIFICATION: token ids, text and stop strings appear as
+            length and fingerprint, never raw), whatever the trace's ``classification``.
     """
 
     accepted: bool
@@ -227,6 +240,7 @@ class TraceVerdict:
     code: str | None = None
     classification: str | None = None
     needs_content: dict[str, Any] | None = None
+    data: str = MESSAGE_CLASSIFICATION
 
     def to_json(self) -> dict[str, Any]:
         """The verdict as a JSON object."""
@@ -264,7 +278,7 @@ def params_from_header(header: dict[str, Any]) -> RequestParams:
             structured=bool(p.get("structured", False)),
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise Rejection(TRACE_INVALID, f"the request header's params are not RequestParams: {type(exc).__name__}: {exc}", "$.params") from None
+        raise Rejection(TRACE_INVALID, f"the request header's params are not RequestParams: {type(exc).__name__}: {quote(str(exc))}", "$.params") from None
     if params.identity != header.get("identity") or params.prompt_len != len(header.get("prompt_ids", ())):
         raise Rejection(TRACE_INVALID, "params.identity / prompt_len disagree with the header's identity / prompt_ids", "$.params")
     # The header states the request's constants twice (its own fields and params): both must say the same.
@@ -275,10 +289,17 @@ def params_from_header(header: dict[str, Any]) -> RequestParams:
         if field in header:
             own = sorted(header[field]) if field == "eos_ids" and isinstance(header[field], list) else header[field]
             if own != value:
-                raise Rejection(TRACE_INVALID, f"the header's {field} {own!r} disagrees with its params ({value!r})", f"$.{field}")
+                raise Rejection(TRACE_INVALID, f"the header's {field} {_shown(field, own)} disagrees with its params ({_shown(field, value)})", f"$.{field}")
+    if header.get("profile", params.profile.name) != params.profile.name:
+        raise Rejection(TRACE_INVALID, f"the header's profile {quote(header['profile'])} disagrees with its params "
+                        f"({params.profile.name!r})", "$.profile")
+    lanes = list(params.profile.lane_names()) if params.cache_family != "none" else []
+    if "lanes" in header and header["lanes"] != lanes:
+        raise Rejection(TRACE_INVALID, f"the header's lanes {quote(header['lanes'])} are not the profile's lane roster {lanes!r} "
+                        f"(a request with cache {params.cache_family!r})", "$.lanes")
     outside = sorted(i for i in (*header.get("prompt_ids", ()), *params.eos_ids) if not 0 <= int(i) < params.vocab_size)
     if outside:
-        raise Rejection(TRACE_INVALID, f"token id {outside[0]} is outside the vocabulary [0, {params.vocab_size})", "$.params")
+        raise Rejection(TRACE_INVALID, f"token id {quote_content(outside[0])} is outside the vocabulary [0, {params.vocab_size})", "$.params")
     return params
 
 
@@ -314,7 +335,8 @@ def stop_config_from_header(header: dict[str, Any], params: RequestParams, *, re
             include_stop_str=bool(out.get("include_stop_str", False)), alignment=out.get("alignment", "token"),
             json_completion=out.get("structured", "none") == "json", **({"max_json_depth": int(out["max_json_depth"])} if "max_json_depth" in out else {}))
     except (DecodeSpecError, TypeError, ValueError, AttributeError) as exc:
-        raise Rejection(TRACE_INVALID, f"the header's output object is not a stop configuration: {exc}", "$.output") from None
+        raise Rejection(TRACE_INVALID, f"the header's output object is not a stop configuration: {type(exc).__name__} "
+                        f"{quote_content(str(exc))}", "$.output") from None
     declared = (bool(stated_stops), config.json_completion, bool(out.get("stream", params.stream)))
     if declared != (params.stop_strings, params.structured, params.stream):
         raise Rejection(TRACE_INVALID, f"output (stop strings, structured, stream) = {declared} disagrees with params "
@@ -334,6 +356,7 @@ class _Stream:
 
     num_chunks: int | None = 0     # None: unknown (a resumed trace without the tokenizer's bytes)
     published: int | None = 0
+    delivered_tokens: int | None = 0  # the last chunk's token_end
     text: str | None = ""
     failed: bool = False           # stream_error at a commit or as an interrupt
     closed: bool = False           # a finish event was seen
@@ -345,8 +368,24 @@ def _frontier(params: RequestParams, state: RequestState) -> dict[str, Any]:
             "processed": state.processed, "pending_tag": state.pending_tag.value}
 
 
+#: Trace fields whose values are user content (token ids, text, stop strings): a reason shows them by
+#: :func:`~decodespec.spec.errors.quote_content` (length and fingerprint), never raw (spec/errors.py, the message's
+#: declared classification).
+_CONTENT_FIELDS = frozenset({"token_id", "input_ids", "prompt_ids", "selected_id", "text", "output_ids", "pending_ids", "consumed",
+                             "stop_strings", "identity", "text_redacted"})
+
+
+def _is_content(field: str) -> bool:
+    return any(part.split("[")[0] in _CONTENT_FIELDS for part in field.replace("$.", "").split("."))
+
+
+def _shown(field: str, value: Any) -> str:
+    """``value`` as a reason shows it: fingerprinted when ``field`` holds user content, else :func:`quote` (bounded)."""
+    return quote_content(value) if _is_content(field) else quote(value)
+
+
 def _differs(field: str, stated: Any, spec: Any) -> str | None:
-    return None if stated == spec else f"field {field!r} is {stated!r} but the spec says {spec!r}"
+    return None if stated == spec else f"field {field!r} is {_shown(field, stated)} but the spec says {_shown(field, spec)}"
 
 
 def _first(*checks: str | None) -> str | None:
@@ -396,7 +435,7 @@ class _Surrogates:
                 self._next -= 1
             return known
         if isinstance(value, int) and not isinstance(value, bool) and value not in self.clear:
-            raise _Mismatch(f"{where}: token id {value} is in clear in a redacted trace, which leaves only its clear ids "
+            raise _Mismatch(f"{where}: token id {quote_content(value)} is in clear in a redacted trace, which leaves only its clear ids "
                             f"{sorted(self.clear)} (the EOS ids) in clear", TRACE_SCHEMA)
         return value
 
@@ -453,6 +492,9 @@ class _Replay:
         self.policy: PolicyConfig | None = None
         #: The request's wall-clock budget (header ``timeout_ms``), ``None`` without one.
         self.timeout_ms: int | None = header.get("timeout_ms")
+        #: The Philox key id the header's identity and seed derive (spec/policy/rng.py); a receipt's rng.key_id in clear
+        #: must be it.  ``None`` in a redacted trace: its key ids are keyed digests, so the seed is not checked there.
+        self.key_id: str | None = None if self.redacted else rng_key(self.params.identity, header["seed"]).key_id
 
     def bind_policy(self, policy: PolicyConfig) -> None:
         """Record the header policy every receipt must name (by :func:`~decodespec.spec.policy.receipt.policy_digest`)."""
@@ -515,6 +557,7 @@ class _Replay:
         if event == "stream":
             st.num_chunks = int(rec["chunk_idx"]) + 1
             st.published = int(rec["byte_end"])
+            st.delivered_tokens = int(rec["token_end"])
             st.text = None if st.text is None or "text" not in rec else st.text + str(rec["text"])
         elif event == "commit" and rec.get("stream_failed") or event == "fault" and rec.get("kind") == "stream_error":
             st.failed = True
@@ -522,13 +565,14 @@ class _Replay:
             st.closed = True
         elif event == "restore":
             state = next(iter(candidates))
-            self.stream = st = _Stream(num_chunks=None, published=None, text=None)
+            self.stream = st = _Stream(num_chunks=None, published=None, delivered_tokens=None, text=None)
             if state.phase is Phase.FINISHED:
                 st.restored_finished = st.closed = True
             elif self.token_bytes is not None and self.params.stream:
                 # What a conforming stream had published when the snapshot was taken.
                 ref = reference_stream(self.stop, state.output_ids, self._token_bytes(state.output_ids))
                 st.num_chunks, st.published = len(ref.chunks), ref.chunks[-1].byte_end if ref.chunks else 0
+                st.delivered_tokens = ref.chunks[-1].token_end if ref.chunks else 0
                 st.text = "".join(c.text for c in ref.chunks)
 
     # -- event -> [(action or None, check)] ------------------------------------------------------
@@ -536,7 +580,7 @@ class _Replay:
         event = rec.get("event")
         handler = getattr(self, f"_on_{event}", None)
         if handler is None:
-            raise _Mismatch(f"unknown event {event!r}")
+            raise _Mismatch(f"unknown event {quote(event)}")
         return handler(rec, state)
 
     def _on_call_launched(self, rec, state):
@@ -617,7 +661,7 @@ class _Replay:
         def check(before, after):
             logprob = rec.get("logprob")
             if not _finite_logprob(logprob):
-                return f"field 'logprob' is {logprob!r}: a decision records a finite natural-log probability <= 0"
+                return f"field 'logprob' is {quote(logprob)}: a decision records a finite natural-log probability <= 0"
             return _first(
                 _differs("receipt_id", rec["receipt_id"], after.receipt.receipt_id),
                 _differs("rng_counter_before", rec["rng_counter_before"], before.rng_counter),
@@ -649,6 +693,9 @@ class _Replay:
             _differs("receipt.state_after.rng_counter", receipt["state_after"]["rng_counter"], rec["rng_counter_after"]),
             _differs("len(receipt.rng.addresses)", len(rng["addresses"]), rec["draws"]),
             _differs("receipt.vocab_size", receipt["vocab_size"], self.params.vocab_size),
+            None if self.key_id is None or rng.get("key_id") in (None, self.key_id) else (
+                f"field 'receipt.rng.key_id' is {quote(rng['key_id'])} but the header's identity and seed derive the Philox key "
+                f"{self.key_id} (spec/policy/rng.py rng_key)"),
             self._policy_check(receipt),
         )
         if why is None:
@@ -665,19 +712,19 @@ class _Replay:
         triggers = [FinishReason(t) for t in rec["triggers"]]
         stream_failed = rec.get("stream_failed", False)
         if not isinstance(stream_failed, bool):
-            raise _Mismatch(f"field 'stream_failed' is {stream_failed!r}, expected a bool")
+            raise _Mismatch(f"field 'stream_failed' is {quote(stream_failed)}, expected a bool")
         action = Commit(rec["receipt_id"], frozenset(triggers) & TEXT_TRIGGERS, stream_failed)
 
         def check(before, after):
             logprob = rec.get("logprob")
             if not _finite_logprob(logprob):
-                return f"field 'logprob' is {logprob!r}: a committed token carries its finite logprob <= 0"
+                return f"field 'logprob' is {quote(logprob)}: a committed token carries its finite logprob <= 0"
             fired = after.triggers - before.triggers
             decided = self.decision_logprobs.get(str(rec["receipt_id"]), logprob)  # unknown: decided before a restore
             return _first(
                 _differs("token_id", rec["token_id"], before.receipt.token_id),
-                None if logprob == decided else (f"field 'logprob' is {logprob!r} but the decision of {rec['receipt_id']} recorded "
-                                                 f"{decided!r}: a commit carries its decision's logprob (M3.8 0x0B receipt)"),
+                None if logprob == decided else (f"field 'logprob' is {quote(logprob)} but the decision of {quote(rec['receipt_id'])} recorded "
+                                                 f"{quote(decided)}: a commit carries its decision's logprob (M3.8 0x0B receipt)"),
                 _differs("output_count", rec["output_count"], after.output_count),
                 _differs("pending_tag", rec["pending_tag"], after.pending_tag.value),
                 _differs("triggers", [t.value for t in triggers], [t.value for t in FINISH_PRECEDENCE if t in fired]),
@@ -714,9 +761,9 @@ class _Replay:
         if self.timeout_ms is None:
             return "a cancel with source 'budget' but the request header declares no wall-clock budget (timeout_ms)"
         if rec["kind"] != FinishReason.TIMEOUT.value:
-            return f"the wall-clock budget finishes 'timeout', not {rec['kind']!r}"
+            return f"the wall-clock budget finishes 'timeout', not {quote(rec['kind'])}"
         if rec["at"] != "before_launch":
-            return f"the wall-clock budget fires at a call boundary (before_launch), not {rec['at']!r}"
+            return f"the wall-clock budget fires at a call boundary (before_launch), not {quote(rec['at'])}"
         if rec["elapsed_ms"] < self.timeout_ms:
             return f"the budget fired after {rec['elapsed_ms']} ms, before its {self.timeout_ms} ms were spent"
         return None
@@ -733,7 +780,8 @@ class _Replay:
             if why is not None:
                 return why
             spec = take_snapshot(self.params, before, rec["form"]).to_json()
-            return next((f"field 'state.{key}' is {stated[key]!r} but the spec's snapshot of this state says {spec[key]!r}"
+            return next((f"field 'state.{key}' is {_shown('state.' + key, stated[key])} but the spec's snapshot of this state says "
+                         f"{_shown('state.' + key, spec[key])}"
                          for key in spec if stated[key] != spec[key]), None)
 
         return [(Snapshot(rec["form"]), check)]
@@ -771,15 +819,22 @@ class _Replay:
             return "the finish event carries a stream report but the request does not stream"
         if not self.params.stream or st.restored_finished:
             return None
+        if report is None:
+            return ("the finish event of a streamed request carries no stream report (chunks, delivered bytes and tokens, "
+                    "failure): the report is how the finish states what the stream delivered")
         failed = st.failed or FinishReason.STREAM_ERROR in state.triggers
         claims_failure = isinstance(report, dict) and report.get("failed") is True
         if report is not None:
             if not isinstance(report, dict):
-                return f"field 'stream' is {report!r}, expected the stream report object"
+                return f"field 'stream' is {quote(report)}, expected the stream report object"
             why = _first(_differs("stream.chunks", report.get("chunks"), st.num_chunks) if st.num_chunks is not None else None,
-                         _differs("stream.delivered_bytes", report.get("delivered_bytes"), st.published) if st.published is not None else None)
+                         _differs("stream.delivered_bytes", report.get("delivered_bytes"), st.published) if st.published is not None else None,
+                         _differs("stream.delivered_tokens", report.get("delivered_tokens"), st.delivered_tokens)
+                         if st.delivered_tokens is not None else None)
             if why is not None:
                 return why
+            if report.get("error") is not None and not claims_failure:
+                return "the stream report names a consumer error but says the stream did not fail (an error fails the delivery)"
             if failed and not claims_failure:
                 return "the stream failed (stream_error) but the finish event's stream report says it did not"
             if claims_failure and not failed and state.finish_reason not in (FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.DEVICE_ERROR):
@@ -798,8 +853,8 @@ class _Replay:
                 return f"the stream published {st.published} bytes, more than the returned text's {out.visible_end}"
             return None
         if st.published != out.visible_end or (st.text is not None and st.text != out.text):
-            return (f"the stream published {st.published} bytes {st.text!r}, but the returned text is {out.visible_end} bytes "
-                    f"{out.text!r} (invariant.stream_final: the concatenated stream equals the final text)")
+            return (f"the stream published {st.published} bytes {quote_content(st.text)}, but the returned text is {out.visible_end} "
+                    f"bytes {quote_content(out.text)} (invariant.stream_final: the concatenated stream equals the final text)")
         return None
 
     def _on_stream(self, rec, state):
@@ -821,7 +876,7 @@ class _Replay:
         for name in ("chunk_idx", "byte_start", "byte_end", "token_start", "token_end"):
             value = rec[name]
             if isinstance(value, bool) or not isinstance(value, int):
-                return f"field {name!r} is {value!r}, expected an int"
+                return f"field {name!r} is {quote(value)}, expected an int"
             fields[name] = value
         if self.redacted:
             if "text" in rec:
@@ -833,7 +888,7 @@ class _Replay:
         elif "text" not in rec:
             return "a stream event without its text in a trace that is not redacted (its header's data says content)"
         elif not isinstance(rec["text"], str):
-            return f"field 'text' is {rec['text']!r}, expected a str"
+            return f"field 'text' is {quote_content(rec['text'])}, expected a str"
         idx, start, end = fields["chunk_idx"], fields["byte_start"], fields["byte_end"]
         if st.num_chunks is not None and idx != st.num_chunks:
             return f"field 'chunk_idx' is {idx}, expected {st.num_chunks} (chunks are numbered consecutively from 0)"
@@ -842,6 +897,11 @@ class _Replay:
                     "bytes are never retracted (invariant.stream_prefix)")
         if end <= start:
             return f"the chunk [{start}, {end}) is empty or reversed"
+        if not fields["token_start"] < fields["token_end"]:
+            return f"the chunk's token range [{fields['token_start']}, {fields['token_end']}) is empty or reversed"
+        if st.delivered_tokens is not None and not (fields["token_start"] >= st.delivered_tokens - 1 and fields["token_end"] >= st.delivered_tokens):
+            return (f"the chunk's token range [{fields['token_start']}, {fields['token_end']}) does not continue the previous chunk's, "
+                    f"which ended at token {st.delivered_tokens} (a chunk starts in the token where the last one ended or after it)")
         if fields["token_end"] > state.output_count:
             return (f"the chunk covers tokens up to {fields['token_end']} but only {state.output_count} are committed: "
                     "text is never published before its tokens are committed")
@@ -853,7 +913,7 @@ class _Replay:
         limit = horizon.visible_end if isinstance(horizon, AlignedOutput) else horizon
         if end > limit:
             what = "the returned text's visible end" if isinstance(horizon, AlignedOutput) else "the stream horizon (held-back stop / UTF-8 bytes)"
-            return f"the chunk ends at byte {end}, beyond {what} {limit}: {data[limit:end]!r} may not be published"
+            return f"the chunk ends at byte {end}, beyond {what} {limit}: {quote_content(data[limit:end])} may not be published"
         expected = make_chunk(idx, data, token_ends(tb), start, end)
         return _first(
             _differs("text", rec["text"], expected.text),
@@ -915,7 +975,8 @@ def schema_error(rec: Any) -> str | None:
         return None
     leaves = [e for e in errors if not e.context] or errors
     err = min(leaves, key=lambda e: (-len(e.absolute_path), [str(p) for p in e.absolute_path], e.message))
-    return f"line does not match spec/schemas/events.v1.json at {err.json_path}: {err.message}"
+    message = (f"{quote_content(err.instance)} fails the schema's {err.validator!r}" if _is_content(err.json_path) else err.message)
+    return f"line does not match spec/schemas/events.v1.json at {err.json_path}: {message}"
 
 
 def _parse(index: int, raw: str | dict[str, Any]) -> dict[str, Any]:
@@ -931,9 +992,9 @@ def _parse(index: int, raw: str | dict[str, Any]) -> dict[str, Any]:
     if not isinstance(rec, dict):
         raise _Mismatch("not a JSON object", TRACE_SCHEMA)
     if rec.get("v") != 1:
-        raise _Mismatch(f"field 'v' is {rec.get('v')!r}, expected 1", TRACE_SCHEMA)
+        raise _Mismatch(f"field 'v' is {quote(rec.get('v'))}, expected 1", TRACE_SCHEMA)
     if rec.get("seq") != index:
-        raise _Mismatch(f"field 'seq' is {rec.get('seq')!r}, expected {index} (consecutive from 0)", TRACE_SCHEMA)
+        raise _Mismatch(f"field 'seq' is {quote(rec.get('seq'))}, expected {index} (consecutive from 0)", TRACE_SCHEMA)
     return rec
 
 
@@ -999,7 +1060,7 @@ def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = 
             raw_rec = rec
             if index == 0:
                 if event != "request":
-                    raise _Mismatch(f"the first event must be 'request', got {event!r}")
+                    raise _Mismatch(f"the first event must be 'request', got {quote(event)}")
                 passport = passport_from_json(rec.get("data"), "$.data", missing=CONTENT)
                 if passport.classification == REDACTED:
                     surrogates = _Surrogates(passport, rec)
@@ -1054,7 +1115,7 @@ def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = 
                 reported = False
         except (_Mismatch, DecodeSpecError, KeyError, TypeError, ValueError, AttributeError) as exc:
             reason = exc.args[0] if isinstance(exc, _Mismatch) else (
-                exc.message if isinstance(exc, DecodeSpecError) else f"malformed event: {type(exc).__name__}: {exc}")
+                exc.message if isinstance(exc, DecodeSpecError) else f"malformed event: {type(exc).__name__}: {quote(str(exc))}")
             code = exc.code if isinstance(exc, (_Mismatch, DecodeSpecError)) else TRACE_SCHEMA
             if isinstance(exc, DecodeSpecError) and not code.startswith("trace.") and code != DATA_UNKNOWN_CLASSIFICATION:
                 reason, code = f"{code}: {reason}", TRACE_MISMATCH  # e.g. policy.* / snapshot.* from a field's parser

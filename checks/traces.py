@@ -61,7 +61,7 @@ from typing import Any
 import attrs
 import jsonschema
 
-from decodespec.spec.errors import DecodeSpecError, Rejection, register_code
+from decodespec.spec.errors import DecodeSpecError, Rejection, quote_content, register_code
 from decodespec.spec.passport import REDACTED, SYNTHETIC, SYNTHETIC_PASSPORT, TRACE_REDACTED, passport_from_json
 from decodespec.spec.policy.config import policy_config_from_json
 
@@ -528,8 +528,9 @@ def load_trace(path: str | Path) -> dict[str, Any]:
     error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(META_SCHEMA).iter_errors(meta))
     if error is not None:
         where = _meta_path(list(error.absolute_path))
-        raise Rejection(TRACE_INVALID, f"{path}: {where} does not match the replay fields of #meta (traces/README.md): "
-                        f"{_short(error.message, 200)}", where)
+        content = any(k in where for k in ("prompt", "stop", "text"))  # user content: fingerprinted (spec/errors.py)
+        shown = f"{quote_content(error.instance)} fails the schema's {error.validator!r}" if content else _short(error.message, 200)
+        raise Rejection(TRACE_INVALID, f"{path}: {where} does not match the replay fields of #meta (traces/README.md): {shown}", where)
     try:
         config = CaseConfig.from_json(meta["config"])
         policy_config_from_json(config.policy)  # the M3.8 policy both sides will run

@@ -65,7 +65,7 @@ import torch
 
 from decodespec.spec.enums import CallKind, PendingTag, Selection, published_finish_reason
 from decodespec.spec.envelope import lone_surrogate_path
-from decodespec.spec.errors import DecodeSpecError, Rejection, quote
+from decodespec.spec.errors import DecodeSpecError, Rejection, quote, quote_content
 from decodespec.spec.limits import MAX_SAFE_INT
 from decodespec.spec.passport import CONTENT, passport_from_json, snapshot_passport
 from decodespec.spec.policy.config import policy_config_from_json
@@ -273,7 +273,7 @@ def request_from_json(obj: dict[str, Any]):
         try:
             raw = rfc8785.dumps(obj["envelope"])
         except (rfc8785.CanonicalizationError, TypeError, ValueError, RecursionError) as exc:
-            raise Rejection(SNAPSHOT_MALFORMED, f"the carried envelope is not canonical JSON: {quote(str(exc))}", "$.request.envelope") from None
+            raise Rejection(SNAPSHOT_MALFORMED, f"the carried envelope is not canonical JSON: {type(exc).__name__}", "$.request.envelope") from None
         admitted, identity = validate_request_envelope(raw)
         dropped = "envelope_identity" in obj  # the prompt text was dropped (save_snapshot without content)
         if dropped and "text" in obj["envelope"].get("prompt", {}):
@@ -402,11 +402,41 @@ def save_snapshot(snapshot: RuntimeSnapshot, path: str | Path, key: bytes | str 
         "score": None if snapshot.record.score is None else {"score_id": snapshot.record.score.score_id, "tensor": "score.logits"},
         "observer": snapshot.observer_state,
     }
+    doc["request_sha256"] = _request_digest(doc["request"])
     secret = snapshot_key(key)
     if secret is not None:
         doc["authentication"] = {"algorithm": SNAPSHOT_MAC_ALGORITHM, "mac": _mac(doc, secret)}
     path.write_text(json.dumps(doc, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     return path, tensor_path
+
+
+def _request_digest(request: Any) -> str:
+    """``sha256:<hex>`` of the carried request's canonical JSON (RFC 8785): binds the request constants to the snapshot.
+
+    Raises:
+        Rejection: ``snapshot.malformed`` when the request is not canonical JSON (NaN, a lone surrogate, ...).
+    """
+    try:
+        return "sha256:" + hashlib.sha256(rfc8785.dumps(request)).hexdigest()
+    except (rfc8785.CanonicalizationError, TypeError, ValueError, RecursionError) as exc:
+        raise Rejection(SNAPSHOT_MALFORMED, f"the request is not canonical JSON: {type(exc).__name__}", "$.request") from None
+
+
+def _check_request_digest(doc: dict[str, Any]) -> None:
+    """The carried request hashes to the recorded ``request_sha256`` (``snapshot.identity_mismatch`` at ``$.request``).
+
+    A snapshot of a request built through the Python API (no envelope) has a caller-chosen identity that does not
+    hash the request's constants, so without this digest a changed ``max_new_tokens``, ``seed``, ``context_cap`` or
+    ``vocab_hash`` resumed a different run (found by the snapshot fuzz's oracle, tests/test_fuzz_envelope.py).  Like
+    the tensor file's SHA-256 it shows accidental or naive change only: whoever rewrites the request can rewrite the
+    digest; an authenticated snapshot needs a key (``$DECODESPEC_SNAPSHOT_KEY``, HMAC-SHA256 over every field).
+    """
+    recorded = doc.get("request_sha256")
+    if not isinstance(recorded, str):
+        raise Rejection(SNAPSHOT_MALFORMED, "the snapshot records no request_sha256 (the digest of its request)", "$.request_sha256")
+    if _request_digest(doc.get("request")) != recorded:
+        raise Rejection(SNAPSHOT_IDENTITY_MISMATCH, "the request does not hash to the recorded request_sha256: a request constant "
+                        "was changed after the snapshot was taken", "$.request")
 
 
 def _carried_request(request: dict[str, Any], content: bool) -> dict[str, Any]:
@@ -446,7 +476,7 @@ def load_snapshot(path: str | Path, key: bytes | str | None = None) -> RuntimeSn
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise Rejection(SNAPSHOT_MALFORMED, f"cannot read {quote(str(path))}: {type(exc).__name__}: {quote(str(exc))}", "$") from None
+        raise Rejection(SNAPSHOT_MALFORMED, f"cannot read {quote(str(path))}: {type(exc).__name__}: {quote_content(str(exc))}", "$") from None
     if not isinstance(doc, dict) or doc.get("format") != SNAPSHOT_FORMAT:
         raise Rejection(SNAPSHOT_MALFORMED, f"not a {SNAPSHOT_FORMAT} file", "$.format")
     try:
@@ -489,13 +519,15 @@ def load_snapshot(path: str | Path, key: bytes | str | None = None) -> RuntimeSn
         score = _field(doc, "score", "$", (dict, type(None)))
         capacity = _field(cache, "capacity", "$.cache", (int, type(None)))
         abi = _field(cache, "abi", "$.cache", (dict, type(None)))
+        carried = request_from_json(_field(doc, "request", "$", dict))  # typed field checks first, then the digest
+        _check_request_digest(doc)
         return RuntimeSnapshot(
             record=SnapshotRecord.from_json(_field(doc, "state", "$", dict)),
             logprobs=tuple(_number(x, f"$.logprobs[{i}]") for i, x in enumerate(_field(doc, "logprobs", "$", list))),
             policy_state=PolicyState(_nonnegative(_field(policy, "rng_counter", "$.policy_state", int), "$.policy_state.rng_counter"),
                                      constraint_state, None if mu is None else _number(mu, "$.policy_state.mirostat_mu")),
             receipts=tuple(_field(doc, "receipts", "$", list)),
-            request=request_from_json(_field(doc, "request", "$", dict)),
+            request=carried,
             cache_family=_field(cache, "family", "$.cache", str),
             cache_abi=None if abi is None else CacheABI.from_json(abi),
             capacity=None if capacity is None else _nonnegative(capacity, "$.cache.capacity"),
@@ -506,7 +538,7 @@ def load_snapshot(path: str | Path, key: bytes | str | None = None) -> RuntimeSn
     except DecodeSpecError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError) as exc:
-        raise _malformed(f"not a snapshot: {type(exc).__name__}: {quote(str(exc))}", "$") from None
+        raise _malformed(f"not a snapshot: {type(exc).__name__}: {quote_content(str(exc))}", "$") from None
 
 
 def _malformed(message: str, path: str) -> Rejection:
@@ -529,7 +561,8 @@ def _field(obj: Any, key: str, path: str, types: type | tuple[type, ...]) -> Any
 
 def _nonnegative(value: int, path: str) -> int:
     if not 0 <= value <= MAX_SAFE_INT:
-        raise _malformed(f"{quote(value)} is not an integer in [0, {MAX_SAFE_INT}]", path)
+        shown = quote_content if any(k in path for k in ("prompt_ids", "eos_ids", "output_ids")) else quote  # token ids: content
+        raise _malformed(f"{shown(value)} is not an integer in [0, {MAX_SAFE_INT}]", path)
     return value
 
 
@@ -707,6 +740,16 @@ def _check_ledger(snapshot: RuntimeSnapshot, model, request) -> None:
     if rec.generation < len(rec.scores):
         raise _refuse(SNAPSHOT_LEDGER_INVALID, f"{len(rec.scores)} score rows under generation {rec.generation} (each ALL_NEW call "
                       f"advances it)", "$.state.generation")
+    # The generation counts the ALL_NEW completions and the recoveries, and each recovery follows a failed call, so it is at
+    # most the launches; with no retry in an open request every call was ALL_NEW, so it is exactly the launches; and no score
+    # is newer than it (the snapshot fuzz's oracle: a generation of 49151 was admitted and renamed every later score row).
+    if rec.generation > rec.num_calls or (rec.num_retries == 0 and rec.phase is not Phase.FINISHED and rec.generation != rec.num_calls):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, f"generation {rec.generation} after {rec.num_calls} model calls and {rec.num_retries} "
+                      "retries (each ALL_NEW call or recovery advances it once)", "$.state.generation")
+    newest = max((sc.generation for sc in rec.scores), default=0)
+    if newest > rec.generation or (rec.score is not None and rec.score.generation != rec.generation):
+        raise _refuse(SNAPSHOT_LEDGER_INVALID, f"a score row of generation {max(newest, getattr(rec.score, 'generation', 0))} beside "
+                      f"generation {rec.generation}", "$.state.generation")
 
 
 def _check_receipts(snapshot: RuntimeSnapshot) -> None:
@@ -741,9 +784,10 @@ def _check_receipts(snapshot: RuntimeSnapshot) -> None:
         expected = (("selected_id", outputs[i]), ("raw_logprob", snapshot.logprobs[i]), ("step", i), ("score_id", consumed.score_id),
                     ("draws", consumed.draws))
         for key, want in expected:
+            shown = quote_content if key == "selected_id" else quote  # a token id is user content (spec/errors.py)
             if receipt.get(key) != want or isinstance(receipt.get(key), bool):
-                raise _refuse(SNAPSHOT_LEDGER_INVALID, f"receipt {j} (output {i}) records {key} = {quote(receipt.get(key))}; the ledger "
-                              f"has {quote(want)}", f"{path}.{key}")
+                raise _refuse(SNAPSHOT_LEDGER_INVALID, f"receipt {j} (output {i}) records {key} = {shown(receipt.get(key))}; the ledger "
+                              f"has {shown(want)}", f"{path}.{key}")
         if not isinstance(rng, dict) or rng.get("counter_before") != consumed.rng_counter_before:
             raise _refuse(SNAPSHOT_LEDGER_INVALID, f"receipt {j} (output {i}) does not start at RNG counter {consumed.rng_counter_before}",
                           f"{path}.rng.counter_before")
@@ -781,9 +825,10 @@ def _check_observer(snapshot: RuntimeSnapshot) -> None:
             raise _refuse(SNAPSHOT_MALFORMED, f"the observer's {key} is not a list", f"$.observer.{key}")
         if len(got) != len(want):
             raise _refuse(SNAPSHOT_LEDGER_INVALID, f"the observer holds {len(got)} {key}, the ledger {len(want)}", f"$.observer.{key}")
+        shown = quote_content if key == "output_ids" else quote  # token ids are user content (spec/errors.py)
         for index, (g, w) in enumerate(zip(got, want)):
             if g != w or isinstance(g, bool) or not isinstance(g, (int, float)):
-                raise _refuse(SNAPSHOT_LEDGER_INVALID, f"the observer's {key}[{index}] is {quote(g)}; the ledger has {quote(w)}",
+                raise _refuse(SNAPSHOT_LEDGER_INVALID, f"the observer's {key}[{index}] is {shown(g)}; the ledger has {shown(w)}",
                               f"$.observer.{key}[{index}]")
 
 

@@ -14,6 +14,13 @@ seed section that motivates it), a JSON-path-like ``path`` naming the offending 
 when the error is not about one field), and a human ``message``.  The codes are the API:
 messages may be reworded, codes may not.
 
+Every error also declares its **data classification** (M3.10 0x06, the trace passport; issue 16
+item 5): :data:`MESSAGE_CLASSIFICATION` = ``"redacted"``, carried as ``data`` in :meth:`DecodeSpecError.to_json`.
+A message quotes no user content -- prompt text, token ids, stop strings, decoded text, annotations:
+such a value is shown by :func:`quote_content` as its length and a SHA-256 fingerprint, never a
+prefix.  There is no opt-in to raw content in messages: the content stays in the file the error is
+about (a content trace, a snapshot), which the error locates by its JSON path.
+
 Source: M3.10 "Immutable request envelope and canonical identity" (typed rejection before
 execution), M3.10 0x02 branch table ("typed rejection; no model, policy, RNG, cache, or stream
 mutation").
@@ -29,12 +36,14 @@ __all__ = [
     "ERROR_CODES",
     "MAX_MESSAGE_CHARS",
     "MAX_QUOTED_CHARS",
+    "MESSAGE_CLASSIFICATION",
     "NOT_ENABLED",
     "DecodeSpecError",
     "ErrorCode",
     "Rejection",
     "ResourceLimit",
     "quote",
+    "quote_content",
     "register_code",
 ]
 
@@ -88,6 +97,34 @@ def quote(value: Any, limit: int = MAX_QUOTED_CHARS) -> str:
             return text
         return f"{text[:limit]}... ({len(value)} items)"
     return _clip(repr(value), limit)
+
+
+#: The declared data classification of every error message (module docstring): no user content, fingerprints only.
+MESSAGE_CLASSIFICATION = "redacted"
+
+
+def quote_content(value: Any) -> str:
+    """How an error message shows a value that is user content: its length and a 32-bit fingerprint.
+
+    ``quote_content("my card is 4111 1111 1111 1111")`` is ``"<content: 30 chars, sha256 3f1c...>"``
+    (the first 8 hex digits of SHA-256 of the UTF-8 bytes); a list (token ids) shows its length and the
+    fingerprint of its JSON, an integer (one token id) the fingerprint of its decimal digits.  Never a
+    prefix of the value (module docstring).
+    """
+    import hashlib
+    import json
+
+    if isinstance(value, str):
+        data, size = value.encode("utf-8", "surrogatepass"), f"{len(value)} chars"
+    elif isinstance(value, (bytes, bytearray)):
+        data, size = bytes(value), f"{len(value)} bytes"
+    else:
+        try:
+            data = json.dumps(value, sort_keys=True, default=str).encode("utf-8", "surrogatepass")
+        except (TypeError, ValueError, RecursionError):
+            data = repr(type(value)).encode()
+        size = f"{len(value)} items" if isinstance(value, (list, tuple, dict)) else type(value).__name__
+    return f"<content: {size}, sha256 {hashlib.sha256(data).hexdigest()[:8]}>"
 
 
 @attrs.frozen
@@ -159,8 +196,8 @@ class DecodeSpecError(Exception):
         self.details = dict(details or {})
 
     def to_json(self) -> dict[str, Any]:
-        """The error as the CLI prints it: ``{"code", "path", "message"}``."""
-        return {"code": self.code, "path": self.path, "message": self.message}
+        """The error as the CLI prints it: ``{"code", "path", "message", "data"}`` (``data``: :data:`MESSAGE_CLASSIFICATION`)."""
+        return {"code": self.code, "path": self.path, "message": self.message, "data": MESSAGE_CLASSIFICATION}
 
 
 class Rejection(DecodeSpecError):

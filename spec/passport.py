@@ -55,7 +55,7 @@ from typing import Any
 
 import attrs
 
-from .errors import Rejection, register_code
+from .errors import Rejection, quote_content, register_code
 
 __all__ = [
     "CLASSIFICATIONS",
@@ -342,23 +342,3 @@ def is_content_path(path: str) -> bool:
     return any(path == p or path.startswith((p + ".", p + "[")) for p in CONTENT_PATHS)
 
 
-def quote_content(value: Any) -> str:
-    """How an error message shows a value that is user content: its length and a 32-bit fingerprint.
-
-    ``quote_content("my card is 4111 1111 1111 1111")`` is ``"<content: 30 chars, sha256 3f1c...>"``
-    (the first 8 hex digits of SHA-256 of the UTF-8 bytes); a list shows its length and the
-    fingerprint of its JSON.  Never a prefix of the value (module docstring).
-    """
-    import json
-
-    if isinstance(value, str):
-        data, size = value.encode("utf-8", "surrogatepass"), f"{len(value)} chars"
-    elif isinstance(value, (bytes, bytearray)):
-        data, size = bytes(value), f"{len(value)} bytes"
-    else:
-        try:
-            data = json.dumps(value, sort_keys=True, default=str).encode("utf-8", "surrogatepass")
-        except (TypeError, ValueError, RecursionError):
-            data = repr(type(value)).encode()
-        size = f"{len(value)} items" if isinstance(value, (list, tuple, dict)) else type(value).__name__
-    return f"<content: {size}, sha256 {hashlib.sha256(data).hexdigest()[:8]}>"

@@ -54,7 +54,7 @@ from typing import Any
 import attrs
 
 from .enums import FinishReason, PendingTag, published_finish_reason
-from .errors import Rejection, register_code
+from .errors import Rejection, quote, register_code
 from .state import Phase, Receipt, RequestParams, RequestState, Score
 
 __all__ = [
@@ -221,18 +221,18 @@ class SnapshotRecord:
                 num_retries=_int(obj["num_retries"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise Rejection(SNAPSHOT_MALFORMED, f"not a snapshot record: {type(exc).__name__}: {exc}", path) from None
+            raise Rejection(SNAPSHOT_MALFORMED, f"not a snapshot record: {type(exc).__name__}: {quote(str(exc))}", path) from None
 
 
 def _int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"expected an integer, got {value!r}")
+        raise TypeError(f"expected an integer, got {type(value).__name__}")
     return value
 
 
 def _str(value: Any) -> str:
     if not isinstance(value, str):
-        raise TypeError(f"expected a string, got {value!r}")
+        raise TypeError(f"expected a string, got {type(value).__name__}")
     return value
 
 

@@ -410,6 +410,6 @@ def test_cli_validate_prints_identity_or_typed_error(tmp_path: Path) -> None:
     out = _cli("validate", str(bad))
     assert out.returncode == 2
     assert json.loads(out.stdout) == {"ok": False, "error": {"code": "envelope.duplicate_key", "path": "$.rng.seed",
-                                                           "message": "key 'seed' appears twice in one object"}}
+                                                           "message": "key 'seed' appears twice in one object", "data": "redacted"}}
     piped = _cli("validate", "-", stdin=_GOOD)
     assert piped.returncode == 0 and json.loads(piped.stdout)["ok"] is True

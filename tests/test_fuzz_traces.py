@@ -8,7 +8,9 @@ delete, truncate, a byte that is not UTF-8) or the JSON level (replace a value a
 a lone surrogate, a long string, a ``stdio:`` command, a deep nest; delete a key; add one).
 
 Every outcome must be an acceptance or a typed refusal (a :class:`DecodeSpecError`, or
-``validate-trace``'s verdict / exit 2 with a registered code); any other exception fails the test,
+``validate-trace``'s verdict / exit 2 with a registered code), and every accepted event-trace mutant must be
+one the wrong-acceptance oracle (``tests/trace_oracle.py``: same canonical content, or only fields the format
+declares free) says deserved it; any other exception or a wrong acceptance fails the test,
 and no process may be started (``subprocess.Popen``, ``os.system`` and ``os.posix_spawn`` raise
 while an example runs).  A loaded conformance trace also goes through replay's runtime check
 (a ``stdio:`` runtime named by the file is refused).
@@ -16,7 +18,7 @@ while an example runs).  A loaded conformance trace also goes through replay's r
 Profiles: ``DECODESPEC_FUZZ_EXAMPLES`` (default 300 per test: the CI profile, under 60 s on one
 core) sets the examples per test; ``DECODESPEC_FUZZ_STATS=FILE`` writes the outcome counts and
 rates as JSON at the end (what docs/results/fuzz-traces.md reports), and
-``DECODESPEC_FUZZ_ACCEPTED=FILE`` appends each accepted event-trace mutation for review.  A long
+``DECODESPEC_FUZZ_ACCEPTED=FILE`` appends each accepted event-trace mutation with the oracle's class.  A long
 run: ``DECODESPEC_FUZZ_EXAMPLES=20000 nice -n 19 .venv/bin/python -m pytest tests/test_fuzz_traces.py``.
 
 Source: M3.10 0x06 "Bound parsers, matchers, traces, and sensitive data"; issue 16 deliverable 7.
@@ -42,6 +44,7 @@ import pytest
 from fuzzing import DEEP, Chooser, Ledger, _dumps, byte_mutation, json_mutation  # tests/ is on sys.path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from trace_oracle import classify_acceptance  # tests/ is on sys.path
 
 from decodespec.checks.cli import main
 from decodespec.checks.traces import check_replay_runtime, load_trace
@@ -57,6 +60,8 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
 
 STATS: Counter = Counter()
 TIMES: Counter = Counter()
+#: The wrong acceptances seen (tests/trace_oracle.py): each fails the test that saw it.
+WRONG: list[dict[str, Any]] = []
 
 def _streams() -> tuple[io.TextIOWrapper, io.TextIOWrapper]:
     """stdout / stderr as a terminal has them: strict UTF-8 text over bytes (a lone surrogate cannot be written)."""
@@ -236,12 +241,16 @@ def _events_case(c: Chooser, event_traces: list[bytes], folder: Path) -> str:
     verdict = json.loads(out)
     if verdict["accepted"]:
         assert code == 0 and verdict["code"] is None
-        outcome = "events.accepted" + (".unchanged" if mutated == source else "")
+        kind, detail = ("unchanged", "") if mutated == source else classify_acceptance(source, mutated)
+        outcome = f"events.accepted.{kind}"
         STATS[outcome] += 1
+        if kind == "wrong":
+            WRONG.append({"seed": getattr(source, "name", "?"), "notes": notes, "why": detail})
         review = os.environ.get("DECODESPEC_FUZZ_ACCEPTED")
         if review and mutated != source:
             with open(review, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps({"notes": notes}, ensure_ascii=True) + "\n")
+                fh.write(json.dumps({"seed": getattr(source, "name", "?"), "notes": notes, "class": kind, "detail": detail},
+                                    ensure_ascii=True) + "\n")
     else:
         assert code == 1 and verdict["code"] in ERROR_CODES and verdict["line"] >= 1, (notes, verdict)
         outcome = f"events.rejected.{verdict['code']}"
@@ -252,7 +261,10 @@ def _events_case(c: Chooser, event_traces: list[bytes], folder: Path) -> str:
 @FUZZ
 @given(data=st.data())
 def test_a_mutated_event_trace_is_accepted_or_refused_with_a_code(data, event_traces, tmp_path_factory) -> None:
-    _events_case(Chooser(data), event_traces, tmp_path_factory.getbasetemp())
+    """... and an accepted mutant is one the oracle (tests/trace_oracle.py) says deserved it: no wrong acceptance."""
+    WRONG.clear()
+    outcome = _events_case(Chooser(data), event_traces, tmp_path_factory.getbasetemp())
+    assert outcome != "events.accepted.wrong", WRONG
 
 
 @pytest.mark.skipif("DECODESPEC_FUZZ_SECONDS" not in os.environ, reason="the long fuzz loop runs only with DECODESPEC_FUZZ_SECONDS=S")
@@ -271,6 +283,7 @@ def test_long_trace_fuzz_loop(event_traces, tmp_path_factory) -> None:
     shm = Path("/dev/shm")
     folder = Path(tempfile.mkdtemp(prefix="decodespec-fuzz-", dir=shm)) if shm.is_dir() else tmp_path_factory.mktemp("fuzz-long")
     ledger = Ledger()
+    WRONG.clear()
     rounds = 0
     try:
         with no_process_started():  # one patch around the loop (it costs more than a reader's call)
@@ -284,9 +297,11 @@ def test_long_trace_fuzz_loop(event_traces, tmp_path_factory) -> None:
         shutil.rmtree(folder, ignore_errors=True)
     report = os.environ.get("DECODESPEC_FUZZ_REPORT")
     if report:
-        Path(report).write_text(json.dumps({"seed": seed, "rounds": rounds, **ledger.to_json()}, indent=1) + "\n")
+        Path(report).write_text(json.dumps({"seed": seed, "rounds": rounds, **ledger.to_json(), "wrong_acceptances": len(WRONG),
+                                            "wrong": WRONG[:50]}, indent=1) + "\n")
     assert rounds > 0
     assert not ledger.untyped, ledger.untyped[:5]
+    assert not WRONG, WRONG[:5]
     assert not ledger.hangs(), ledger.hangs()
 
 

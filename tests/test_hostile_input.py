@@ -381,3 +381,29 @@ def test_a_tensor_file_name_too_long_for_the_file_system_is_malformed(tiny_model
     path, doc = observed
     err = _refusal(tiny_model, byte_tokenizer, path, doc, lambda d: d["cache"].update(tensors="x" * 3000))
     assert (err.code, err.path) == ("snapshot.malformed", "$.cache.tensors") and len(err.message) < 300
+
+
+@pytest.mark.parametrize("field,value", [("max_new_tokens", 7), ("max_new_tokens", 4), ("seed", None), ("seed", 8), ("vocab_hash", "none"),
+                                         ("context_cap", 8), ("stop_strings", ["zz"]), ("max_retries", 3), ("eos_ids", [3]),
+                                         ("alignment", "text")])
+def test_a_changed_request_constant_is_refused_not_resumed_as_another_run(tiny_model, byte_tokenizer, observed, field, value):
+    """Found by the snapshot fuzz's oracle (tests/test_fuzz_envelope.py): a snapshot of an API request (no envelope, so its
+    identity does not hash its constants) resumed a different run when ``max_new_tokens``, ``seed``, ``context_cap`` or
+    ``vocab_hash`` was edited.  The snapshot now records ``request_sha256`` and refuses a request that does not hash to it."""
+    path, doc = observed
+    assert doc["request"]["envelope"] is None and doc["request"][field] != value
+    err = _refusal(tiny_model, byte_tokenizer, path, doc, lambda d: d["request"].update({field: value}))
+    assert (err.code, err.path) == ("snapshot.identity_mismatch", "$.request"), err
+    err = _refusal(tiny_model, byte_tokenizer, path, doc, lambda d: d.pop("request_sha256"))
+    assert (err.code, err.path) == ("snapshot.malformed", "$.request_sha256"), err
+
+
+@pytest.mark.parametrize("delta", [49151, 1, -1])
+def test_a_forged_generation_is_refused(tiny_model, byte_tokenizer, observed, delta):
+    """Found by the snapshot fuzz's oracle: ``state.generation = 49151`` was admitted and renamed every later score row
+    (``score-49152``...), so the resumed run's receipts were not the uninterrupted run's.  With no retry, an open
+    request's generation is its number of model calls (each ALL_NEW completion advances it once)."""
+    path, doc = observed
+    assert doc["state"]["num_retries"] == 0 and doc["state"]["generation"] == doc["state"]["num_calls"]
+    err = _refusal(tiny_model, byte_tokenizer, path, doc, lambda d: d["state"].update(generation=d["state"]["generation"] + delta))
+    assert (err.code, err.path) == ("snapshot.ledger_invalid", "$.state.generation"), err

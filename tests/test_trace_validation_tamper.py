@@ -27,6 +27,7 @@ import pytest
 from decodespec.checks.cli import main
 from decodespec.checks.trace_validation import EVENTS_SCHEMA_PATH, TRACE_INCOMPLETE, TRACE_RECEIPT, TRACE_SCHEMA, validate_trace
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection
+from decodespec.spec.errors import quote_content
 from decodespec.spec.state import InterruptPoint
 
 BASE = ["generate", "--model", "tiny", "--prompt", "hi", "--device", "cpu"]
@@ -124,7 +125,8 @@ def test_a_receipt_whose_selected_id_is_not_the_token_is_refused(greedy_trace, t
     _write(path, records)
     verdict = _verdict(capsys, path, 1)
     assert (verdict["code"], verdict["line"], verdict["event"]) == (TRACE_RECEIPT, i + 1, "decision")
-    assert f"'receipt.selected_id' is 9 but the spec says {records[i]['token_id']}" in verdict["reason"]
+    # Token ids are user content: the reason shows them as length and fingerprint (spec/errors.py quote_content), never raw.
+    assert f"'receipt.selected_id' is {quote_content(9)} but the spec says {quote_content(records[i]['token_id'])}" in verdict["reason"]
 
 
 def test_a_receipt_altered_behind_its_content_hash_is_refused(greedy_trace, tmp_path, capsys):
@@ -278,7 +280,8 @@ def test_a_snapshot_event_with_a_malformed_state_is_refused(snapshot_trace, tmp_
     path = tmp_path / "malformed.ndjson"
     _write(path, records)
     verdict = _verdict(capsys, path, 1)
-    assert (verdict["line"], verdict["event"]) == (len(records), "snapshot") and "snapshot.malformed" in verdict["reason"]
+    assert (verdict["code"], verdict["line"], verdict["event"]) == (TRACE_SCHEMA, len(records), "snapshot")
+    assert "$.state" in verdict["reason"]
 
 
 @pytest.mark.parametrize("field,value", [("name", "evil.runtime"), ("model", "gpt-5"), ("device", "tpu:0"), ("dtype", "float64"),
@@ -316,3 +319,122 @@ def test_header_params_that_disagree_with_the_header_are_refused(greedy_trace, t
     _write(path, records)
     verdict = _verdict(capsys, path, 1)
     assert (verdict["code"], verdict["line"]) == ("trace.invalid_header", 1), verdict
+
+
+# -- found by the wrong-acceptance oracle of tests/test_fuzz_traces.py (tests/trace_oracle.py) ----------------------------
+
+@pytest.fixture(scope="module")
+def stream_trace(tmp_path_factory) -> Path:
+    return _generate(tmp_path_factory.mktemp("traces"), "stream", "--max-new-tokens", "8", "--do-sample", "--seed", "3",
+                     "--top-k", "20", "--stop", "BB", "--stream")
+
+
+def _set_path(record: dict, path: tuple, value, delete: bool = False) -> None:
+    for key in path[:-1]:
+        record = record[key]
+    if delete:
+        del record[path[-1]]
+    else:
+        record[path[-1]] = value
+
+
+@pytest.mark.parametrize("path,value,json_path", [
+    (("params", "max_draws"), 2**64, "$.params.max_draws"),
+    (("params", "context_cap"), 1e308, "$.params.context_cap"),
+    (("seed",), 10**39, "$.seed"),
+    (("seed",), -(2**63) - 1, "$.seed"),
+    (("params", "final_cache"), "x", "$.params.final_cache"),
+    (("params", "zero_new_tokens"), "x", "$.params.zero_new_tokens"),
+    (("data", "note"), "x", "$.data"),
+    (("data", "runtime"), 5, "$.data"),
+])
+def test_a_header_value_outside_its_domain_is_a_schema_refusal_naming_it(greedy_trace, tmp_path, capsys, path, value, json_path):
+    """Every integer of spec/schemas/events.v1.json is bounded by spec/limits.py MAX_SAFE_INT (2**64, 10**39 and the
+    float 1e308, which JSON Schema's "integer" admits, were accepted); params' enums and the passport are closed."""
+    records = _records(greedy_trace)
+    _set_path(records[0], path, value)
+    out = tmp_path / "header.ndjson"
+    _write(out, records)
+    verdict = _verdict(capsys, out, 1)
+    assert (verdict["code"], verdict["line"], verdict["event"]) == (TRACE_SCHEMA, 1, "request"), verdict
+    assert json_path in verdict["reason"], verdict
+
+
+def test_every_integer_of_the_events_schema_is_in_0_to_max_safe_int():
+    from decodespec.spec.limits import MAX_SAFE_INT
+
+    def walk(node, where="$"):
+        if isinstance(node, dict):
+            if node.get("type") == "integer":
+                assert node.get("maximum", MAX_SAFE_INT + 1) <= MAX_SAFE_INT and node.get("minimum", -1) >= 0, where
+            for key, value in node.items():
+                walk(value, f"{where}/{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{where}/{i}")
+
+    walk(json.loads(EVENTS_SCHEMA_PATH.read_text()))
+
+
+@pytest.mark.parametrize("field", ["model", "dtype", "device", "attention", "decode_kernel"])
+def test_a_runtime_field_deleted_from_a_described_runtime_is_refused(greedy_trace, tmp_path, capsys, field):
+    records = _records(greedy_trace)
+    del records[0]["runtime"][field]
+    path = tmp_path / "runtime.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["code"], verdict["line"]) == (TRACE_SCHEMA, 1) and "$.runtime" in verdict["reason"], verdict
+
+
+def test_a_seed_that_does_not_derive_the_receipts_key_is_refused(greedy_trace, tmp_path, capsys):
+    """A content trace's receipts record rng.key_id = rng_key(identity, seed): another seed is another key."""
+    records = _records(greedy_trace)
+    records[0]["seed"] += 1
+    path = tmp_path / "seed.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert verdict["code"] == TRACE_RECEIPT and "receipt.rng.key_id" in verdict["reason"], verdict
+
+
+@pytest.mark.parametrize("field,value", [("profile", "encoder_decoder"), ("lanes", []), ("lanes", ["self_kv", "self_kv"])])
+def test_a_header_profile_or_lane_roster_that_disagrees_with_params_is_refused(greedy_trace, tmp_path, capsys, field, value):
+    records = _records(greedy_trace)
+    records[0][field] = value
+    path = tmp_path / "profile.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["code"], verdict["line"]) == ("trace.invalid_header", 1) and field in verdict["reason"], verdict
+
+
+@pytest.mark.parametrize("change", ["delivered_tokens_big", "delivered_tokens_off", "error_without_failure", "report_deleted"])
+def test_a_finish_stream_report_that_disagrees_with_the_stream_is_refused(stream_trace, tmp_path, capsys, change):
+    records = _records(stream_trace)
+    finish = records[-1]
+    assert finish["event"] == "finish" and finish["stream"]["failed"] is False
+    if change == "delivered_tokens_big":
+        finish["stream"]["delivered_tokens"] = 2**53 + 1
+    elif change == "delivered_tokens_off":
+        finish["stream"]["delivered_tokens"] += 1
+    elif change == "error_without_failure":
+        finish["stream"]["error"] = "cuda:0"
+    else:
+        del finish["stream"]
+    path = tmp_path / "report.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert verdict["line"] == len(records) and verdict["event"] == "finish", verdict
+    assert verdict["code"] == (TRACE_SCHEMA if change == "delivered_tokens_big" else "trace.mismatch"), verdict
+
+
+@pytest.mark.parametrize("where", [("state",), ("state", "consumed", 0), ("state", "scores", 0)])
+def test_an_extra_key_inside_a_snapshot_events_state_is_refused(snapshot_trace, tmp_path, capsys, where):
+    records = _records(snapshot_trace)
+    target = records[-1]
+    for key in where:
+        target = target[key]
+    target["#meta"] = 1
+    path = tmp_path / "state.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["code"], verdict["line"], verdict["event"]) == (TRACE_SCHEMA, len(records), "snapshot"), verdict
+    assert "$.state" in verdict["reason"]

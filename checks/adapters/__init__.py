@@ -119,7 +119,7 @@ import numpy as np
 import rfc8785
 
 from decodespec.spec.enums import PendingTag
-from decodespec.spec.errors import Rejection, register_code
+from decodespec.spec.errors import Rejection, quote_content, register_code
 from decodespec.spec.snapshot import SnapshotRecord
 
 __all__ = [
@@ -437,7 +437,8 @@ class CaseConfig:
         try:
             return cls(**dict(obj))
         except (TypeError, ValueError, OverflowError) as exc:
-            raise Rejection(ADAPTER_INVALID_CONFIG, f"{type(exc).__name__}: {exc}", "$") from None
+            # The exception text may hold a value of the config (a prompt id, a stop string): user content, so fingerprinted.
+            raise Rejection(ADAPTER_INVALID_CONFIG, f"{type(exc).__name__}: {quote_content(str(exc))}", "$") from None
 
     def evolve(self, **changes: Any) -> CaseConfig:
         """A copy with ``changes`` (validated again)."""
