@@ -365,7 +365,8 @@ def test_every_integer_of_the_events_schema_is_in_0_to_max_safe_int():
 
     def walk(node, where="$"):
         if isinstance(node, dict):
-            if node.get("type") == "integer":
+            types = node.get("type")
+            if types == "integer" or (isinstance(types, list) and "integer" in types):
                 assert node.get("maximum", MAX_SAFE_INT + 1) <= MAX_SAFE_INT and node.get("minimum", -1) >= 0, where
             for key, value in node.items():
                 walk(value, f"{where}/{key}")
@@ -384,6 +385,28 @@ def test_a_runtime_field_deleted_from_a_described_runtime_is_refused(greedy_trac
     _write(path, records)
     verdict = _verdict(capsys, path, 1)
     assert (verdict["code"], verdict["line"]) == (TRACE_SCHEMA, 1) and "$.runtime" in verdict["reason"], verdict
+
+
+def test_a_python_api_trace_without_a_seed_is_accepted_and_its_null_seed_is_checked(tmp_path, capsys):
+    """``generate()`` without a seed writes ``"seed": null`` (RequestView admits None); validate-trace accepts it.
+
+    The null seed still keys the receipts' RNG (``rng_key(identity, None)``): writing an integer
+    seed into the header of a content trace breaks the key and is refused.
+    """
+    from decodespec.impl.events import FileSink
+    from decodespec.impl.generate import generate
+    from decodespec.impl.tiny import load_tiny
+
+    path = tmp_path / "unseeded.ndjson"
+    with FileSink(path, content=True) as sink:
+        generate(load_tiny(seed=0), [5, 6, 7], max_new_tokens=3, sink=sink)
+    records = _records(path)
+    assert records[0]["seed"] is None
+    assert _verdict(capsys, path, 0)["accepted"] is True
+    records[0]["seed"] = 0
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert verdict["accepted"] is False and verdict["code"] == TRACE_RECEIPT, verdict
 
 
 def test_a_seed_that_does_not_derive_the_receipts_key_is_refused(greedy_trace, tmp_path, capsys):
