@@ -47,6 +47,7 @@ COMMANDS: dict[str, str] = {
     "export-tiny": "export_tiny",
     "replay": "replay",
     "head-check": "head_check",
+    "matrix": "matrix",
 }
 
 
