@@ -28,7 +28,7 @@ pytestmark = [
 ]
 
 PAGES = ("index.html", "glossary.html", "generated/state-machine.html", "generated/transitions.html",
-         "generated/policy.html", "generated/errors.html", "generated/envelope.html", "generated/results.html")
+         "generated/policy.html", "generated/errors.html", "generated/envelope.html", "generated/results.html", "matrix.html")
 
 WIDTH = 1400
 
@@ -115,3 +115,40 @@ def test_diagram_svg_is_rendered_and_visible(site: docs.BuildResult, tmp_path: P
     assert dark > 0.005, f"diagram region nearly blank: {dark:.4f} of its pixels are dark"
     assert drawn < 0.6, "diagram region is a solid block, not a drawing"
     shutil.copy(shot, site.out_dir.parent / "state-machine.png")  # kept beside the site for a look
+
+
+def test_conformance_matrix_renders_with_colored_cells(site: docs.BuildResult, tmp_path: Path) -> None:
+    """The matrix page (docs/matrix.md, issue 18): its table lays out one row per case and one column per runtime, and
+    its screenshot shows the table's text and the colored results."""
+    from decodespec.checks.matrix import build_matrix
+
+    expected = build_matrix()
+    page = site.out_dir / "matrix.html"
+    probe = page.with_name("matrix-probe.html")
+    script = ("<script>window.addEventListener('load',function(){var t=document.querySelector('table.decodespec-matrix');"
+              "var r=t.getBoundingClientRect();document.body.setAttribute('data-rect',JSON.stringify([r.left,r.top+window.scrollY,"
+              "r.width,r.height,t.rows.length,t.rows[0].cells.length]));});</script>")
+    probe.write_text(page.read_text(encoding="utf-8").replace("</body>", script + "</body>"), encoding="utf-8")
+    try:
+        proc = chromium(tmp_path, f"--window-size={WIDTH},1000", "--dump-dom", probe.as_uri())
+        rect_m = re.search(r'data-rect="([^"]+)"', proc.stdout)
+        assert rect_m, proc.stderr[-2000:]
+        left, top, width, height, rows, cols = json.loads(rect_m.group(1).replace("&quot;", '"'))
+        assert rows == len(expected.rows) + 1 and cols == len(expected.runtimes) + 1, (rows, cols)
+        assert width > 300 and height > 20 * len(expected.rows), (width, height)
+        shot = tmp_path / "matrix.png"
+        proc = chromium(tmp_path, f"--window-size={WIDTH},{int(top + height + 50)}", f"--screenshot={shot}", probe.as_uri())
+        assert shot.is_file(), proc.stderr[-2000:]
+        assert console_messages(proc.stderr) == []
+    finally:
+        probe.unlink()
+    import numpy as np
+    from PIL import Image
+
+    img = np.asarray(Image.open(shot).convert("RGB")).astype(int)
+    region = img[int(top):int(top + height), int(left):int(left + width)]
+    red, green, blue = region[..., 0], region[..., 1], region[..., 2]
+    passed = float(((green > red + 40) & (green > blue + 20)).mean())  # .m-pass, #17631b
+    assert float((region.sum(axis=-1) < 300).mean()) > 0.005, "matrix region nearly blank"
+    assert passed > 0.0005, f"no green 'pass' cell drawn ({passed:.5f} of the pixels)"
+    shutil.copy(shot, site.out_dir.parent / "matrix.png")  # kept beside the site for a look
