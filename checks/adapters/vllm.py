@@ -37,7 +37,7 @@ from typing import Any
 
 from . import Adapter
 
-__all__ = ["VLLM_SKIP_REASON", "available", "cache_root", "convert_smollm2", "create", "model_dir", "server_command",
+__all__ = ["VLLM_SKIP_REASON", "VllmAdapter", "available", "cache_root", "convert_smollm2", "create", "model_dir", "server_command",
            "venv_python"]
 
 _REPO = Path(__file__).resolve().parent.parent.parent
@@ -126,22 +126,79 @@ def server_command() -> list[str]:
             "--cache-dir", str(cache_root() / "vllm-runtime")]
 
 
+#: Idle servers (one per process normally): a server outlives the adapter that used it, so that vLLM loads once per gate.
+_IDLE: list[Any] = []
+_ALL: list[Any] = []
+
+
+class VllmAdapter:
+    """One lease of a long-lived vLLM server (:class:`~decodespec.checks.adapters.stdio.StdioAdapter`).
+
+    ``reset`` / ``apply`` / ``observe`` go to the server; :meth:`close` hands the server back for the
+    next adapter instead of stopping it (vLLM's start takes 10-60 s; the gate opens one adapter
+    per case).  Two adapters open at once get two servers.  Every server is stopped at exit.
+    """
+
+    name = "vllm"
+
+    def __init__(self, server: Any):
+        self.server = server
+        self.implementation = server.implementation
+
+    def capabilities(self) -> frozenset[str]:
+        """The capabilities the server declared at ``start``."""
+        return self.server.capabilities()
+
+    def reset(self, config: Any) -> None:
+        """``reset`` on the server (a refusal is raised as the server's typed error)."""
+        self.server.reset(config)
+
+    def apply(self, action: Any) -> Any:
+        """``apply`` on the server."""
+        return self.server.apply(action)
+
+    def observe(self) -> Any:
+        """``observe`` on the server."""
+        return self.server.observe()
+
+    def close(self) -> None:
+        """Hand the server back (it keeps running for the next adapter while its process lives)."""
+        server, self.server = self.server, None
+        if server is not None and server.process.poll() is None:
+            _IDLE.append(server)
+
+
+def _stop_all() -> None:
+    for server in _ALL:
+        server.close()
+    _ALL.clear()
+    _IDLE.clear()
+
+
 def create(**options: Any) -> Adapter:
-    """The ``vllm`` runtime: the converted model (made once), then the server started and its handshake answered.
+    """The ``vllm`` runtime: the converted model (made once), then an idle server or a new one (its handshake answered).
 
     The declared tolerances (``checks/expectations/vllm.toml``) are registered with the ladder.
 
     Raises:
         Rejection: ``adapter.protocol`` when the server does not start or answer its handshake.
     """
+    import atexit
+
     from .peer import register_tolerances
     from .stdio import StdioAdapter
 
     register_tolerances("vllm")
+    while _IDLE:
+        server = _IDLE.pop()
+        if server.process.poll() is None:
+            return VllmAdapter(server)
     convert_smollm2()
-    adapter = StdioAdapter(shlex.join(server_command()), timeout=float(options.get("timeout", SERVER_TIMEOUT)))
-    adapter.name = "vllm"
-    return adapter
+    server = StdioAdapter(shlex.join(server_command()), timeout=float(options.get("timeout", SERVER_TIMEOUT)))
+    if not _ALL:
+        atexit.register(_stop_all)
+    _ALL.append(server)
+    return VllmAdapter(server)
 
 
 def main(argv: list[str] | None = None) -> int:
