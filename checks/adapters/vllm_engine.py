@@ -117,10 +117,7 @@ def sampling_fields(config: Any) -> dict[str, Any]:
         if name == "repetition_penalty" and transform.get("history") != "prompt_and_output":
             raise unsupported("vLLM's repetition_penalty reads the prompt and the output ids", path)
         if name in _SAMPLING_FIELDS:
-            value = main_value(transform)
-            if name == "temperature" and policy.family is not Family.MULTINOMIAL:
-                continue  # greedy: temperature 0 is vLLM's greedy switch
-            fields[_SAMPLING_FIELDS[name]] = value
+            fields[_SAMPLING_FIELDS[name]] = main_value(transform)
         elif name == "logit_bias":
             fields["logit_bias"] = {int(token): float(bias) for token, bias in transform.get("bias")}
         elif name == "min_new_tokens":
