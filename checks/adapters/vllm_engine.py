@@ -29,7 +29,10 @@ decodespec.checks.adapters.vllm_engine'``.  The controller is the peers' one
   token ids -- the case's EOS ids, with ``ignore_eos=True`` so that the tokenizer's EOS alone
   does not stop -- ``max_tokens``, ``max_model_len``; stop strings in the output processor's
   detokenizer); every criterion that holds after the step is a trigger (vLLM publishes one
-  ``finish_reason``).  The returned text is vLLM's (``CompletionOutput.text``).
+  ``finish_reason``).  The returned text is vLLM's (``CompletionOutput.text``): cut at a stop
+  string's start with the completing token kept, which is the spec's text alignment
+  (``output.alignment:text`` is declared; under the default token alignment it is the documented
+  deviation ``vllm.stop_string_text_aligned``).
 * **Cancel / abort**: an interrupt in flight awaits the step, then ``abort_request([id])``;
   a cancel between calls leaves the request in the engine until the next reset aborts it
   (vLLM has no call in flight then).
@@ -82,7 +85,7 @@ def capabilities() -> frozenset[str]:
     return frozenset({
         "cache:dynamic", "decide_commit", "inflight", "sampling", "logits", "stop_strings", "output.include_stop_str",
         "termination.min_new_tokens", "termination.zero_new_tokens:prefill_only", "termination.zero_new_tokens:reject",
-        "output.final_cache:none", "policy.order:vllm",
+        "output.final_cache:none", "output.alignment:text", "policy.order:vllm",
     }) | {transform_capability(n) for n in (*_SAMPLING_FIELDS, "logit_bias", "min_new_tokens")}
 
 
