@@ -13,8 +13,11 @@ decodespec.checks.adapters.vllm_engine'``.  The controller is the peers' one
   one running request (the first is the prefill plus the first token, each later one decodes
   the pending token and samples the next).  Prefix caching is off so that every request
   computes its own prompt rows.
-* **Model call** (``complete`` of a prefill or decode): the prefill is ``add_request(id,
-  {"prompt_token_ids": L ids}, params)`` then ``step()``; a decode is ``step()``.  The
+* **Admission** (``reset``): ``add_request(id, {"prompt_token_ids": L ids}, params)`` -- vLLM
+  validates the prompt and the parameters there (an id outside the vocabulary is
+  ``runtime.invalid_request``, another refusal ``adapter.unsupported``, with vLLM's message);
+  the request waits in vLLM's scheduler until the first step.
+* **Model call** (``complete`` of a prefill or decode): one ``step()``.  The
   decision row is the request's ``logprobs=-1`` entry of that step in ``raw_logits`` mode:
   every id's raw logit (``float32[49152]``), which is the row vLLM's sampler read.
 * **P** is what vLLM's scheduler scheduled for the request (``SchedulerOutput.
@@ -228,10 +231,28 @@ class VllmEngine:
                                     output_kind=RequestOutputKind.DELTA, **fields)
         except Exception as exc:  # noqa: BLE001 - vLLM's validation (VLLMValidationError, ValueError) is the answer
             raise unsupported(f"vLLM refuses the request: {type(exc).__name__}: {exc}", "$") from None
-        self._engine()
+        engine = self._engine().llm_engine
         self._abort()
+        self.num_requests += 1
+        request_id = f"decodespec-{self.num_requests}"
+        try:  # vLLM validates the prompt here (an id outside the vocabulary is its VLLMValidationError)
+            internal_id = engine.add_request(request_id, {"prompt_token_ids": list(config.prompt_ids)}, params)
+        except Exception as exc:  # noqa: BLE001 - vLLM's refusal is the answer; nothing was admitted
+            from decodespec.impl.runtime import INVALID_REQUEST
+            from decodespec.spec.errors import Rejection
+
+            if "out of vocabulary" in str(exc):
+                raise Rejection(INVALID_REQUEST, f"vLLM refuses the prompt: {type(exc).__name__}: {exc}", "$.prompt_ids") from None
+            raise unsupported(f"vLLM refuses the request: {type(exc).__name__}: {exc}", "$") from None
+        self.request_id, self.internal_id = request_id, internal_id
+        self.scheduled[internal_id] = 0
+        state = engine.output_processor.request_states[internal_id]
+        if state.logprobs_processor is not None:
+            # The row's values only: no decoded string per vocabulary entry (49152 detokenizations per step).
+            state.logprobs_processor.tokenizer = None
         self.config, self.params, self.context_cap = config, params, context_cap
         self.rows = 0
+        self.started = False
         self.token_ids: list[int] = []
         self.text_so_far = ""
         self.token: int | None = None
@@ -259,17 +280,11 @@ class VllmEngine:
         """
         engine = self._engine().llm_engine
         if self.request_id is None:
+            raise AssertionError("vLLM's request is finished or aborted: no further model call")
+        if not self.started:
             if start != 0 or length != self.config.prompt_len:
                 raise AssertionError(f"vLLM prefills the whole prompt in its first step, not [{start}, {start + length})")
-            self.num_requests += 1
-            self.request_id = f"decodespec-{self.num_requests}"
-            self.internal_id = engine.add_request(self.request_id, {"prompt_token_ids": list(sequence[: self.config.prompt_len])},
-                                                  self.params)
-            self.scheduled[self.internal_id] = 0
-            state = engine.output_processor.request_states[self.internal_id]
-            if state.logprobs_processor is not None:
-                # The row's values only: no decoded string per vocabulary entry (49152 detokenizations per step).
-                state.logprobs_processor.tokenizer = None
+            self.started = True
         elif list(sequence[self.config.prompt_len:]) != self.token_ids:
             raise AssertionError(f"vLLM's output ids {self.token_ids} differ from the committed ids {sequence[self.config.prompt_len:]}")
         for _ in range(MAX_STEPS_PER_CALL):
