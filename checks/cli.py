@@ -50,6 +50,7 @@ COMMANDS: dict[str, str] = {
     "vocab-audit": "vocab_audit",
     "sweep": "sweep",
     "compare": "compare",
+    "matrix": "matrix",
 }
 
 

@@ -103,7 +103,7 @@ REPO_ROOT: Path = Path(__file__).resolve().parent.parent
 
 #: The hand-written pages that ``docs/index.md`` lists itself; every other ``docs/*.md`` page
 #: is staged too and listed on the generated "Other pages" page.
-HAND_WRITTEN: tuple[str, ...] = ("index.md", "quickstart.md", "adapters.md", "glossary.md", "design.md")
+HAND_WRITTEN: tuple[str, ...] = ("index.md", "quickstart.md", "adapters.md", "glossary.md", "design.md", "matrix.md")
 
 #: Rule kind -> generated page (under ``generated/``) that defines its rules.
 KIND_PAGES: dict[str, str] = {

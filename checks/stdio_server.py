@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from decodespec.checks.adapters import ADAPTER_PROTOCOL, CaseConfig, open_adapter
 from decodespec.checks.adapters.wire import (
@@ -42,8 +42,12 @@ from decodespec.spec.errors import DecodeSpecError
 __all__ = ["main", "serve"]
 
 
-def serve(runtime: str, stdin: TextIO, stdout: TextIO) -> int:
-    """Serve ``runtime`` over ``stdin`` / ``stdout`` until ``stop`` or end of input; return the exit status."""
+def serve(runtime: str, stdin: TextIO, stdout: TextIO, factory: Callable[[], Any] | None = None) -> int:
+    """Serve ``runtime`` over ``stdin`` / ``stdout`` until ``stop`` or end of input; return the exit status.
+
+    ``factory`` builds the adapter instead of ``open_adapter(runtime)`` (a server for a runtime
+    outside the named ones, e.g. :mod:`decodespec.checks.adapters.vllm_engine`).
+    """
     adapter = None
     started = False
 
@@ -63,7 +67,7 @@ def serve(runtime: str, stdin: TextIO, stdout: TextIO) -> int:
                 if message.get("version") != PROTOCOL_VERSION:
                     send(response_error(None, ADAPTER_PROTOCOL, f"protocol version {message.get('version')!r} is not {PROTOCOL_VERSION}"))
                     continue
-                adapter = adapter or open_adapter(runtime)
+                adapter = adapter or (factory() if factory is not None else open_adapter(runtime))
                 started = True
                 send(start_response(adapter.name, _version(), adapter.capabilities(), language="python",
                                     source="decodespec.checks.stdio_server"))

@@ -4,7 +4,7 @@ A trace is an ITF trace (Apalache ADR-015, :mod:`decodespec.checks.itf`) whose `
 everything a replay needs, as plain JSON:
 
 * ``format: "decodespec.trace"``, ``format_version`` (:data:`TRACE_FORMAT_VERSION`);
-* ``runtime`` (``impl``, ``hf``, ``llamacpp``, ``stdio:CMD``, ``engine:CMD`` or a registered broken runtime,
+* ``runtime`` (``impl``, ``hf``, ``llamacpp``, ``vllm``, ``stdio:CMD``, ``engine:CMD`` or a registered broken runtime,
   :data:`RUNTIMES`), ``model``, ``seed`` (the Hypothesis seed, when generated), ``config`` (the
   :class:`~decodespec.checks.adapters.CaseConfig` JSON), ``tolerance``;
 * ``actions``: the contract actions after the implicit ``reset`` (step 0);
@@ -115,6 +115,20 @@ _VARS = ("action", "runtime", "spec", "observation", "state", "verdict")
 #: Named runtimes beyond :func:`~decodespec.checks.adapters.open_adapter`'s (deliberately broken
 #: runtimes register here, e.g. :mod:`decodespec.checks.broken`): name -> adapter factory.
 RUNTIMES: dict[str, Callable[[], Adapter]] = {}
+
+
+def _vllm() -> Adapter:
+    """The ``vllm`` runtime: a server in vLLM's own environment (:mod:`decodespec.checks.adapters.vllm`)."""
+    from .adapters import AdapterUnavailable
+    from .adapters import vllm
+
+    reason = vllm.available()
+    if reason is not None:
+        raise AdapterUnavailable(reason)
+    return vllm.create()
+
+
+RUNTIMES["vllm"] = _vllm
 
 
 def _register_broken(name: str) -> None:

@@ -10,11 +10,13 @@ the diagram's bounding box into the DOM.  Skipped only when Chromium is not inst
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -28,7 +30,7 @@ pytestmark = [
 ]
 
 PAGES = ("index.html", "glossary.html", "generated/state-machine.html", "generated/transitions.html",
-         "generated/policy.html", "generated/errors.html", "generated/envelope.html", "generated/results.html")
+         "generated/policy.html", "generated/errors.html", "generated/envelope.html", "generated/results.html", "matrix.html")
 
 WIDTH = 1400
 
@@ -45,6 +47,32 @@ def chromium(tmp: Path, *args: str, timeout: float = 120) -> subprocess.Complete
 def console_messages(stderr: str) -> list[str]:
     """Every page console message (errors, failed loads, logs) Chromium reported."""
     return [ln for ln in stderr.splitlines() if ":CONSOLE" in ln or "Uncaught" in ln]
+
+
+@contextlib.contextmanager
+def layout_probe(page: Path, measure_js: str, tmp_path: Path) -> Iterator[tuple[Path, list[Any]]]:
+    """A copy of ``page`` whose load handler writes ``JSON.stringify(<measure_js>)`` into the DOM; yields the copy and the
+    browser's value (e.g. an element's bounding box).  The copy is removed afterwards."""
+    probe = page.with_name(page.stem + "-probe.html")
+    script = ("<script>window.addEventListener('load',function(){document.body.setAttribute('data-rect',"
+              f"JSON.stringify({measure_js}));}});</script>")
+    probe.write_text(page.read_text(encoding="utf-8").replace("</body>", script + "</body>"), encoding="utf-8")
+    try:
+        proc = chromium(tmp_path, f"--window-size={WIDTH},1000", "--dump-dom", probe.as_uri())
+        rect_m = re.search(r'data-rect="([^"]+)"', proc.stdout)
+        assert rect_m, proc.stderr[-2000:]
+        yield probe, json.loads(rect_m.group(1).replace("&quot;", '"'))
+    finally:
+        probe.unlink()
+
+
+def screenshot(probe: Path, tmp_path: Path, height: float, name: str) -> Path:
+    """A full-width screenshot of ``probe``, ``height`` pixels tall, with no console message."""
+    shot = tmp_path / name
+    proc = chromium(tmp_path, f"--window-size={WIDTH},{int(height)}", f"--screenshot={shot}", probe.as_uri())
+    assert shot.is_file(), proc.stderr[-2000:]
+    assert console_messages(proc.stderr) == []
+    return shot
 
 
 @pytest.fixture(scope="module")
@@ -86,25 +114,12 @@ def test_diagram_svg_is_rendered_and_visible(site: docs.BuildResult, tmp_path: P
     assert "PENDING_NEXT_CALL" in svg and "CLOSED_UNPROCESSED" in svg
 
     # 2. the browser's own layout of the diagram: a copy of the page writes the bounding box
-    probe = page.with_name("state-machine-probe.html")
-    script = ("<script>window.addEventListener('load',function(){var r=document.getElementById('diagram-spine')"
-              ".querySelector('svg').getBoundingClientRect();document.body.setAttribute('data-rect',"
-              "JSON.stringify([r.left,r.top+window.scrollY,r.width,r.height]));});</script>")
-    probe.write_text(page.read_text(encoding="utf-8").replace("</body>", script + "</body>"), encoding="utf-8")
-    try:
-        proc = chromium(tmp_path, f"--window-size={WIDTH},1000", "--dump-dom", probe.as_uri())
-        rect_m = re.search(r'data-rect="([^"]+)"', proc.stdout)
-        assert rect_m, proc.stderr[-2000:]
-        left, top, width, height = json.loads(rect_m.group(1).replace("&quot;", '"'))
+    measure = ("(function(){var r=document.getElementById('diagram-spine').querySelector('svg').getBoundingClientRect();"
+               "return [r.left,r.top+window.scrollY,r.width,r.height];})()")
+    with layout_probe(page, measure, tmp_path) as (probe, (left, top, width, height)):
         assert width > 200 and height > 300, (width, height)
-
         # 3. a screenshot tall enough to hold the diagram; its region has drawn pixels
-        shot = tmp_path / "state-machine.png"
-        proc = chromium(tmp_path, f"--window-size={WIDTH},{int(top + height + 100)}", f"--screenshot={shot}", probe.as_uri())
-        assert shot.is_file(), proc.stderr[-2000:]
-        assert console_messages(proc.stderr) == []
-    finally:
-        probe.unlink()
+        shot = screenshot(probe, tmp_path, top + height + 100, "state-machine.png")
     import numpy as np
     from PIL import Image
 
@@ -115,3 +130,28 @@ def test_diagram_svg_is_rendered_and_visible(site: docs.BuildResult, tmp_path: P
     assert dark > 0.005, f"diagram region nearly blank: {dark:.4f} of its pixels are dark"
     assert drawn < 0.6, "diagram region is a solid block, not a drawing"
     shutil.copy(shot, site.out_dir.parent / "state-machine.png")  # kept beside the site for a look
+
+
+def test_conformance_matrix_renders_with_colored_cells(site: docs.BuildResult, tmp_path: Path) -> None:
+    """The matrix page (docs/matrix.md, issue 18): its table lays out one row per case and one column per runtime, and
+    its screenshot shows the table's text and the colored results."""
+    from decodespec.checks.matrix import build_matrix
+
+    expected = build_matrix()
+    page = site.out_dir / "matrix.html"
+    measure = ("(function(){var t=document.querySelector('table.decodespec-matrix');var r=t.getBoundingClientRect();"
+               "return [r.left,r.top+window.scrollY,r.width,r.height,t.rows.length,t.rows[0].cells.length];})()")
+    with layout_probe(page, measure, tmp_path) as (probe, (left, top, width, height, rows, cols)):
+        assert rows == len(expected.rows) + 1 and cols == len(expected.runtimes) + 1, (rows, cols)
+        assert width > 300 and height > 20 * len(expected.rows), (width, height)
+        shot = screenshot(probe, tmp_path, top + height + 50, "matrix.png")
+    import numpy as np
+    from PIL import Image
+
+    img = np.asarray(Image.open(shot).convert("RGB")).astype(int)
+    region = img[int(top):int(top + height), int(left):int(left + width)]
+    red, green, blue = region[..., 0], region[..., 1], region[..., 2]
+    passed = float(((green > red + 40) & (green > blue + 20)).mean())  # .m-pass, #17631b
+    assert float((region.sum(axis=-1) < 300).mean()) > 0.005, "matrix region nearly blank"
+    assert passed > 0.0005, f"no green 'pass' cell drawn ({passed:.5f} of the pixels)"
+    shutil.copy(shot, site.out_dir.parent / "matrix.png")  # kept beside the site for a look
