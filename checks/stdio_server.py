@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 from decodespec.checks.adapters import ADAPTER_PROTOCOL, CaseConfig, open_adapter
 from decodespec.checks.adapters.wire import (

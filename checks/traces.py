@@ -119,8 +119,7 @@ RUNTIMES: dict[str, Callable[[], Adapter]] = {}
 
 def _vllm() -> Adapter:
     """The ``vllm`` runtime: a server in vLLM's own environment (:mod:`decodespec.checks.adapters.vllm`)."""
-    from .adapters import AdapterUnavailable
-    from .adapters import vllm
+    from .adapters import AdapterUnavailable, vllm
 
     reason = vllm.available()
     if reason is not None:

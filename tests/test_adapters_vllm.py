@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from decodespec.checks.adapters import CAPABILITIES, AdapterUnavailable, CaseConfig
-from decodespec.checks.adapters import vllm
+from decodespec.checks.adapters import CAPABILITIES, AdapterUnavailable, CaseConfig, vllm
 from decodespec.checks.adapters.vllm_engine import capabilities, sampling_fields
 from decodespec.spec.errors import DecodeSpecError, Rejection
 
@@ -88,7 +87,7 @@ def test_server_keeps_stdout_for_the_protocol(tmp_path: Path) -> None:
               "import decodespec.checks.stdio_server as s\n"
               "s.serve = fake_serve\n"
               f"sys.exit(vllm_engine.main(['--model-dir', {str(tmp_path)!r}, '--cache-dir', {str(tmp_path / 'c')!r}]))\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "PROTOCOL\n"
     assert "library log line" in proc.stderr and "native log line" in proc.stderr
