@@ -62,7 +62,7 @@ from decodespec.spec.transitions import MACHINE, NOT_ENABLED, Machine, expected_
 
 from .reference import Reference64, load_gguf64
 from .reference.files import gguf_path
-from .adapters import ADAPTER_UNSUPPORTED, Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
+from .adapters import ADAPTER_UNSUPPORTED, Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action, RANK_FAULTS
 from .ladder import (FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, Tolerance, Verdict, compare, describe_probe,
                      decision_probe, score_row_failure, tolerance_for)
 
@@ -821,8 +821,8 @@ class LockStep:
         elif op == "stream_fail":
             self._step(StreamFailure())
             self._discard_decision()
-        elif op == "fault":
-            self._step(Fault(act["kind"]))
+        elif op == "fault":  # a rank that dies or stalls is a participant missing from the roster: a device fault
+            self._step(Fault("device_fault" if act["kind"] in RANK_FAULTS else act["kind"]))
         elif op == "recover":
             self._step(Recover())
         elif op == "snapshot":

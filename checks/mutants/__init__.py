@@ -9,7 +9,8 @@ only inside :meth:`Mutant.applied` (a context manager that restores every seam o
 :mod:`decodespec.checks.mutants.seams`).  Nothing in ``impl/`` imports this package.
 
 The catalogue, by group (:data:`GROUPS`), lives in the modules ``lastpos``, ``selection``,
-``stop``, ``beams``, ``cache``, ``commit``, ``rng``, ``logprob``, ``encdec`` and ``snapshot``.
+``stop``, ``beams``, ``cache``, ``commit``, ``rng``, ``logprob``, ``encdec``, ``snapshot``, ``model`` and ``tp``
+(the tensor-parallel ranks, killed by the gate of ``--runtime impl-tp``).
 :mod:`decodespec.checks.mutants.harness` runs the gate (the case table, then the lock-step
 machines) against a mutant until its first failure; ``decodespec mutants`` is the command line.
 
@@ -54,6 +55,7 @@ GROUPS = (
     "encoder-decoder",
     "snapshot",
     "model math",
+    "tensor parallel",
 )
 
 #: Every registered mutant, by name (registration order).
@@ -76,6 +78,7 @@ class Mutant:
         patches: The seams it replaces.
         text: Needs real text (stop strings, UTF-8, padding): also killed on SmolLM2 in the full run.
         representative: Runs in the CI-sized subset (one per group).
+        runtime: The runtime whose gate must kill it (``impl``; ``impl-tp``: a bug of the tensor-parallel ranks).
     """
 
     name: str
@@ -86,6 +89,7 @@ class Mutant:
     patches: tuple[Patch, ...] = attrs.field(converter=tuple)
     text: bool = False
     representative: bool = False
+    runtime: str = "impl"
 
     @property
     def rule_id(self) -> str:
@@ -113,13 +117,13 @@ class Mutant:
 
 
 def mutant(name: str, *, group: str, title: str, section: str, statement: str, text: bool = False,
-           representative: bool = False) -> Callable[[Callable[[], Sequence[Patch]]], Mutant]:
+           representative: bool = False, runtime: str = "impl") -> Callable[[Callable[[], Sequence[Patch]]], Mutant]:
     """Decorator over a function returning the mutant's patches: registers :class:`Mutant` and the rule ``mutant.<name>``."""
 
     def deco(fn: Callable[[], Sequence[Patch]]) -> Mutant:
         if name in MUTANTS:
             raise AssertionError(f"mutant {name!r} registered twice")
-        m = Mutant(name, group, title, section, statement, tuple(fn()), text, representative)
+        m = Mutant(name, group, title, section, statement, tuple(fn()), text, representative, runtime)
         register(Rule(id=m.rule_id, kind="mutant", title=title, section=section, statement=statement, obj=fn))
         MUTANTS[name] = m
         return m
@@ -158,4 +162,4 @@ def seam_fingerprint() -> dict[str, object]:
     return fingerprint(all_seams())
 
 
-from . import lastpos, selection, stop, beams, cache, commit, rng, logprob, encdec, snapshot, model  # noqa: E402,F401,I001  (registration, report order)
+from . import lastpos, selection, stop, beams, cache, commit, rng, logprob, encdec, snapshot, model, tp  # noqa: E402,F401,I001  (registration, report order)

@@ -106,24 +106,27 @@ class GateCheck:
         id: The case id, or ``machine.<cache>``.
         kind: ``case`` or ``machine``.
         model: ``tiny`` or ``smollm2``.
+        runtime: The runtime the check drives (``impl``; ``impl-tp`` for the tensor-parallel mutants).
     """
 
     id: str
     kind: str
     model: str
+    runtime: str = "impl"
 
 
-def gate_checks(model: str, *, cases: bool = True, machines: bool = True, only: Sequence[str] = ()) -> tuple[GateCheck, ...]:
-    """The gate's checks on ``model`` in running order (cases, then machines); ``only`` keeps the ids listed (globs)."""
+def gate_checks(model: str, *, cases: bool = True, machines: bool = True, only: Sequence[str] = (),
+                runtime: str = "impl") -> tuple[GateCheck, ...]:
+    """The gate's checks on ``model`` and ``runtime`` in running order (cases, then machines); ``only`` keeps the ids listed (globs)."""
     import fnmatch
 
     from ..cases import cases_for
 
     out: list[GateCheck] = []
     if cases:
-        out += [GateCheck(c.id, "case", model) for c in cases_for(model)]
+        out += [GateCheck(c.id, "case", model, runtime) for c in cases_for(model)]
     if machines:
-        out += [GateCheck(f"machine.{cache}", "machine", model) for cache in CACHES]
+        out += [GateCheck(f"machine.{cache}", "machine", model, runtime) for cache in CACHES]
     if only:
         out = [c for c in out if any(fnmatch.fnmatchcase(c.id, pattern) for pattern in only)]
     return tuple(out)
@@ -146,7 +149,7 @@ def _case_finding(check: GateCheck) -> Finding:
     from ..cases import cases_for, load_expectations, run_case
 
     case = next(c for c in cases_for(check.model) if c.id == check.id)
-    result = run_case(case, "impl", expectations=load_expectations("impl"))
+    result = run_case(case, check.runtime, expectations=load_expectations(check.runtime))
     v = result.verdict
     if result.result == "fail" and v.check == "harness":
         return Finding(CRASHED, v.layer, v.rule, v.check, v.step, v.message)
@@ -162,7 +165,7 @@ def _machine_finding(check: GateCheck, settings_overrides: dict[str, Any]) -> Fi
 
     cache = check.id.split(".", 1)[1]
     verdicts: list[Any] = []
-    base = machine_for("impl", check.model, cache)
+    base = machine_for(check.runtime, check.model, cache)
 
     class Recorded(base):  # type: ignore[misc, valid-type]
         def _judge(self, record):  # noqa: ANN001 - the machine's own signature
@@ -326,7 +329,7 @@ def run_gate(mutant: Mutant | str, model: str = "tiny", *, checks: Sequence[Gate
         settings_overrides: Hypothesis settings for the machines (e.g. ``max_examples``).
     """
     m = MUTANTS[mutant] if isinstance(mutant, str) else mutant
-    plan = list(checks if checks is not None else gate_checks(model))
+    plan = list(checks if checks is not None else gate_checks(model, runtime=m.runtime))
     excluded: list[str] = []
     start = time.perf_counter()
     crash = None
