@@ -128,18 +128,21 @@ def test_a_rank_failing_mid_call_gives_all_old_and_a_typed_reason_without_a_hang
     assert all(_gone(pid) for pid in pids) and live_groups() == []
 
 
-def test_the_gate_adapter_declares_what_the_ranks_cannot_do():
+def test_the_gate_adapter_declares_what_the_ranks_cannot_do(monkeypatch):
     """impl-tp declares no prompt logprobs, no native kernel, no dtype it was not calibrated in; it declares rank faults."""
-    from decodespec.checks.adapters.impl_tp import TP_CAPABILITIES
+    from decodespec.checks.adapters.impl_tp import TP_CAPABILITIES, TP_CORE_CAPABILITIES
     from decodespec.checks.traces import open_runtime
 
     adapter = open_runtime("impl-tp", "tiny")
     try:
         caps = adapter.capabilities()
+        monkeypatch.setenv("DECODESPEC_TP_PROFILE", "full")
+        full = adapter.capabilities()
     finally:
         adapter.close()
-    assert caps == TP_CAPABILITIES and "rank_faults" in caps and "cache:static" in caps
-    assert not {"output.prompt_logprobs", "decode_kernel:native", "runtime.compute_dtype:bfloat16"} & caps
+    assert full == TP_CAPABILITIES and "rank_faults" in full and "cache:static" in full and "transform:top_p" in full
+    assert not {"output.prompt_logprobs", "decode_kernel:native", "runtime.compute_dtype:bfloat16"} & full
+    assert caps == TP_CORE_CAPABILITIES < full and not any(c.startswith(("transform:", "policy.order")) for c in caps)
 
 
 @pytest.mark.parametrize("name", ["tp_rank_skips_collective", "tp_rank_frontier_lags", "tp_wrong_kv_head_owner"])

@@ -9,8 +9,9 @@ processes, each keeping its own K/V shard (module docstring of :mod:`decodespec.
 adapter first needs them (after any failure-lab mutant is installed, so the ranks carry it)
 and ended by :meth:`close`.
 
-Capabilities, declared honestly: everything the ``impl`` adapter declares except what the
-ranks cannot do -- ``output.prompt_logprobs`` (the head's hidden rows stay on the ranks),
+Capabilities, declared honestly (``DECODESPEC_TP_PROFILE=full``; the default ``core`` profile also
+leaves out the policy transforms and orders, :data:`TP_CORE_CAPABILITIES`): everything the ``impl``
+adapter declares except what the ranks cannot do -- ``output.prompt_logprobs`` (the head's hidden rows stay on the ranks),
 ``decode_kernel:native`` (the C kernel is single-process), and compute dtypes other than
 float32 (only float32 is calibrated against the float64 reference) -- plus ``rank_faults``: the
 ``fault`` kinds ``rank_kill`` (rank ``rank`` exits before layer ``layer`` of the in-flight call)
@@ -35,11 +36,16 @@ from . import ADAPTER_INVALID_ACTION, RANK_FAULTS, CaseConfig
 from .features import names_at
 from .impl import IMPL_CAPABILITIES, ImplAdapter, load_model
 
-__all__ = ["TP_CAPABILITIES", "ImplTPAdapter", "available", "create", "world_size"]
+__all__ = ["TP_CAPABILITIES", "TP_CORE_CAPABILITIES", "ImplTPAdapter", "available", "create", "world_size"]
 
-#: What the tensor-parallel runtime declares (see the module docstring).
+#: Everything the tensor-parallel runtime can run (see the module docstring): ``DECODESPEC_TP_PROFILE=full``.
 TP_CAPABILITIES = (IMPL_CAPABILITIES - {"output.prompt_logprobs", "decode_kernel:native"} - names_at("runtime.compute_dtype")) \
     | {"rank_faults"}
+#: The default (``core``) profile: :data:`TP_CAPABILITIES` less the M3.8 transforms and policy orders.  Those run in the
+#: controller, on exactly the code the ``impl`` gate judges, and change nothing the ranks compute or keep; on the
+#: project's 2 shared cores the SmolLM2 gate of R rank processes fits only without their ~120 sweep cases.  Their cases
+#: are skipped as capability refusals (``impl-tp does not declare [transform:...]``); ``full`` declares them.
+TP_CORE_CAPABILITIES = TP_CAPABILITIES - names_at("policy.transforms", "policy.order")
 
 
 def world_size() -> int:
@@ -78,8 +84,8 @@ class ImplTPAdapter(ImplAdapter):
         self._models: dict[tuple, TPModel] = {}
 
     def capabilities(self) -> frozenset[str]:
-        """:data:`TP_CAPABILITIES`."""
-        return TP_CAPABILITIES
+        """:data:`TP_CORE_CAPABILITIES`, or :data:`TP_CAPABILITIES` under ``DECODESPEC_TP_PROFILE=full``."""
+        return TP_CAPABILITIES if os.environ.get("DECODESPEC_TP_PROFILE", "core") == "full" else TP_CORE_CAPABILITIES
 
     def model_for(self, config: CaseConfig) -> TPModel:
         """The :class:`TPModel` over the shared full model of ``config`` (its ranks forked on first use)."""
