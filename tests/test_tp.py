@@ -158,3 +158,27 @@ def test_tensor_parallel_mutant_is_killed_by_the_impl_tp_gate(name):
     assert calibration.findings[result.killed_by["check"]].status == "passed" and result.excluded == ()
     assert result.killed_by["layer"] in ("STATE", "TENSOR") and time.monotonic() - began < 300
     assert live_groups() == []
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_smollm2_tp_decode_equals_single_process(smollm2_model, world_size):
+    """SmolLM2 over R = 2 (uneven K/V heads {0, 1} | {2}) and R = 3 ranks: the same greedy ids as one process, score rows
+    and committed K/V within the calibrated impl-tp tolerance of the single-process rows."""
+    tol = tolerance_for("impl-tp", "smollm2", "float32")
+    request = attrs.evolve(_request("static"), prompt_ids=(1, 504, 3458, 282, 4649, 314), max_new_tokens=4)
+    tp = TPModel(smollm2_model, world_size)
+    try:
+        single, rows_single = _run(smollm2_model, request)
+        parallel, rows_tp = _run(tp, request)
+        assert parallel.output_ids == single.output_ids
+        for (_, a), (_, b) in zip(rows_single, rows_tp):
+            assert float((a - b).abs().max()) <= 2 * (tol.logit + tol.logit_rel * float(a.abs().max()))
+        for (k1, v1), (k2, v2) in zip(single.cache.committed_tensors(), parallel.cache.committed_tensors()):
+            assert k2.shape == k1.shape and k1.shape[1] == 3 and k1.shape[3] == 64
+            for x, y in ((k1, k2), (v1, v2)):
+                assert float((x - y).abs().max()) <= 2 * (tol.kv + tol.kv_rel * float(x.abs().max()))
+    finally:
+        tp.close()
+    assert live_groups() == []
