@@ -601,6 +601,8 @@ class TPModel:
         self.dtype = model.dtype
         self.cache_abi = CacheABI.for_config(model.config, model.dtype)
         self.model = _Observer()
+        #: The head's shape only (``[V, d]`` on the meta device): its rows live on the ranks.
+        self.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False, device="meta")
         self.reports: list[list[dict[str, Any]]] = []  # per call, every rank's participation report (the latest few)
         self.rank_faults: list[RankFault] = []  # adversarial actions for the next call (consumed by it)
         #: Per call: (wall seconds in the controller, the busiest rank's seconds, mean seconds a rank spent in collectives).
