@@ -47,6 +47,9 @@ COMMANDS: dict[str, str] = {
     "export-tiny": "export_tiny",
     "replay": "replay",
     "head-check": "head_check",
+    "vocab-audit": "vocab_audit",
+    "sweep": "sweep",
+    "compare": "compare",
 }
 
 

@@ -2,9 +2,9 @@
 
 Options:
 
-* ``--runtime {impl,hf,llamacpp,stdio:CMD}`` (default ``impl``): the runtime under test; a peer
+* ``--runtime {impl,hf,llamacpp,stdio:CMD,engine:CMD}`` (default ``impl``): the runtime under test; a peer
   that is not installed skips its cases with the reason.  The name is checked, and a
-  ``stdio:CMD`` server's ``start`` handshake tried, before any test runs
+  ``stdio:CMD`` server's ``start`` handshake (an ``engine:CMD``'s ``hello``) tried, before any test runs
   (:func:`~decodespec.checks.traces.check_runtime`): an unknown name, an empty command or a
   failed handshake is a ``pytest.UsageError`` (one message, exit 4).
 * ``--model {tiny,smollm2}``: default ``smollm2`` when the GGUF file is installed, else ``tiny``
@@ -57,7 +57,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("decodespec", "decodespec conformance gate")
-    group.addoption("--runtime", default="impl", help="runtime under test: impl, hf, llamacpp or stdio:CMD (default impl)")
+    group.addoption("--runtime", default="impl", help="runtime under test: impl, hf, llamacpp, stdio:CMD (the whole contract over JSON lines) or engine:CMD (model calls only; the gate's controller owns the contract) (default impl)")
     group.addoption("--model", default=None, choices=["tiny", "smollm2"],
                     help="model: tiny or smollm2 (default smollm2 when installed, else tiny)")
     group.addoption("--report", default=None, help="write one JSON line per case to this file")

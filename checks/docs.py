@@ -1104,7 +1104,7 @@ def _require_sphinx() -> None:
 
 
 def stage_sources(src_dir: Path, docs_dir: Path) -> list[Path]:
-    """Copy ``conf.py`` and every hand-written page (``docs_dir/*.md``) into ``src_dir``.
+    """Copy ``conf.py``, every hand-written page (``docs_dir/*.md``) and the plots under ``docs_dir/results`` into ``src_dir``.
 
     Pages other than :data:`HAND_WRITTEN` are listed by the generated ``generated/more`` page.
 
@@ -1119,6 +1119,11 @@ def stage_sources(src_dir: Path, docs_dir: Path) -> list[Path]:
     for path in [docs_dir / "conf.py", *sorted(docs_dir.glob("*.md"))]:
         shutil.copy2(path, src_dir / path.name)
         copied.append(src_dir / path.name)
+    for path in sorted(docs_dir.glob("results/**/*.png")):  # committed plots the pages embed (docs/sweeps.md)
+        target = src_dir / path.relative_to(docs_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+        copied.append(target)
     return copied
 
 

@@ -57,6 +57,14 @@ from decodespec.spec.actions import (
     action_label,
 )
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag
+from decodespec.spec.participation import (
+    EnterCollective,
+    RankFault,
+    RankTimeout,
+    ReportRank,
+    active,
+    expected_rank_report,
+)
 from decodespec.spec.errors import ERROR_CODES, DecodeSpecError, Rejection, register_code
 from decodespec.spec.profiles import PROFILES, profile_named
 from decodespec.spec.snapshot import SNAPSHOT_FORMS, SnapshotRecord, take_snapshot
@@ -106,7 +114,7 @@ class InvalidBounds(Rejection, ValueError):
 _OBSERVATIONS = (Snapshot,)
 #: Actions that only the environment takes to end or break a request; a state whose only
 #: successors come from these is stuck (a deadlock of the controller).
-_ENVIRONMENT_ONLY = (Cancel, StreamFailure, Fault)
+_ENVIRONMENT_ONLY = (Cancel, StreamFailure, Fault, RankFault)
 ITF_FORMAT = "decodespec.counterexample"
 ITF_FORMAT_VERSION = 1
 
@@ -141,6 +149,12 @@ class ExploreBounds:
             failure in a request without a stream).
         snapshots: Take both snapshot forms wherever a state admits them and restore each
             record into a fresh request (it must give back the state).
+        ranks: R declared participants of every call (1: one process, no rank layer).  With
+            R > 1 every interleaving of the ranks' collective entries, reports, bounded-wait
+            timeouts and (with ``faults``) rank faults is explored; with ``adversarial`` a rank
+            may also report a stale generation or a different frontier (M3.10 0x0A "One request
+            can still be model-parallel").
+        collectives: C, collectives per call in the ranks' common schedule.
     """
 
     vocab: int = 3
@@ -165,6 +179,8 @@ class ExploreBounds:
     faults: bool = True
     adversarial: bool = True
     snapshots: bool = True
+    ranks: int = 1
+    collectives: int = 1
 
 
 def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
@@ -193,7 +209,7 @@ def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
     if bounds.cache not in ("none", "dynamic", "static"):
         raise refuse("cache", f"unknown cache family {bounds.cache!r}; choose none, dynamic or static")
     for field, least in (("vocab", 2), ("prompt_len", 1), ("max_new_tokens", 0), ("min_new_tokens", 0),
-                         ("max_retries", 0), ("max_draws", 0)):
+                         ("max_retries", 0), ("max_draws", 0), ("ranks", 1), ("collectives", 0)):
         if getattr(bounds, field) < least:
             raise refuse(field, f"{field} {getattr(bounds, field)} must be >= {least}")
     for field in ("prefill_chunk", "capacity", "context_cap"):
@@ -247,6 +263,8 @@ def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
         stream=bounds.stream,
         stop_strings=bounds.stop_strings,
         structured=bounds.structured,
+        ranks=bounds.ranks,
+        collectives=bounds.collectives,
     )
 
 
@@ -269,6 +287,7 @@ def candidate_actions(params: RequestParams, state: RequestState, bounds: Explor
         yield StreamFailure()
     call = state.in_flight
     if call is not None:
+        yield from _rank_actions(params, state, bounds)
         yield from _completions(params, state, bounds)
         return
     if state.quarantined:
@@ -320,6 +339,25 @@ def _text_trigger_sets(params: RequestParams) -> list[frozenset[FinishReason]]:
         sets.append(frozenset({FinishReason.STRUCTURED}))
         sets.append(frozenset({FinishReason.STRUCTURED_ERROR}))
     return sets
+
+
+def _rank_actions(params: RequestParams, state: RequestState, bounds: ExploreBounds) -> Iterator[Action]:
+    """Every active rank's next step: enter, report (and, adversarially, a stale or shifted report), fault, time out."""
+    call = state.in_flight
+    assert call is not None
+    for progress in call.ranks:
+        if not active(progress):
+            continue
+        rank = progress.rank
+        yield EnterCollective(rank)
+        report = expected_rank_report(params, call, rank)
+        yield ReportRank(report)
+        if bounds.adversarial:  # a rank at another frontier (its K/V shard one row behind), else a stale generation
+            yield ReportRank(attrs.evolve(report, lanes=tuple((n, f - 1) for n, f in report.lanes)) if report.lanes
+                             else attrs.evolve(report, generation=report.generation - 1))
+        if bounds.faults:
+            yield RankFault(rank)
+        yield RankTimeout(rank)
 
 
 def _completions(params: RequestParams, state: RequestState, bounds: ExploreBounds) -> Iterator[Action]:

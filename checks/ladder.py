@@ -9,7 +9,8 @@ and stops at the first layer that does not pass (a later pass never cures an ear
 ========== ===================================================================================
 layer      what is compared (``ladder.<LAYER>``)
 ========== ===================================================================================
-STATE      phase, committed tokens, frontiers (L, O, |U|, P, tag), RNG counter, generation,
+STATE      vocabulary identity (ordered table hash, output rows), phase, committed tokens,
+           frontiers (L, O, |U|, P, tag), RNG counter, generation,
            quarantine, committed cache rows (K = P) and the launched call's slice/positions
 TENSOR     the latest score row against the reference row of the same prefix (L-infinity
            <= epsilon), committed K/V rows against the reference K/V (declared tolerance)
@@ -443,9 +444,12 @@ def score_row_failure(reference: Any, candidate: Any, epsilon: float, *, layer: 
         where: A prefix naming the row (``"output 3: "``).
         suffix: Text appended to the message.
 
-    Raises:
-        ValueError: as :func:`compare_rows`.
+    A candidate row of another length than the reference fails at STATE (``vocab.rows``): the
+    runtime scores another vocabulary (M3.8 0x08), which no tolerance can judge.
     """
+    bad = vocab_rows_failure(reference, candidate)
+    if bad is not None:
+        return bad
     cmp = compare_rows(reference, candidate, epsilon)
     if cmp.within:
         return None
@@ -538,6 +542,18 @@ def describe_probe(probe: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def vocab_rows_failure(reference: Any, candidate: Any) -> Verdict | None:
+    """A STATE ``vocab.rows`` failure when a runtime's score row is not as long as the reference's, else ``None``.
+
+    Source: M3.8 0x08 (the last axis is the checkpoint's ordered vocabulary; V_out is part of its identity).
+    """
+    n_ref, n_cand = int(np.shape(reference)[-1]), int(np.shape(candidate)[-1])
+    if n_ref == n_cand:
+        return None
+    return _fail("STATE", "vocab.rows", n_ref, n_cand,
+                 f"the runtime's score row has {n_cand} entries, the checkpoint's head {n_ref} rows: another vocabulary")
+
+
 def greedy_comparator(reference: Any, candidate: Any, epsilon: float, *, candidate_id: int | None = None) -> Verdict:
     """The seed's valid greedy comparator, in its order: L-infinity <= epsilon, tie rule, margin > 2 epsilon, ids.
 
@@ -553,6 +569,9 @@ def greedy_comparator(reference: Any, candidate: Any, epsilon: float, *, candida
         the margin exceeds 2 epsilon; ``undecided`` at DECISION when the ids differ and the margin
         is at most 2 epsilon; ``passed`` otherwise.
     """
+    bad = vocab_rows_failure(reference, candidate)
+    if bad is not None:
+        return bad
     cmp = compare_rows(reference, candidate, epsilon)
     if not cmp.within:
         return score_row_failure(reference, candidate, epsilon, suffix=f" (ids {cmp.ref_top} / {cmp.cand_top} prove nothing)")
@@ -608,6 +627,8 @@ class Expected:
         text / chunks / finish_reason / triggers: The spec's output (SEQUENCE).
         resume: The observation of the uninterrupted run at the same point (RESUME), or ``None``.
         tolerance: The declared :class:`Tolerance`.
+        vocab_hash / vocab_rows: The checkpoint's ordered vocabulary hash and output rows, as the
+            gate reads them (:func:`decodespec.checks.vocab_check.reference_vocab`).
     """
 
     tolerance: Tolerance
@@ -638,6 +659,8 @@ class Expected:
     beam_tokens: tuple[int, ...] | None = None
     beam_parents: tuple[int, ...] | None = None
     resume: Observation | None = None
+    vocab_hash: str | None = None
+    vocab_rows: int | None = None
 
 
 def _eq(layer: str, check: str, expected: Any, actual: Any, what: str) -> Verdict | None:
@@ -659,13 +682,16 @@ def _first_difference(layer: str, checks: Sequence[tuple[str, Any, Any, str]]) -
     "ladder.STATE",
     title="State equivalence: tokens, frontiers, positions, RNG counter",
     section="M3.10 Correctness matrix (1. state); A logit tolerance is not a token-equality proof",
-    statement="The runtime's phase, committed output ids, frontiers (L, O, |U|, P, pending tag), RNG counter, generation, "
-    "quarantine flag, committed cache rows (K = P; 0 without a cache) and the launched call's slice and positions "
+    statement="The runtime's vocabulary identity (the ordered id -> token table hash its receipts carry, and its output "
+    "rows V_out: M3.8 0x08, invariant.vocab_ordered_identity), phase, committed output ids, frontiers (L, O, |U|, P, "
+    "pending tag), RNG counter, generation, quarantine flag, committed cache rows (K = P; 0 without a cache) and the launched call's slice and positions "
     "(position_ids = cache_position = start..start+length-1) equal the spec state's, exactly.",
 )
 def check_state(exp: Expected, obs: Observation) -> Verdict | None:
     """``ladder.STATE``; ``None`` when it passes."""
     bad = _first_difference("STATE", (
+        ("vocab.hash", exp.vocab_hash, obs.vocab_hash, "ordered vocabulary hash (M3.8 0x08: equal sizes prove no identity)"),
+        ("vocab.rows", exp.vocab_rows, obs.vocab_rows, "output rows V_out"),
         ("phase", exp.phase, obs.phase, "phase"),
         ("output_ids", exp.output_ids, obs.output_ids, "committed output ids"),
         ("rng_counter", exp.rng_counter, obs.rng_counter, "RNG counter"),

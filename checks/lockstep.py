@@ -62,6 +62,7 @@ from decodespec.spec.transitions import MACHINE, NOT_ENABLED, Machine, expected_
 
 from .reference import Reference64, load_gguf64
 from .reference.files import gguf_path
+from .vocab_check import reference_vocab
 from .adapters import ADAPTER_UNSUPPORTED, Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action, RANK_FAULTS
 from .ladder import (FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, Tolerance, Verdict, compare, describe_probe,
                      decision_probe, score_row_failure, tolerance_for)
@@ -897,8 +898,11 @@ class LockStep:
             call = {**s.last_call, "in_flight": state.in_flight is not None and state.in_flight.call_id == s.last_call["call_id"]}
         decision = s.last_decision
         text, chunks, returned = self._text(state)
+        vocab = reference_vocab(s.config.model)
         return Expected(
             tolerance=self.tolerance,
+            vocab_hash=vocab.vocab_hash,
+            vocab_rows=vocab.output_rows,
             phase=state.phase.value,
             output_ids=state.output_ids,
             frontier={"prompt_len": params.prompt_len, "output_count": state.output_count, "pending": len(state.pending_ids),

@@ -4,7 +4,7 @@ A trace is an ITF trace (Apalache ADR-015, :mod:`decodespec.checks.itf`) whose `
 everything a replay needs, as plain JSON:
 
 * ``format: "decodespec.trace"``, ``format_version`` (:data:`TRACE_FORMAT_VERSION`);
-* ``runtime`` (``impl``, ``hf``, ``llamacpp``, ``stdio:CMD`` or a registered broken runtime,
+* ``runtime`` (``impl``, ``hf``, ``llamacpp``, ``stdio:CMD``, ``engine:CMD`` or a registered broken runtime,
   :data:`RUNTIMES`), ``model``, ``seed`` (the Hypothesis seed, when generated), ``config`` (the
   :class:`~decodespec.checks.adapters.CaseConfig` JSON), ``tolerance``;
 * ``actions``: the contract actions after the implicit ``reset`` (step 0);
@@ -65,7 +65,7 @@ from decodespec.spec.passport import REDACTED, SYNTHETIC, SYNTHETIC_PASSPORT, TR
 from decodespec.spec.policy.config import policy_config_from_json
 
 from . import itf
-from .adapters import Adapter, CaseConfig, check_action, open_adapter, parse_runtime
+from .adapters import COMMAND_RUNTIMES, Adapter, CaseConfig, check_action, open_adapter, parse_runtime
 from .ladder import Verdict
 
 __all__ = [
@@ -95,6 +95,7 @@ __all__ = [
     "open_runtime",
     "record",
     "replay",
+    "runtime_command",
     "stdio_command",
     "trace_file_name",
     "write_trace",
@@ -137,7 +138,7 @@ def open_runtime(name: str, model: str | None = None) -> Adapter:
     return open_adapter(name, model=model)
 
 
-#: Seconds :func:`check_runtime` waits for a ``stdio:CMD`` server's ``start`` handshake.
+#: Seconds :func:`check_runtime` waits for a ``stdio:CMD`` server's ``start`` handshake (an ``engine:CMD``'s ``hello``).
 HANDSHAKE_TIMEOUT = 60.0
 #: Environment variable ``decodespec check`` sets to the runtime it has checked, so that the
 #: gate's conftest does not spawn a ``stdio:CMD`` server a second time for the handshake.
@@ -149,19 +150,19 @@ def check_runtime(name: str, model: str | None = None, *, timeout: float = HANDS
 
     A registered runtime (:data:`RUNTIMES`) or ``impl`` / ``hf`` / ``llamacpp`` passes on its
     name (a peer that is not installed is the gate's skip, not an error); ``stdio:CMD`` needs a
-    non-empty command whose server answers the ``start`` handshake within ``timeout`` seconds
-    (the process is then closed).
+    non-empty command whose server answers the ``start`` handshake within ``timeout`` seconds,
+    ``engine:CMD`` one whose engine answers the ``hello`` (the process is then closed).
 
     Raises:
         Rejection: ``adapter.unsupported`` for an unknown name; ``adapter.protocol`` for an
-            empty ``stdio:`` command, one that cannot start, exits, or answers the handshake
-            wrongly or not in time.
+            empty ``stdio:`` / ``engine:`` command, one that cannot start, exits, or answers the
+            handshake wrongly or not in time.
     """
     _register_broken(name)
     if name in RUNTIMES:
         return
     kind, _ = parse_runtime(name)
-    if kind == "stdio":
+    if kind in COMMAND_RUNTIMES:
         open_adapter(name, model=model, timeout=timeout).close()
 
 
@@ -448,8 +449,8 @@ META_SCHEMA: dict[str, Any] = {
 
 TRACE_RUNTIME_REFUSED = register_code(
     "trace.runtime_not_allowed", "rejection", "M3.10 0x06 (bound parsers and traces); traces/README.md (replay)",
-    "A conformance trace names a stdio:CMD runtime: replay never starts a process a file names; the user must name the "
-    "same command on the command line (--runtime 'stdio:CMD' or --allow-runtime CMD).")
+    "A conformance trace names a stdio:CMD or engine:CMD runtime: replay never starts a process a file names; the user must "
+    "name the same command on the command line (--runtime 'stdio:CMD' / 'engine:CMD' or --allow-runtime CMD).")
 
 
 def _meta_path(parts: Sequence[Any]) -> str:
@@ -585,12 +586,18 @@ def stdio_command(runtime: str) -> str | None:
     return command if name == "stdio" else None
 
 
+def runtime_command(runtime: str) -> str | None:
+    """The command a runtime name starts: ``CMD`` of ``stdio:CMD`` or ``engine:CMD``, else ``None``."""
+    name, _, command = runtime.partition(":")
+    return command if name in COMMAND_RUNTIMES else None
+
+
 def check_replay_runtime(meta: Mapping[str, Any], runtime: str | None, allow_commands: Sequence[str] = ()) -> str:
     """The runtime a replay of ``meta`` runs: ``runtime`` when the user named one, else the trace's.
 
-    Replay never starts a process that a file names: a trace whose ``runtime`` is ``stdio:CMD`` runs
-    only when the user names that runtime (``runtime``, e.g. ``--runtime 'stdio:CMD'``) or lists
-    ``CMD`` exactly in ``allow_commands`` (``--allow-runtime CMD``).
+    Replay never starts a process that a file names: a trace whose ``runtime`` is ``stdio:CMD`` or
+    ``engine:CMD`` runs only when the user names that runtime (``runtime``, e.g. ``--runtime
+    'stdio:CMD'``) or lists ``CMD`` exactly in ``allow_commands`` (``--allow-runtime CMD``).
 
     Raises:
         Rejection: ``trace.runtime_not_allowed`` (path ``$.#meta.runtime``) otherwise; nothing was started.
@@ -598,10 +605,11 @@ def check_replay_runtime(meta: Mapping[str, Any], runtime: str | None, allow_com
     if runtime is not None:
         return runtime
     recorded = meta["runtime"]
-    command = stdio_command(recorded)
+    command = runtime_command(recorded)
     if command is not None and command not in allow_commands:
-        raise Rejection(TRACE_RUNTIME_REFUSED, f"the trace names the runtime stdio:{_short(command)}; replay does not start a "
-                        "command read from a file: name it on the command line (--runtime 'stdio:CMD' or --allow-runtime CMD)",
+        kind = recorded.partition(":")[0]
+        raise Rejection(TRACE_RUNTIME_REFUSED, f"the trace names the runtime {kind}:{_short(command)}; replay does not start a "
+                        f"command read from a file: name it on the command line (--runtime '{kind}:CMD' or --allow-runtime CMD)",
                         "$.#meta.runtime")
     return recorded
 
@@ -658,13 +666,13 @@ def replay(trace: Mapping[str, Any], *, runtime: str | None = None, adapter: Ada
     Args:
         trace: A loaded trace (:func:`load_trace`).
         runtime: Runtime to replay against (default the recorded one).  Naming it is the user's
-            consent to start it; a recorded ``stdio:CMD`` is started only when ``CMD`` is in
+            consent to start it; a recorded ``stdio:CMD`` / ``engine:CMD`` is started only when ``CMD`` is in
             ``allow_commands`` (:func:`check_replay_runtime`).
         adapter: An adapter to use instead of opening the runtime.
-        allow_commands: ``stdio`` commands the user allows a trace to name (``--allow-runtime``).
+        allow_commands: ``stdio`` / ``engine`` commands the user allows a trace to name (``--allow-runtime``).
 
     Raises:
-        Rejection: ``trace.runtime_not_allowed`` for a recorded ``stdio:CMD`` the user did not name.
+        Rejection: ``trace.runtime_not_allowed`` for a recorded ``stdio:CMD`` / ``engine:CMD`` the user did not name.
         Rejection: ``adapter.invalid_config`` / ``adapter.invalid_action`` for a malformed
             config or action; ``trace.invalid_conformance_trace`` for an unknown mutant.
         AdapterUnavailable: the runtime is not installed here.
@@ -672,7 +680,7 @@ def replay(trace: Mapping[str, Any], *, runtime: str | None = None, adapter: Ada
     from .lockstep import LockStep
 
     meta = trace["#meta"]
-    # A caller's adapter starts nothing from the file; otherwise a recorded stdio:CMD needs the user's consent.
+    # A caller's adapter starts nothing from the file; otherwise a recorded stdio:CMD / engine:CMD needs the user's consent.
     name = (runtime or meta["runtime"]) if adapter is not None else check_replay_runtime(meta, runtime, allow_commands)
     config = CaseConfig.from_json(meta["config"])
     mutant = meta.get("mutant") or None

@@ -489,13 +489,13 @@ def batch_generate(
                 [history, history.new_zeros(num_rows, capacity - history.shape[1])], dim=-1)  # [B, S_k]
             active = [row.active for row in rows]
             kv.begin_call(start, length, generation)
-            keep, owner = _kept_columns(columns, active)
+            keep = columns[:, None]  # [B, 1]: each row's decision column, selected before lm_head (M3.8 0x06)
             out = model(input_ids, attention_mask=key_validity, position_ids=position_ids, past_key_values=kv,
                         cache_position=cache_position, logits_to_keep=keep)
             assert kv.complete_layers() == config.num_hidden_layers, f"incomplete lane roster {kv.lane_writes()}"
             generation += 1
             kv.commit_call(generation)
-            logits = out.logits[torch.arange(num_rows, device=out.logits.device), owner.to(out.logits.device)]  # [B, V]
+            logits = out.logits[:, -1]  # [B, V]: one projected row per sequence (M3.8 0x06)
             calls.append(BatchCall(
                 call_id=len(calls), generation=generation - 1, cache_position=tuple(cache_position.tolist()),
                 position_ids=tuple(tuple(r) for r in position_ids.tolist()), key_validity=tuple(tuple(r) for r in key_validity.tolist()),
@@ -523,17 +523,6 @@ def batch_generate(
     results = tuple(_row_result(row, tokenizer) for row in rows)
     scores = tuple(tuple(row.scores) for row in rows) if return_scores else None
     return BatchResult(rows=results, calls=tuple(calls), scores=scores)
-
-
-def _kept_columns(columns: torch.Tensor, active: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct decision columns to keep logits for (``int64[k]``) and each row's index into them (``[B]``).
-
-    Left padding keeps one column for every row; right padding up to ``B``; a decode call one.
-    Finished rows point at any kept column (their row is never decided on).
-    """
-    kept = torch.unique(columns[torch.tensor(active, device=columns.device)] if any(active) else columns[:1])  # [k], sorted
-    owner = torch.searchsorted(kept, columns).clamp_(max=kept.numel() - 1)  # [B]
-    return kept, owner
 
 
 def _decide(row: _Row, logits: torch.Tensor, score_id: str, eos: frozenset[int], window: int, vocab_hash: str, keep_score: bool) -> None:

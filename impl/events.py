@@ -53,6 +53,14 @@ event               spec action (or check)
                     ``decodespec.spec.beam.BeamStepRecord.to_event()`` for the same rows
 ==================  =====================================================================
 
+Times (issue 19; M3.10 0x0BA "Latency semantics"): ``call_launched``, ``call_completed``,
+``stream`` and ``finish`` carry an optional ``t_ns`` -- integer nanoseconds since admission on the
+host monotonic clock, read after the completion boundary (:mod:`decodespec.impl.latency`); absent
+past ``spec.latency.MAX_TIMED_EVENTS`` timed calls or emissions, and in traces written before
+issue 19 (which still validate).  What they mean -- TTFT, ITL, E2E, per-phase times -- is
+:mod:`decodespec.spec.latency`; :func:`decodespec.checks.latency.timeline_from_trace` reads them.
+Timings are not user content: the redactor keeps them.
+
 Every file is written through a :class:`decodespec.spec.passport.Redactor` unless the caller asks
 for content (``content=True``; ``decodespec generate --trace-content``): ids, texts, stop strings
 and identities become keyed digests and byte counts, and the ``request`` header gets ``data``, the

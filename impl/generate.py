@@ -85,6 +85,9 @@ class GenerationResult:
         prompt_logprobs: The requested prompt logprobs
             (:class:`~decodespec.spec.prompt_logprobs.PromptLogprob` each, M3.10 0x02), or ``None``
             when not requested.
+        timeline: When each model call launched and completed and each emission was published
+            (:class:`decodespec.spec.latency.Timeline`, ns since admission; M3.10 0x0BA "Latency
+            semantics"); ``None`` from a path that keeps no record.  Not part of equality.
     """
 
     prompt_ids: tuple[int, ...]
@@ -106,6 +109,8 @@ class GenerationResult:
     chunks: tuple[Any, ...] = ()
     stream: dict[str, Any] | None = None
     prompt_logprobs: tuple[Any, ...] | None = None
+    #: The request's recorded call and emission times (:class:`decodespec.spec.latency.Timeline`); not compared.
+    timeline: Any = attrs.field(default=None, eq=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict (``finish_reason`` and ``triggers`` as their string values, ``overhang`` as hex).

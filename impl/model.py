@@ -907,7 +907,10 @@ class LlamaForCausalLM(nn.Module):
                 ``past_len + arange(T)`` with ``past_len = past_key_values.get_seq_length()``
                 (an explicit integer; 0 without a cache).
             logits_to_keep: ``0`` keeps every row; ``n > 0`` keeps the last ``n`` rows; an
-                ``int64[k]`` tensor keeps those rows.
+                ``int64[k]`` tensor keeps those rows of every sequence; an ``int64[B, k]`` tensor
+                keeps rows per sequence (``[B, 1]``: each sequence's last valid row under right
+                padding, M3.8 0x06).  Rows are selected before ``lm_head``: only ``B * T_kept``
+                rows are projected and no ``[B, T, V]`` tensor is produced (M3.8 0x0A).
             return_hidden_states: Also return every row's final-normed hidden state (prompt
                 logprobs score each prefill row with the head in bounded blocks,
                 :mod:`decodespec.impl.prompt_logprobs`, instead of keeping ``[T, V]`` logits).
@@ -967,7 +970,7 @@ class LlamaForCausalLM(nn.Module):
                 f"attention_mask {tuple(attention_mask.shape)} {attention_mask.dtype} must be bool/int [B, S_k] = [{batch}, {key_len}]",
                 "$.attention_mask",
             )
-        keep = _check_logits_to_keep(logits_to_keep, q_len)
+        keep = _check_logits_to_keep(logits_to_keep, q_len, batch)
         mask = build_attention_mask(cache_position, key_positions, attention_mask, self.dtype)  # [B|1, 1, T, S_k]
 
         native = native_head = None
@@ -984,7 +987,11 @@ class LlamaForCausalLM(nn.Module):
         if observer is not None:
             observer.completed("norm")
         every_row = hidden_states if return_hidden_states else None  # [B, T, d_model]
-        hidden_states = hidden_states[:, keep, :] if isinstance(keep, torch.Tensor) else hidden_states[:, -keep:, :]  # [B, T_kept, d_model]
+        if isinstance(keep, torch.Tensor) and keep.dim() == 2:  # per-sequence rows (M3.8 0x06)
+            rows = torch.arange(batch, device=hidden_states.device)[:, None]  # [B, 1]
+            hidden_states = hidden_states[rows, keep.to(hidden_states.device)]  # [B, T_kept, d_model]
+        else:
+            hidden_states = hidden_states[:, keep, :] if isinstance(keep, torch.Tensor) else hidden_states[:, -keep:, :]  # [B, T_kept, d_model]
         native_logits = self.model.native_logits
         if native_logits is not None:
             logits = native_logits.view(1, 1, -1)  # [1, 1, V]: the head ran in the kernel
@@ -1021,10 +1028,12 @@ def _check_index_tensor(tensor: torch.Tensor, shape: tuple[int, ...], name: str,
         raise ResourceLimit(CONTEXT_WINDOW_EXCEEDED, f"{name} must lie in [0, {upper}), got [{low}, {high}]", f"$.{name}")
 
 
-def _check_logits_to_keep(logits_to_keep: int | torch.Tensor, q_len: int) -> int | torch.Tensor:
+def _check_logits_to_keep(logits_to_keep: int | torch.Tensor, q_len: int, batch: int) -> int | torch.Tensor:
     if isinstance(logits_to_keep, torch.Tensor):
-        if logits_to_keep.dim() != 1 or logits_to_keep.dtype.is_floating_point or logits_to_keep.dtype == torch.bool:
-            raise Rejection(INVALID_MODEL_INPUT, "logits_to_keep tensor must be int64[k] row indices", "$.logits_to_keep")
+        if (logits_to_keep.dim() not in (1, 2) or (logits_to_keep.dim() == 2 and logits_to_keep.shape[0] != batch)
+                or logits_to_keep.dtype.is_floating_point or logits_to_keep.dtype == torch.bool):
+            raise Rejection(INVALID_MODEL_INPUT, f"logits_to_keep tensor must be int64[k] or int64[B = {batch}, k] row indices",
+                            "$.logits_to_keep")
         return logits_to_keep
     if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
         raise Rejection(INVALID_MODEL_INPUT, f"logits_to_keep must be a non-negative int or an index tensor, got {logits_to_keep!r}", "$.logits_to_keep")

@@ -97,6 +97,7 @@ from decodespec.spec.state import ENVIRONMENT_FAILURES, InterruptPoint, Phase
 from .cache import CacheABI, DynamicCache, StaticCache, check_static_reservation, make_cache
 from .events import EVENTS_FORMAT, EventSink
 from .faults import FaultPlan, InjectedDeviceFault, ParticipantFailure
+from .latency import LatencyRecorder
 from .model import CONTEXT_WINDOW_EXCEEDED, TRAINING_MODE, LlamaForCausalLM, StageObserver
 from .output import OutputObserver, output_header, stop_config
 from .policy import decide as policy_decide
@@ -517,6 +518,9 @@ class RequestRunner:
         self.triggers: set[FinishReason] = set()
         self.quarantined = False
         self.num_calls = 0
+        #: Call and emission times (M3.10 0x0BA "Latency semantics"; :mod:`decodespec.impl.latency`).
+        self.latency = LatencyRecorder(request.prompt_len)
+        self._emitted_at: int | None = None
         self.num_retries = 0
         self.suspended = False
         self.clock = clock
@@ -575,6 +579,7 @@ class RequestRunner:
             Rejection: ``transition.not_enabled`` unless the phase is NEW.
         """
         self._require(self.phase is Phase.NEW, "transition.admit", "phase == NEW")
+        self.latency.admit()
         if self.request.timeout_ms is not None:
             self.admitted_at = self.clock()
         self._emit_request()
@@ -708,10 +713,11 @@ class RequestRunner:
         self.num_calls += 1
         if kind is not CallKind.REPAIR:
             self.phase = Phase.IN_FLIGHT
+        t_ns = self.latency.launch(kind.value, length)
         if self.sink is not None:
             self.sink.emit("call_launched", call_id=call.call_id, kind=kind.value, input_ids=list(input_ids),
                            position_ids=list(range(start, end)), cache_position=list(range(start, end)),
-                           frontier_before=frontier_before, generation=call.generation)
+                           frontier_before=frontier_before, generation=call.generation, **_timed(t_ns))
         return call
 
     def complete(self) -> Selection:
@@ -733,6 +739,7 @@ class RequestRunner:
         assert call is not None
         triggers_before = set(self.triggers)
         report = self._forward(call)
+        t_ns = self.latency.complete()  # after the completion boundary (_forward synchronises CUDA)
         reason = self._completion_reason(call, report)
         selection = Selection.ALL_NEW if reason is None else Selection.ALL_OLD
         score = None
@@ -744,7 +751,8 @@ class RequestRunner:
             self.sink.emit("call_completed", call_id=call.call_id, selection=selection.value,
                            lanes_completed=[list(lane) for lane in report.lanes], layers_written=report.layers_written,
                            stages_ok=report.stages_ok, output_row=report.output_row, frontier_after=self.frontier(),
-                           score_id=None if score is None else score.score_id, generation=report.generation, reason=reason)
+                           score_id=None if score is None else score.score_id, generation=report.generation, reason=reason,
+                           **_timed(t_ns))
             if self.quarantined and selection is Selection.ALL_OLD:
                 self.sink.emit("quarantine", generation=self.generation, processed=self.processed)
         if self.phase is Phase.FINISHED and (self.triggers != triggers_before or call.kind is CallKind.REPAIR and selection is Selection.ALL_NEW):
@@ -994,6 +1002,8 @@ class RequestRunner:
         if stream_failed:
             fired.add(FinishReason.STREAM_ERROR)
         self._stream_chunks.extend(observation.chunks)
+        if r.stream and observation.chunks:
+            self._emitted_at = self.latency.emit(observation.chunks[-1].token_end)
         if fired:
             self.phase = Phase.FINISHED
             self.triggers |= fired
@@ -1078,7 +1088,10 @@ class RequestRunner:
         close = getattr(self.observer, "close", None)
         if close is not None:
             # The output closes outside a commit: the observer flushes its held-back bytes.
-            self._stream_chunks.extend(close(self.finish_reason))
+            flushed = close(self.finish_reason)
+            self._stream_chunks.extend(flushed)
+            if self.request.stream and flushed:
+                self._emitted_at = self.latency.emit(flushed[-1].token_end)
         if emit:
             self._emit_finish()
 
@@ -1086,15 +1099,19 @@ class RequestRunner:
         """Write a ``stream`` event for every published chunk not yet in the trace (streamed requests only)."""
         if self.sink is not None and self.request.stream:
             for chunk in self._stream_chunks:
-                self.sink.emit("stream", **chunk.to_json())
+                self.sink.emit("stream", **chunk.to_json(), **_timed(self._emitted_at))
         self._stream_chunks.clear()
 
     def _emit_finish(self) -> None:
         self._emit_stream()
+        first = self.latency.final_ns is None
+        t_ns = self.latency.finish()
+        if first and not self.request.stream and self.output_count:
+            self.latency.emit(self.output_count)  # an unstreamed output is delivered whole, at the final flush
         if self.sink is not None:
             report = self.stream_report() if self.request.stream else None
             self.sink.emit("finish", finish_reason=self.finish_reason.value, triggers=[t.value for t in self.ordered_triggers()],
-                           frontier=self.frontier(), **({} if report is None else {"stream": report}))
+                           frontier=self.frontier(), **({} if report is None else {"stream": report}), t_ns=t_ns)
 
     def stream_report(self) -> dict[str, Any] | None:
         """What the stream delivered: ``{"chunks", "delivered_bytes", "delivered_tokens", "failed", "error"}``.
@@ -1209,7 +1226,7 @@ class RequestRunner:
         common = dict(prompt_ids=self.request.prompt_ids, finish_reason=self.finish_reason, triggers=self.ordered_triggers(),
                       frontier=self.frontier(), receipts=tuple(self.receipts), rng_counter=self.policy_state.rng_counter,
                       num_committed=self.output_count, stream=self.stream_report() if self.request.stream else None,
-                      prompt_logprobs=self.prompt_logprobs())
+                      prompt_logprobs=self.prompt_logprobs(), timeline=self.latency.timeline())
         out = getattr(self.observer, "output", None) if self.phase is Phase.FINISHED else None
         if out is not None:
             match = out.stop_match
@@ -1389,3 +1406,8 @@ def _stage_roster(model: LlamaForCausalLM, stages: list[str], fault_layer: int |
             inner.__dict__.pop("observer", None)
         else:
             inner.observer = before
+
+
+def _timed(t_ns: int | None) -> dict[str, int]:
+    """The optional ``t_ns`` trace field (ns since admission; absent past ``spec.latency.MAX_TIMED_EVENTS``)."""
+    return {} if t_ns is None else {"t_ns": t_ns}

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Union
 import attrs
 
 from .enums import CallKind, FinishReason
+from .participation import EnterCollective, RankFault, RankTimeout, ReportRank
 
 if TYPE_CHECKING:  # pragma: no cover
     from .snapshot import SnapshotRecord
@@ -32,10 +33,14 @@ __all__ = [
     "Commit",
     "Complete",
     "Decide",
+    "EnterCollective",
     "FAULT_KINDS",
     "Fault",
     "Launch",
+    "RankFault",
+    "RankTimeout",
     "Recover",
+    "ReportRank",
     "Restore",
     "Snapshot",
     "StreamFailure",
@@ -191,12 +196,15 @@ class Restore:
     record: "SnapshotRecord"
 
 
-Action = Union[Admit, Launch, Fault, Complete, Decide, SupportEmpty, Commit, Cancel, StreamFailure, Recover, Snapshot, Restore]
+Action = Union[Admit, Launch, Fault, Complete, Decide, SupportEmpty, Commit, Cancel, StreamFailure, Recover, Snapshot, Restore,
+               EnterCollective, ReportRank, RankFault, RankTimeout]
 
 
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "to_json") and not isinstance(value, (CallKind, FinishReason)):
         return value.to_json()
+    if attrs.has(type(value)):  # a nested value (a rank's report)
+        return {f.name: _jsonable(getattr(value, f.name)) for f in attrs.fields(type(value))}
     if hasattr(value, "value") and isinstance(value, (CallKind, FinishReason)):
         return value.value
     if isinstance(value, frozenset):

@@ -17,6 +17,7 @@ from typing import Callable
 import attrs
 
 from .enums import CallKind, FinishReason, PendingTag, Selection, published_finish_reason
+from . import participation
 from .rules import RULES, rule
 from .snapshot import restore_failure, restore_state, snapshot_forms, take_snapshot
 from .state import Phase, RequestParams, RequestState, repair_outstanding
@@ -338,9 +339,12 @@ def snapshot_round_trip(params: RequestParams, state: RequestState) -> bool:
     return True
 
 
-#: Every invariant, by rule id, in the order they are checked.
+#: Every invariant, by rule id, in the order they are checked (this module's and the rank layer's,
+#: :mod:`decodespec.spec.participation`).
 INVARIANTS: dict[str, Invariant] = {
-    r.id: r.obj for r in sorted(RULES.values(), key=lambda r: r.id) if r.kind == "invariant" and r.obj.__module__ == __name__
+    r.id: r.obj
+    for r in sorted(RULES.values(), key=lambda r: r.id)
+    if r.kind == "invariant" and r.obj.__module__ in (__name__, participation.__name__)
 }
 
 

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from .enums import ENVIRONMENT_FAILURES, CallKind, FinishReason, PendingTag, Selection
+from .participation import RankProgress
 from .profiles import Profile, profile_named
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -130,6 +131,9 @@ class RequestParams:
         stop_strings: Whether stop strings are declared (enables the ``stop_string`` trigger).
         structured: Whether structured completion is declared (``structured`` /
             ``structured_error`` triggers).
+        ranks: R, the declared participants of every model call (tensor-parallel ranks; 1 = one
+            process, no rank layer; :mod:`decodespec.spec.participation`).
+        collectives: C, collectives per call in the ranks' common schedule (R > 1 only).
 
     Units: tokens for every length and count.
     """
@@ -155,6 +159,8 @@ class RequestParams:
     stream: bool = False
     stop_strings: bool = False
     structured: bool = False
+    ranks: int = 1
+    collectives: int = 1
 
     @property
     def cached(self) -> bool:
@@ -224,6 +230,8 @@ class InFlightCall:
             (non-final prefill chunk, repair, G=0 prefill).
         interrupts: Cancel / timeout / stream failures that arrived while in flight.
         fault: ``"device_fault"`` / ``"missing_lane"`` reported while in flight, else ``None``.
+        ranks: Each declared rank's progress through the call (``()`` when R = 1;
+            M3.10 0x0A "One request can still be model-parallel").
     """
 
     call_id: int
@@ -235,6 +243,7 @@ class InFlightCall:
     decision_row: int | None
     interrupts: frozenset[FinishReason] = frozenset()
     fault: str | None = None
+    ranks: tuple[RankProgress, ...] = ()
 
     @property
     def end(self) -> int:
@@ -249,7 +258,10 @@ class InFlightCall:
 
 @attrs.frozen
 class Completion:
-    """What the last completed call selected (kept so invariants can check ALL_OLD)."""
+    """What the last completed call selected (kept so invariants can check ALL_OLD and the rank roster).
+
+    ``ranks`` is the call's rank progress at completion (``()`` when R = 1).
+    """
 
     call_id: int
     kind: CallKind
@@ -257,6 +269,7 @@ class Completion:
     processed_before: int
     processed_after: int
     score_id: str | None
+    ranks: tuple[RankProgress, ...] = ()
 
 
 @attrs.frozen(cache_hash=True)

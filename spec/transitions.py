@@ -64,6 +64,23 @@ from .actions import (
 )
 from .enums import CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason, published_finish_reason
 from .errors import ERROR_CODES, NOT_ENABLED, Rejection, ResourceLimit, register_code
+from .participation import (
+    RANK_TIMEOUT,
+    EnterCollective,
+    RankFault,
+    RankTimeout,
+    ReportRank,
+    active,
+    anyone_left,
+    blocked,
+    initial_progress,
+    participation_failure,
+    rank_enter,
+    rank_fault,
+    rank_report,
+    rank_timeout,
+    roster_closed,
+)
 from .positions import CACHE_CAPACITY_EXCEEDED
 from .rules import rule
 from .snapshot import RESTORE_CHECKS, SNAPSHOT_FORM_UNAVAILABLE, form_available, restore_state
@@ -161,14 +178,14 @@ def expected_report(params: RequestParams, state: RequestState) -> Complete:
 
 
 def _failure_reason(params: RequestParams, call: InFlightCall, report: Complete) -> str | None:
-    """Why the report forbids ALL_NEW, ignoring interrupts: a fault, a stage or a lane disagreement."""
+    """Why the report forbids ALL_NEW, ignoring interrupts: a fault, a stage, a lane or a rank disagreement."""
     if call.fault is not None:
         return call.fault
     if not report.stages_ok or report.output_row != call.decision_row:
         return "device_fault"
     if report.generation != call.generation or sorted(report.lanes) != sorted(expected_lanes(params, call)):
         return "missing_lane"
-    return None
+    return participation_failure(params, call)
 
 
 def completion_reason(params: RequestParams, state: RequestState, report: Complete) -> str | None:
@@ -176,7 +193,8 @@ def completion_reason(params: RequestParams, state: RequestState, report: Comple
 
     Interrupts come first (``cancelled`` / ``timeout`` / ``stream_error`` by finish
     precedence), then a reported fault, then a compute-stage failure (``device_fault``), then a
-    lane / generation / frontier disagreement (``missing_lane``).
+    lane / generation / frontier disagreement (``missing_lane``), then the rank roster of an
+    R > 1 request (``missing_rank`` / ``rank_timeout``, :func:`decodespec.spec.participation.participation_failure`).
     """
     call = state.in_flight
     if call is None:
@@ -194,7 +212,8 @@ def select_logical_state(params: RequestParams, state: RequestState, report: Com
     ALL_NEW requires: no interrupt or fault recorded for the call; every compute stage through
     the vocabulary projection completed and exported the declared decision row; every roster
     lane reports the call's generation at its expected frontier (advancing lanes at the call's
-    end, fixed lanes at S), and no other lane.
+    end, fixed lanes at S), and no other lane; with R > 1 declared ranks, every rank reported
+    its expected report and none left (M3.10 0x0A "One request can still be model-parallel").
 
     Source: M3.10 0x08 "One model call prepares a complete logical state candidate".
     """
@@ -305,6 +324,7 @@ def _launch(params: RequestParams, state: RequestState, action: Launch, phase: P
         generation=state.generation,
         roster=params.roster,
         decision_row=_decision_row(params, action.kind, action.start, action.length),
+        ranks=initial_progress(params),
     )
     return attrs.evolve(state, phase=phase, in_flight=call, num_calls=state.num_calls + 1)
 
@@ -374,6 +394,7 @@ def fault(params: RequestParams, state: RequestState, action: Action) -> Request
 _COMPLETE_GUARD = (
     Clause("a call is in flight", lambda p, s, a: s.in_flight is not None),
     Clause("call_id is the in-flight call", lambda p, s, a: a.call_id == s.in_flight.call_id),
+    Clause("every declared rank reported or left (closed rank roster)", lambda p, s, a: roster_closed(s.in_flight)),
 )
 
 
@@ -419,7 +440,7 @@ def complete_all_new(params: RequestParams, state: RequestState, action: Action)
 
 def _completed(state: RequestState, call: InFlightCall, selection: Selection, score_id: str | None) -> Completion:
     after = call.end if selection is Selection.ALL_NEW else state.processed
-    return Completion(call.call_id, call.kind, selection, state.processed, after, score_id)
+    return Completion(call.call_id, call.kind, selection, state.processed, after, score_id, call.ranks)
 
 
 @rule(
@@ -430,13 +451,14 @@ def _completed(state: RequestState, call: InFlightCall, selection: Selection, sc
     "recorded. Effect: P, U, O, lanes and generation unchanged; no consumable score; a cached handle is "
     "quarantined. With interrupts: finish with every trigger (plus device_error when the call itself failed). "
     "Otherwise retry (READY, or FINISHED with repair still owed) while retries remain, else add device_error "
-    "and finish. After the close (the repair call) the triggers are recorded but the published finish reason "
+    "and finish (with timeout instead when a rank's bounded wait expired, rank_timeout). After the close (the repair call) the triggers are recorded but the published finish reason "
     "stays the closing one (published_finish_reason), and the repair is no longer owed.",
 )
 def complete_all_old(params: RequestParams, state: RequestState, action: Action) -> RequestState:
     call = state.in_flight
     assert call is not None and isinstance(action, Complete)
-    failed = _failure_reason(params, call, action) is not None
+    reason = _failure_reason(params, call, action)
+    failed = reason is not None
     base = attrs.evolve(
         state,
         in_flight=None,
@@ -449,7 +471,7 @@ def complete_all_old(params: RequestParams, state: RequestState, action: Action)
     if state.num_retries < params.max_retries:
         phase = Phase.FINISHED if call.kind is CallKind.REPAIR else Phase.READY
         return attrs.evolve(base, phase=phase, num_retries=state.num_retries + 1)
-    return _finish(base, frozenset({FinishReason.DEVICE_ERROR}))
+    return _finish(base, frozenset({FinishReason.TIMEOUT if reason == RANK_TIMEOUT else FinishReason.DEVICE_ERROR}))
 
 
 @rule(
@@ -684,6 +706,17 @@ def _interrupt_phase(phase: Phase) -> Callable[[RequestParams, RequestState, Act
     return lambda p, s, a: s.phase is phase
 
 
+def _rank_guard(rank_of: Callable[[Action], int]) -> tuple[Clause, ...]:
+    """A call with a rank roster is in flight and the action's rank is declared and active."""
+    return (
+        Clause("a call with a rank roster is in flight", lambda p, s, a: s.in_flight is not None and bool(s.in_flight.ranks)),
+        Clause("rank is declared (0 <= rank < R)", lambda p, s, a: 0 <= rank_of(a) < len(s.in_flight.ranks)),
+        Clause("rank is active (not reported, not left)", lambda p, s, a: active(s.in_flight.ranks[rank_of(a)])),
+    )
+
+
+_RANK_GUARD = _rank_guard(lambda a: a.rank)
+
 _CURRENT_SCORE = Clause(
     "score is bound to the current generation", lambda p, s, a: s.score.generation == s.generation
 )
@@ -811,6 +844,29 @@ TRANSITIONS: tuple[Transition, ...] = (
         ),
         commit,
     ),
+    Transition(
+        "transition.rank_enter",
+        EnterCollective,
+        lambda p, s, a: True,
+        _RANK_GUARD + (
+            Clause("rank not blocked in an incomplete collective", lambda p, s, a: not blocked(s.in_flight, a.rank)),
+            Clause("entered < C", lambda p, s, a: s.in_flight.ranks[a.rank].entered < p.collectives),
+            Clause("no rank has left the call", lambda p, s, a: not anyone_left(s.in_flight)),
+        ),
+        rank_enter,
+    ),
+    Transition(
+        "transition.rank_report",
+        ReportRank,
+        lambda p, s, a: True,
+        _rank_guard(lambda a: a.report.rank) + (
+            Clause("rank not blocked in an incomplete collective", lambda p, s, a: not blocked(s.in_flight, a.report.rank)),
+            Clause("entered == C", lambda p, s, a: s.in_flight.ranks[a.report.rank].entered == p.collectives),
+        ),
+        rank_report,
+    ),
+    Transition("transition.rank_fault", RankFault, lambda p, s, a: True, _RANK_GUARD, rank_fault),
+    Transition("transition.rank_timeout", RankTimeout, lambda p, s, a: True, _RANK_GUARD, rank_timeout),
     Transition("transition.snapshot", Snapshot, lambda p, s, a: True, _SNAPSHOT_GUARD, snapshot),
     Transition("transition.restore", Restore, lambda p, s, a: True, _RESTORE_GUARD, restore),
 )

@@ -121,7 +121,8 @@ def test_untyped_refusal_is_reported() -> None:
 def test_coverage_reports_unexercised_transitions_and_rejections() -> None:
     params = params_for_bounds(ONE_SHOT)
     result = explore(params, ONE_SHOT)
-    assert set(result.unexercised) == {"transition.admit_no_call", "transition.admit_reject"}
+    rank_layer = {"transition.rank_enter", "transition.rank_report", "transition.rank_fault", "transition.rank_timeout"}
+    assert set(result.unexercised) == {"transition.admit_no_call", "transition.admit_reject"} | rank_layer  # R = 1: no ranks
     assert result.rejected[("Commit", "transition.not_enabled")] > 0  # duplicate / stale receipts tried
     assert result.rejected[("Decide", "transition.not_enabled")] > 0  # stale scores and early EOS tried
     assert result.rejected[("Launch", "transition.not_enabled")] > 0  # reset cache_position tried

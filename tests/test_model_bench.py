@@ -80,3 +80,109 @@ def test_trace_overhead_is_the_paired_median_and_graph_ratio_uses_the_hf_median(
     assert result.fraction_of_bound_paired is None
     paired = BenchResult(**{**attrs.asdict(result), "bound_runs": (20.0, 20.0, 30.0)})
     assert paired.fraction_of_bound_paired == pytest.approx(0.5)  # 10/20, 20/20, 12/30 -> median 0.5
+
+
+def _run(ttft_ms: float, itls_ms: list[float], prefill_rate: float | None = 100.0) -> dict:
+    from decodespec.spec.latency import CallTiming, Emission, Timeline, request_latency
+
+    ms = 1_000_000
+    t = int(ttft_ms * ms)
+    emissions = [Emission(t, 1)]
+    for i, gap in enumerate(itls_ms):
+        t += int(gap * ms)
+        emissions.append(Emission(t, i + 2))
+    calls = (CallTiming("prefill", 4, 0, int(ttft_ms * ms) - 1),) if prefill_rate is not None else ()
+    return request_latency(Timeline(prompt_len=4, calls=calls, emissions=tuple(emissions), final_ns=t)).to_json()
+
+
+def test_latency_summary_quantiles_and_paired_decode_ratio():
+    """TTFT quantiles run over repetitions, ITL quantiles over every token of every repetition; the decode ratio is paired."""
+    base = BenchResult(
+        device="cpu", dtype="float32", prompt_len=4, new_tokens=3, repetitions=2,
+        ours_tokens_per_s=(10.0, 12.0), hf_tokens_per_s=(8.0, 9.0), same_tokens=True,
+        decode_weight_bytes=1_000_000, bandwidth_bytes_per_s={"sum": 2e8},
+        peak_memory={"ours_resident": 1, "hf_resident": 2, "process_peak_rss": 3, "ours_cache": 4},
+    )
+    result = BenchResult(**{**attrs.asdict(base), "latency": {
+        "ours": (_run(10, [2, 2]), _run(30, [4, 4])),
+        "hf": (_run(20, [4, 4]), _run(20, [4, 4])),
+    }, "absent": {"vllm": "not installed"}, "expected_calls": {"total": 3}})
+    s = result.latency_summary("ours")
+    assert s["ttft_ms"]["median"] == pytest.approx(20.0) and s["ttft_ms"]["n"] == 2
+    assert s["itl_ms"]["n"] == 4 and s["itl_ms"]["median"] == pytest.approx(3.0)
+    assert s["decode_tokens_per_s"] == pytest.approx((500.0 + 250.0) / 2)  # 2 tokens over 4 ms / over 8 ms
+    assert result.paired_decode_ratio("ours") == pytest.approx((2.0 + 1.0) / 2)  # 500/250 and 250/250 per repetition
+    assert result.latency_summary("native") is None
+    assert result.decode_fraction_of_bound == pytest.approx(375.0 / 200.0)
+    payload = result.to_json()
+    assert payload["latency_summary"]["hf"]["ttft_ms"]["p99"] == pytest.approx(20.0) and "GEMV" in payload["bound_method"]
+    from decodespec.impl.bench import format_result
+
+    text = format_result(result)
+    assert "vllm: not in this run -- not installed" in text and "TTFT ms" in text
+
+
+def test_find_peers_reports_a_missing_hook_and_takes_a_present_one(tmp_path, monkeypatch):
+    from decodespec.checks.commands.bench import find_peers
+
+    (tmp_path / "fake_vllm_hook.py").write_text("def bench_runner(prompt_ids, new_tokens, threads):\n    return lambda: ((), None)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found, absent = find_peers({"vllm": ("decodespec.checks.adapters.no_such_vllm", "bench_runner", "absent here"),
+                                "fake": ("fake_vllm_hook", "bench_runner", "x"), "noattr": ("fake_vllm_hook", "missing", "no factory")})
+    assert absent == {"vllm": "absent here", "noattr": "no factory"} and set(found) == {"fake"}
+
+
+def test_hf_timer_stamps_calls_and_emissions():
+    """The HF instrumentation: the first hooked call is the prefill, each streamer put after the prompt is one emission."""
+    from decodespec.impl.bench import _HFTimer
+    from decodespec.spec.latency import request_latency
+
+    class Toy(torch.nn.Module):
+        def forward(self, input_ids=None):
+            return input_ids * 2
+
+    toy = Toy()
+    timer = _HFTimer(toy, torch.device("cpu"))
+    toy(input_ids=torch.zeros(1, 5))  # not timing: not recorded
+    with timer.timing(5):
+        timer.put(torch.zeros(1, 5))  # the prompt
+        toy(input_ids=torch.zeros(1, 5))
+        timer.put(torch.tensor([1]))
+        toy(input_ids=torch.zeros(1, 1))
+        timer.put(torch.tensor([2]))
+        timer.end()
+    lat = request_latency(timer.timeline())
+    assert (lat.prefill_calls, lat.decode_calls, lat.prefill_rows, lat.tokens_delivered, len(lat.itl_ns)) == (1, 1, 5, 2, 1)
+
+
+def test_llamacpp_peer_times_each_generated_token(monkeypatch, tmp_path):
+    """The llama.cpp peer's wrapper (llama-cpp-python is not installed here: a stand-in module with its API):
+    greedy settings, ``new_tokens`` tokens then stop, one emission per token, no calls (not observable)."""
+    import sys
+    import types
+
+    from decodespec.impl.bench import llamacpp_peer
+    from decodespec.spec.latency import request_latency
+
+    seen = {}
+
+    class Llama:
+        def __init__(self, **kwargs):
+            seen["init"] = kwargs
+
+        def generate(self, tokens, **kwargs):
+            seen["generate"] = (list(tokens), kwargs)
+            token = 100
+            while True:  # like llama-cpp-python, it never stops by itself
+                token += 1
+                yield token
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
+    monkeypatch.setattr("decodespec.impl.gguf.smollm2_path", lambda: tmp_path / "model.gguf")
+    run = llamacpp_peer([1, 2, 3], 4, 1)
+    ids, timeline = run()
+    assert ids == (101, 102, 103, 104)
+    assert seen["generate"][0] == [1, 2, 3] and seen["generate"][1]["temp"] == 0.0 and seen["generate"][1]["top_k"] == 1
+    assert seen["init"]["logits_all"] is False and seen["init"]["n_threads"] == 1
+    lat = request_latency(timeline)
+    assert lat.tokens_delivered == 4 and len(lat.itl_ns) == 3 and lat.calls == 0 and lat.prefill_tokens_per_s is None

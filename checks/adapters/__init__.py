@@ -96,7 +96,8 @@ Capabilities (:data:`CAPABILITIES`)
     outside the declared names, and a config refused with ``adapter.unsupported`` is a skip.
 
 Runtimes
-    :func:`open_adapter` resolves ``impl``, ``hf``, ``llamacpp`` and ``stdio:CMD``: module
+    :func:`open_adapter` resolves ``impl``, ``hf``, ``llamacpp``, ``stdio:CMD`` and ``engine:CMD``
+    (:mod:`decodespec.checks.adapters.engine`: the gate's controller over a process that answers model calls): module
     ``decodespec.checks.adapters.<name>`` exposes ``available() -> str | None`` (``None`` when
     usable, else the skip reason) and ``create(**options) -> Adapter``.
 
@@ -132,6 +133,7 @@ __all__ = [
     "AdapterUnavailable",
     "ApplyResult",
     "CAPABILITIES",
+    "COMMAND_RUNTIMES",
     "CORRUPTIONS",
     "CaseConfig",
     "OP_AND_PROBE_CAPABILITIES",
@@ -573,6 +575,10 @@ class Observation:
         returned_ids / returned_logprobs: The returned output once the request is finished, under
             its alignment contract (a stop cut trims both, ``len(logprobs) == len(ids)``;
             ``invariant.output_alignment``), or ``None`` while open / not exposed.
+        vocab_hash: The ordered vocabulary identity the runtime scores and decodes with
+            (:func:`decodespec.spec.vocab.vocab_table_hash` of its id -> token-bytes table; the
+            ``vocab_hash`` its receipts carry), or ``None``.
+        vocab_rows: Rows of its output head (the score row's length V_out), or ``None``.
 
     Shapes: see each attribute; V the vocabulary size.
     """
@@ -602,6 +608,8 @@ class Observation:
     beam_parents: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_tuple)
     returned_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_tuple)
     returned_logprobs: tuple[float, ...] | None = attrs.field(default=None, converter=_opt_tuple)
+    vocab_hash: str | None = None
+    vocab_rows: int | None = None
 
     def summary(self) -> dict[str, Any]:
         """The JSON-able, array-free part (what traces record per step; arrays as their shapes)."""
@@ -653,26 +661,34 @@ class AdapterUnavailable(Exception):
     """The named runtime cannot run here (not installed, no model file); the message is the skip reason."""
 
 
+#: Runtime kinds that take a command line after ``:`` and start it as a process: ``stdio:CMD`` (the whole contract over
+#: :mod:`.wire`) and ``engine:CMD`` (model calls only over :mod:`.engine`; the gate's controller owns the contract).
+COMMAND_RUNTIMES = ("stdio", "engine")
+
+
 def parse_runtime(runtime: str) -> tuple[str, str]:
-    """``(name, command)`` of a runtime name: ``impl``, ``impl-tp``, ``hf``, ``llamacpp`` (command ``""``) or ``stdio:CMD``.
+    """``(name, command)`` of a runtime name: ``impl``, ``impl-tp``, ``hf``, ``llamacpp`` (command ``""``), ``stdio:CMD`` or
+    ``engine:CMD``.
 
     Raises:
         Rejection: ``adapter.unsupported`` for an unknown name or a ``:`` argument to a runtime
-            other than ``stdio``.
+            other than ``stdio`` and ``engine``.
     """
     name, _, rest = runtime.partition(":")
-    if name != "stdio" and rest:
-        raise Rejection(ADAPTER_UNSUPPORTED, f"only stdio takes a ':' argument, got {runtime!r}", "$.runtime")
-    if name not in ("impl", "impl-tp", "hf", "llamacpp", "stdio"):
-        raise Rejection(ADAPTER_UNSUPPORTED, f"unknown runtime {runtime!r}; expected impl, impl-tp, hf, llamacpp or stdio:CMD", "$.runtime")
+    if name not in COMMAND_RUNTIMES and rest:
+        raise Rejection(ADAPTER_UNSUPPORTED, f"only stdio and engine take a ':' argument, got {runtime!r}", "$.runtime")
+    if name not in ("impl", "impl-tp", "hf", "llamacpp", *COMMAND_RUNTIMES):
+        raise Rejection(ADAPTER_UNSUPPORTED, f"unknown runtime {runtime!r}; expected impl, impl-tp, hf, llamacpp, stdio:CMD or "
+                        "engine:CMD", "$.runtime")
     return name, rest
 
 
 def open_adapter(runtime: str, **options: Any) -> Adapter:
-    """Create the adapter named ``runtime``: ``impl``, ``impl-tp`` (module ``impl_tp``), ``hf``, ``llamacpp`` or ``stdio:CMD``.
+    """Create the adapter named ``runtime``: ``impl``, ``impl-tp`` (module ``impl_tp``), ``hf``, ``llamacpp``, ``stdio:CMD`` or
+    ``engine:CMD``.
 
     Args:
-        runtime: The runtime name (``stdio:`` followed by the server's command line).
+        runtime: The runtime name (``stdio:`` or ``engine:`` followed by the process's command line).
         **options: Passed to the module's ``create`` (e.g. ``model="smollm2"``).
 
     Raises:
@@ -680,7 +696,7 @@ def open_adapter(runtime: str, **options: Any) -> Adapter:
         Rejection: ``adapter.unsupported`` for an unknown runtime name.
     """
     name, rest = parse_runtime(runtime)
-    if name == "stdio":
+    if name in COMMAND_RUNTIMES:
         options = {"command": rest, **options}
     try:
         module = importlib.import_module(f"decodespec.checks.adapters.{name.replace('-', '_')}")

@@ -65,7 +65,7 @@ from decodespec.spec.policy.config import EmptySupport, Family, policy_config_fr
 
 from . import CaseConfig
 from .features import envelope_features, names_at, transform_capability
-from .peer import PeerAdapter, PeerDecision, main_value, unsupported
+from .peer import PeerAdapter, PeerDecision, bound_triggers, main_value, unsupported
 
 __all__ = ["HF_CAPABILITIES", "HFEngine", "adopt_model", "available", "batch_generate", "constraint_fn", "create",
            "register_custom_cases", "generation_config", "generate_sequence", "hf_model", "hf_tiny",
@@ -441,10 +441,7 @@ class HFEngine:
                 fired.add(FinishReason.STOP_STRING)
             elif isinstance(criterion, MaxLengthCriteria):
                 # One HF bound, max_length = min(L + G, C): say which declared bound it stands for.
-                if output_count >= self.config.max_new_tokens:
-                    fired.add(FinishReason.LENGTH)
-                if len(sequence) >= self.context_cap:
-                    fired.add(FinishReason.CONTEXT_LENGTH)
+                fired |= bound_triggers(sequence, output_count, self.config.max_new_tokens, self.context_cap)
         return fired
 
     def text(self, output_ids: list[int]) -> str | None:

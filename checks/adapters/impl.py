@@ -57,6 +57,7 @@ from . import (
     no_controller_action,
     required_capabilities,
 )
+from ..vocab_check import runtime_vocab_hash
 from .features import names_at, sendable_features, undeclared
 
 __all__ = ["IMPL_CAPABILITIES", "ImplAdapter", "available", "create", "load_model", "load_tokenizer",
@@ -123,8 +124,11 @@ def model_window(name: str) -> int:
     return int(load_model(name).config.max_position_embeddings)
 
 
-def runtime_request(config: CaseConfig) -> RuntimeRequest:
+def runtime_request(config: CaseConfig, vocab_hash: str = "") -> RuntimeRequest:
     """The runner's request for ``config`` (identity :meth:`CaseConfig.identity`).
+
+    ``vocab_hash`` is the ordered vocabulary hash of the runtime's tokenizer
+    (:func:`decodespec.checks.vocab_check.runtime_vocab_hash`), which every receipt carries.
 
     Raises:
         Rejection: ``policy.*`` for a policy object the M3.8 schema refuses.
@@ -149,6 +153,7 @@ def runtime_request(config: CaseConfig) -> RuntimeRequest:
         structured=config.structured,
         include_stop_str=config.include_stop_str,
         alignment=config.alignment,
+        vocab_hash=vocab_hash,
     )
 
 
@@ -208,10 +213,11 @@ class ImplAdapter:
         if refusal is not None:
             raise refusal
         model = self.model_for(config)
-        request = runtime_request(config)
+        tokenizer = load_tokenizer(config.model)
+        request = runtime_request(config, runtime_vocab_hash(tokenizer))
         if cache is None and self.cache_factory is not None and request.cache != "none":
             cache = self.cache_factory(request, model)
-        runner = self.runner_cls(model, request, cache=cache, tokenizer=load_tokenizer(config.model),
+        runner = self.runner_cls(model, request, cache=cache, tokenizer=tokenizer,
                                  runtime_info={"device": config.device, "dtype": config.dtype, "attention": config.attention,
                                                "decode_kernel": config.decode_kernel})
         runner.admit()
@@ -269,6 +275,8 @@ class ImplAdapter:
             cache_physical=0 if cache is None else (cache.reserved_length if hasattr(cache, "reserved_length") else max(cache.layer_lengths())),
             call=call,
             cache_probe=self._cache_probe(),
+            vocab_hash=latest.receipt.vocab_hash if latest is not None and latest.receipt is not None else r.request.vocab_hash,
+            vocab_rows=int(score[1].shape[0]) if score is not None else int(r.model.lm_head.weight.shape[0]),
             **self._returned(),
         )
 

@@ -69,7 +69,7 @@ from decodespec.spec.policy.config import EmptySupport, Family, policy_config_fr
 
 from . import CaseConfig
 from .features import envelope_features, names_at, transform_capability
-from .peer import PeerAdapter, PeerDecision, main_value, register_tolerances, unsupported
+from .peer import PeerAdapter, PeerDecision, bound_triggers, main_value, register_tolerances, unsupported
 
 __all__ = ["LLAMACPP_CAPABILITIES", "LLAMACPP_SKIP_REASON", "LlamaCppEngine", "N_CTX", "available", "create", "llama",
            "last_row", "logit_bias_processor", "logit_drift", "sampler_params"]
@@ -354,13 +354,9 @@ class LlamaCppEngine:
         """llama-cpp-python's stop tests: EOG token, ``max_tokens``, the context."""
         import llama_cpp
 
-        fired: set[FinishReason] = set()
+        fired = bound_triggers(sequence, output_count, self.config.max_new_tokens, self.context_cap)
         if llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, sequence[-1]):
             fired.add(FinishReason.EOS)
-        if output_count >= self.config.max_new_tokens:
-            fired.add(FinishReason.LENGTH)
-        if len(sequence) >= self.context_cap:
-            fired.add(FinishReason.CONTEXT_LENGTH)
         return fired
 
     def text(self, output_ids: list[int]) -> str | None:

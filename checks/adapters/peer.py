@@ -58,7 +58,7 @@ from . import (
 )
 from .features import undeclared
 
-__all__ = ["PeerAdapter", "PeerDecision", "PeerEngine", "log_softmax_at", "main_value", "register_tolerances", "unsupported"]
+__all__ = ["PeerAdapter", "PeerDecision", "PeerEngine", "bound_triggers", "log_softmax_at", "main_value", "register_tolerances", "unsupported"]
 
 
 def unsupported(message: str, path: str = "$") -> Rejection:
@@ -95,6 +95,16 @@ def register_tolerances(runtime: str) -> dict[tuple[str, str, str], Any]:
 def main_value(transform: Any) -> Any:
     """The value of a transform's first catalog parameter (the one a peer's processor or sampler takes)."""
     return transform.params[0][1]
+
+
+def bound_triggers(sequence: list[int], output_count: int, max_new_tokens: int, context_cap: int) -> set[FinishReason]:
+    """The envelope's two bounds after a commit: ``length`` when O >= G, ``context_length`` when L + O = ``len(sequence)`` >= C."""
+    fired: set[FinishReason] = set()
+    if output_count >= max_new_tokens:
+        fired.add(FinishReason.LENGTH)
+    if len(sequence) >= context_cap:
+        fired.add(FinishReason.CONTEXT_LENGTH)
+    return fired
 
 
 def log_softmax_at(row: np.ndarray, token_id: int) -> float:
@@ -388,6 +398,7 @@ class PeerAdapter:
             cache_physical=self.engine.physical() if cached else 0,
             call=call,
             cache_probe=self.engine.cache_probe(processed) if cached and self.in_flight is None and processed > 0 else None,
+            vocab_rows=None if score is None else int(len(score[1])),  # the peer's V_out (its ordered table is not read: no hash)
         )
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure a runtime's error against the float64 reference and derive its tolerance",
                        description=__doc__.split("\n\n")[1], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--runtime", default="impl", help="runtime to measure (impl, hf, llamacpp, stdio:CMD)")
+    p.add_argument("--runtime", default="impl", help="runtime to measure (impl, hf, llamacpp, stdio:CMD, engine:CMD)")
     p.add_argument("--model", default="tiny", choices=("tiny", "smollm2"))
     p.add_argument("--dtype", action="append", choices=("float32", "bfloat16", "float16"),
                    help="dtype to measure (repeat; default float32)")
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     else:
         entries = None
-    entries = entries if entries is not None else sweep(args.runtime.split(":", 1)[0] if not args.runtime.startswith("stdio:") else args.runtime, args.model,
+    entries = entries if entries is not None else sweep(args.runtime if args.runtime.startswith(("stdio:", "engine:")) else args.runtime.split(":", 1)[0], args.model,
                     args.dtype or ["float32"], threads=args.threads or [1, 2], capabilities=args.capability,
                     decode_kernels=("torch", "native") if args.native else ("torch",), max_new_tokens=args.max_new_tokens)
     for entry in entries:

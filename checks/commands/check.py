@@ -7,7 +7,7 @@ one row per case from the report (result, ladder layer, rule, check, message) an
 ``--report docs/results/<runtime>.jsonl`` is how the docs' conformance page gets its table.
 
 Before pytest starts, the runtime name is checked and a ``stdio:CMD`` server's ``start``
-handshake is tried (:func:`~decodespec.checks.traces.check_runtime`): an unknown name, an empty
+handshake (an ``engine:CMD`` engine's ``hello``) is tried (:func:`~decodespec.checks.traces.check_runtime`): an unknown name, an empty
 command, a command that cannot start or exits, or a bad handshake prints
 ``{"error": {"code", "path", "message"}}`` on stderr and exits 2 without running anything.
 
@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Run `pytest checks/` (the case table, the lock-step machines, the trace corpus) for one runtime and "
         "model, and print one row per case.",
     )
-    parser.add_argument("--runtime", default="impl", help="impl, hf, llamacpp or stdio:CMD (default impl)")
+    parser.add_argument("--runtime", default="impl", help="impl, hf, llamacpp, stdio:CMD or engine:CMD (default impl)")
     parser.add_argument("--model", choices=["tiny", "smollm2"], default=None, help="default smollm2 when installed, else tiny")
     parser.add_argument("--profile", choices=["fast", "full", "ci"], default=None, help="Hypothesis profile (default fast)")
     parser.add_argument("--report", default=None, help="write the JSONL report here (e.g. docs/results/impl.jsonl)")

@@ -78,6 +78,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-retries", type=int, default=d.max_retries, help=f"retries after recovery (>= 0); default {d.max_retries}")
     p.add_argument("--draws", type=int, default=d.max_draws,
                    help=f"max RNG draws per decision (>= 0; 0 greedy, 1 multinomial); default {d.max_draws}")
+    p.add_argument("--ranks", type=int, default=d.ranks,
+                   help=f"R declared participants of every call (>= 1; 1 = one process; M3.10 0x0A); default {d.ranks}")
+    p.add_argument("--collectives", type=int, default=d.collectives,
+                   help=f"collectives per call in the ranks' common schedule (>= 0, with --ranks > 1); default {d.collectives}")
     p.add_argument("--no-stream", action="store_true", help="no streamer (no streamer failures)")
     p.add_argument("--stop-strings", action="store_true", help="declare stop strings (stop_string trigger)")
     p.add_argument("--structured", action="store_true", help="declare structured completion")
@@ -104,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         source_len=args.source_len, zero_new_tokens=args.zero_new_tokens, final_cache=args.final_cache,
         max_retries=args.max_retries, max_draws=args.draws, stream=not args.no_stream,
         stop_strings=args.stop_strings, structured=args.structured, interrupts=not args.no_interrupts,
-        faults=not args.no_faults, adversarial=not args.no_adversarial,
+        faults=not args.no_faults, adversarial=not args.no_adversarial, ranks=args.ranks, collectives=args.collectives,
     )
     try:
         params = params_for_bounds(bounds)

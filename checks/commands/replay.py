@@ -9,16 +9,17 @@ reproduces it when the result, the layer and the rule are the same.  A trace rec
 failure-lab mutant (``#meta.mutant``, written by ``pytest checks/ --mutant NAME``) is replayed
 with that mutant installed again; the command says so on stderr and the JSON carries ``mutant``.
 
-Replay never starts a process that a file names: a trace recorded on ``stdio:CMD`` is refused
-(``trace.runtime_not_allowed``, exit 2, before anything runs) unless the user names that runtime
-with ``--runtime 'stdio:CMD'`` or allows the command with ``--allow-runtime CMD``.
+Replay never starts a process that a file names: a trace recorded on ``stdio:CMD`` or
+``engine:CMD`` is refused (``trace.runtime_not_allowed``, exit 2, before anything runs) unless the
+user names that runtime with ``--runtime 'stdio:CMD'`` / ``--runtime 'engine:CMD'`` or allows the
+command with ``--allow-runtime CMD``.
 
 A trace whose verdict rests on bit-exact float32 values (``#meta.exact_floats``) recorded under
 another torch CPU capability (``#meta.cpu_capability``) that does not reproduce is reported as
 such: the JSON carries ``cannot_reproduce_here`` and stderr says so plainly (exit 3).
 
 Exit codes: 0 reproduced, 1 not reproduced, 2 not a readable trace of this format version (or a
-``stdio`` runtime the user did not name), 3 the runtime is not installed here, or this process's
+``stdio`` / ``engine`` runtime the user did not name), 3 the runtime is not installed here, or this process's
 CPU kernels cannot reproduce the trace's bit-exact verdict.
 
 Source: research/formal-anchors-survey.md 2.7 (no upstream "replay this trace file" entry point:
@@ -46,8 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("files", nargs="+", metavar="FILE", help="trace file(s) (*.itf.json)")
     parser.add_argument("--runtime", default=None, help="replay against this runtime instead of the recorded one")
     parser.add_argument("--allow-runtime", action="append", default=[], metavar="CMD",
-                        help="let a trace whose #meta.runtime is stdio:CMD start CMD (exactly this command line; repeatable). "
-                        "Without it (or --runtime 'stdio:CMD') replay refuses such a trace with trace.runtime_not_allowed: "
+                        help="let a trace whose #meta.runtime is stdio:CMD or engine:CMD start CMD (exactly this command line; "
+                        "repeatable). Without it (or --runtime 'stdio:CMD' / 'engine:CMD') replay refuses such a trace with trace.runtime_not_allowed: "
                         "it never starts a process a file names")
     return parser
 

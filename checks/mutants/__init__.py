@@ -9,8 +9,12 @@ only inside :meth:`Mutant.applied` (a context manager that restores every seam o
 :mod:`decodespec.checks.mutants.seams`).  Nothing in ``impl/`` imports this package.
 
 The catalogue, by group (:data:`GROUPS`), lives in the modules ``lastpos``, ``selection``,
-``stop``, ``beams``, ``cache``, ``commit``, ``rng``, ``logprob``, ``encdec``, ``snapshot``, ``model`` and ``tp``
-(the tensor-parallel ranks, killed by the gate of ``--runtime impl-tp``).
+``stop``, ``beams``, ``cache``, ``commit``, ``rng``, ``logprob``, ``encdec``, ``snapshot``,
+``model``, ``tp`` (the tensor-parallel ranks, killed by the gate of
+``--runtime impl-tp``), ``vocab_parallel`` (the vocabulary-parallel head), ``vocab`` (the runtime's vocabulary
+identity, killed at STATE) and ``head`` (the output-head contracts of M3.8 0x05, 0x08, 0x09: loss
+implementations, loaders and vocabulary migrations, each killed by its own checker,
+:attr:`Mutant.checker`).
 :mod:`decodespec.checks.mutants.harness` runs the gate (the case table, then the lock-step
 machines) against a mutant until its first failure; ``decodespec mutants`` is the command line.
 
@@ -56,6 +60,9 @@ GROUPS = (
     "snapshot",
     "model math",
     "tensor parallel",
+    "vocabulary parallel",
+    "vocabulary",
+    "output head",
 )
 
 #: Every registered mutant, by name (registration order).
@@ -78,6 +85,15 @@ class Mutant:
         patches: The seams it replaces.
         text: Needs real text (stop strings, UTF-8, padding): also killed on SmolLM2 in the full run.
         representative: Runs in the CI-sized subset (one per group).
+        first: Gate check ids (globs) the harness runs before the rest, because they exercise the
+            patched code directly (e.g. ``distributed.*`` for the vocabulary-parallel head); the
+            gate is still the whole gate, only its order changes.
+        checker: For a bug of an interface the gate's case table does not drive (a loss
+            implementation, a loader, a vocabulary migration: the ``output head`` group), the
+            check that must kill it instead of the gate: ``checker(mutated)`` runs the check on the
+            broken implementation (``mutated=True``) or on the correct one (``False``, the
+            calibration) and returns ``None`` when it passes, else ``{"check", "layer", "rule",
+            "ladder_check", "message"}``.  Such a mutant patches no seam.
         runtime: The runtime whose gate must kill it (``impl``; ``impl-tp``: a bug of the tensor-parallel ranks).
     """
 
@@ -89,6 +105,8 @@ class Mutant:
     patches: tuple[Patch, ...] = attrs.field(converter=tuple)
     text: bool = False
     representative: bool = False
+    first: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    checker: Callable[[bool], dict | None] | None = attrs.field(default=None, eq=False)
     runtime: str = "impl"
 
     @property
@@ -117,13 +135,13 @@ class Mutant:
 
 
 def mutant(name: str, *, group: str, title: str, section: str, statement: str, text: bool = False,
-           representative: bool = False, runtime: str = "impl") -> Callable[[Callable[[], Sequence[Patch]]], Mutant]:
+           representative: bool = False, first: Sequence[str] = (), runtime: str = "impl") -> Callable[[Callable[[], Sequence[Patch]]], Mutant]:
     """Decorator over a function returning the mutant's patches: registers :class:`Mutant` and the rule ``mutant.<name>``."""
 
     def deco(fn: Callable[[], Sequence[Patch]]) -> Mutant:
         if name in MUTANTS:
             raise AssertionError(f"mutant {name!r} registered twice")
-        m = Mutant(name, group, title, section, statement, tuple(fn()), text, representative, runtime)
+        m = Mutant(name, group, title, section, statement, tuple(fn()), text, representative, tuple(first), runtime=runtime)
         register(Rule(id=m.rule_id, kind="mutant", title=title, section=section, statement=statement, obj=fn))
         MUTANTS[name] = m
         return m
@@ -162,4 +180,4 @@ def seam_fingerprint() -> dict[str, object]:
     return fingerprint(all_seams())
 
 
-from . import lastpos, selection, stop, beams, cache, commit, rng, logprob, encdec, snapshot, model, tp  # noqa: E402,F401,I001  (registration, report order)
+from . import lastpos, selection, stop, beams, cache, commit, rng, logprob, encdec, snapshot, model, tp, vocab_parallel, vocab, head  # noqa: E402,F401,I001  (registration, report order)

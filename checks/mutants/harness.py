@@ -4,8 +4,10 @@ The gate is the gate's own checks, not per-mutant asserts: the case table
 (:func:`decodespec.checks.cases.cases_for`, every case run by
 :func:`~decodespec.checks.cases.run_case` on the ``impl`` runtime), then the Hypothesis lock-step
 machines (:func:`decodespec.checks.machines.machine_for`, one per cache family, the active
-settings profile's budget -- ``fast`` by default -- derandomized, without shrinking), in that
-order.  :func:`run_gate` installs the mutant (:meth:`~decodespec.checks.mutants.Mutant.applied`)
+settings profile's budget -- ``fast`` by default -- derandomized, without shrinking), then the
+distributed checks (``distributed.vocab_parallel.R2``: the vocabulary-parallel head on gloo
+ranks against its float64 reference, :mod:`decodespec.checks.vocab_parallel`), in that order;
+a mutant may name checks to run first (``Mutant.first``, the checks that exercise its code).  :func:`run_gate` installs the mutant (:meth:`~decodespec.checks.mutants.Mutant.applied`)
 around the whole run, with the gate's reference computations on the oracle side
 (:data:`ORACLE_ENTRY_POINTS`, :func:`~decodespec.checks.mutants.seams.oracle_side`): the
 reference is the specification, so it runs the original code.
@@ -100,11 +102,11 @@ def spec_side() -> Iterator[None]:
 
 @attrs.frozen
 class GateCheck:
-    """One unit of the gate: a case of the table or a machine.
+    """One unit of the gate: a case of the table, a machine or a distributed check.
 
     Attributes:
-        id: The case id, or ``machine.<cache>``.
-        kind: ``case`` or ``machine``.
+        id: The case id, ``machine.<cache>`` or ``distributed.vocab_parallel.R<ranks>``.
+        kind: ``case``, ``machine`` or ``distributed`` (ranks of torch.distributed, :mod:`decodespec.checks.vocab_parallel`).
         model: ``tiny`` or ``smollm2``.
         runtime: The runtime the check drives (``impl``; ``impl-tp`` for the tensor-parallel mutants).
     """
@@ -115,9 +117,18 @@ class GateCheck:
     runtime: str = "impl"
 
 
-def gate_checks(model: str, *, cases: bool = True, machines: bool = True, only: Sequence[str] = (),
-                runtime: str = "impl") -> tuple[GateCheck, ...]:
-    """The gate's checks on ``model`` and ``runtime`` in running order (cases, then machines); ``only`` keeps the ids listed (globs)."""
+#: The distributed checks of the gate: the vocabulary-parallel head on this many gloo ranks
+#: (:func:`decodespec.checks.vocab_parallel.run_check`).
+DISTRIBUTED_RANKS = (2,)
+
+
+def gate_checks(model: str, *, cases: bool = True, machines: bool = True, distributed: bool = True,
+                only: Sequence[str] = (), runtime: str = "impl") -> tuple[GateCheck, ...]:
+    """The gate's checks on ``model`` and ``runtime`` in running order (cases, machines, distributed checks); ``only`` keeps
+    the ids listed (globs).
+
+    The distributed checks (``distributed.vocab_parallel.R<n>``) do not depend on the model or the runtime.
+    """
     import fnmatch
 
     from ..cases import cases_for
@@ -127,6 +138,8 @@ def gate_checks(model: str, *, cases: bool = True, machines: bool = True, only: 
         out += [GateCheck(c.id, "case", model, runtime) for c in cases_for(model)]
     if machines:
         out += [GateCheck(f"machine.{cache}", "machine", model, runtime) for cache in CACHES]
+    if distributed:
+        out += [GateCheck(f"distributed.vocab_parallel.R{r}", "distributed", model) for r in DISTRIBUTED_RANKS]
     if only:
         out = [c for c in out if any(fnmatch.fnmatchcase(c.id, pattern) for pattern in only)]
     return tuple(out)
@@ -202,11 +215,30 @@ def _crash_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} ({where})"[:400]
 
 
+_SELECTION_ITEMS = ("greedy", "top_k", "top_p", "multinomial")
+
+
+def _distributed_finding(check: GateCheck) -> Finding:
+    """``distributed.vocab_parallel.R<n>``: the vocabulary-parallel head on n ranks against the float64 reference."""
+    from ..vocab_parallel import run_check as vocab_parallel_check
+
+    problems = vocab_parallel_check(int(check.id.rsplit(".R", 1)[1]))
+    if not problems:
+        return Finding("passed")
+    first = problems[0]
+    if first.startswith(("timeout:", "crash:")):
+        return Finding(CRASHED, message=first[:400])
+    layer = "DECISION" if any(item in first.split(":", 1)[0] for item in _SELECTION_ITEMS) else "TENSOR"
+    return Finding("failed", layer, f"ladder.{layer}", "vocab_parallel", None, "; ".join(problems[:3])[:600])
+
+
 def run_check(check: GateCheck, *, settings_overrides: dict[str, Any] | None = None) -> Finding:
     """Run one gate check under the current runtime (mutated or not); never raises for the runtime's failures."""
     try:
         if check.kind == "case":
             return _case_finding(check)
+        if check.kind == "distributed":
+            return _distributed_finding(check)
         return _machine_finding(check, dict(settings_overrides or {}))
     except KeyboardInterrupt:
         raise
@@ -328,8 +360,13 @@ def run_gate(mutant: Mutant | str, model: str = "tiny", *, checks: Sequence[Gate
         stop_at_first: Stop at the first kill (else run every check; the first kill is reported).
         settings_overrides: Hypothesis settings for the machines (e.g. ``max_examples``).
     """
+    import fnmatch
+
     m = MUTANTS[mutant] if isinstance(mutant, str) else mutant
+    if m.checker is not None:
+        return _run_checker(m, model, calibration)
     plan = list(checks if checks is not None else gate_checks(model, runtime=m.runtime))
+    plan.sort(key=lambda c: not any(fnmatch.fnmatchcase(c.id, pattern) for pattern in m.first))  # stable: the mutant's own checks first
     excluded: list[str] = []
     start = time.perf_counter()
     crash = None
@@ -362,3 +399,27 @@ def run_gate(mutant: Mutant | str, model: str = "tiny", *, checks: Sequence[Gate
     seconds = killed_by["seconds"] if killed_by else time.perf_counter() - start - calibrating
     outcome = KILLED if killed_by else (CRASHED if crash else SURVIVED)
     return MutantResult(m.name, model, outcome, killed_by, seconds, run, crash, tuple(excluded))
+
+
+def _run_checker(m: Mutant, model: str, calibration: Calibration | None) -> MutantResult:
+    """A mutant of the ``output head`` group: its own checker on the broken implementation, calibrated on the correct one."""
+    start = time.perf_counter()
+    try:
+        finding = m.checker(True)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the broken implementation raised out of the checker
+        return MutantResult(m.name, model, CRASHED, None, time.perf_counter() - start, 1, _crash_text(exc))
+    seconds = time.perf_counter() - start
+    if finding is None:
+        return MutantResult(m.name, model, SURVIVED, None, seconds, 1)
+    if calibration is not None:
+        key = f"checker.{m.name}"
+        if key not in calibration.findings:
+            baseline = m.checker(False)
+            calibration.findings[key] = Finding("passed") if baseline is None else Finding(
+                "failed", baseline.get("layer"), baseline.get("rule"), baseline.get("ladder_check"), None, baseline.get("message", ""))
+        if calibration.findings[key].status != "passed":
+            return MutantResult(m.name, model, SURVIVED, None, seconds, 1, excluded=(key,))
+    killed_by = {"step": None, "trace": None, **finding, "seconds": round(seconds, 3)}
+    return MutantResult(m.name, model, KILLED, killed_by, seconds, 1)

@@ -1,0 +1,90 @@
+"""``decodespec vocab-audit``: print and check every vocabulary count of a model and its tokenizer (M3.8 0x08).
+
+Loads the model (``--model tiny|smollm2``) and its tokenizer as the runtime does, and prints the
+audit side by side (:func:`decodespec.checks.vocab_check.audit_model`): the tokenizer's base
+size and its length with added tokens, the added and special ids (tokenizer and model
+configuration), embedding rows, output rows, the configuration's ``vocab_size``, whether the
+head is tied (Parameter identity) and the ordered vocabulary hash
+(:func:`decodespec.spec.vocab.vocab_table_hash`).  It checks them with
+:func:`decodespec.spec.vocab.audit_violations` (``invariant.vocab_audit``) and compares the
+runtime's hash and rows with the checkpoint's as the gate reads it, independently
+(:func:`decodespec.checks.vocab_check.reference_vocab`; ``invariant.vocab_ordered_identity``).
+``--json`` prints one JSON object.
+
+Exit codes: 0 the audit holds and the hashes agree; 1 a violation or a hash / row mismatch;
+3 SmolLM2 not installed.
+
+Source: M3.8 0x08 "The robust audit prints all of them", "The minimum contract is".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``vocab-audit`` subcommand."""
+    parser = subparsers.add_parser(
+        "vocab-audit",
+        help="print and check tokenizer, embedding, head and config vocabularies and the ordered vocabulary hash (M3.8 0x08)",
+        description="Audit a model's vocabulary identity: every size, the special and added ids, tying, and the ordered "
+        "vocabulary hash against the checkpoint's.",
+    )
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny", help="the model (default tiny)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the audit; returns the exit code."""
+    if args.model == "smollm2":
+        from decodespec.impl.gguf import smollm2_available
+
+        if not smollm2_available():
+            from decodespec.checks.testing import SMOLLM2_SKIP_REASON
+
+            print(f"decodespec vocab-audit: {SMOLLM2_SKIP_REASON}", file=sys.stderr)
+            return 3
+    from decodespec.checks.adapters.impl import load_model, load_tokenizer
+    from decodespec.checks.vocab_check import audit_model, reference_vocab
+    from decodespec.spec.vocab import AUDIT_VIOLATIONS, audit_violations
+
+    audit = audit_model(load_model(args.model), load_tokenizer(args.model))
+    ref = reference_vocab(args.model)
+    violations = list(audit_violations(audit))
+    if audit.vocab_hash != ref.vocab_hash:
+        violations.append("hash_differs_from_checkpoint")
+    if audit.output_rows != ref.output_rows:
+        violations.append("rows_differ_from_checkpoint")
+    ok = not violations
+    if args.json:
+        print(json.dumps({"model": args.model, "audit": audit.to_json(), "checkpoint": {"vocab_hash": ref.vocab_hash,
+                          "table_size": ref.table_size, "output_rows": ref.output_rows}, "violations": violations, "ok": ok}))
+        return 0 if ok else 1
+    rows = [
+        ("tokenizer base size (tokenizer.vocab_size)", audit.tokenizer_size),
+        ("tokenizer length with added (len(tokenizer))", audit.tokenizer_len),
+        ("added token ids", list(audit.added_ids) or "none"),
+        ("special ids (tokenizer)", dict(audit.special_ids)),
+        ("special ids (model config)", dict(audit.config_special_ids)),
+        ("input embedding rows", audit.embedding_rows),
+        ("output head rows (V_out)", audit.output_rows),
+        ("config vocab_size", audit.config_vocab_size),
+        ("head tied to embedding (one Parameter)", audit.tied),
+        ("ordered vocabulary hash (runtime)", audit.vocab_hash),
+        ("ordered vocabulary hash (checkpoint)", ref.vocab_hash),
+        ("checkpoint table entries / head rows", f"{ref.table_size} / {ref.output_rows}"),
+    ]
+    print(f"vocabulary audit of {args.model} (M3.8 0x08)")
+    for label, value in rows:
+        print(f"  {label:46s} {value}")
+    if ok:
+        print("ok: every emitted id has an output row, embedding and head agree with the config, special ids agree, "
+              "and the runtime's ordered table is the checkpoint's")
+    for name in violations:
+        print(f"VIOLATION {name}: {AUDIT_VIOLATIONS.get(name, 'the runtime and the checkpoint disagree')}")
+    return 0 if ok else 1

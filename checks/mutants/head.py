@@ -1,0 +1,125 @@
+"""Failure lab, output-head group: broken loss implementations, loaders and vocabulary migrations, each killed by its checker.
+
+These bugs live at interfaces the gate's case table does not drive -- a user's training loss
+(M3.8 0x05), a checkpoint loader's tying (0x09), a vocabulary migration of model and optimizer
+(0x08) -- so each :class:`~decodespec.checks.mutants.Mutant` here carries a
+:attr:`~decodespec.checks.mutants.Mutant.checker` instead of seam patches:
+
+* ``head_*`` loss mutants (:data:`decodespec.checks.head_check.LOSS_MUTANTS`):
+  :func:`~decodespec.checks.head_check.check_loss` on the broken callable (calibrated on
+  :func:`~decodespec.checks.head_check.torch_reference`), killed at its layer INTERFACE, ROWS,
+  REDUCTION or GRADIENT;
+* ``head_copy_not_tie`` (:data:`~decodespec.checks.head_check.TYING_MUTANTS`): the tiny model
+  loaded with a copied head, judged by ``invariant.head_tied_one_parameter`` (layer TYING);
+* ``vocab_*`` migration mutants (:data:`decodespec.checks.vocab_check.MIGRATION_MUTANTS`):
+  :func:`~decodespec.checks.vocab_check.check_migration` of the tiny model with a ``[V]`` head
+  bias, after one Adam step, through a map that swaps ids 40 and 41, drops id 511 and appends 8
+  rows (mean-initialized), calibrated on :func:`decodespec.impl.vocab.migrate_vocabulary`
+  (layer MIGRATION).
+
+Their rules (``mutant.<name>``) are registered where the broken implementations live.
+
+Source: M3.8 0x12 items 20, 28, 31, 51-56; 0x05, 0x08, 0x09.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from decodespec.spec.rules import RULES, Rule, register
+
+from . import MUTANTS, Mutant
+
+_G = "output head"
+
+
+def _loss_checker(name: str) -> Callable[[bool], dict | None]:
+    def check(mutated: bool) -> dict | None:
+        from ..head_check import LOSS_MUTANTS, check_loss, torch_reference
+
+        v = check_loss(LOSS_MUTANTS[name] if mutated else torch_reference)
+        if v.passed:
+            return None
+        return {"check": f"head-check.{v.case}", "layer": v.layer, "rule": v.rule, "ladder_check": v.check, "message": v.message}
+
+    return check
+
+
+def _tiny(bias: bool = False) -> Any:
+    import torch
+
+    from decodespec.impl.tiny import load_tiny
+
+    model = load_tiny(seed=0)
+    if bias:
+        g = torch.Generator().manual_seed(41)
+        model.lm_head.bias = torch.nn.Parameter(0.1 * torch.randn(model.config.vocab_size, generator=g))
+    return model
+
+
+def _tying_checker(name: str) -> Callable[[bool], dict | None]:
+    def check(mutated: bool) -> dict | None:
+        import torch
+
+        from decodespec.spec.head import tying_violations
+
+        from ..head_check import TYING_MUTANTS, observe_tying
+
+        model = _tiny()
+        if mutated:
+            model = TYING_MUTANTS[name](model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        bad = tying_violations(observe_tying(model, optimizer))
+        if not bad:
+            return None
+        return {"check": "tying.tiny", "layer": "TYING", "rule": "invariant.head_tied_one_parameter", "ladder_check": bad[0],
+                "message": f"tying violations {list(bad)}"}
+
+    return check
+
+
+def _migration_plan():
+    from decodespec.spec.vocab import NewRowInit, VocabMap
+
+    pairs = {v: v for v in range(511)}  # id 511 dropped
+    pairs[40], pairs[41] = 41, 40  # two ids swapped
+    return VocabMap.create(512, 520, pairs), NewRowInit("mean", {512: (40, 41)})
+
+
+def _migration_checker(name: str) -> Callable[[bool], dict | None]:
+    def check(mutated: bool) -> dict | None:
+        from ..vocab_check import MIGRATION_MUTANTS, check_migration
+
+        vmap, init = _migration_plan()
+        report = check_migration(_tiny(bias=True), vmap, init, migrate=MIGRATION_MUTANTS[name][0] if mutated else None)
+        if report.passed:
+            return None
+        if report.violations:
+            return {"check": "migration.tiny", "layer": "MIGRATION", "rule": "invariant.vocab_migration_owner",
+                    "ladder_check": report.violations[0], "message": f"migration violations {list(report.violations)}"}
+        gap, worst = report.logit_gap
+        return {"check": "migration.tiny", "layer": "MIGRATION", "rule": "invariant.vocab_mapped_logits", "ladder_check": "mapped_logits",
+                "message": f"old id {worst}: mapped raw logit differs by {gap:.3g} > {report.logit_bound:.3g}"}
+
+    return check
+
+
+def _add(name: str, checker: Callable[[bool], dict | None], representative: bool = False) -> None:
+    r = RULES[f"mutant.{name}"]
+    MUTANTS[name] = Mutant(name, _G, r.title, r.section, r.statement, (), representative=representative, checker=checker)
+
+
+def _register_all() -> None:
+    from ..head_check import LOSS_MUTANTS, TYING_MUTANTS
+    from ..vocab_check import MIGRATION_MUTANTS
+
+    for name in LOSS_MUTANTS:
+        _add(name, _loss_checker(name), representative=name == "head_chunk_mean")
+    for name in TYING_MUTANTS:
+        _add(name, _tying_checker(name))
+    for name, (fn, section, title, statement) in MIGRATION_MUTANTS.items():
+        register(Rule(id=f"mutant.{name}", kind="mutant", title=title, section=section, statement=statement, obj=fn))
+        _add(name, _migration_checker(name))
+
+
+_register_all()

@@ -1,0 +1,414 @@
+"""M3.8 0x08: read a runtime's vocabulary identity and check it, its audit and a vocabulary migration against spec/vocab.py.
+
+* :func:`runtime_table` / :func:`runtime_vocab_hash` -- the ordered table a runtime's tokenizer
+  emits (id -> bytes, control ids, special ids) and its
+  :func:`~decodespec.spec.vocab.vocab_table_hash`.  The impl adapter binds it into the request
+  (every receipt's ``vocab_hash``) and reports it, with the head's row count, in each
+  :class:`~decodespec.checks.adapters.Observation`; ``ladder.STATE`` compares both with
+  :func:`reference_vocab` (so a runtime with a permuted or resized vocabulary fails at STATE on
+  its first observation, before any score row is compared);
+* :func:`reference_vocab` -- the gate's own reading of the checkpoint's vocabulary, sharing no
+  code with the runtime: SmolLM2's table from the GGUF ``tokenizer.ggml.*`` metadata (read with
+  the ``gguf`` library, byte-level spellings decoded with GPT-2's byte map), the tiny model's
+  from its declared layout (``PAD 0, BOS 1, EOS 2; byte b is id b + 3; the rest unused``,
+  export-tiny's README) and the reference checkpoint's row count;
+* :func:`audit_model` -- :class:`~decodespec.spec.vocab.VocabAudit` of a loaded model and its
+  tokenizer (``decodespec vocab-audit``), judged by
+  :func:`~decodespec.spec.vocab.audit_violations`;
+* :func:`check_migration` -- run a torch migration (default :func:`decodespec.impl.vocab.migrate_vocabulary`)
+  on a model that has taken one Adam step and judge it: rows and moments against
+  :func:`~decodespec.spec.vocab.migrate_state`, alias and optimizer ownership
+  (:func:`~decodespec.spec.vocab.migration_violations`), the mapped raw-logit oracle and the
+  appended rows' probability drift; :data:`MIGRATION_MUTANTS` are migrations from the failure
+  lab it must catch.
+
+Source: M3.8 0x08 (the audit, the ordered identity, migration, append drift, the restoration
+order), 0x09 (tied alias), 0x12 items 25-27, 31, 53-56.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping, Sequence
+
+import attrs
+import numpy as np
+
+from decodespec.spec.vocab import (
+    MigrationObservation,
+    NewRowInit,
+    VocabAudit,
+    VocabMap,
+    append_drift,
+    audit_violations,
+    mapped_logit_gap,
+    migrate_state,
+    migration_violations,
+    vocab_table_hash,
+)
+
+__all__ = [
+    "MIGRATION_MUTANTS",
+    "MigrationReport",
+    "ReferenceVocab",
+    "audit_model",
+    "check_migration",
+    "reference_vocab",
+    "runtime_table",
+    "runtime_vocab_hash",
+]
+
+#: GGUF ``tokenizer.ggml.token_type`` of a control token (llama.cpp ``LLAMA_TOKEN_TYPE_CONTROL``).
+_CONTROL = 3
+
+
+# -- the runtime's table --------------------------------------------------------------------------
+
+def runtime_table(tokenizer: Any) -> tuple[list[bytes], dict[str, int | None], list[int]]:
+    """``(tokens, specials, control_ids)`` of one of our tokenizers (``GGUFTokenizer``, ``ByteTokenizer``).
+
+    ``tokens[i]`` is ``token_bytes(i)``, a control token's own text; specials are the
+    tokenizer's ``bos/eos/pad/unk_token_id``.
+    """
+    control = sorted(int(i) for i in tokenizer.special_ids)
+    ctrl = set(control)
+    tokens = [tokenizer.id_to_token(i).encode("utf-8") if i in ctrl else tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+    specials = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id,
+                "unk": tokenizer.unk_token_id}
+    return tokens, specials, control
+
+
+def runtime_vocab_hash(tokenizer: Any) -> str:
+    """:func:`~decodespec.spec.vocab.vocab_table_hash` of :func:`runtime_table` (cached per tokenizer and table code)."""
+    return _runtime_hash(tokenizer, type(tokenizer).token_bytes, type(tokenizer).id_to_token, tokenizer.vocab_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _runtime_hash(tokenizer: Any, _token_bytes: Any, _id_to_token: Any, _size: int) -> str:
+    # Keyed on the methods too: a failure-lab mutant that patches the tokenizer's table is hashed afresh.
+    tokens, specials, control = runtime_table(tokenizer)
+    return vocab_table_hash(tokens, specials, control)
+
+
+def audit_model(model: Any, tokenizer: Any) -> VocabAudit:
+    """The :class:`~decodespec.spec.vocab.VocabAudit` of a loaded ``LlamaForCausalLM`` and its tokenizer.
+
+    ``tokenizer_len`` is the base table plus added tokens (our tokenizers add none on top of the
+    checkpoint's table: GGUF user-defined tokens are in it); the head's rows are its weight's
+    first dimension; ``tied`` is Parameter identity.
+    """
+    added = tuple(getattr(tokenizer, "added_ids", ()))
+    config = model.config
+    return VocabAudit(
+        tokenizer_size=int(tokenizer.vocab_size),
+        tokenizer_len=int(tokenizer.vocab_size) + len(added),
+        embedding_rows=int(model.model.embed_tokens.weight.shape[0]),
+        output_rows=int(model.lm_head.weight.shape[0]),
+        config_vocab_size=int(config.vocab_size),
+        vocab_hash=runtime_vocab_hash(tokenizer),
+        added_ids=added,
+        special_ids={"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id,
+                     "unk": tokenizer.unk_token_id},
+        config_special_ids={"bos": config.bos_token_id, "eos": config.eos_token_id, "pad": config.pad_token_id},
+        tied=model.lm_head.weight is model.model.embed_tokens.weight,
+    )
+
+
+# -- the gate's own reading of the checkpoint ------------------------------------------------------
+
+@attrs.frozen
+class ReferenceVocab:
+    """The checkpoint's vocabulary as the gate reads it.
+
+    Attributes:
+        model: ``tiny`` or ``smollm2``.
+        vocab_hash: :func:`~decodespec.spec.vocab.vocab_table_hash` of the checkpoint's table.
+        table_size: Entries in the table.
+        output_rows: Rows of the checkpoint's output head (``output.weight``, or the embedding when tied).
+    """
+
+    model: str
+    vocab_hash: str
+    table_size: int
+    output_rows: int
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's printable spelling of each byte, inverted (the byte-level BPE convention of the GGUF table)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def _gguf_rows(reader: Any) -> int:
+    tensors = {t.name: t for t in reader.tensors}
+    head = tensors.get("output.weight", tensors["token_embd.weight"])
+    return int(head.shape[1])  # GGUF shapes are [ne0 = d, ne1 = V]
+
+
+@functools.lru_cache(maxsize=4)
+def reference_vocab(model: str) -> ReferenceVocab:
+    """The gate's reading of ``model``'s vocabulary (independent of ``impl/``).
+
+    Raises:
+        Rejection: ``model.file_missing`` when SmolLM2 is not installed.
+        ValueError: for another model name.
+    """
+    import gguf
+
+    from .reference.files import gguf_path
+
+    reader = gguf.GGUFReader(str(gguf_path(model)))
+    rows = _gguf_rows(reader)
+    if model == "tiny":
+        # The declared byte table (export-tiny README): PAD 0, BOS 1, EOS 2; byte b is id b + 3; the rest unused.
+        names = [b"<pad>", b"<bos>", b"<eos>"]
+        tokens = names + [bytes([b]) for b in range(256)] + [b""] * (rows - 259)
+        specials = {"bos": 1, "eos": 2, "pad": 0, "unk": None}
+        digest = vocab_table_hash(tokens, specials, [0, 1, 2])
+        return ReferenceVocab(model, digest, len(tokens), rows)
+    if model != "smollm2":
+        raise ValueError(f"no reference vocabulary for {model!r}")
+    wanted = {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+              "tokenizer.ggml.padding_token_id", "tokenizer.ggml.unknown_token_id"}  # not the merges: the table is what is hashed
+    field = {key: f.contents() for key, f in reader.fields.items() if key in wanted}
+    spellings: list[str] = list(field["tokenizer.ggml.tokens"])
+    types = list(field.get("tokenizer.ggml.token_type", [1] * len(spellings)))
+    decoder = _gpt2_byte_decoder()
+    control = [i for i, t in enumerate(types) if t == _CONTROL]
+    ctrl = set(control)
+    tokens = [s.encode("utf-8") if i in ctrl or not set(s) <= decoder.keys() else bytes(decoder[c] for c in s)
+              for i, s in enumerate(spellings)]
+    specials = {name: field.get(f"tokenizer.ggml.{key}_token_id") for name, key in
+                (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))}
+    specials = {k: None if v is None else int(v) for k, v in specials.items()}
+    return ReferenceVocab(model, vocab_table_hash(tokens, specials, control), len(tokens), rows)
+
+
+# -- migration ------------------------------------------------------------------------------------
+
+@attrs.frozen(eq=False)
+class MigrationReport:
+    """A torch migration judged against the float64 spec.
+
+    Attributes:
+        violations: :func:`~decodespec.spec.vocab.migration_violations` names (empty: conforms).
+        logit_gap: Mapped raw-logit oracle gap (logits) and the worst old id.
+        logit_bound: The bound it is held to (rounding of one float32 dot product, derived).
+        new_mass: Probability mass the new rows take, per hidden row.
+        drift_error: ``max |log_shift - expected_shift|`` (0 up to rounding; :class:`~decodespec.spec.vocab.AppendDrift`).
+        shift_spread: Largest spread of ``log p_new - log p_old`` over kept ids (0: rescaled, not reshaped).
+        max_abs_prob_change: Largest change of an old token's probability.
+    """
+
+    violations: tuple[str, ...]
+    logit_gap: tuple[float, int]
+    logit_bound: float
+    new_mass: np.ndarray
+    drift_error: float
+    shift_spread: float
+    max_abs_prob_change: float
+
+    @property
+    def passed(self) -> bool:
+        """No violation and the mapped logits within their bound."""
+        return not self.violations and self.logit_gap[0] <= self.logit_bound
+
+
+def _vocab_params(model: Any) -> dict[str, Any]:
+    embed = model.model.embed_tokens.weight
+    out = {"embed": embed}
+    if model.lm_head.weight is not embed:
+        out["head"] = model.lm_head.weight
+    if model.lm_head.bias is not None:
+        out["bias"] = model.lm_head.bias
+    return out
+
+
+def _rows64(t: Any) -> np.ndarray:
+    return t.detach().double().cpu().numpy().copy()
+
+
+def _observe(model: Any, optimizer: Any, declared_tied: bool, old_vocab: set[int]) -> MigrationObservation:
+    params = _vocab_params(model)
+    ids = {id(p) for p in params.values()}
+    rows_now = int(model.model.embed_tokens.weight.shape[0])
+    entries = [p for g in optimizer.param_groups for p in g["params"]]
+    mine = sum(1 for p in entries if id(p) in ids)
+    stale = sum(1 for p in entries if id(p) not in ids and p.dim() >= 1 and p.shape[0] in old_vocab | {rows_now}
+                and id(p) not in {id(q) for q in model.parameters()})
+    slots = sum(1 for p, st in optimizer.state.items() if p.dim() >= 1 and p.shape[0] in old_vocab | {rows_now} and st)
+    moments = {name: {k: _rows64(v) for k, v in optimizer.state.get(p, {}).items() if getattr(v, "dim", lambda: 0)() >= 1}
+               for name, p in params.items()}
+    return MigrationObservation(declared_tied=declared_tied, tied_after=model.lm_head.weight is model.model.embed_tokens.weight,
+                                rows={name: _rows64(p) for name, p in params.items()}, moments=moments,
+                                optimizer_entries=mine, stale_entries=stale, state_slots=slots)
+
+
+def check_migration(model: Any, vmap: VocabMap, init: NewRowInit, *, migrate: Callable[..., Any] | None = None,
+                    input_ids: Sequence[int] = (1, 40, 41, 42, 43), seed: int = 8) -> MigrationReport:
+    """Train ``model`` one Adam step, migrate it with ``migrate`` and judge the result against the spec.
+
+    Args:
+        model: A loaded ``LlamaForCausalLM`` (float32); it is changed in place.
+        vmap: The map (:class:`~decodespec.spec.vocab.VocabMap`).
+        init: The declared initialization of new rows (``zeros``, ``mean``, ``copy``, ``values``).
+        migrate: ``migrate(model, old_to_new, new_size, init=, sources=, values=, optimizer=)``;
+            default :func:`decodespec.impl.vocab.migrate_vocabulary`.
+        input_ids: The training step's ids (ids below ``V_old``).
+        seed: Seed of the fixed hidden rows of the logit oracle.
+
+    Returns:
+        :class:`MigrationReport`.
+    """
+    import torch
+
+    from decodespec.impl.vocab import migrate_vocabulary
+
+    migrate = migrate or migrate_vocabulary
+    for p in model.parameters():
+        p.requires_grad_(True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ids = torch.tensor([list(input_ids)])
+    with torch.enable_grad():
+        out = model(ids)
+        torch.nn.functional.cross_entropy(out.logits[0, :-1], ids[0, 1:]).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    declared_tied = bool(model.config.tie_word_embeddings)
+    params = _vocab_params(model)
+    old_rows = {name: _rows64(p) for name, p in params.items()}
+    old_moments = {name: {k: _rows64(v) for k, v in optimizer.state[p].items() if v.dim() >= 1} for name, p in params.items()}
+    inits = {name: NewRowInit("zeros") if name == "bias" and init.kind == "values" else init for name in old_rows}
+    expected_rows, expected_moments = migrate_state(old_rows, vmap, inits, old_moments)
+    d = int(model.config.hidden_size)
+    hidden = torch.randn(4, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+    with torch.no_grad():
+        z_old = model.lm_head(hidden).double().numpy()
+    pairs = {int(a): int(b) for a, b in zip(vmap.old_ids, vmap.new_ids)}
+    values = None if init.values is None else torch.as_tensor(init.values, dtype=model.lm_head.weight.dtype)
+    migrate(model, pairs, vmap.new_size, init=init.kind, sources=dict(init.sources), values=values, optimizer=optimizer)
+    with torch.no_grad():
+        z_new = model.lm_head(hidden).double().numpy()
+    obs = _observe(model, optimizer, declared_tied, {vmap.old_size})
+    eps = float(np.finfo(np.float32).eps)
+    scale = max(float(np.abs(r).max()) for r in expected_rows.values())
+    violations = migration_violations(obs, expected_rows, expected_moments, vmap, atol=eps * scale)
+    # Each float32 logit is within d * eps * sum_j |h_j| |e_j| of its exact value (the standard dot-product rounding bound);
+    # the old and new heads hold the same float32 rows at mapped addresses, so two computations differ by at most twice it.
+    head_rows = expected_rows.get("head", expected_rows["embed"])
+    bound = float(2 * d * eps * (np.abs(hidden.double().numpy()) @ np.abs(head_rows).T).max())
+    gap = mapped_logit_gap(z_old, z_new, vmap)
+    drift = append_drift(z_old, z_new, vmap)
+    drift_error = float(np.abs(drift.log_shift - drift.expected_shift).max())
+    return MigrationReport(violations, gap, bound, drift.new_mass, drift_error, float(drift.shift_spread.max()),
+                           float(drift.max_abs_prob_change.max()))
+
+
+# -- migration mutants (failure lab 0x12 items 31, 55, 56) -----------------------------------------
+
+def _moments_not_moved(model: Any, old_to_new: Mapping[int, int], new_size: int, *, optimizer: Any = None, **kw: Any) -> Any:
+    """Rows migrated, optimizer moments left at their old row addresses (item 55)."""
+    import torch
+
+    from decodespec.impl.vocab import migrate_vocabulary
+
+    migrate_vocabulary(model, old_to_new, new_size, optimizer=optimizer, **kw)
+    kept = [(a, b) for a, b in old_to_new.items() if a < new_size]
+    at_old, at_new = torch.tensor([a for a, _ in kept]), torch.tensor([b for _, b in kept])
+    for state in optimizer.state.values():
+        for key, value in list(state.items()):
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == new_size:
+                stale = torch.zeros_like(value)
+                stale[at_old] = value[at_new]  # moment of old id v back at index v
+                state[key] = stale
+    return model
+
+
+def _optimizer_before_retie(model: Any, old_to_new: Mapping[int, int], new_size: int, *, optimizer: Any = None, **kw: Any) -> Any:
+    """Migrate, then re-create the head as a second Parameter before re-tying: the optimizer keeps a stale/duplicate slot (items 31, 56)."""
+    import torch
+
+    from decodespec.impl.vocab import migrate_vocabulary
+
+    migrate_vocabulary(model, old_to_new, new_size, optimizer=optimizer, **kw)
+    copy = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    optimizer.param_groups[0]["params"].append(copy)  # the optimizer was handed the head before the alias was restored
+    optimizer.state[copy] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                             for k, v in optimizer.state[model.model.embed_tokens.weight].items()}
+    return model
+
+
+def _alias_not_restored(model: Any, old_to_new: Mapping[int, int], new_size: int, *, optimizer: Any = None, **kw: Any) -> Any:
+    """Migrate, then load the head as its own Parameter with equal values (copy, not tie): item 56."""
+    import torch
+
+    from decodespec.impl.vocab import migrate_vocabulary
+
+    migrate_vocabulary(model, old_to_new, new_size, optimizer=optimizer, **kw)
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    return model
+
+
+def _rows_by_size_only(model: Any, old_to_new: Mapping[int, int], new_size: int, **kw: Any) -> Any:
+    """Resize by position, ignoring the map (rows keep their old index): items 25, 53."""
+    from decodespec.impl.vocab import migrate_vocabulary
+
+    kept = sorted(old_to_new)
+    return migrate_vocabulary(model, {a: a for a in kept if a < new_size}, new_size, **kw)
+
+
+def _bias_not_migrated(model: Any, old_to_new: Mapping[int, int], new_size: int, *, optimizer: Any = None, **kw: Any) -> Any:
+    """Migrate the (tied) weight, then resize the head's [V] bias by position outside the map and the optimizer (0x09)."""
+    import torch
+
+    from decodespec.impl.vocab import migrate_vocabulary
+
+    bias = model.lm_head.bias
+    model.lm_head.bias = None  # tying ties the weight; this loader forgets the bias is row-addressed too
+    migrate_vocabulary(model, old_to_new, new_size, optimizer=optimizer, **kw)
+    fresh = torch.zeros(new_size, dtype=bias.dtype)
+    k = min(new_size, int(bias.shape[0]))
+    fresh[:k] = bias.detach()[:k]
+    model.lm_head.bias = torch.nn.Parameter(fresh)
+    return model
+
+
+#: name -> (migration, section, title, statement).  Each is the rule ``mutant.<name>``.
+MIGRATION_MUTANTS: dict[str, tuple[Callable[..., Any], str, str, str]] = {
+    "vocab_moments_not_moved": (
+        _moments_not_moved, "M3.8 0x12 Extended contract failures (item 55); 0x08 Vocabulary migration is a row-address transaction",
+        "Vocabulary migration moves the rows but not the optimizer moments",
+        "The embedding/head rows follow the old->new map, Adam's exp_avg / exp_avg_sq stay at their old row addresses: the next "
+        "update applies old state to the wrong token. check_migration reports moments_not_mapped."),
+    "vocab_optimizer_before_retie": (
+        _optimizer_before_retie, "M3.8 0x12 Vocabulary and tying bugs (item 31); 0x08 Tied alias and optimizer restoration order",
+        "The optimizer is handed a second head Parameter before the tie is restored",
+        "After the migration the optimizer also holds a copy of the shared table with its own moment slot (the object created "
+        "before re-tying): two optimizer states for one shared Parameter. check_migration reports stale_optimizer_parameter "
+        "and optimizer_duplicate_state."),
+    "vocab_alias_not_restored": (
+        _alias_not_restored, "M3.8 0x12 Extended contract failures (item 56); 0x08 Tied alias and optimizer restoration order",
+        "Tied values restored into two Parameters after migration",
+        "The migrated head is loaded as its own Parameter holding the embedding's values: the logits are right, the tie is "
+        "gone. check_migration reports alias_not_restored."),
+    "vocab_rows_by_size": (
+        _rows_by_size_only, "M3.8 0x12 Extended contract failures (item 53); 0x08 The vocabulary-axis identity contract",
+        "Migration by vocabulary size instead of the ordered identity map",
+        "The migration keeps each row at its old index (only the size changes), ignoring a permutation in the map: every "
+        "shape is right and every moved token scores with another token's row. check_migration reports rows_not_mapped and "
+        "the mapped raw-logit oracle fails at the moved ids."),
+    "vocab_bias_not_migrated": (
+        _bias_not_migrated, "M3.8 0x09 What tying does and does not imply (a bias is not tied); 0x08 Vocabulary migration is a "
+        "row-address transaction",
+        "The head's bias is resized by position, outside the map, when the weight is tied",
+        "The tied table is migrated by the map, but the separate [V] head bias is padded in place (old index kept) and "
+        "handed to no optimizer: tying the weight does not tie the bias. check_migration reports bias_not_mapped and "
+        "moments_not_mapped, and the mapped raw-logit oracle fails at the moved ids."),
+}

@@ -1,0 +1,668 @@
+"""M3.8 0x08 The vocabulary-axis identity contract: ordered identity, the audit, and migration as a row-address transaction.
+
+The last axis of the head's output is not an anonymous class dimension: column ``c`` is the
+checkpoint's token id ``c``.  This module states, as pure numpy float64 functions over frozen
+attrs values:
+
+* the **ordered vocabulary identity** (:func:`vocab_table_hash`): a content hash of the ordered
+  id -> token-bytes table and the special ids, so that a permutation of two tokens, a resized
+  table or a moved special id changes it, while equal sizes prove nothing (failure lab 0x12
+  items 25, 53);
+* the **audit** (:class:`VocabAudit`, :func:`audit_violations`): tokenizer base size, its length
+  with added tokens, the added and special ids, embedding rows, output rows and the config's
+  ``vocab_size``, printed side by side and checked (every emitted id has an output row, the
+  embedding and the head score the same space, special ids agree with the configuration; items
+  26, 27);
+* **migration** as a row-address transaction (:class:`VocabMap`, :class:`NewRowInit`,
+  :func:`migrate_rows`, :func:`migrate_state`): an explicit partial bijection from retained old
+  ids to new ids, applied by the *same* map to every row-addressed object -- embedding, head,
+  bias, master weights and optimizer moments --, new rows initialized as declared (moments of new
+  rows zero), a tied table migrated once (items 54-56);
+* the **mapped raw-logit oracle** (:func:`mapped_logit_gap`): for a fixed hidden row, the new
+  head's raw logit at ``pi(v)`` equals the old head's at ``v`` for every retained ``v``; and the
+  **probability drift** of appended rows (:func:`append_drift`): old raw logits unchanged, old
+  probabilities all scaled by ``1 - m_new`` where ``m_new`` is the probability mass the new rows
+  take (``log p_new[pi(v)] - log p_old[v] = log(1 - m_new)`` for every kept ``v``);
+* the migration **ownership observation** (:class:`MigrationObservation`,
+  :func:`migration_violations`): alias restored once, one optimizer state per shared Parameter,
+  moments moved by the map, new rows as declared.
+
+Every rule is registered as ``invariant.vocab_*`` (:mod:`decodespec.spec.rules`).  Bad input is a
+typed :class:`~decodespec.spec.errors.Rejection` (``vocab.*`` codes) raised before any work.
+
+Source: M3.8 0x08 ("The last axis is not an anonymous class dimension", "The robust audit prints
+all of them", "Vocabulary migration is a row-address transaction", "Append-only growth is safer,
+not free", "Tied alias and optimizer restoration order", "Release and rollback ledger"); 0x09
+(tied alias); 0x12 items 25-27, 31, 53-56.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Iterable, Mapping, Sequence
+
+import attrs
+import numpy as np
+
+from decodespec.spec.errors import Rejection, register_code
+from decodespec.spec.rules import rule
+
+__all__ = [
+    "AUDIT_VIOLATIONS",
+    "INVALID_MAP",
+    "INVALID_TABLE",
+    "MIGRATION_VIOLATIONS",
+    "NEW_ROW_INITS",
+    "SPECIAL_NAMES",
+    "VOCAB_FORMAT",
+    "AppendDrift",
+    "MigrationObservation",
+    "NewRowInit",
+    "VocabAudit",
+    "VocabMap",
+    "append_drift",
+    "audit_violations",
+    "mapped_logit_gap",
+    "migrate_rows",
+    "migrate_state",
+    "migration_violations",
+    "vocab_table_hash",
+]
+
+S08 = "M3.8 0x08 The vocabulary-axis identity contract"
+
+INVALID_TABLE = register_code(
+    "vocab.invalid_table", "rejection", S08,
+    "A vocabulary table is not a sequence of token bytes, names a special id outside it, or an audit field is not a "
+    "non-negative integer.",
+)
+INVALID_MAP = register_code(
+    "vocab.invalid_map", "rejection", "M3.8 0x08 Vocabulary migration is a row-address transaction",
+    "A vocabulary map is not a partial bijection (an old or new id outside its table, an id mapped twice), new rows have no "
+    "declared initialization, or a row-addressed array does not have the old table's row count.",
+)
+
+#: The format tag hashed with every table (a change of the hashed layout changes every hash).
+VOCAB_FORMAT = "decodespec.vocab.v1"
+#: The special-id names the identity binds, in order.
+SPECIAL_NAMES = ("bos", "eos", "pad", "unk")
+
+
+# -- the ordered identity ------------------------------------------------------------------------
+
+def _as_bytes(token: Any, i: int) -> bytes:
+    if isinstance(token, (bytes, bytearray)):
+        return bytes(token)
+    if isinstance(token, str):
+        return token.encode("utf-8")
+    raise Rejection(INVALID_TABLE, f"token {i} must be bytes or str, got {type(token).__name__}", f"$.tokens[{i}]")
+
+
+@rule(
+    "invariant.vocab_ordered_identity",
+    title="Vocabulary identity is the ordered id -> token table, not its size",
+    section=S08,
+    statement="The vocabulary identity is a SHA-256 over the ordered table (id i -> the bytes token i stands for, control "
+    "tokens marked) and the special ids (bos, eos, pad, unk): swapping two tokens, adding or dropping one, or moving a "
+    "special id changes it, while two tables of equal size need not be equal (failure lab 0x12 items 25, 53). Two runtimes "
+    "score the same vocabulary only when their hashes are equal.",
+)
+def vocab_table_hash(tokens: Sequence[Any], specials: Mapping[str, int | None] | None = None,
+                     control_ids: Iterable[int] = ()) -> str:
+    """``"sha256:<hex>"`` of the ordered vocabulary table.
+
+    Args:
+        tokens: ``[V_tok]`` token contents in id order: the bytes each id decodes to (``str`` is
+            taken as UTF-8; a control token's own text, e.g. ``"<|im_end|>"``).
+        specials: ``{"bos", "eos", "pad", "unk"}`` -> id or ``None`` (missing names are ``None``).
+        control_ids: Ids of control (special) tokens; they are marked in the table.
+
+    Returns:
+        The content hash (RFC 8785-style canonical JSON: sorted keys, no spaces, UTF-8).
+
+    Raises:
+        Rejection: ``vocab.invalid_table`` for a non-bytes token, an unknown special name or a
+            special / control id outside ``[0, V_tok)``.
+
+    Source: M3.8 0x08 ("output row ordering matches checkpoint token-ID ordering", "special token IDs
+    agree with model configuration"; release gate "deterministic ID table hash").
+    """
+    table = [_as_bytes(t, i) for i, t in enumerate(tokens)]
+    size = len(table)
+    specials = dict(specials or {})
+    unknown = set(specials) - set(SPECIAL_NAMES)
+    if unknown:
+        raise Rejection(INVALID_TABLE, f"unknown special names {sorted(unknown)}; known: {list(SPECIAL_NAMES)}", "$.specials")
+    special = {}
+    for name in SPECIAL_NAMES:
+        value = specials.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < size):
+            raise Rejection(INVALID_TABLE, f"special id {name} = {value!r} is not an id in [0, {size})", f"$.specials.{name}")
+        special[name] = None if value is None else int(value)
+    control = sorted({int(c) for c in control_ids})
+    if control and (control[0] < 0 or control[-1] >= size):
+        raise Rejection(INVALID_TABLE, f"control ids must lie in [0, {size})", "$.control_ids")
+    body = {"format": VOCAB_FORMAT, "tokens": [t.hex() for t in table], "control": control, "special": special}
+    data = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+# -- the audit -------------------------------------------------------------------------------------
+
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise Rejection(INVALID_TABLE, f"{name} must be an integer >= 0, got {value!r}", f"$.{name}")
+    return int(value)
+
+
+@attrs.frozen
+class VocabAudit:
+    """Every vocabulary count of one model + tokenizer, side by side (M3.8 0x08 "The robust audit prints all of them").
+
+    Libraries report these differently (added and reserved tokens are handled apart), so the
+    audit records all of them and :func:`audit_violations` judges them together.
+
+    Attributes:
+        tokenizer_size: The tokenizer's base table (HF ``tokenizer.vocab_size``).
+        tokenizer_len: Base plus added tokens (HF ``len(tokenizer)``): every id it can emit is below it.
+        added_ids: Ids of tokens added on top of the base table (``tokenizer_size <= id``).
+        special_ids: ``{"bos", "eos", "pad", "unk"}`` -> id or ``None``, from the tokenizer.
+        config_special_ids: The same names from the model configuration (``None``: not declared).
+        embedding_rows: Rows of the input embedding ``[V_in, d]``.
+        output_rows: Rows of the output head ``[V_out, d]`` (the score row's length).
+        config_vocab_size: The configuration's ``vocab_size``.
+        vocab_hash: :func:`vocab_table_hash` of the tokenizer's ordered table.
+        tied: Whether the head is the embedding's Parameter (identity, M3.8 0x09).
+    """
+
+    tokenizer_size: int = attrs.field(converter=lambda v: _count(v, "tokenizer_size"))
+    tokenizer_len: int = attrs.field(converter=lambda v: _count(v, "tokenizer_len"))
+    embedding_rows: int = attrs.field(converter=lambda v: _count(v, "embedding_rows"))
+    output_rows: int = attrs.field(converter=lambda v: _count(v, "output_rows"))
+    config_vocab_size: int = attrs.field(converter=lambda v: _count(v, "config_vocab_size"))
+    vocab_hash: str = ""
+    added_ids: tuple[int, ...] = attrs.field(default=(), converter=lambda v: tuple(int(x) for x in v))
+    special_ids: Mapping[str, int | None] = attrs.field(factory=dict, converter=dict)
+    config_special_ids: Mapping[str, int | None] = attrs.field(factory=dict, converter=dict)
+    tied: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """The audit as a JSON object (what ``decodespec vocab-audit --json`` prints)."""
+        return {"tokenizer_size": self.tokenizer_size, "tokenizer_len": self.tokenizer_len, "added_ids": list(self.added_ids),
+                "special_ids": dict(self.special_ids), "config_special_ids": dict(self.config_special_ids),
+                "embedding_rows": self.embedding_rows, "output_rows": self.output_rows,
+                "config_vocab_size": self.config_vocab_size, "vocab_hash": self.vocab_hash, "tied": self.tied}
+
+
+#: The named ways an audit fails (:func:`audit_violations`).
+AUDIT_VIOLATIONS: dict[str, str] = {
+    "tokenizer_exceeds_output_rows": "the tokenizer can emit an id with no output row (len(tokenizer) > V_out): tokens were "
+                                     "added without resizing the head (failure lab 0x12 item 26)",
+    "embedding_output_rows_differ": "the input embedding and the output head have different row counts: one was resized "
+                                    "alone (item 27), so lookup and scoring address different spaces",
+    "config_rows_differ": "the configuration's vocab_size is not the head's row count",
+    "added_id_without_row": "an added token's id has no embedding or output row",
+    "added_id_in_base_table": "an 'added' id lies inside the base table (added tokens take ids from tokenizer_size upward)",
+    "special_id_out_of_range": "a special id is not an id the tokenizer can emit",
+    "special_id_mismatch": "a special id differs between the tokenizer and the model configuration",
+    "no_vocab_hash": "the audit records no ordered vocabulary hash: sizes alone prove no identity (item 53)",
+}
+
+
+@rule(
+    "invariant.vocab_audit",
+    title="Tokenizer, embedding, head and config vocabularies agree",
+    section=S08,
+    statement="The audit records the tokenizer's base size and length with added tokens, the added and special ids, the "
+    "embedding rows, the output rows and the config vocab_size, and the ordered vocabulary hash. Every id the tokenizer "
+    "can emit has an output row (len(tokenizer) <= V_out; reserved rows above it are allowed), embedding and head have "
+    "the same rows, the config states the head's rows, added ids lie above the base table and have rows, and the special "
+    "ids lie in the table and agree with the configuration (failure lab 0x12 items 26, 27).",
+)
+def audit_violations(audit: VocabAudit) -> tuple[str, ...]:
+    """The names (:data:`AUDIT_VIOLATIONS`) of every way ``audit`` breaks the contract; empty when it keeps it.
+
+    Args:
+        audit: The audit.
+
+    Returns:
+        Violation names, in the order of :data:`AUDIT_VIOLATIONS`.
+
+    Source: M3.8 0x08 "The minimum contract is", "The robust audit prints all of them".
+    """
+    out: list[str] = []
+    if audit.tokenizer_len > audit.output_rows:
+        out.append("tokenizer_exceeds_output_rows")
+    if audit.embedding_rows != audit.output_rows:
+        out.append("embedding_output_rows_differ")
+    if audit.config_vocab_size != audit.output_rows:
+        out.append("config_rows_differ")
+    if any(i >= min(audit.embedding_rows, audit.output_rows) for i in audit.added_ids):
+        out.append("added_id_without_row")
+    if any(i < audit.tokenizer_size for i in audit.added_ids):
+        out.append("added_id_in_base_table")
+    if any(v is not None and not 0 <= v < audit.tokenizer_len for v in audit.special_ids.values()):
+        out.append("special_id_out_of_range")
+    for name, value in audit.config_special_ids.items():
+        if value is not None and audit.special_ids.get(name) is not None and audit.special_ids[name] != value:
+            out.append("special_id_mismatch")
+            break
+    if not audit.vocab_hash:
+        out.append("no_vocab_hash")
+    return tuple(out)
+
+
+# -- migration ---------------------------------------------------------------------------------------
+
+@attrs.frozen(eq=False)
+class VocabMap:
+    """An explicit partial bijection ``pi`` from retained old ids to new ids (M3.8 0x08).
+
+    Attributes:
+        old_size: ``V_old``.
+        new_size: ``V_new``.
+        old_ids: ``int64[K]`` retained old ids (the set ``K``).
+        new_ids: ``int64[K]``: ``pi(old_ids[k]) = new_ids[k]``.
+
+    Every new id not in ``new_ids`` is a **new row** and needs a declared initialization.  The
+    map is immutable; :meth:`new_rows` lists the new ids, :meth:`inverse` maps new -> old.
+    """
+
+    old_size: int
+    new_size: int
+    old_ids: np.ndarray
+    new_ids: np.ndarray
+
+    @classmethod
+    def create(cls, old_size: int, new_size: int, old_to_new: Mapping[int, int] | Sequence[tuple[int, int]]) -> "VocabMap":
+        """Validate and build a map.
+
+        Raises:
+            Rejection: ``vocab.invalid_map`` when an id is outside its table or mapped twice
+                (``pi`` must be injective on ``K``).
+        """
+        old_size, new_size = _count(old_size, "old_size"), _count(new_size, "new_size")
+        pairs = sorted((dict(old_to_new) if isinstance(old_to_new, Mapping) else dict(old_to_new)).items())
+        old = np.array([int(a) for a, _ in pairs], dtype=np.int64)
+        new = np.array([int(b) for _, b in pairs], dtype=np.int64)
+        if old.size and (old.min() < 0 or old.max() >= old_size):
+            raise Rejection(INVALID_MAP, f"retained old ids must lie in [0, {old_size})", "$.old_to_new")
+        if new.size and (new.min() < 0 or new.max() >= new_size):
+            raise Rejection(INVALID_MAP, f"new ids must lie in [0, {new_size})", "$.old_to_new")
+        if np.unique(new).size != new.size:
+            dup = int(new[np.flatnonzero(np.diff(np.sort(new)) == 0)[0]]) if new.size > 1 else -1
+            raise Rejection(INVALID_MAP, f"new id {dup} is the image of two old ids: the map is not a bijection on K", "$.old_to_new")
+        old.setflags(write=False)
+        new.setflags(write=False)
+        return cls(old_size, new_size, old, new)
+
+    @classmethod
+    def append_only(cls, old_size: int, new_size: int) -> "VocabMap":
+        """Keep every old id where it is (``pi(v) = v``) and append ``new_size - old_size`` rows.
+
+        Raises:
+            Rejection: ``vocab.invalid_map`` when ``new_size < old_size``.
+        """
+        if new_size < old_size:
+            raise Rejection(INVALID_MAP, f"append-only growth needs new_size >= old_size, got {new_size} < {old_size}", "$.new_size")
+        return cls.create(old_size, new_size, {v: v for v in range(old_size)})
+
+    @classmethod
+    def permutation(cls, perm: Sequence[int]) -> "VocabMap":
+        """The full permutation ``pi(v) = perm[v]`` (``V_new = V_old``).
+
+        Raises:
+            Rejection: ``vocab.invalid_map`` when ``perm`` is not a permutation of ``range(V)``.
+        """
+        p = [int(x) for x in perm]
+        if sorted(p) != list(range(len(p))):
+            raise Rejection(INVALID_MAP, "perm must be a permutation of range(V)", "$.perm")
+        return cls.create(len(p), len(p), dict(enumerate(p)))
+
+    def new_rows(self) -> np.ndarray:
+        """``int64[V_new - K]``: new ids with no old row (ascending)."""
+        mask = np.ones(self.new_size, dtype=bool)
+        mask[self.new_ids] = False
+        return np.flatnonzero(mask)
+
+    def to_json(self) -> dict[str, Any]:
+        """The map as a manifest entry: sizes and the ``[old, new]`` pairs."""
+        return {"old_size": self.old_size, "new_size": self.new_size,
+                "pairs": [[int(a), int(b)] for a, b in zip(self.old_ids, self.new_ids)]}
+
+
+#: Declared initializations of new rows (M3.8 0x08 "New rows need declared initialization").
+NEW_ROW_INITS = ("zeros", "mean", "copy", "values")
+
+
+@attrs.frozen(eq=False)
+class NewRowInit:
+    """The declared initialization of new rows: a design choice, never a default.
+
+    Attributes:
+        kind: ``zeros``; ``mean`` (each new row the mean of the listed old rows, e.g. the
+            source subtokens); ``copy`` (a semantically related old row); ``values`` (given rows,
+            e.g. checkpoint-style random draws or a separately trained initialization).
+        sources: For ``mean``: ``{new id: (old ids...)}``; for ``copy``: ``{new id: old id}``.
+            New ids not listed take the mean of all old rows (``mean``) -- never silently zero.
+        values: For ``values``: ``[n_new, ...]`` rows in the order of :meth:`VocabMap.new_rows`.
+    """
+
+    kind: str = attrs.field(validator=attrs.validators.in_(NEW_ROW_INITS))
+    sources: Mapping[int, Any] = attrs.field(factory=dict, converter=dict)
+    values: np.ndarray | None = None
+
+
+def _rows_array(rows: Any, name: str, old_size: int) -> np.ndarray:
+    try:
+        arr = np.asarray(rows, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise Rejection(INVALID_MAP, f"{name} must hold real numbers: {exc}", f"$.{name}") from None
+    if arr.ndim < 1 or arr.shape[0] != old_size:
+        raise Rejection(INVALID_MAP, f"{name} must have V_old = {old_size} rows, got shape {arr.shape}", f"$.{name}")
+    return arr
+
+
+@rule(
+    "invariant.vocab_migration_rows",
+    title="Migration moves every row-addressed object by one map; new rows are initialized as declared",
+    section="M3.8 0x08 Vocabulary migration is a row-address transaction",
+    statement="Given a partial bijection pi from retained old ids to new ids, E_new[pi(v)] = E_old[v] and b_new[pi(v)] = "
+    "b_old[v] for every retained v, and the same map moves master weights and optimizer moments (m_new[pi(v)] = m_old[v], "
+    "u_new[pi(v)] = u_old[v]). A new row gets the declared initialization (zeros, the mean of source rows, a copied "
+    "related row, or given values), its optimizer moments zero; an undeclared initialization is refused. Untied models "
+    "move embedding and head rows by the same map; a tied model migrates its one table once (failure lab 0x12 item 55).",
+)
+def migrate_rows(rows: Any, vmap: VocabMap, init: NewRowInit | None) -> tuple[np.ndarray, np.ndarray]:
+    """One row-addressed array through the map.
+
+    Args:
+        rows: ``[V_old, ...]`` (an embedding ``[V, d]``, a bias ``[V]``, a moment of either).
+        vmap: The map.
+        init: The declared initialization of new rows; may be ``None`` only when there are none.
+
+    Returns:
+        ``(new_rows [V_new, ...] float64, copied bool[V_new])``: ``copied[n]`` when row ``n``
+        came from an old row.
+
+    Raises:
+        Rejection: ``vocab.invalid_map`` (row count, new rows without a declared init, a source id
+            outside the old table, ``values`` of the wrong shape).
+
+    Source: M3.8 0x08 ``migrate_vocab_rows(old_rows, old_to_new, new_size, init_new)``.
+    """
+    old = _rows_array(rows, "rows", vmap.old_size)
+    fresh = vmap.new_rows()
+    new = np.zeros((vmap.new_size, *old.shape[1:]))
+    copied = np.zeros(vmap.new_size, dtype=bool)
+    new[vmap.new_ids] = old[vmap.old_ids]
+    copied[vmap.new_ids] = True
+    if fresh.size:
+        if init is None:
+            raise Rejection(INVALID_MAP, f"{fresh.size} new rows need a declared initialization", "$.init")
+        if init.kind == "mean":
+            for n in fresh:
+                src = np.asarray(init.sources.get(int(n), range(vmap.old_size)), dtype=np.int64).reshape(-1)
+                if src.size == 0 or src.min() < 0 or src.max() >= vmap.old_size:
+                    raise Rejection(INVALID_MAP, f"mean sources of new row {int(n)} must be old ids in [0, {vmap.old_size})",
+                                    f"$.init.sources.{int(n)}")
+                new[n] = old[src].mean(axis=0)
+        elif init.kind == "copy":
+            for n in fresh:
+                src = init.sources.get(int(n))
+                if src is None or not 0 <= int(src) < vmap.old_size:
+                    raise Rejection(INVALID_MAP, f"new row {int(n)} has no old row to copy", f"$.init.sources.{int(n)}")
+                new[n] = old[int(src)]
+        elif init.kind == "values":
+            vals = np.asarray(init.values, dtype=np.float64) if init.values is not None else None
+            if vals is None or vals.shape != (fresh.size, *old.shape[1:]):
+                raise Rejection(INVALID_MAP, f"values must be [{fresh.size}, ...] rows for the new ids", "$.init.values")
+            new[fresh] = vals
+        # "zeros": already zero
+    return new, copied
+
+
+#: The conventional names of row-addressed optimizer state (torch Adam/AdamW): new rows start at zero.
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+
+
+def migrate_state(tensors: Mapping[str, Any], vmap: VocabMap, init: NewRowInit | Mapping[str, NewRowInit] | None,
+                  moments: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
+    """Every row-addressed tensor and its optimizer moments through one map (the transaction).
+
+    Args:
+        tensors: ``{name: [V_old, ...]}``: embedding, head (absent when tied: one table), bias,
+            master copies.
+        vmap: The map.
+        init: Declared initialization of new *parameter* rows (see :func:`migrate_rows`), one for
+            every tensor or ``{name: init}`` (e.g. a bias whose weight gets ``values`` rows).
+        moments: ``{name: {moment key: [V_old, ...]}}`` (e.g. ``exp_avg``, ``exp_avg_sq``);
+            retained rows move by the map, new rows are zero (the usual Adam-like contract).
+
+    Returns:
+        ``(tensors_new, moments_new)`` with the same keys.
+
+    Raises:
+        Rejection: as :func:`migrate_rows`; a moment for a tensor not in ``tensors``.
+
+    Source: M3.8 0x08 ("Optimizer moments and any row-shaped master weights must follow the same
+    address transform"; "Adam-like moments for genuinely new rows are usually initialized to zero").
+    """
+    inits = dict(init) if isinstance(init, Mapping) else {name: init for name in tensors}
+    out = {name: migrate_rows(rows, vmap, inits.get(name))[0] for name, rows in tensors.items()}
+    out_m: dict[str, dict[str, np.ndarray]] = {}
+    for name, state in (moments or {}).items():
+        if name not in tensors:
+            raise Rejection(INVALID_MAP, f"optimizer moments of {name!r}, which is not migrated", f"$.moments.{name}")
+        out_m[name] = {key: migrate_rows(value, vmap, NewRowInit("zeros"))[0] for key, value in state.items()}
+    return out, out_m
+
+
+@rule(
+    "invariant.vocab_mapped_logits",
+    title="Mapped raw-logit oracle: old logits equal new logits under the map",
+    section="M3.8 0x08 Append-only growth is safer, not free",
+    statement="For a fixed hidden row h, the migrated head's raw logit at pi(v) equals the old head's raw logit at v for "
+    "every retained id v (weights and bias moved by the map); a migration that moves rows to the wrong address, or not "
+    "at all, breaks it at the moved ids even when every shape is right.",
+)
+def mapped_logit_gap(old_logits: Any, new_logits: Any, vmap: VocabMap) -> tuple[float, int]:
+    """``max |z_new[:, pi(v)] - z_old[:, v]|`` over retained ids, and the worst old id.
+
+    Args:
+        old_logits: ``[R, V_old]`` raw logits of the old head for hidden rows ``H``.
+        new_logits: ``[R, V_new]`` raw logits of the migrated head for the same rows.
+        vmap: The map.
+
+    Returns:
+        ``(gap, worst_old_id)`` (``-1`` when no id is retained).  Units: logits.
+
+    Raises:
+        Rejection: ``vocab.invalid_map`` when the shapes do not match the map.
+    """
+    zo = np.atleast_2d(np.asarray(old_logits, dtype=np.float64))
+    zn = np.atleast_2d(np.asarray(new_logits, dtype=np.float64))
+    if zo.shape[1] != vmap.old_size or zn.shape[1] != vmap.new_size or zo.shape[0] != zn.shape[0]:
+        raise Rejection(INVALID_MAP, f"logits {zo.shape} / {zn.shape} do not match V_old = {vmap.old_size}, V_new = {vmap.new_size}",
+                        "$.logits")
+    if vmap.old_ids.size == 0:
+        return 0.0, -1
+    diff = np.abs(zn[:, vmap.new_ids] - zo[:, vmap.old_ids]).max(axis=0)  # [K]
+    k = int(np.argmax(diff))
+    return float(diff[k]), int(vmap.old_ids[k])
+
+
+@attrs.frozen(eq=False)
+class AppendDrift:
+    """How appended rows move old probabilities (M3.8 0x08 "Append-only growth is safer, not free").
+
+    Attributes:
+        new_mass: ``[R]``: probability mass the new rows take, ``m_new = sum_{n new} p_new[n]``.
+        dropped_mass: ``[R]``: old mass of the ids the map drops, ``m_drop = sum_{v not in K} p_old[v]``
+            (0 for append-only growth).
+        log_shift: ``[R]``: ``log p_new[pi(v)] - log p_old[v]``, the same for every kept ``v``
+            and equal to ``log(1 - m_new) - log(1 - m_drop)`` (``log(1 - m_new)`` append-only).
+        expected_shift: ``[R]``: that closed form, from the two masses.
+        shift_spread: ``[R]``: ``max - min`` of that shift over kept ids (0 up to rounding: the
+            old distribution is rescaled, never reshaped).
+        max_abs_prob_change: ``[R]``: ``max_v |p_new[pi(v)] - p_old[v]|``.
+        logit_gap: The mapped raw-logit gap (:func:`mapped_logit_gap`).
+
+    Units: probability, nats, logits.
+    """
+
+    new_mass: np.ndarray
+    dropped_mass: np.ndarray
+    log_shift: np.ndarray
+    expected_shift: np.ndarray
+    shift_spread: np.ndarray
+    max_abs_prob_change: np.ndarray
+    logit_gap: float
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    m = z.max(axis=1, keepdims=True)
+    return z - (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))
+
+
+@rule(
+    "invariant.vocab_append_drift",
+    title="Appended rows keep old raw logits and rescale old probabilities by 1 - m_new",
+    section="M3.8 0x08 Append-only growth is safer, not free",
+    statement="After an append-only growth with old weights and bias unchanged, the old ids' raw logits are identical, but "
+    "their probabilities are not: the new rows enter the softmax denominator, so log p_new[v] - log p_old[v] = "
+    "log(1 - m_new) for every old v, m_new the mass the new rows take (log(1 - m_new) - log(1 - m_drop) when the map also "
+    "drops ids of old mass m_drop). Claiming old probabilities unchanged is refused "
+    "whenever m_new > 0 (failure lab 0x12 item 54); the drift is measured, not assumed.",
+)
+def append_drift(old_logits: Any, new_logits: Any, vmap: VocabMap) -> AppendDrift:
+    """Measure the probability drift of a migration on fixed hidden rows.
+
+    Args:
+        old_logits: ``[R, V_old]`` old raw logits (finite).
+        new_logits: ``[R, V_new]`` migrated raw logits of the same hidden rows (finite).
+        vmap: The map (any partial bijection; ``new_mass`` counts every unmapped new row).
+
+    Returns:
+        :class:`AppendDrift`.
+
+    Raises:
+        Rejection: ``vocab.invalid_map`` (shapes), ``vocab.invalid_table`` (non-finite logits).
+    """
+    gap, _ = mapped_logit_gap(old_logits, new_logits, vmap)
+    zo = np.atleast_2d(np.asarray(old_logits, dtype=np.float64))
+    zn = np.atleast_2d(np.asarray(new_logits, dtype=np.float64))
+    if not (np.isfinite(zo).all() and np.isfinite(zn).all()):
+        raise Rejection(INVALID_TABLE, "drift is measured on finite logits", "$.logits")
+    lpo, lpn = _log_softmax(zo), _log_softmax(zn)
+    fresh = vmap.new_rows()
+    new_mass = np.exp(lpn[:, fresh]).sum(axis=1) if fresh.size else np.zeros(zo.shape[0])
+    dropped = np.ones(vmap.old_size, dtype=bool)
+    dropped[vmap.old_ids] = False
+    dropped_mass = np.exp(lpo[:, dropped]).sum(axis=1) if dropped.any() else np.zeros(zo.shape[0])
+    shift = lpn[:, vmap.new_ids] - lpo[:, vmap.old_ids]  # [R, K]
+    return AppendDrift(
+        new_mass=new_mass,
+        dropped_mass=dropped_mass,
+        expected_shift=np.log1p(-new_mass) - np.log1p(-dropped_mass),
+        log_shift=shift.mean(axis=1) if shift.size else np.zeros(zo.shape[0]),
+        shift_spread=(shift.max(axis=1) - shift.min(axis=1)) if shift.size else np.zeros(zo.shape[0]),
+        max_abs_prob_change=np.abs(np.exp(lpn[:, vmap.new_ids]) - np.exp(lpo[:, vmap.old_ids])).max(axis=1) if shift.size
+        else np.zeros(zo.shape[0]),
+        logit_gap=gap,
+    )
+
+
+# -- the migration's ownership -----------------------------------------------------------------------
+
+#: The named ways a migrated model + optimizer breaks the transaction (:func:`migration_violations`).
+MIGRATION_VIOLATIONS: dict[str, str] = {
+    "rows_not_mapped": "a retained token's row is not the old row under the map (wrong address, or not moved)",
+    "new_rows_not_declared": "a new row differs from its declared initialization",
+    "alias_not_restored": "the model declares tied embeddings, but after migration the head is not the embedding's Parameter",
+    "stale_optimizer_parameter": "the optimizer still holds a Parameter the model no longer uses (created before the swap)",
+    "optimizer_duplicate_state": "the shared table has more than one optimizer entry or moment slot (re-tied after restore)",
+    "moments_not_mapped": "an optimizer moment of a retained row is not the old row's moment under the map (item 55)",
+    "new_moments_not_zero": "an optimizer moment of a new row is not zero",
+    "bias_not_mapped": "the head's bias was not moved by the map (tying ties the weight, never the [V] bias)",
+}
+
+
+@attrs.frozen(eq=False)
+class MigrationObservation:
+    """What a migrated runtime holds, read from torch by the checker (M3.8 0x08 "Tied alias and optimizer restoration order").
+
+    Attributes:
+        declared_tied: The configuration's ``tie_word_embeddings``.
+        tied_after: ``lm_head.weight is embed_tokens.weight`` after the migration.
+        rows: ``{name: [V_new, ...]}`` the migrated Parameters (``embed``, ``head`` when untied, ``bias``).
+        moments: ``{name: {key: [V_new, ...]}}`` the optimizer moments of those Parameters.
+        optimizer_entries: Parameter-group entries that are a vocabulary Parameter of the model.
+        stale_entries: Parameter-group entries that are vocabulary-shaped but not the model's.
+        state_slots: Optimizer state slots over vocabulary-shaped Parameters.
+    """
+
+    declared_tied: bool
+    tied_after: bool
+    rows: Mapping[str, np.ndarray]
+    moments: Mapping[str, Mapping[str, np.ndarray]] = attrs.field(factory=dict)
+    optimizer_entries: int | None = None
+    stale_entries: int = 0
+    state_slots: int | None = None
+
+
+@rule(
+    "invariant.vocab_migration_owner",
+    title="After migration: rows and moments under the map, one alias and one optimizer owner",
+    section="M3.8 0x08 Tied alias and optimizer restoration order",
+    statement="A migrated model holds every retained row (embedding, head, bias) and every optimizer moment at its mapped "
+    "address, new rows as declared and their moments zero; when tying is declared the head is the embedding's Parameter "
+    "again (alias restored once), and the optimizer holds exactly the model's vocabulary Parameters -- no stale object "
+    "from before the swap, one entry and one moment slot per shared Parameter (failure lab 0x12 items 31, 55, 56).",
+)
+def migration_violations(obs: MigrationObservation, expected_rows: Mapping[str, np.ndarray],
+                         expected_moments: Mapping[str, Mapping[str, np.ndarray]], vmap: VocabMap,
+                         *, atol: float = 0.0) -> tuple[str, ...]:
+    """The names (:data:`MIGRATION_VIOLATIONS`) of every way ``obs`` differs from the spec's migration.
+
+    Args:
+        obs: The migrated runtime.
+        expected_rows / expected_moments: :func:`migrate_state` of the old runtime's rows/moments.
+        vmap: The map.
+        atol: Absolute tolerance of a row comparison (0 for float64 runtimes; the checker passes
+            the storage dtype's rounding of the largest old value, never a typed-in number).
+
+    Returns:
+        Violation names, in the order of :data:`MIGRATION_VIOLATIONS`.
+    """
+    out: list[str] = []
+    kept, fresh = vmap.new_ids, vmap.new_rows()
+
+    def close(a: np.ndarray, b: np.ndarray) -> bool:
+        return a.shape == b.shape and bool(np.all(np.abs(a - b) <= atol))
+
+    for name, want in expected_rows.items():
+        got = np.asarray(obs.rows.get(name, np.zeros(0)), dtype=np.float64)
+        if got.shape != want.shape or not close(got[kept], want[kept]):
+            out.append("bias_not_mapped" if name == "bias" else "rows_not_mapped")
+        elif fresh.size and not close(got[fresh], want[fresh]):
+            out.append("new_rows_not_declared")
+    if obs.declared_tied and not obs.tied_after:
+        out.append("alias_not_restored")
+    if obs.stale_entries:
+        out.append("stale_optimizer_parameter")
+    want_slots = 1 if obs.declared_tied else len([n for n in expected_rows if n != "bias"])
+    if (obs.optimizer_entries is not None and obs.optimizer_entries > want_slots + ("bias" in expected_rows)) or \
+            (obs.state_slots is not None and obs.state_slots > want_slots + ("bias" in expected_rows)):
+        out.append("optimizer_duplicate_state")
+    for name, state in expected_moments.items():
+        got_state = obs.moments.get(name, {})
+        for key, want in state.items():
+            got = np.asarray(got_state.get(key, np.zeros(0)), dtype=np.float64)
+            if got.shape != want.shape or not close(got[kept], want[kept]):
+                out.append("moments_not_mapped")
+            elif fresh.size and np.any(got[fresh] != 0):
+                out.append("new_moments_not_zero")
+    order = list(MIGRATION_VIOLATIONS)
+    return tuple(sorted(dict.fromkeys(out), key=order.index))
