@@ -182,3 +182,16 @@ def test_smollm2_tp_decode_equals_single_process(smollm2_model, world_size):
     finally:
         tp.close()
     assert live_groups() == []
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_impl_tp_tolerance_is_calibrated_not_typed(model):
+    """The impl-tp tolerance is derived from its own measurement (R = 2, one thread per rank) under default and AVX2 at
+    least (tiny also AVX-512), never borrowed from impl's."""
+    from decodespec.checks.calibrate import derive, load_calibration
+
+    entry = next(e for e in load_calibration()["entries"] if (e["runtime"], e["model"], e["dtype"]) == ("impl-tp", model, "float32"))
+    seen = {(v["capability"], v["threads"]) for v in entry["variants"]}
+    assert {("DEFAULT", 1), ("AVX2", 1)} <= seen and all(threads == 1 for _, threads in seen)
+    assert model == "smollm2" or ("AVX512", 1) in seen
+    assert tolerance_for("impl-tp", model, "float32") == derive(entry["variants"]) != tolerance_for("impl", model, "float32")
