@@ -90,8 +90,6 @@ class ImplTPAdapter(ImplAdapter):
     def model_for(self, config: CaseConfig) -> TPModel:
         """The :class:`TPModel` over the shared full model of ``config`` (its ranks forked on first use)."""
         key = (config.model, config.dtype, config.device, config.attention)
-        for other in self._models.values():
-            other.rank_faults = []  # a rank fault of an earlier request never reaches this one
         model = self._models.get(key)
         if model is None:
             for other in self._models.values():  # one rank group at a time: 2 cores
@@ -107,6 +105,19 @@ class ImplTPAdapter(ImplAdapter):
         for model in self._models.values():
             model.close()
         self._models.clear()
+
+    def _start(self, config: CaseConfig, cache: Any) -> None:
+        super()._start(config, cache)
+        self._clear_rank_faults()  # admitted: a rank fault of the earlier request's call never reaches this one
+
+    def _op_restore(self, act: dict[str, Any]) -> dict[str, Any]:
+        out = super()._op_restore(act)
+        self._clear_rank_faults()  # restored (a refused restore keeps the in-flight call and its fault, as impl's runner does)
+        return out
+
+    def _clear_rank_faults(self) -> None:
+        for model in self._models.values():
+            model.rank_faults = []
 
     def _complete(self) -> dict[str, Any]:
         out = super()._complete()
