@@ -64,7 +64,7 @@ from decodespec.spec.state import Phase, RequestParams, RequestState, due_call, 
 from decodespec.spec.stop import StopConfig, align_output, reference_stream, step_triggers
 from decodespec.spec.transitions import MACHINE, NOT_ENABLED, Machine, expected_report, expected_start
 
-from .adapters import ADAPTER_UNSUPPORTED, Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
+from .adapters import RANK_FAULTS, ADAPTER_UNSUPPORTED, Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
 from .ladder import (
     FAILED,
     LAYERS,
@@ -815,8 +815,8 @@ class LockStep:
         elif op == "stream_fail":
             self._step(StreamFailure())
             self._discard_decision()
-        elif op == "fault":
-            self._step(Fault(act["kind"]))
+        elif op == "fault":  # a rank that dies or stalls is a participant missing from the roster: a device fault
+            self._step(Fault("device_fault" if act["kind"] in RANK_FAULTS else act["kind"]))
         elif op == "recover":
             self._step(Recover())
         elif op == "snapshot":

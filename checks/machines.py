@@ -17,7 +17,8 @@ any state, so refusals are exercised too):
 * the controller: ``prefill`` (a chunk or the rest), ``decode``, ``launch`` / ``complete`` (an
   in-flight window), ``decide``, ``commit``, ``step``, ``run``, ``repair``, ``recover``;
 * the environment: ``cancel`` / timeout before launch, in flight, after completion and after
-  the decision; ``fault`` (device fault or missing state lane) in flight; a duplicated or stale
+  the decision; ``fault`` (device fault or missing state lane) in flight; ``rank_fault`` (one rank
+  process of a tensor-parallel call killed or stalled mid-call, runtimes declaring ``rank_faults``); a duplicated or stale
   receipt (``commit_receipt``); a streamer failure; static-cache reuse by a shorter request
   (``reuse``); snapshots of both forms at any step and ``restore`` (a pending-suffix snapshot
   restores a pending token ahead of the cache frontier), also of deliberately corrupted
@@ -285,6 +286,13 @@ class GateMachine(RuleBasedStateMachine):
         if kind == "missing_lane" and not self._enabled(Fault("missing_lane")):
             kind = "device_fault"
         self._do({"op": "fault", "kind": kind, "layer": layer})
+
+    @precondition(lambda self: self._has("rank_faults", "inflight") and self._enabled(Fault("device_fault")))
+    @rule(kind=st.sampled_from(["rank_kill", "rank_stall"]), rank=st.integers(0, 1), layer=st.integers(0, 3))
+    def rank_fault(self, kind: str, rank: int, layer: int) -> None:
+        """One rank process of a tensor-parallel call dies or stalls mid-call (M3.10 0x0A: a missing participant selects
+        ALL_OLD; no rank may hang the request).  The spec sees ``Fault("device_fault")``."""
+        self._do({"op": "fault", "kind": kind, "layer": layer, "rank": rank})
 
     @precondition(lambda self: self._has("snapshot") and self._open())
     @rule(form=st.sampled_from(["pending_suffix", "repaired"]))

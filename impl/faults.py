@@ -43,6 +43,7 @@ __all__ = [
     "InjectedDeviceFault",
     "Interrupt",
     "MissingLane",
+    "ParticipantFailure",
     "StreamFailureAt",
 ]
 
@@ -57,6 +58,23 @@ INVALID_FAULT_PLAN = register_code(
 
 class InjectedDeviceFault(RuntimeError):
     """Raised inside a model call by a :class:`DeviceFault` (stands for an asynchronous device error)."""
+
+
+class ParticipantFailure(RuntimeError):
+    """A declared participant of a model call did not complete it: a rank process died (``device_error``) or was late
+    past its bounded wait (``timeout``).  The runtime reports ``fault{device_fault}`` and selects ALL_OLD (no score).
+
+    Attributes:
+        reason: ``device_error`` or ``timeout``.
+        rank: The first rank found missing.
+
+    Source: M3.10 0x0A "One request can still be model-parallel" ("A missing participant or lane selects ALL_OLD and
+    supplies no consumable score"; "One rank exiting while peers enter another collective can hang the request").
+    """
+
+    def __init__(self, reason: str, rank: int, message: str):
+        super().__init__(f"[{reason}] {message}")
+        self.reason, self.rank = reason, rank
 
 
 @attrs.frozen

@@ -98,7 +98,7 @@ from decodespec.spec.state import InterruptPoint, Phase, call_interrupt_point, n
 
 from .cache import DynamicCache, StaticCache, check_static_reservation, make_cache
 from .events import EVENTS_FORMAT, EventSink
-from .faults import FaultPlan, InjectedDeviceFault
+from .faults import FaultPlan, InjectedDeviceFault, ParticipantFailure
 from .latency import LatencyRecorder
 from .model import CONTEXT_WINDOW_EXCEEDED, TRAINING_MODE, LlamaForCausalLM, StageObserver
 from .output import OutputObserver, output_header, stop_config
@@ -477,12 +477,14 @@ class RequestRunner:
             raise Rejection(INVALID_REQUEST, "a chunk consumer needs the runner's output observer (a tokenizer with token_bytes)", "$.on_chunk")
         self.observer = observer
         self._stream_chunks: list[Any] = []  # published chunks whose trace events are not yet written
-        if cache is None:
+        if cache is None and hasattr(model, "make_request_cache"):  # a model whose ranks keep the K/V shards (impl/tp.py)
+            cache = model.make_request_cache(request.cache, capacity=self.capacity)
+        elif cache is None:
             cache = make_cache(request.cache, model.cache_abi, capacity=self.capacity)
         elif request.cache == "none" or cache.family != request.cache or cache.abi != model.cache_abi:
             raise Rejection(INVALID_REQUEST, f"the given {cache.family} cache does not fit the request's {request.cache} cache / model ABI",
                             "$.runtime.cache_family")
-        elif isinstance(cache, StaticCache) and cache.capacity != self.capacity:
+        elif cache.family == "static" and cache.capacity != self.capacity:
             raise Rejection(INVALID_REQUEST, f"the given static cache holds {cache.capacity} slots, the request declares {self.capacity}",
                             "$.runtime.static_capacity")
         else:
@@ -499,6 +501,8 @@ class RequestRunner:
         self.pending_ids: tuple[int, ...] = ()
         self.pending_tag = PendingTag.EMPTY
         self.generation = 0
+        #: The :class:`~decodespec.impl.faults.ParticipantFailure` (rank, typed reason) of the latest call, if one failed so.
+        self.participant_failure: ParticipantFailure | None = None
         self.in_flight: CallRecord | None = None
         self._interrupts: set[FinishReason] = set()
         self._budget_elapsed: int | None = None  # set while the budget's own Cancel(timeout) runs
@@ -691,6 +695,7 @@ class RequestRunner:
         self.in_flight = call
         self._interrupts = set()
         self._fault = None
+        self.participant_failure = None
         self.num_calls += 1
         if kind is not CallKind.REPAIR:
             self.phase = Phase.IN_FLIGHT
@@ -745,7 +750,7 @@ class RequestRunner:
         device = model.device
         ids = torch.tensor([call.input_ids], dtype=torch.long, device=device)  # [1, T]
         cache_position = torch.arange(call.start, call.end, device=device)  # [T]
-        mask = cache.key_validity(call.length, device) if isinstance(cache, StaticCache) else None  # [1, S] or None
+        mask = cache.key_validity(call.length, device) if cache is not None and cache.family == "static" else None  # [1, S] or None
         stages: list[str] = []
         logits = None
         prompt_rows: list[PromptLogprob] = []
@@ -762,7 +767,8 @@ class RequestRunner:
                     prompt_rows = score_rows(model.lm_head, out.hidden_states[0], call.start, self.request.prompt_ids, spec.top_k)
                 if logits.is_cuda:
                     torch.cuda.current_stream(logits.device).synchronize()  # the declared completion boundary
-        except InjectedDeviceFault:
+        except (InjectedDeviceFault, ParticipantFailure) as exc:
+            self.participant_failure = exc if isinstance(exc, ParticipantFailure) else None
             self._report_fault("device_fault", call)
         except RuntimeError:
             if device.type == "cpu":

@@ -13,7 +13,8 @@ mutant.batch_rows_expand_after_eos, mutant.beam_parents_not_gathered,
 mutant.cache_position_reset_after_prefill, mutant.final_norm_bypassed,
 mutant.final_token_claimed_processed, mutant.global_rng, mutant.logprob_next_step,
 mutant.encdec_memory_mutated, mutant.resume_resets_stop_matcher, mutant.vocab_local_max (killed by the gate's
-distributed check, distributed.vocab_parallel.R2, which that group runs first).
+distributed check, distributed.vocab_parallel.R2, which that group runs first), mutant.tp_wrong_kv_head_owner (on
+``--runtime impl-tp``).
 """
 
 from __future__ import annotations

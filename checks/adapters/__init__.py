@@ -46,7 +46,10 @@ Actions (:data:`OPS`; validate with :func:`check_action`)
     ``run``         --                                        ``step`` until terminal (repair too)
     ``cancel``      ``kind``: ``cancelled`` / ``timeout``     at the current interrupt point
     ``fault``       ``kind``: ``device_fault`` /              a fault of the in-flight call
-                    ``missing_lane``; ``layer``? (0)
+                    ``missing_lane``; ``layer``? (0)          (``rank_kill`` / ``rank_stall`` on
+                    / ``rank_kill`` / ``rank_stall``;         ``rank``?: one rank process of a
+                    ``rank``? (0)                             tensor-parallel call dies / stalls
+                                                              before ``layer``: spec ``device_fault``)
     ``recover``     --                                        recover a quarantined handle
     ``repair``      --                                        launch + complete the repair call
     ``snapshot``    ``form``; ``id``? (handle name)           ``pending_suffix`` / ``repaired``
@@ -139,6 +142,7 @@ __all__ = [
     "ApplyResult",
     "CaseConfig",
     "Observation",
+    "RANK_FAULTS",
     "check_action",
     "config_capabilities",
     "corrupt_record",
@@ -169,7 +173,12 @@ MODELS = ("tiny", "smollm2")
 #: and our native decode kernel.  :data:`CAPABILITIES` adds the envelope's (:mod:`.features`).
 OP_AND_PROBE_CAPABILITIES = frozenset({
     "decide_commit", "inflight", "faults", "snapshot", "logits", "policy_rows", "cache_probe", "reuse", "decode_kernel:native",
+    "rank_faults",
 })
+#: Fault kinds that act on one rank process of a tensor-parallel call (capability ``rank_faults``); the spec sees the
+#: participant missing from the call's roster: ``Fault("device_fault")`` (M3.10 0x0A "A missing participant ... selects
+#: ALL_OLD").
+RANK_FAULTS = ("rank_kill", "rank_stall")
 #: Deliberate corruptions of a snapshot's logical record a restore must refuse (:func:`corrupt_record`).
 CORRUPTIONS = ("identity", "processed_plus_one", "pending_dropped", "repaired_with_pending", "rng_counter")
 
@@ -190,7 +199,7 @@ OPS: dict[str, dict[str, str]] = {
     "step": {},
     "run": {},
     "cancel": {"kind": _STR},
-    "fault": {"kind": _STR, "layer": _OPT_INT},
+    "fault": {"kind": _STR, "layer": _OPT_INT, "rank": _OPT_INT},
     "recover": {},
     "repair": {},
     "snapshot": {"form": _STR, "id": _OPT_STR},
@@ -202,7 +211,7 @@ _REQUIRED = {op: tuple(k for k, t in fields.items() if not t.endswith("?")) for 
 _ENUMS: dict[tuple[str, str], tuple[str, ...]] = {
     ("launch", "kind"): ("prefill", "decode", "repair"),
     ("cancel", "kind"): ("cancelled", "timeout"),
-    ("fault", "kind"): ("device_fault", "missing_lane"),
+    ("fault", "kind"): ("device_fault", "missing_lane", "rank_kill", "rank_stall"),
     ("snapshot", "form"): ("pending_suffix", "repaired"),
     ("restore", "corrupt"): CORRUPTIONS,
 }
@@ -273,6 +282,8 @@ def required_capabilities(action: Mapping[str, Any], config: CaseConfig | None =
     need = set(OP_CAPABILITIES[action["op"]])
     if action["op"] == "prefill" and action.get("chunk") is not None:
         need.add("prefill_chunk")
+    if action["op"] == "fault" and action.get("kind") in RANK_FAULTS:
+        need.add("rank_faults")
     return frozenset(need)
 
 
@@ -658,7 +669,8 @@ COMMAND_RUNTIMES = ("stdio", "engine")
 
 
 def parse_runtime(runtime: str) -> tuple[str, str]:
-    """``(name, command)`` of a runtime name: ``impl``, ``hf``, ``llamacpp`` (command ``""``), ``stdio:CMD`` or ``engine:CMD``.
+    """``(name, command)`` of a runtime name: ``impl``, ``impl-tp``, ``hf``, ``llamacpp`` (command ``""``), ``stdio:CMD`` or
+    ``engine:CMD``.
 
     Raises:
         Rejection: ``adapter.unsupported`` for an unknown name or a ``:`` argument to a runtime
@@ -667,14 +679,15 @@ def parse_runtime(runtime: str) -> tuple[str, str]:
     name, _, rest = runtime.partition(":")
     if name not in COMMAND_RUNTIMES and rest:
         raise Rejection(ADAPTER_UNSUPPORTED, f"only stdio and engine take a ':' argument, got {runtime!r}", "$.runtime")
-    if name not in ("impl", "hf", "llamacpp", *COMMAND_RUNTIMES):
-        raise Rejection(ADAPTER_UNSUPPORTED, f"unknown runtime {runtime!r}; expected impl, hf, llamacpp, stdio:CMD or engine:CMD",
-                        "$.runtime")
+    if name not in ("impl", "impl-tp", "hf", "llamacpp", *COMMAND_RUNTIMES):
+        raise Rejection(ADAPTER_UNSUPPORTED, f"unknown runtime {runtime!r}; expected impl, impl-tp, hf, llamacpp, stdio:CMD or "
+                        "engine:CMD", "$.runtime")
     return name, rest
 
 
 def open_adapter(runtime: str, **options: Any) -> Adapter:
-    """Create the adapter named ``runtime``: ``impl``, ``hf``, ``llamacpp``, ``stdio:CMD`` or ``engine:CMD``.
+    """Create the adapter named ``runtime``: ``impl``, ``impl-tp`` (module ``impl_tp``), ``hf``, ``llamacpp``, ``stdio:CMD`` or
+    ``engine:CMD``.
 
     Args:
         runtime: The runtime name (``stdio:`` or ``engine:`` followed by the process's command line).
@@ -688,7 +701,7 @@ def open_adapter(runtime: str, **options: Any) -> Adapter:
     if name in COMMAND_RUNTIMES:
         options = {"command": rest, **options}
     try:
-        module = importlib.import_module(f"decodespec.checks.adapters.{name}")
+        module = importlib.import_module(f"decodespec.checks.adapters.{name.replace('-', '_')}")
     except ModuleNotFoundError as exc:
         raise AdapterUnavailable(f"the {name} adapter is not available: {exc}") from None
     reason = module.available()

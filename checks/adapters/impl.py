@@ -213,7 +213,7 @@ class ImplAdapter:
         refusal = undeclared(config, self.capabilities(), self.name)
         if refusal is not None:
             raise refusal
-        model = load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
+        model = self.model_for(config)
         tokenizer = load_tokenizer(config.model)
         request = runtime_request(config, runtime_vocab_hash(tokenizer))
         if cache is None and self.cache_factory is not None and request.cache != "none":
@@ -294,7 +294,7 @@ class ImplAdapter:
         refusal = undeclared(config, self.capabilities(), self.name)
         if refusal is not None:
             raise refusal
-        model = load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
+        model = self.model_for(config)
         request = attrs.evolve(runtime_request(config), prompt_logprobs=spec)
         runner = self.runner_cls(model, request)
         runner.admit()
@@ -309,6 +309,10 @@ class ImplAdapter:
         self.snapshots.clear()
 
     # -- helpers -------------------------------------------------------------------------
+    def model_for(self, config: CaseConfig):
+        """The model the runner of ``config`` calls (the shared instance of :func:`load_model`)."""
+        return load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
+
     def _cache_probe(self):
         cache = self.runner.cache
         if cache is None or cache.committed_length == 0 or cache.dirty:
@@ -487,7 +491,7 @@ class ImplAdapter:
         if act["corrupt"] is not None:
             snapshot = attrs.evolve(snapshot, record=corrupt_record(snapshot.record, act["corrupt"]))
         config = self.config
-        model = load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
+        model = self.model_for(config)
         # The current request as the runner admitted it (static capacity resolved): a snapshot of
         # another request (e.g. before a reuse) is refused with snapshot.identity_mismatch.
         runner = self.runner_cls.restore(model, snapshot, self.runner.request, tokenizer=load_tokenizer(config.model))

@@ -83,6 +83,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--llamacpp", action=argparse.BooleanOptionalAction, default=None,
                         help="also time llama.cpp (default: when llama-cpp-python is installed)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--tp", type=int, default=None, metavar="R",
+                        help="instead: tensor-parallel decode over R gloo rank processes vs single process (impl/tp_bench.py)")
     return parser
 
 
@@ -119,6 +121,10 @@ def _row_scope(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print the report; returns the exit code."""
+    if args.tp is not None:
+        from decodespec.impl.tp_bench import run_tp
+
+        return run_tp(args)
     from decodespec.checks.testing import HF_SKIP_REASON, hf_available
     from decodespec.impl.device import resolve_dtype
     from decodespec.impl.gguf import MODEL_FILE_MISSING

@@ -93,13 +93,13 @@ def run(args: argparse.Namespace) -> int:
     from decodespec.checks.mutants.harness import Calibration, gate_checks, run_gate
 
     overrides = {} if args.max_examples is None else {"max_examples": args.max_examples}
-    checks = gate_checks(args.model)
+    checks = {runtime: gate_checks(args.model, runtime=runtime) for runtime in sorted({m.runtime for m in chosen})}  # impl-tp: its own gate
     calibration = None if args.no_calibrate else Calibration(overrides)
     results = []
     if not args.json:
         print(f"{'mutant':38s} {'section':44s} {'outcome':10s} {'killed by':36s} {'layer / check':32s} {'time':>7s}")
     for m in chosen:
-        result = run_gate(m, args.model, checks=checks, calibration=calibration, trace_dir=args.traces, settings_overrides=overrides)
+        result = run_gate(m, args.model, checks=checks[m.runtime], calibration=calibration, trace_dir=args.traces, settings_overrides=overrides)
         results.append(result)
         line = result.report_line()
         if args.json:

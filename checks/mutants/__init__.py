@@ -10,7 +10,8 @@ only inside :meth:`Mutant.applied` (a context manager that restores every seam o
 
 The catalogue, by group (:data:`GROUPS`), lives in the modules ``lastpos``, ``selection``,
 ``stop``, ``beams``, ``cache``, ``commit``, ``rng``, ``logprob``, ``encdec``, ``snapshot``,
-``model``, ``vocab_parallel`` (the vocabulary-parallel head), ``vocab`` (the runtime's vocabulary
+``model``, ``tp`` (the tensor-parallel ranks, killed by the gate of
+``--runtime impl-tp``), ``vocab_parallel`` (the vocabulary-parallel head), ``vocab`` (the runtime's vocabulary
 identity, killed at STATE) and ``head`` (the output-head contracts of M3.8 0x05, 0x08, 0x09: loss
 implementations, loaders and vocabulary migrations, each killed by its own checker,
 :attr:`Mutant.checker`).
@@ -58,6 +59,7 @@ GROUPS = (
     "encoder-decoder",
     "snapshot",
     "model math",
+    "tensor parallel",
     "vocabulary parallel",
     "vocabulary",
     "output head",
@@ -92,6 +94,7 @@ class Mutant:
             broken implementation (``mutated=True``) or on the correct one (``False``, the
             calibration) and returns ``None`` when it passes, else ``{"check", "layer", "rule",
             "ladder_check", "message"}``.  Such a mutant patches no seam.
+        runtime: The runtime whose gate must kill it (``impl``; ``impl-tp``: a bug of the tensor-parallel ranks).
     """
 
     name: str
@@ -104,6 +107,7 @@ class Mutant:
     representative: bool = False
     first: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     checker: Callable[[bool], dict | None] | None = attrs.field(default=None, eq=False)
+    runtime: str = "impl"
 
     @property
     def rule_id(self) -> str:
@@ -131,13 +135,13 @@ class Mutant:
 
 
 def mutant(name: str, *, group: str, title: str, section: str, statement: str, text: bool = False,
-           representative: bool = False, first: Sequence[str] = ()) -> Callable[[Callable[[], Sequence[Patch]]], Mutant]:
+           representative: bool = False, first: Sequence[str] = (), runtime: str = "impl") -> Callable[[Callable[[], Sequence[Patch]]], Mutant]:
     """Decorator over a function returning the mutant's patches: registers :class:`Mutant` and the rule ``mutant.<name>``."""
 
     def deco(fn: Callable[[], Sequence[Patch]]) -> Mutant:
         if name in MUTANTS:
             raise AssertionError(f"mutant {name!r} registered twice")
-        m = Mutant(name, group, title, section, statement, tuple(fn()), text, representative, tuple(first))
+        m = Mutant(name, group, title, section, statement, tuple(fn()), text, representative, tuple(first), runtime=runtime)
         register(Rule(id=m.rule_id, kind="mutant", title=title, section=section, statement=statement, obj=fn))
         MUTANTS[name] = m
         return m
@@ -176,4 +180,4 @@ def seam_fingerprint() -> dict[str, object]:
     return fingerprint(all_seams())
 
 
-from . import lastpos, selection, stop, beams, cache, commit, rng, logprob, encdec, snapshot, model, vocab_parallel, vocab, head  # noqa: E402,F401,I001  (registration, report order)
+from . import lastpos, selection, stop, beams, cache, commit, rng, logprob, encdec, snapshot, model, tp, vocab_parallel, vocab, head  # noqa: E402,F401,I001  (registration, report order)

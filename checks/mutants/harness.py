@@ -108,11 +108,13 @@ class GateCheck:
         id: The case id, ``machine.<cache>`` or ``distributed.vocab_parallel.R<ranks>``.
         kind: ``case``, ``machine`` or ``distributed`` (ranks of torch.distributed, :mod:`decodespec.checks.vocab_parallel`).
         model: ``tiny`` or ``smollm2``.
+        runtime: The runtime the check drives (``impl``; ``impl-tp`` for the tensor-parallel mutants).
     """
 
     id: str
     kind: str
     model: str
+    runtime: str = "impl"
 
 
 #: The distributed checks of the gate: the vocabulary-parallel head on this many gloo ranks
@@ -121,10 +123,11 @@ DISTRIBUTED_RANKS = (2,)
 
 
 def gate_checks(model: str, *, cases: bool = True, machines: bool = True, distributed: bool = True,
-                only: Sequence[str] = ()) -> tuple[GateCheck, ...]:
-    """The gate's checks on ``model`` in running order (cases, machines, distributed checks); ``only`` keeps the ids listed (globs).
+                only: Sequence[str] = (), runtime: str = "impl") -> tuple[GateCheck, ...]:
+    """The gate's checks on ``model`` and ``runtime`` in running order (cases, machines, distributed checks); ``only`` keeps
+    the ids listed (globs).
 
-    The distributed checks (``distributed.vocab_parallel.R<n>``) do not depend on the model.
+    The distributed checks (``distributed.vocab_parallel.R<n>``) do not depend on the model or the runtime.
     """
     import fnmatch
 
@@ -132,9 +135,9 @@ def gate_checks(model: str, *, cases: bool = True, machines: bool = True, distri
 
     out: list[GateCheck] = []
     if cases:
-        out += [GateCheck(c.id, "case", model) for c in cases_for(model)]
+        out += [GateCheck(c.id, "case", model, runtime) for c in cases_for(model)]
     if machines:
-        out += [GateCheck(f"machine.{cache}", "machine", model) for cache in CACHES]
+        out += [GateCheck(f"machine.{cache}", "machine", model, runtime) for cache in CACHES]
     if distributed:
         out += [GateCheck(f"distributed.vocab_parallel.R{r}", "distributed", model) for r in DISTRIBUTED_RANKS]
     if only:
@@ -159,7 +162,7 @@ def _case_finding(check: GateCheck) -> Finding:
     from ..cases import cases_for, load_expectations, run_case
 
     case = next(c for c in cases_for(check.model) if c.id == check.id)
-    result = run_case(case, "impl", expectations=load_expectations("impl"))
+    result = run_case(case, check.runtime, expectations=load_expectations(check.runtime))
     v = result.verdict
     if result.result == "fail" and v.check == "harness":
         return Finding(CRASHED, v.layer, v.rule, v.check, v.step, v.message)
@@ -175,7 +178,7 @@ def _machine_finding(check: GateCheck, settings_overrides: dict[str, Any]) -> Fi
 
     cache = check.id.split(".", 1)[1]
     verdicts: list[Any] = []
-    base = machine_for("impl", check.model, cache)
+    base = machine_for(check.runtime, check.model, cache)
 
     class Recorded(base):  # type: ignore[misc, valid-type]
         def _judge(self, record):  # noqa: ANN001 - the machine's own signature
@@ -362,7 +365,7 @@ def run_gate(mutant: Mutant | str, model: str = "tiny", *, checks: Sequence[Gate
     m = MUTANTS[mutant] if isinstance(mutant, str) else mutant
     if m.checker is not None:
         return _run_checker(m, model, calibration)
-    plan = list(checks if checks is not None else gate_checks(model))
+    plan = list(checks if checks is not None else gate_checks(model, runtime=m.runtime))
     plan.sort(key=lambda c: not any(fnmatch.fnmatchcase(c.id, pattern) for pattern in m.first))  # stable: the mutant's own checks first
     excluded: list[str] = []
     start = time.perf_counter()
