@@ -64,7 +64,7 @@ from decodespec.spec.state import Phase, RequestParams, RequestState, due_call, 
 from decodespec.spec.stop import StopConfig, align_output, reference_stream, step_triggers
 from decodespec.spec.transitions import MACHINE, NOT_ENABLED, Machine, expected_report, expected_start
 
-from .adapters import RANK_FAULTS, ADAPTER_UNSUPPORTED, Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
+from .adapters import ADAPTER_UNSUPPORTED, RANK_FAULTS, Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
 from .ladder import (
     FAILED,
     LAYERS,

@@ -566,15 +566,9 @@ def machine() -> dict[str, Any]:
     """The machine the figures came from (named in every line)."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    from decodespec.impl.bench import cpu_model_name
+
+    return {"cpu": cpu_model_name(), "cores": os.cpu_count(), "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "python": platform.python_version()}
 
 

@@ -37,11 +37,15 @@ CONFIGS += [
     ExploreBounds(min_new_tokens=1, context_cap=5, final_cache="processed_inputs_only", max_retries=0),
     ExploreBounds(vocab=4, prompt_len=2, max_new_tokens=2, prefill_chunk=1, max_retries=2, stop_strings=True),
     ExploreBounds(cache="static", capacity=5, max_new_tokens=3, min_new_tokens=2, structured=True),
+    # M3.10 0x0A: one call over two ranks with two collectives each (the rank_* transitions).
+    ExploreBounds(vocab=2, prompt_len=1, max_new_tokens=1, prefill_chunk=None, ranks=2, collectives=2, max_retries=0,
+                  interrupts=False, stream=False, final_cache="processed_inputs_only"),
 ]
 
 
 def _id(b: ExploreBounds) -> str:
-    return f"{b.profile}-{b.cache}-V{b.vocab}-L{b.prompt_len}-G{b.max_new_tokens}-{b.zero_new_tokens if not b.max_new_tokens else 'g'}"
+    return (f"{b.profile}-{b.cache}-V{b.vocab}-L{b.prompt_len}-G{b.max_new_tokens}-{b.zero_new_tokens if not b.max_new_tokens else 'g'}"
+            + (f"-R{b.ranks}" if b.ranks > 1 else ""))
 
 
 @pytest.fixture(scope="module")

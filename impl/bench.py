@@ -768,18 +768,24 @@ def format_result(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
-def machine_name(device: torch.device) -> str:
-    """The machine in words: CPU model, cores, the ATen CPU capability (and the GPU when ``device`` is CUDA)."""
-    import os
+def cpu_model_name() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (``platform.processor()`` where that file is absent)."""
     import platform
 
-    cpu = platform.processor() or "cpu"
+    cpu = platform.processor() or platform.machine() or "cpu"
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
     except OSError:
         pass
-    words = f"{cpu}, {os.cpu_count()} cores, ATen {torch.backends.cpu.get_cpu_capability()}"
+    return cpu
+
+
+def machine_name(device: torch.device) -> str:
+    """The machine in words: CPU model, cores, the ATen CPU capability (and the GPU when ``device`` is CUDA)."""
+    import os
+
+    words = f"{cpu_model_name()}, {os.cpu_count()} cores, ATen {torch.backends.cpu.get_cpu_capability()}"
     if device.type == "cuda":
         words += f", {torch.cuda.get_device_name(device)}"
     return words

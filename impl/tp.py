@@ -70,7 +70,8 @@ import signal
 import socket
 import time
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -84,12 +85,12 @@ from .model import CausalLMOutput, LlamaForCausalLM, build_attention_mask, signe
 __all__ = [
     "CALL_TIMEOUT_S",
     "DEFAULT_TIMEOUT_S",
+    "TP_UNSHARDABLE",
     "RankFault",
     "ShardPlan",
     "TPCache",
     "TPGroup",
     "TPModel",
-    "TP_UNSHARDABLE",
     "live_groups",
     "shard_model",
     "shard_plan",
@@ -227,7 +228,7 @@ def shard_model(model: LlamaForCausalLM, plan: ShardPlan, rank: int) -> LlamaFor
 
 
 @functools.lru_cache(maxsize=4)
-def _shards(model_ref: "weakref.ref[LlamaForCausalLM]", plan: ShardPlan) -> tuple[LlamaForCausalLM, ...]:
+def _shards(model_ref: weakref.ref[LlamaForCausalLM], plan: ShardPlan) -> tuple[LlamaForCausalLM, ...]:
     model = model_ref()
     assert model is not None
     with torch.no_grad():
@@ -414,10 +415,10 @@ def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, plan: Sh
 # The controller side.
 # --------------------------------------------------------------------------------------------
 
-_GROUPS: "weakref.WeakSet[TPGroup]" = weakref.WeakSet()
+_GROUPS: weakref.WeakSet[TPGroup] = weakref.WeakSet()
 
 
-def live_groups() -> list["TPGroup"]:
+def live_groups() -> list[TPGroup]:
     """The groups whose rank processes are running now (tests check that none is left)."""
     return [g for g in list(_GROUPS) if g.alive()]
 
@@ -617,7 +618,7 @@ class TPModel:
         """No module of the model lives in this process (the runner's training-mode check finds none)."""
         return iter(())
 
-    def make_request_cache(self, family: str, *, capacity: int | None = None) -> "TPCache | None":
+    def make_request_cache(self, family: str, *, capacity: int | None = None) -> TPCache | None:
         """The request's cache: one shard per rank (``None`` for the no-cache family)."""
         if family == "none":
             return None
@@ -628,7 +629,7 @@ class TPModel:
         """End the rank processes."""
         self.group.close()
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask=None, past_key_values: "TPCache | None" = None, cache_position=None,
+    def __call__(self, input_ids: torch.Tensor, attention_mask=None, past_key_values: TPCache | None = None, cache_position=None,
                  logits_to_keep: int = 1, return_hidden_states: bool = False, **_: Any) -> CausalLMOutput:
         """One model call on every rank (batch 1, the last row's logits); the stage roster sees what every rank completed.
 

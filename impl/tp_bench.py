@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 import torch
 
+from .bench import machine_name
 from .runtime import RequestRunner, RuntimeRequest
 
 __all__ = ["TPBenchResult", "format_tp_result", "run_tp", "run_tp_benchmark"]
@@ -116,19 +117,7 @@ def run_tp_benchmark(*, model_name: str = "smollm2", world_size: int = 2, prompt
     wall, busy, comm = (statistics.median(t[i] for t in timings) * 1e3 for i in range(3))
     return TPBenchResult(model_name, world_size, len(prompt_ids), new_tokens, repetitions, threads, os.cpu_count() or 1,
                          statistics.median(single), statistics.median(parallel), wall, busy, comm, wall - busy,
-                         ids_single == ids_tp, _machine())
-
-
-def _machine() -> str:
-    name = "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{name}, {os.cpu_count()} cores visible, torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+                         ids_single == ids_tp, machine_name(torch.device("cpu")))
 
 
 def format_tp_result(r: TPBenchResult) -> str:
@@ -137,10 +126,10 @@ def format_tp_result(r: TPBenchResult) -> str:
         f"machine: {r.machine}",
         f"model {r.model}, prompt {r.prompt_len} tokens, {r.new_tokens} new tokens, greedy, median of {r.repetitions} runs",
         f"single process ({r.threads} thread):        {r.single_tokens_per_s:8.2f} tokens/s",
-        f"tensor parallel (R = {r.world_size}, 1 thread each): {r.tp_tokens_per_s:8.2f} tokens/s  "
-        f"(ratio {r.ratio:.2f}x; same tokens: {r.same_tokens})",
-        f"per decode call (median): {r.tp_call_ms:.2f} ms in the controller; busiest rank {r.tp_rank_busy_ms:.2f} ms, of which "
-        f"{r.tp_collective_ms:.2f} ms inside collectives (mean over ranks); control pipes {r.tp_pipe_ms:.2f} ms",
+        (f"tensor parallel (R = {r.world_size}, 1 thread each): {r.tp_tokens_per_s:8.2f} tokens/s  "
+         f"(ratio {r.ratio:.2f}x; same tokens: {r.same_tokens})"),
+        (f"per decode call (median): {r.tp_call_ms:.2f} ms in the controller; busiest rank {r.tp_rank_busy_ms:.2f} ms, of which "
+         f"{r.tp_collective_ms:.2f} ms inside collectives (mean over ranks); control pipes {r.tp_pipe_ms:.2f} ms"),
     ]
     if r.cores < r.world_size + 1:
         lines.append(f"note: {r.cores} cores for {r.world_size} ranks and the controller: this measures the overhead of tensor "

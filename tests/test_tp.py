@@ -10,7 +10,6 @@ import time
 
 import attrs
 import pytest
-import torch
 
 from decodespec.checks.ladder import tolerance_for
 from decodespec.impl.config import LlamaConfig

@@ -62,7 +62,7 @@ def available() -> str | None:
     return None
 
 
-def create(**options: Any) -> "ImplTPAdapter":
+def create(**options: Any) -> ImplTPAdapter:
     """The adapter (a ``model`` option is ignored: the case config names it)."""
     options.pop("model", None)
     return ImplTPAdapter(**options)
