@@ -396,18 +396,21 @@ def name_slug(text: str, limit: int = MAX_NAME_PART) -> str:
 def trace_file_name(trace: Mapping[str, Any]) -> str:
     """``<runtime>[-<mutant>]-<model>-<result>[-<layer>]-<hash12>.itf.json``, each part a safe slug (:func:`name_slug`).
 
-    The hash is the first 12 hex digits of sha256 over the meta's config and actions -- and the
-    runtime name too when its slug is not the name itself (a ``stdio:CMD`` runtime: its command
-    line, spaces, slashes and quotes included, is cut to a slug, so two commands with the same
-    slug still get two names).  The name is at most :data:`MAX_TRACE_NAME` characters, holds no
+    The hash is the first 12 hex digits of sha256 over the meta's config and actions, the case
+    that produced it (``source``) and the verdict's check, step, expected and actual values -- so
+    two cases with the same actions, or two different failures of the same input (a second
+    planted bug), never overwrite each other's trace -- and the runtime name too when its slug is
+    not the name itself (a ``stdio:CMD`` runtime: its command line, spaces, slashes and quotes
+    included, is cut to a slug, so two commands with the same slug still get two names).  The name is at most :data:`MAX_TRACE_NAME` characters, holds no
     path separator, space or shell metacharacter, and never starts with a dot.
     """
     meta = trace["#meta"]
     runtime = str(meta["runtime"])
     slug = name_slug(runtime)
-    key = [meta["config"], meta["actions"]] if slug == runtime else [runtime, meta["config"], meta["actions"]]
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     verdict = meta["verdict"]
+    outcome = {k: verdict.get(k) for k in ("check", "step", "expected", "actual")}
+    key = [meta["config"], meta["actions"], meta.get("source"), outcome] + ([] if slug == runtime else [runtime])
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
     parts = [slug, *([name_slug(str(meta["mutant"]))] if meta.get("mutant") else []), name_slug(str(meta["model"])),
              name_slug(str(verdict["result"]))]
     if verdict.get("layer"):

@@ -197,6 +197,18 @@ def test_failure_trace_names_are_safe_slugs_with_a_digest(runtime: str) -> None:
     assert other != name  # two commands with the same slug get two names
 
 
+def test_two_cases_or_two_failures_of_one_input_get_two_trace_names() -> None:
+    """A new-user trial lost a trace: matrix.no_cache_vs_dynamic and matrix.dynamic_vs_static share
+    their actions, and a second planted bug failed the same input differently; each overwrote the other."""
+    verdict = {"result": "failed", "layer": "TENSOR", "check": "score_row.linf", "step": 3, "expected": 1.0, "actual": 2.0}
+    meta = {"runtime": "impl", "config": {"a": 1}, "actions": [{"op": "run"}], "model": "tiny", "source": "x matrix.a", "verdict": verdict}
+    name = trace_file_name({"#meta": meta})
+    assert trace_file_name({"#meta": {**meta, "source": "x matrix.b"}}) != name
+    assert trace_file_name({"#meta": {**meta, "verdict": {**verdict, "check": "cache_probe.linf"}}}) != name
+    assert trace_file_name({"#meta": {**meta, "verdict": {**verdict, "actual": 3.0}}}) != name
+    assert trace_file_name({"#meta": dict(meta)}) == name  # the same failure of the same case: the same name
+
+
 def test_impl_trace_names_keep_their_form() -> None:
     meta = {"runtime": "impl", "config": {"a": 1}, "actions": [], "model": "tiny", "verdict": {"result": "passed"}}
     assert re.fullmatch(r"impl-tiny-passed-[0-9a-f]{12}\.itf\.json", trace_file_name({"#meta": meta}))
