@@ -150,6 +150,7 @@ OP_AND_PROBE_MEANINGS = {
     "policy_rows": "the processed support and its probabilities (POLICY layer)",
     "cache_probe": "the committed K (after RoPE) and V rows (TENSOR layer)",
     "decode_kernel:native": "our runtime's native C decode kernel (impl only)",
+    "rank_faults": "fault kinds rank_kill / rank_stall: one rank of a tensor-parallel call dies or stalls (impl-tp only)",
 }
 _COMMIT_TRIGGERS = {FinishReason.EOS, FinishReason.LENGTH, FinishReason.CONTEXT_LENGTH, FinishReason.STOP_STRING,
                     FinishReason.STRUCTURED, FinishReason.STRUCTURED_ERROR}
