@@ -1062,6 +1062,11 @@ def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = 
                 if event != "request":
                     raise _Mismatch(f"the first event must be 'request', got {quote(event)}")
                 passport = passport_from_json(rec.get("data"), "$.data", missing=CONTENT)
+                if rec.get("data") is not None and passport.classification == CONTENT and not passport.opt_in:
+                    # A trace keeps raw content only on the user's opt-in, which the writer records
+                    # (M3.10 0x06 "Bound parsers, matchers, traces, and sensitive data"); only a
+                    # snapshot is content without one (it must keep the ids to resume).
+                    raise _Mismatch("a content trace must record the user's opt-in: data.opt_in is false", DATA_UNKNOWN_CLASSIFICATION)
                 if passport.classification == REDACTED:
                     surrogates = _Surrogates(passport, rec)
                     rec = surrogates.apply(rec)

@@ -387,6 +387,18 @@ def test_a_runtime_field_deleted_from_a_described_runtime_is_refused(greedy_trac
     assert (verdict["code"], verdict["line"]) == (TRACE_SCHEMA, 1) and "$.runtime" in verdict["reason"], verdict
 
 
+def test_a_content_trace_without_the_recorded_opt_in_is_refused(tmp_path, capsys):
+    """The trace fuzz (seed 46) found ``data.opt_in`` flipped to false in a content trace accepted."""
+    path = _generate(tmp_path, "content", "--max-new-tokens", "3", "--trace-content")
+    records = _records(path)
+    assert records[0]["data"]["classification"] == "content" and records[0]["data"]["opt_in"] is True
+    assert _verdict(capsys, path, 0)["accepted"] is True
+    records[0]["data"]["opt_in"] = False
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["code"], verdict["line"]) == ("data.unknown_classification", 1), verdict
+
+
 def test_a_python_api_trace_without_a_seed_is_accepted_and_its_null_seed_is_checked(tmp_path, capsys):
     """``generate()`` without a seed writes ``"seed": null`` (RequestView admits None); validate-trace accepts it.
 

@@ -55,6 +55,10 @@ FREE_FIELDS: dict[tuple[str, tuple[str, ...]], str] = {
                                                             "(the stop oracle needs the text; needs_content says so)",
     ("request", ("params", "context_cap")): "free only while the trace never reaches it (no context_length trigger, and "
                                             "prompt_len + output_count stays below both values): the cap shows only when reached",
+    ("request", ("output", "stop_strings", "*")): "free only in a content trace that never finished on a stop string and "
+                                                  "whose output text shares no character with the old or the new stop "
+                                                  "string: neither could match, nor hold back a suffix of the stream (a "
+                                                  "holdback needs an output suffix that is a prefix of a stop string)",
     ("finish", ("stream", "error")): "free only while the report says the delivery failed: the consumer's exception text "
                                      "(a runtime message, not a spec value)",
 }
@@ -122,9 +126,27 @@ def _diffs(a: Any, b: Any, path: tuple = ()) -> list[tuple]:
     return [] if a == b and type(a) is type(b) else [path]
 
 
-def _free(event: str, path: tuple, header: dict[str, Any], rec: dict[str, Any], lines: list[Any]) -> bool:
+def _stop_string_free(header: dict[str, Any], lines: list[Any], old: Any, new: Any) -> bool:
+    """FREE_FIELDS[request, output.stop_strings.*]: no character in common with the output, no stop finish."""
+    data = header.get("data")
+    if not isinstance(data, dict) or data.get("classification") != "content" or not isinstance(old, str) or not isinstance(new, str):
+        return False
+    events = [r for r in lines if isinstance(r, dict)]
+    if any("stop_string" in (r.get("triggers") or ()) or r.get("finish_reason") == "stop_string" for r in events):
+        return False
+    texts = [r["text"] for r in events if r.get("event") in ("stream", "finish") and isinstance(r.get("text"), str)]
+    if not texts:
+        return False
+    output = set("".join(texts))
+    return not (output & set(old)) and not (output & set(new))
+
+
+def _free(event: str, path: tuple, header: dict[str, Any], rec: dict[str, Any], lines: list[Any],
+          before: Any = None, after: Any = None) -> bool:
     if path == ("t_ns",):  # any event's optional timestamp (FREE_FIELDS["*", ("t_ns",)])
         return True
+    if event == "request" and len(path) == 3 and path[:2] == ("output", "stop_strings") and isinstance(path[2], int):
+        return _stop_string_free(header, lines, before, after)
     if (event, path) not in FREE_FIELDS and not (len(path) == 4 and (event, (*path[:2], "*", path[3])) in FREE_FIELDS):
         return False
     data = header.get("data")
@@ -153,6 +175,15 @@ def _free(event: str, path: tuple, header: dict[str, Any], rec: dict[str, Any], 
     return True
 
 
+def _at(value: Any, path: tuple) -> Any:
+    for key in path:
+        try:
+            value = value[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return value
+
+
 def classify_acceptance(original: bytes, mutated: bytes) -> tuple[str, str]:
     """``(class, detail)`` of an accepted mutant: ``("same", "")``, ``("free", fields)`` or ``("wrong", why)``."""
     try:
@@ -168,7 +199,8 @@ def classify_acceptance(original: bytes, mutated: bytes) -> tuple[str, str]:
     for index, (a, b) in enumerate(zip(before, after)):
         for path in _diffs(a, b):
             event = b.get("event") if isinstance(b, dict) else None
-            if isinstance(a, dict) and isinstance(b, dict) and a.get("event") == event and _free(str(event), path, header, b, after):
+            if isinstance(a, dict) and isinstance(b, dict) and a.get("event") == event and _free(
+                    str(event), path, header, b, after, _at(a, path), _at(b, path)):
                 free.append(f"{event}.{'.'.join(map(str, path))}")
             else:
                 return "wrong", f"line {index + 1} ({event}) differs at {list(path)}"
