@@ -820,6 +820,10 @@ class _Replay:
         if not self.params.stream or st.restored_finished:
             return None
         if report is None:
+            if st.num_chunks == 0:
+                # impl.runtime.RequestRunner.stream_report: an observer that keeps no stream (no
+                # tokenizer, a custom observer) publishes no chunk and writes no report.
+                return None
             return ("the finish event of a streamed request carries no stream report (chunks, delivered bytes and tokens, "
                     "failure): the report is how the finish states what the stream delivered")
         failed = st.failed or FinishReason.STREAM_ERROR in state.triggers
