@@ -134,8 +134,12 @@ def run_ranks(ranks: int, case: VocabCase = SMALL, *, mutant: str | None = None,
 
     # fork copies this interpreter (torch already imported, an installed mutant already in place): a
     # fraction of a second per rank where spawn re-imports torch (15-20 s per rank on the shared
-    # 2-core machine).  After CUDA was initialized only spawn is safe; spawned ranks re-install the mutant.
-    method = "spawn" if torch.cuda.is_initialized() or "fork" not in mp.get_all_start_methods() else "fork"
+    # 2-core machine).  After CUDA was initialized only spawn is safe, and so after this process ran
+    # torch with more than one intra-op thread: GNU libgomp's thread pool does not survive a fork (the
+    # forked rank's first parallel region hangs -- seen in the full test suite, 2 threads, until the
+    # deadline).  Spawned ranks re-install the mutant.
+    forkable = not torch.cuda.is_initialized() and "fork" in mp.get_all_start_methods() and torch.get_num_threads() == 1
+    method = "fork" if forkable else "spawn"
     with tempfile.TemporaryDirectory(prefix="decodespec-vp-") as tmp:
         ctx = mp.start_processes(_worker, args=(ranks, os.path.join(tmp, "store"), json.dumps(attrs.asdict(case)), tmp,
                                                 mutant if method == "spawn" else None, max(5.0, deadline_s / 2)),
