@@ -218,9 +218,9 @@ class TraceVerdict:
         code: The refusal's registered code (``trace.schema``, ``trace.receipt``,
             ``trace.incomplete``, ``trace.invalid_header``, ``trace.mismatch``,
             ``data.unknown_classification``), or ``None`` when accepted.
-        classification: The trace's declared data classification (the header's ``data``; a
-            header without one is a ``content`` trace written before the passport), or ``None``
-            when the header was not read.
+        classification: The trace's declared data classification (the header's ``data``, which
+            every trace must declare: a header without one is ``data.unknown_classification``), or
+            ``None`` when the header was not read.
         needs_content: For a redacted trace, the checks that need the raw content and were not
             run: ``{"code": "trace.redacted", "checks": [...], "message"}``; else ``None``.
         data: The declared classification of the verdict's own text (``reason``): ``redacted``
@@ -1065,8 +1065,10 @@ def validate_trace(lines: Iterable[str | dict[str, Any]], *, machine: Machine = 
             if index == 0:
                 if event != "request":
                     raise _Mismatch(f"the first event must be 'request', got {quote(event)}")
-                passport = passport_from_json(rec.get("data"), "$.data", missing=CONTENT)
-                if rec.get("data") is not None and passport.classification == CONTENT and not passport.opt_in:
+                # Every trace declares its classification (M3.10 0x06): a header without ``data`` is
+                # refused, since a content trace keeps raw content only on the recorded opt-in.
+                passport = passport_from_json(rec.get("data"), "$.data")
+                if passport.classification == CONTENT and not passport.opt_in:
                     # A trace keeps raw content only on the user's opt-in, which the writer records
                     # (M3.10 0x06 "Bound parsers, matchers, traces, and sensitive data"); only a
                     # snapshot is content without one (it must keep the ids to resume).

@@ -473,3 +473,72 @@ def test_an_extra_key_inside_a_snapshot_events_state_is_refused(snapshot_trace, 
     verdict = _verdict(capsys, path, 1)
     assert (verdict["code"], verdict["line"], verdict["event"]) == (TRACE_SCHEMA, len(records), "snapshot"), verdict
     assert "$.state" in verdict["reason"]
+
+
+# -- the trace fuzz's seed-47 acceptances, triaged (docs/results/fuzz-traces.md) ---------------------------------------
+
+@pytest.mark.parametrize("added,refusal", [
+    ("zz", None),            # shares no character with the output "]ooo&L": inert, rightly accepted
+    ("o", "stop_triggers"),  # occurs in the output: the first 'o' must have stopped the request
+    ("L", "stop_triggers"),
+    ("]o", "horizon"),       # ']' is a prefix of it: the first chunk must have been held back
+    ("&x", "horizon"),
+])
+def test_a_stop_string_appended_to_a_content_trace_is_judged_on_the_output(stream_trace, tmp_path, capsys, added, refusal):
+    """Seed 47 appended a stop string to ``output.stop_strings``; validate-trace re-derives stop matches and the
+    stream's holdback from the token bytes, so it accepts exactly the strings that could neither match nor hold
+    back, and the oracle (tests/trace_oracle.py) agrees by its own brute-force rule."""
+    from trace_oracle import classify_acceptance  # tests/ is on sys.path
+
+    records = _records(stream_trace)
+    assert "".join(r.get("text", "") for r in records if r["event"] == "stream") == "]ooo&L"
+    records[0]["output"]["stop_strings"].append(added)
+    path = tmp_path / "stop.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 0 if refusal is None else 1)
+    kind, detail = classify_acceptance(stream_trace.read_bytes(), path.read_bytes())
+    if refusal is None:
+        assert verdict["accepted"] is True and (kind, detail) == ("free", "request.output.stop_strings")
+    else:
+        assert verdict["code"] == "trace.mismatch" and (refusal in verdict["reason"] or "stream horizon" in verdict["reason"])
+        assert kind == "wrong", "the oracle must not call a string that matches or holds back free"
+
+
+def test_a_trace_without_a_passport_is_refused(stream_trace, tmp_path, capsys):
+    """Seed 47 deleted ``data`` from a content trace's header and it was read as an older, passport-less content
+    trace.  Every trace written since the passport declares it, and content needs the recorded opt-in, so a
+    header without ``data`` is refused (M3.10 0x06)."""
+    records = _records(stream_trace)
+    del records[0]["data"]
+    path = tmp_path / "nopassport.ndjson"
+    _write(path, records)
+    verdict = _verdict(capsys, path, 1)
+    assert (verdict["code"], verdict["line"]) == ("data.unknown_classification", 1), verdict
+
+
+def test_a_redacted_chunk_text_digest_is_free_and_the_verdict_says_it_was_not_checked(tmp_path, capsys):
+    """Seed 47 flipped a byte of a redacted chunk's ``text_redacted.digest``: a keyed digest under a key the file
+    does not keep, related to the tokens only through their bytes, which a redacted file does not hold.  The
+    validator accepts and lists the chunk-text check in ``needs_content``; the oracle declares it free there."""
+    from trace_oracle import classify_acceptance
+
+    path = tmp_path / "redacted.ndjson"
+    assert main([*BASE, "--trace", str(path), "--max-new-tokens", "6", "--do-sample", "--seed", "3", "--top-k", "20",
+                 "--stream"]) == 0
+    records = _records(path)
+    chunk = next(r for r in records if r["event"] == "stream")
+    digest = chunk["text_redacted"]["digest"]
+    chunk["text_redacted"]["digest"] = digest[:-1] + ("0" if digest[-1] != "0" else "1")
+    mutated = tmp_path / "flipped.ndjson"
+    _write(mutated, records)
+    verdict = _verdict(capsys, mutated, 0)
+    assert verdict["accepted"] is True and any("chunk text" in c for c in verdict["needs_content"]["checks"]), verdict
+    assert classify_acceptance(path.read_bytes(), mutated.read_bytes()) == ("free", "stream.text_redacted.digest")
+    # The same flip in a content trace's chunk text is no digest: it is refused.
+    content = _generate(tmp_path, "content-stream", "--max-new-tokens", "6", "--do-sample", "--seed", "3", "--top-k", "20",
+                        "--stream")
+    records = _records(content)
+    chunk = next(r for r in records if r["event"] == "stream")
+    chunk["text"] = chunk["text"] + "\u00e9"
+    _write(content, records)
+    assert _verdict(capsys, content, 1)["accepted"] is False

@@ -55,10 +55,16 @@ FREE_FIELDS: dict[tuple[str, tuple[str, ...]], str] = {
                                                             "(the stop oracle needs the text; needs_content says so)",
     ("request", ("params", "context_cap")): "free only while the trace never reaches it (no context_length trigger, and "
                                             "prompt_len + output_count stays below both values): the cap shows only when reached",
-    ("request", ("output", "stop_strings", "*")): "free only in a content trace that never finished on a stop string and "
-                                                  "whose output text shares no character with the old or the new stop "
-                                                  "string: neither could match, nor hold back a suffix of the stream (a "
-                                                  "holdback needs an output suffix that is a prefix of a stop string)",
+    ("request", ("output", "stop_strings")): "free only in a content trace with no stop-string trigger or finish, for "
+                                             "every string added to or removed from the list (an entry replaced, "
+                                             "appended or dropped): it occurs nowhere in the output text and no "
+                                             "non-empty prefix of it ends any prefix of the output text, so it could "
+                                             "neither match nor hold back a suffix of the stream (checked at every "
+                                             "character, a superset of the token boundaries the matcher sees)",
+    ("stream", ("text_redacted", "digest")): "free only in a redacted trace: a chunk's text digest is keyed (HMAC under a "
+                                             "per-file key that is not stored) and the token bytes that would relate it "
+                                             "to the tokens are not in the file; the verdict lists "
+                                             "invariant.chunk_metadata (chunk text) in needs_content",
     ("finish", ("stream", "error")): "free only while the report says the delivery failed: the consumer's exception text "
                                      "(a runtime message, not a spec value)",
 }
@@ -126,10 +132,12 @@ def _diffs(a: Any, b: Any, path: tuple = ()) -> list[tuple]:
     return [] if a == b and type(a) is type(b) else [path]
 
 
-def _stop_string_free(header: dict[str, Any], lines: list[Any], old: Any, new: Any) -> bool:
-    """FREE_FIELDS[request, output.stop_strings.*]: no character in common with the output, no stop finish."""
+def _stop_strings_free(header: dict[str, Any], lines: list[Any], old: Any, new: Any) -> bool:
+    """FREE_FIELDS[request, output.stop_strings]: every added or removed string is inert in this output."""
     data = header.get("data")
-    if not isinstance(data, dict) or data.get("classification") != "content" or not isinstance(old, str) or not isinstance(new, str):
+    if not isinstance(data, dict) or data.get("classification") != "content":
+        return False
+    if not (isinstance(old, list) and isinstance(new, list) and all(isinstance(s, str) for s in old + new)):
         return False
     events = [r for r in lines if isinstance(r, dict)]
     if any("stop_string" in (r.get("triggers") or ()) or r.get("finish_reason") == "stop_string" for r in events):
@@ -137,23 +145,30 @@ def _stop_string_free(header: dict[str, Any], lines: list[Any], old: Any, new: A
     texts = [r["text"] for r in events if r.get("event") in ("stream", "finish") and isinstance(r.get("text"), str)]
     if not texts:
         return False
-    output = set("".join(texts))
-    return not (output & set(old)) and not (output & set(new))
+    output = "".join(texts)
+    for stop in set(old) ^ set(new):
+        if not stop or stop in output:
+            return False
+        # A holdback needs an output prefix whose suffix is a non-empty prefix of the stop string.
+        if any(output[:end].endswith(stop[:k]) for end in range(1, len(output) + 1) for k in range(1, len(stop) + 1)):
+            return False
+    return True
 
 
 def _free(event: str, path: tuple, header: dict[str, Any], rec: dict[str, Any], lines: list[Any],
-          before: Any = None, after: Any = None) -> bool:
+          old_rec: dict[str, Any]) -> bool:
     if path == ("t_ns",):  # any event's optional timestamp (FREE_FIELDS["*", ("t_ns",)])
         return True
-    if event == "request" and len(path) == 3 and path[:2] == ("output", "stop_strings") and isinstance(path[2], int):
-        return _stop_string_free(header, lines, before, after)
+    if event == "request" and path[:2] == ("output", "stop_strings") and (
+            len(path) == 2 or (len(path) == 3 and isinstance(path[2], int))):
+        return _stop_strings_free(header, lines, _at(old_rec, ("output", "stop_strings")), _at(rec, ("output", "stop_strings")))
     if (event, path) not in FREE_FIELDS and not (len(path) == 4 and (event, (*path[:2], "*", path[3])) in FREE_FIELDS):
         return False
     data = header.get("data")
     redacted = isinstance(data, dict) and data.get("classification") == "redacted"
     if path in (("seed",), ("token_start",), ("token_end",)):
         return redacted
-    if len(path) == 4 and path[:2] == ("output", "stop_strings") and path[3] == "digest":
+    if (len(path) == 4 and path[:2] == ("output", "stop_strings") and path[3] == "digest") or path == ("text_redacted", "digest"):
         return redacted
     if path == ("params", "context_cap"):
         cap = header["params"]["context_cap"]
@@ -200,7 +215,7 @@ def classify_acceptance(original: bytes, mutated: bytes) -> tuple[str, str]:
         for path in _diffs(a, b):
             event = b.get("event") if isinstance(b, dict) else None
             if isinstance(a, dict) and isinstance(b, dict) and a.get("event") == event and _free(
-                    str(event), path, header, b, after, _at(a, path), _at(b, path)):
+                    str(event), path, header, b, after, a):
                 free.append(f"{event}.{'.'.join(map(str, path))}")
             else:
                 return "wrong", f"line {index + 1} ({event}) differs at {list(path)}"
