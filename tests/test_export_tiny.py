@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -178,3 +180,16 @@ def test_unwritable_or_foreign_output_is_refused_and_nothing_changes(tmp_path: P
     error = json.loads(capsys.readouterr().out)["error"]
     assert error["code"] == "cli.io_error" and "No space left on device" in error["message"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "mine"]
+
+
+def test_every_exported_file_follows_the_umask(tmp_path: Path) -> None:
+    """A new-user trial found model.safetensors written 0600 beside 0644 files (safetensors' own writer)."""
+    out = tmp_path / "umask"
+    old = os.umask(0o022)
+    try:
+        proc = _export("--out-dir", str(out))
+    finally:
+        os.umask(old)
+    assert proc.returncode == 0, proc.stderr
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes == dict.fromkeys(modes, 0o644) and "model.safetensors" in modes, modes

@@ -358,3 +358,21 @@ def test_an_empty_support_finishes_constraint_error(tiny_model, byte_tokenizer, 
     verdict = judge(bad)
     assert (verdict.verdict.layer, verdict.verdict.check, verdict.verdict.expected) == ("DECISION", "decision.empty_support",
                                                                                         greedy_rows[line]["token_id"])
+
+
+def test_the_worked_example_of_docs_adapters_runs_as_written(tmp_path, capsys):
+    """docs/adapters.md "Worked example (tiny model)": the shipped docs/examples/greedy.request.json is recorded
+    (21 lines, 8 tokens, length) and judged against the spec and the float64 reference (passed, exit 0); a token
+    changed in the recording then fails at DECISION (exit 1)."""
+    envelope = Path(__file__).resolve().parent.parent / "docs" / "examples" / "greedy.request.json"
+    run = tmp_path / "run.jsonl"
+    assert main(["judge", "--record", str(envelope), str(run)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"recorded": str(run), "lines": 21, "tokens": 8, "finish_reason": "length"}
+    assert main(["judge", str(run), "--reference"]) == 0
+    assert json.loads(capsys.readouterr().out)["result"] == "passed"
+    lines = [json.loads(line) for line in run.read_text().splitlines()]
+    token = next(rec for rec in lines if rec["event"] == "token")
+    token["token_id"] = (token["token_id"] + 1) % 512
+    run.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    assert main(["judge", str(run), "--reference"]) == 1
+    assert json.loads(capsys.readouterr().out)["layer"] == "DECISION"

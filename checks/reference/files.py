@@ -215,7 +215,7 @@ def write_tiny_files(folder: str | Path, seed: int = 0) -> dict[str, dict]:
     Returns:
         File name -> ``{"bytes": int, "sha256": hex str}``, for every file written.
     """
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     from decodespec.impl.tiny import load_tiny
     from decodespec.impl.tokenizer import ByteTokenizer
@@ -225,8 +225,9 @@ def write_tiny_files(folder: str | Path, seed: int = 0) -> dict[str, dict]:
     cfg = model.config
     tokenizer = ByteTokenizer(cfg.vocab_size)
     write_llama_gguf(folder / "tiny.gguf", model, name=f"decodespec-tiny-seed{seed}", eos_token_id=cfg.eos_token_id)
-    save_file({k: np.ascontiguousarray(v) for k, v in hf_tensors(model).items()}, folder / "model.safetensors",
-              metadata={"format": "pt"})
+    # save() + write_bytes, not save_file: safetensors' writer creates its file 0600, the others follow the umask.
+    (folder / "model.safetensors").write_bytes(
+        save({k: np.ascontiguousarray(v) for k, v in hf_tensors(model).items()}, metadata={"format": "pt"}))
     (folder / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")
     table = byte_tokenizer_table(tokenizer)
     rows = ",\n".join("  " + json.dumps(entry) for entry in table.pop("tokens"))
