@@ -303,8 +303,10 @@ class Verdict:
                    probe=obj.get("probe"))
 
     def same_outcome(self, other: Verdict) -> bool:
-        """Whether two verdicts agree on result, layer and rule (what a replay must reproduce)."""
-        return (self.result, self.layer, self.rule) == (other.result, other.layer, other.rule)
+        """Whether ``other`` reproduces this (recorded) verdict: the same result, layer and rule, and the same
+        named check when this one names it (a trace recorded before checks were named names none)."""
+        same = (self.result, self.layer, self.rule) == (other.result, other.layer, other.rule)
+        return same and (self.check is None or self.check == other.check)
 
 
 def _jsonable(value: Any) -> Any:
