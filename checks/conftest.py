@@ -298,7 +298,11 @@ def _gate_summary(terminalreporter: Any, config: pytest.Config) -> None:
     for r in report.results:
         counts[r.result] = counts.get(r.result, 0) + 1
     terminalreporter.section("decodespec gate")
-    terminalreporter.write_line(", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+    # One line per gate case and outcome; pytest's own counts also hold the tests that are not gate cases
+    # (explorer, corpus, machines' bookkeeping), so the two differ.
+    terminalreporter.write_line(", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+                                + f"  ({len(report.results)} gate case results; pytest's counts above also include "
+                                  "tests that are not gate cases)")
     for line in report.lines():
         if line["result"] not in ("pass", "skip"):
             terminalreporter.write_line(f"{line['result']:>19}  {line['case']}  {line.get('layer') or ''} "
