@@ -283,6 +283,7 @@ def bench_runner(prompt_ids: list[int], new_tokens: int, threads: int | None) ->
             raise Rejection(ADAPTER_PROTOCOL, f"bench answered timeline {timeline!r}", "$.timeline")
         return tuple(ids), timeline_from_json(timeline)
 
+    run.out_of_process = True  # type: ignore[attr-defined]  # the bench's CPU time is not vLLM's (it runs in the server)
     return run
 
 
