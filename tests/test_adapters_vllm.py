@@ -294,3 +294,25 @@ def test_expectations_declare_vllm_first_token_policy_as_the_adapter_returns_it(
     policy = FirstTokenPolicy(declared["first_token"])
     entries = prompt_entries([5, 7, 9], _vllm_prompt_logprobs(), PromptLogprobsSpec(first_token=policy, top_k=2))
     assert len(entries) == 3 and entries[0].logprob is None  # vLLM's L entries, x_0 unscored: policy none
+
+
+@pytest.mark.skipif(vllm.available() is not None, reason=f"needs the real vLLM: {vllm.available()}")
+def test_bench_runner_on_real_vllm_times_one_prefill_and_g_minus_1_decodes_of_our_greedy_ids() -> None:
+    """With .venv-vllm built: vLLM's timed run makes the calls a conforming cached run makes (1 prefill of L rows,
+    G - 1 decodes), delivers G tokens one emission each, and its greedy ids are our runtime's (SmolLM2, float32)."""
+    from decodespec.impl.generate import generate
+    from decodespec.impl.weights import load_smollm2
+    from decodespec.spec.latency import expected_calls, request_latency
+
+    prompt = [1, 4093, 198, 19556, 665, 2, 198, 1, 520, 9531, 198]  # the gate's SmolLM2 prompt-logprobs prompt
+    run = vllm.bench_runner(prompt, 4, 1)
+    try:
+        ids, timeline = run()
+    finally:
+        vllm._stop_all()
+    lat = request_latency(timeline)
+    calls = expected_calls(len(prompt), 4)
+    assert (lat.prefill_calls, lat.decode_calls, lat.prefill_rows) == (calls["prefill"], calls["decode"], len(prompt))
+    assert lat.tokens_delivered == 4 and len(lat.itl_ns) == 3 and lat.ttft_ns > 0
+    ours = generate(load_smollm2(), prompt, max_new_tokens=4, eos_token_ids=())
+    assert ids == tuple(ours.output_ids)
