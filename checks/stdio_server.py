@@ -8,6 +8,9 @@ written in another language would (:mod:`decodespec.checks.adapters.wire`):
 * ``reset`` -> ``ok``, or the typed refusal ``{"ok": false, "error": {"code", "message"}}``;
 * ``apply`` -> the action's result (``ok`` or ``rejected`` with the code);
 * ``observe`` -> the observation (arrays as base64);
+* ``prompt_logprobs`` -> the adapter's prompt logprobs (M3.10 0x02) of ``config`` under ``spec``,
+  or the typed refusal (as for ``reset``);
+* a command of ``extra`` (e.g. the vLLM server's ``bench``) -> that handler's answer;
 * ``stop`` -> ``ok``, then the process exits 0.
 
 An ``apply`` / ``observe`` that fails with anything but a typed refusal answers ``ok: false``
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 from decodespec.checks.adapters import ADAPTER_PROTOCOL, CaseConfig, open_adapter
@@ -39,15 +42,19 @@ from decodespec.checks.adapters.wire import (
     start_response,
 )
 from decodespec.spec.errors import DecodeSpecError
+from decodespec.spec.prompt_logprobs import PromptLogprobsSpec
 
 __all__ = ["main", "serve"]
 
 
-def serve(runtime: str, stdin: TextIO, stdout: TextIO, factory: Callable[[], Any] | None = None) -> int:
+def serve(runtime: str, stdin: TextIO, stdout: TextIO, factory: Callable[[], Any] | None = None,
+          extra: Mapping[str, Callable[[Any, dict[str, Any]], dict[str, Any]]] | None = None) -> int:
     """Serve ``runtime`` over ``stdin`` / ``stdout`` until ``stop`` or end of input; return the exit status.
 
     ``factory`` builds the adapter instead of ``open_adapter(runtime)`` (a server for a runtime
-    outside the named ones, e.g. :mod:`decodespec.checks.adapters.vllm_engine`).
+    outside the named ones, e.g. :mod:`decodespec.checks.adapters.vllm_engine`).  ``extra`` maps
+    further command names to ``handler(adapter, message) -> fields`` (answered ``ok`` with those
+    fields; a typed error is answered as a refusal).
     """
     adapter = None
     started = False
@@ -90,6 +97,12 @@ def serve(runtime: str, stdin: TextIO, stdout: TextIO, factory: Callable[[], Any
                 send(response_ok(seq, result=adapter.apply(message.get("action"))))
             elif cmd == "observe":
                 send(response_ok(seq, observation=adapter.observe()))
+            elif cmd == "prompt_logprobs":
+                spec = PromptLogprobsSpec.from_json(message.get("spec") or {})
+                entries = adapter.prompt_logprobs(CaseConfig.from_json(message.get("config")), spec)
+                send({**response_ok(seq), "prompt_logprobs": [entry.to_json() for entry in entries]})
+            elif extra is not None and cmd in extra:
+                send({**response_ok(seq), **extra[cmd](adapter, message)})
             else:
                 send(response_error(seq, ADAPTER_PROTOCOL, f"unknown command {cmd!r}"))
         except DecodeSpecError as exc:

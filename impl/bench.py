@@ -110,7 +110,8 @@ BOUND_METHOD = ("bytes one batch-1 decode step reads (every layer weight, one em
 LLAMACPP_ABSENT = "llama-cpp-python is not installed (DECODESPEC_LLAMACPP=1 .ci/setup builds it)"
 
 #: ``factory(prompt_ids, new_tokens, threads) -> run``: a peer the bench can time; ``run()`` returns the
-#: generated ids and the request's :class:`~decodespec.spec.latency.Timeline` (``None``: no latency record).
+#: generated ids and the request's :class:`~decodespec.spec.latency.Timeline` (``None``: no latency record).  A ``run``
+#: with the attribute ``out_of_process = True`` (vLLM's server) gets no CPU-time figure: this process's CPU time is not its work.
 PeerFactory = Callable[[list[int], int, "int | None"], Callable[[], "tuple[tuple[int, ...], Timeline | None]"]]
 
 
@@ -650,7 +651,7 @@ def run_benchmark(
     runtimes["hf"] = run_hf
     runtimes.update(peers)
     timings: dict[str, list[float]] = {name: [] for name in runtimes}
-    cpu_timings: dict[str, list[float]] = {name: [] for name in runtimes}
+    cpu_timings: dict[str, list[float]] = {name: [] for name, fn in runtimes.items() if not getattr(fn, "out_of_process", False)}
     latency: dict[str, list[dict[str, Any]]] = {}
     weight_bytes = decode_weight_bytes(ours)
     bound_runs: list[float] = []
@@ -667,7 +668,8 @@ def run_benchmark(
                 _, timeline = fn()
                 _sync(target)
                 timings[name].append(new_tokens / (time.perf_counter() - start))
-                cpu_timings[name].append(new_tokens / max(time.process_time() - cpu_start, 1e-9))
+                if name in cpu_timings:
+                    cpu_timings[name].append(new_tokens / max(time.process_time() - cpu_start, 1e-9))
                 if timeline is not None:
                     latency.setdefault(name, []).append(request_latency(timeline).to_json())
                 if target.type == "cuda":

@@ -72,3 +72,27 @@ def test_run_case_results_are_equal():
     case = next(c for c in cases_for("tiny") if c.id == "adversarial.corrupt_restore")
     local, remote = run_case(case, "impl"), run_case(case, SERVER)
     assert remote.result == local.result == "pass" and remote.verdict == local.verdict
+
+
+@pytest.mark.parametrize("first", ["none", "omitted"])
+def test_stdio_prompt_logprobs_equal_in_process(server, first: str):
+    """The wire's ``prompt_logprobs`` command (issue 19): the server's entries equal the in-process adapter's, and a
+    refusal comes back typed (M3.10 0x02)."""
+    from decodespec.spec.errors import DecodeSpecError
+    from decodespec.spec.prompt_logprobs import PromptLogprobsSpec
+
+    case = next(c for c in cases_for("tiny") if c.id == "matrix.prompt_logprobs")
+    spec = PromptLogprobsSpec(first_token=first, top_k=3)
+    bad = case.config.evolve(prompt_ids=(10**6,))  # an id outside the vocabulary
+    local = open_runtime("impl", "tiny")
+    try:
+        want = tuple(local.prompt_logprobs(case.config, spec))
+        with pytest.raises(DecodeSpecError) as local_exc:
+            local.prompt_logprobs(bad, spec)
+    finally:
+        local.close()
+    got = server.prompt_logprobs(case.config, spec)
+    assert got == want and len(got) == len(case.config.prompt_ids) - (first == "omitted")
+    with pytest.raises(DecodeSpecError) as exc:
+        server.prompt_logprobs(bad, spec)
+    assert exc.value.code == local_exc.value.code == "runtime.invalid_request"

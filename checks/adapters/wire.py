@@ -19,10 +19,22 @@ request                                        response
                                                "result": {"status": "rejected", "code",
                                                "message"}}``
 ``{"cmd": "observe", "seq"}``                  ``{"ok": true, "seq", "observation": {...}}``
+``{"cmd": "prompt_logprobs", "seq", ...}``     fields ``config`` (as ``reset``) and ``spec``
+                                               ``{"first_token", "top_k"}``; answer ``{"ok":
+                                               true, "seq", "prompt_logprobs": [...]}``, one
+                                               :meth:`PromptLogprob.to_json` per entry (M3.10
+                                               0x02), or the typed refusal as for ``reset``
+``{"cmd": "bench", "seq", ...}``               fields ``prompt_ids``, ``new_tokens``,
+                                               ``threads``; answer ``{"ok": true, "seq",
+                                               "output_ids": [...], "timeline": {...}}``: one
+                                               greedy run timed inside the server (optional;
+                                               :func:`decodespec.spec.latency.timeline_from_json`)
 ``{"cmd": "stop"}``                            ``{"ok": true}`` then the process exits
 =============================================  ================================================
 
-``ok: false`` on ``apply`` / ``observe`` is a protocol error (the adapter itself failed), not a
+``prompt_logprobs`` and ``bench`` were added to version 1 without changing any other message: a
+server that predates them answers ``ok: false`` ("unknown command"), which the client reports as a
+protocol error.  ``ok: false`` on ``apply`` / ``observe`` is a protocol error (the adapter itself failed), not a
 refused action.  Config objects are :meth:`CaseConfig.to_json`; actions are the contract's
 action objects; observations are :func:`observation_to_json` (arrays as ``{"dtype", "shape",
 "base64"}`` of the little-endian bytes: ``float32`` rows, ``int64`` ids).  The protocol
@@ -44,6 +56,7 @@ import jsonschema
 import numpy as np
 
 from decodespec.spec.errors import Rejection
+from decodespec.spec.prompt_logprobs import PromptLogprob
 
 from . import ADAPTER_PROTOCOL, CAPABILITIES, ApplyResult, CaseConfig, Observation
 
@@ -55,6 +68,7 @@ __all__ = [
     "encode_line",
     "observation_from_json",
     "observation_to_json",
+    "prompt_logprobs_from_json",
     "request",
     "response_error",
     "response_ok",
@@ -65,7 +79,7 @@ __all__ = [
 PROTOCOL_VERSION = 1
 _ARRAY_DTYPES = ("float32", "int64")
 _ARRAY_FIELDS = {"score_row": "float32", "support_ids": "int64", "support_probs": "float32", "cache_probe": "float32"}
-_CMDS = ("start", "reset", "apply", "observe", "stop")
+_CMDS = ("start", "reset", "apply", "observe", "prompt_logprobs", "bench", "stop")
 
 
 def _protocol(message: str, path: str = "$") -> Rejection:
@@ -180,6 +194,48 @@ def observation_from_json(obj: Any) -> Observation:
         return Observation(**values)
     except (TypeError, ValueError) as exc:
         raise _protocol(f"bad observation: {exc}", "$.observation") from None
+
+
+_PROMPT_LOGPROB_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["position", "token_id", "logprob", "rank", "top"],
+    "additionalProperties": False,
+    "properties": {
+        "position": {"type": "integer", "minimum": 0}, "token_id": {"type": "integer", "minimum": 0},
+        "logprob": _null_or({"type": "number"}), "rank": _null_or({"type": "integer"}),
+        "top": _null_or({"type": "array", "items": {"type": "object", "required": ["token_id", "logprob", "rank"],
+                                                      "additionalProperties": False, "properties": {
+                                                          "token_id": {"type": "integer", "minimum": 0}, "logprob": {"type": "number"},
+                                                          "rank": {"type": "integer"}}}}),
+    },
+}
+_PROMPT_LOGPROBS_VALIDATOR = jsonschema.Draft202012Validator({"type": "array", "items": _PROMPT_LOGPROB_SCHEMA})
+
+
+def prompt_logprobs_from_json(obj: Any) -> tuple[PromptLogprob, ...]:
+    """The entries of a ``prompt_logprobs`` answer (inverse of :meth:`PromptLogprob.to_json` per entry).
+
+    Only the JSON types are checked here; whether the entries have the shape
+    ``invariant.prompt_logprobs_aligned`` requires is the judge's question
+    (:func:`decodespec.checks.prompt_logprobs.judge`).
+
+    Raises:
+        Rejection: ``adapter.protocol`` for a non-list, a malformed entry, or a ``top`` list whose
+            ``rank`` fields are not ``1, 2, ...`` in order.
+    """
+    error = next(iter(_PROMPT_LOGPROBS_VALIDATOR.iter_errors(obj)), None)
+    if error is not None:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+        raise _protocol(f"bad prompt_logprobs: {error.message[:200]}", f"$.prompt_logprobs{where}")
+    out = []
+    for index, entry in enumerate(obj):
+        top = entry["top"]
+        if top is not None and [t["rank"] for t in top] != list(range(1, len(top) + 1)):
+            raise _protocol(f"entry {index}: top-k ranks {[t['rank'] for t in top]} are not 1..{len(top)} in order",
+                            f"$.prompt_logprobs[{index}].top")
+        out.append(PromptLogprob(entry["position"], entry["token_id"], None if entry["logprob"] is None else float(entry["logprob"]),
+                                 entry["rank"], None if top is None else tuple((t["token_id"], float(t["logprob"])) for t in top)))
+    return tuple(out)
 
 
 def encode_line(message: Mapping[str, Any]) -> str:

@@ -16,7 +16,8 @@ tokens/s without the prefill, the model-call count; paired decode ratios to HF. 
 the run when ``import llama_cpp`` works (``--no-llamacpp`` leaves it out).  vLLM joins through
 the hook :data:`PEER_HOOKS`: a module ``decodespec.checks.adapters.vllm`` exposing
 ``bench_runner(prompt_ids, new_tokens, threads) -> run`` with ``run() -> (ids, Timeline | None)``
-(:data:`decodespec.impl.bench.PeerFactory`); without it the report says vLLM is absent and why.
+(:data:`decodespec.impl.bench.PeerFactory`; :func:`decodespec.checks.adapters.vllm.bench_runner`); without it, or
+when the module's ``available()`` names a reason (``.venv-vllm`` not built), the report says vLLM is absent and why.
 
 Exit codes: 0 success, 2 invalid input, 3 SmolLM2 or HF transformers not installed.
 """
@@ -34,22 +35,30 @@ __all__ = ["PEER_HOOKS", "find_peers", "register", "run"]
 #: Peers the bench runs when their hook exists: name -> (module, factory attribute, why it is absent otherwise).
 PEER_HOOKS: dict[str, tuple[str, str, str]] = {
     "vllm": ("decodespec.checks.adapters.vllm", "bench_runner",
-             "vLLM is not installed here: no adapter decodespec.checks.adapters.vllm with bench_runner(prompt_ids, new_tokens, threads)"),
+             "no adapter decodespec.checks.adapters.vllm with bench_runner(prompt_ids, new_tokens, threads)"),
 }
 
 
 def find_peers(hooks: dict[str, tuple[str, str, str]] = PEER_HOOKS) -> tuple[dict[str, Any], dict[str, str]]:
-    """``(factories, absent)``: each hook's factory when its module imports and has it, else the reason it is absent."""
+    """``(factories, absent)``: each hook's factory when its module imports and has it, else the reason it is absent.
+
+    A hook module may also define ``available() -> str | None`` (the adapters' convention): a
+    reason it returns (the peer's environment is not installed) makes the peer absent with it.
+    """
     found: dict[str, Any] = {}
     absent: dict[str, str] = {}
     for name, (module, attribute, reason) in hooks.items():
         try:
-            factory = getattr(importlib.import_module(module), attribute, None)
+            loaded = importlib.import_module(module)
         except ImportError as exc:
             absent[name] = f"{reason} ({type(exc).__name__}: {exc})" if getattr(exc, "name", None) != module else reason
             continue
+        factory = getattr(loaded, attribute, None)
+        why = getattr(loaded, "available", lambda: None)() if factory is not None else None
         if factory is None:
             absent[name] = reason
+        elif why is not None:
+            absent[name] = why
         else:
             found[name] = factory
     return found, absent
