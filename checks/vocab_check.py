@@ -74,29 +74,23 @@ _CONTROL = 3
 # -- the runtime's table --------------------------------------------------------------------------
 
 def runtime_table(tokenizer: Any) -> tuple[list[bytes], dict[str, int | None], list[int]]:
-    """``(tokens, specials, control_ids)`` of one of our tokenizers (``GGUFTokenizer``, ``ByteTokenizer``).
+    """``(tokens, specials, control_ids)`` of one of our tokenizers (``GGUFTokenizer``, ``ByteTokenizer``): its ``vocab_table()``.
 
     ``tokens[i]`` is ``token_bytes(i)``, a control token's own text; specials are the
     tokenizer's ``bos/eos/pad/unk_token_id``.
     """
-    control = sorted(int(i) for i in tokenizer.special_ids)
-    ctrl = set(control)
-    tokens = [tokenizer.id_to_token(i).encode("utf-8") if i in ctrl else tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
-    specials = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id,
-                "unk": tokenizer.unk_token_id}
-    return tokens, specials, control
+    tokens, specials, control = tokenizer.vocab_table()
+    return list(tokens), dict(specials), list(control)
 
 
 def runtime_vocab_hash(tokenizer: Any) -> str:
-    """:func:`~decodespec.spec.vocab.vocab_table_hash` of :func:`runtime_table` (cached per tokenizer and table code)."""
-    return _runtime_hash(tokenizer, type(tokenizer).token_bytes, type(tokenizer).id_to_token, tokenizer.vocab_size)
+    """The runtime's ordered vocabulary hash: its tokenizer's ``vocab_hash``.
 
-
-@functools.lru_cache(maxsize=8)
-def _runtime_hash(tokenizer: Any, _token_bytes: Any, _id_to_token: Any, _size: int) -> str:
-    # Keyed on the methods too: a failure-lab mutant that patches the tokenizer's table is hashed afresh.
-    tokens, specials, control = runtime_table(tokenizer)
-    return vocab_table_hash(tokens, specials, control)
+    That is :func:`~decodespec.spec.vocab.vocab_table_hash` of :func:`runtime_table`, the one
+    definition the request envelope's ``tokenizer_sha256`` also states; the tokenizer recomputes
+    it when its table code changes (a failure-lab mutant that patches ``token_bytes``).
+    """
+    return str(tokenizer.vocab_hash)
 
 
 def audit_model(model: Any, tokenizer: Any) -> VocabAudit:
