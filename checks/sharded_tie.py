@@ -191,19 +191,13 @@ def run_sharded_tie(ranks: int = 2, *, mutant: str | None = None, deadline_s: fl
         RankRunTimeout: the ranks did not finish within ``deadline_s``.
         RuntimeError: a rank raised or wrote no results.
     """
-    from .vocab_parallel import start_ranks
+    from .vocab_parallel import read_rank_results, start_ranks
 
     if mutant is not None and mutant not in SHARD_MUTANTS:
         raise KeyError(f"unknown sharder mutant {mutant!r}; known: {sorted(SHARD_MUTANTS)}")
     with tempfile.TemporaryDirectory(prefix="decodespec-zero-") as tmp:
         start_ranks(_worker, (ranks, os.path.join(tmp, "store"), tmp, mutant, max(5.0, deadline_s / 2)), ranks,
                     deadline_s=deadline_s)
-        results = []
-        for r in range(ranks):
-            path = Path(tmp) / f"rank{r}.npz"
-            if not path.is_file():
-                raise RuntimeError(f"rank {r} wrote no results")
-            with np.load(path) as data:
-                results.append({k: data[k] for k in data.files})
+        results = read_rank_results(tmp, ranks)
     obs = observe_sharded_tie(results)
     return ShardedTieReport(obs, sharded_tie_violations(obs))

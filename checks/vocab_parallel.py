@@ -36,7 +36,17 @@ import numpy as np
 from decodespec.spec import vocab_parallel as ref
 from decodespec.spec.policy.scores import softmax
 
-__all__ = ["RankRunTimeout", "VocabCase", "case_inputs", "compare", "reference", "run_check", "run_ranks", "start_ranks"]
+__all__ = [
+    "RankRunTimeout",
+    "VocabCase",
+    "case_inputs",
+    "compare",
+    "read_rank_results",
+    "reference",
+    "run_check",
+    "run_ranks",
+    "start_ranks",
+]
 
 EPS = float(np.finfo(np.float64).eps)
 
@@ -170,16 +180,26 @@ def run_ranks(ranks: int, case: VocabCase = SMALL, *, mutant: str | None = None,
     with tempfile.TemporaryDirectory(prefix="decodespec-vp-") as tmp:
         start_ranks(_worker, (ranks, os.path.join(tmp, "store"), json.dumps(attrs.asdict(case)), tmp, max(5.0, deadline_s / 2)),
                     ranks, deadline_s=deadline_s, spawn_args=(mutant,))
-        out = []
-        for r in range(ranks):
-            path = Path(tmp) / f"rank{r}.npz"
-            if not path.is_file():
-                raise RuntimeError(f"rank {r} wrote no results")
-            with np.load(path) as data:
-                result = {k: data[k] for k in data.files}
+        out = read_rank_results(tmp, ranks)
+        for r, result in enumerate(out):
             result["telemetry"] = json.loads((Path(tmp) / f"rank{r}.json").read_text())
-            out.append(result)
         return out
+
+
+def read_rank_results(folder: str, ranks: int) -> list[dict[str, Any]]:
+    """Each rank's ``rank<r>.npz`` in ``folder`` as a dict of arrays.
+
+    Raises:
+        RuntimeError: a rank wrote no results.
+    """
+    out = []
+    for r in range(ranks):
+        path = Path(folder) / f"rank{r}.npz"
+        if not path.is_file():
+            raise RuntimeError(f"rank {r} wrote no results")
+        with np.load(path) as data:
+            out.append({k: data[k] for k in data.files})
+    return out
 
 
 def reference(ranks: int, case: VocabCase) -> dict[str, Any]:
