@@ -92,18 +92,19 @@ for _name, (_fn, _section, _title, _statement) in SHARD_MUTANTS.items():
     register(Rule(id=f"mutant.{_name}", kind="mutant", title=_title, section=_section, statement=_statement, obj=_fn))
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str, mutant: str | None, timeout_s: float) -> None:
+def _worker(rank: int, world: int, init_file: str, out_dir: str, mutant: str | None, timeout_s: float, model_name: str) -> None:
     import torch
     import torch.distributed as dist
 
     from decodespec.impl.sharded import sharded_optimizer
     from decodespec.impl.tiny import load_tiny
+    from decodespec.impl.weights import load_smollm2
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        model = load_tiny(seed=0)
+        model = load_tiny(seed=0) if model_name == "tiny" else load_smollm2()  # a fresh copy in each rank
         for p in model.parameters():
             p.requires_grad_(True)
         optimizer = SHARD_MUTANTS[mutant][0](model) if mutant else sharded_optimizer(model, lr=LR)
@@ -187,8 +188,8 @@ def _ratio(err: np.ndarray, bound: np.ndarray) -> float:
     return float(np.nanmax(r)) if r.size else 0.0
 
 
-def run_sharded_tie(ranks: int = 2, *, mutant: str | None = None, deadline_s: float = 120.0) -> ShardedTieReport:
-    """Run one sharded step on ``ranks`` gloo ranks (with the failure-lab sharder ``mutant``) and judge it.
+def run_sharded_tie(ranks: int = 2, *, mutant: str | None = None, model: str = "tiny", deadline_s: float = 120.0) -> ShardedTieReport:
+    """Run one sharded step of ``model`` on ``ranks`` gloo ranks (with the failure-lab sharder ``mutant``) and judge it.
 
     Raises:
         RankRunTimeout: the ranks did not finish within ``deadline_s``.
@@ -199,7 +200,7 @@ def run_sharded_tie(ranks: int = 2, *, mutant: str | None = None, deadline_s: fl
     if mutant is not None and mutant not in SHARD_MUTANTS:
         raise KeyError(f"unknown sharder mutant {mutant!r}; known: {sorted(SHARD_MUTANTS)}")
     with tempfile.TemporaryDirectory(prefix="decodespec-zero-") as tmp:
-        start_ranks(_worker, (ranks, os.path.join(tmp, "store"), tmp, mutant, max(5.0, deadline_s / 2)), ranks,
+        start_ranks(_worker, (ranks, os.path.join(tmp, "store"), tmp, mutant, max(5.0, deadline_s / 2), model), ranks,
                     deadline_s=deadline_s)
         results = read_rank_results(tmp, ranks)
     obs = observe_sharded_tie(results)

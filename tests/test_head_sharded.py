@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from decodespec.checks.testing import requires_smollm2
 from decodespec.spec.errors import Rejection
 from decodespec.spec.head import ShardedTieObservation, adam_first_update, sharded_tie_violations
 
@@ -108,3 +109,14 @@ def test_the_mutants_are_in_the_failure_lab_and_killed():
         assert m.group == "output head" and m.checker(False) is None
         verdict = m.checker(True)
         assert verdict["rule"] == "invariant.head_tied_sharded_owner" and verdict["layer"] == "TYING"
+
+
+@requires_smollm2
+@pytest.mark.smollm2
+def test_smollm2_sharded_over_two_ranks_keeps_its_tie():
+    from decodespec.checks.sharded_tie import run_sharded_tie
+
+    report = run_sharded_tie(2, model="smollm2", deadline_s=300)
+    assert report.passed, report.violations
+    assert report.observation.alias == (True, True) and sorted(report.observation.entries) == [0, 1]
+    assert sum(report.observation.states) == 1 and report.observation.grad_error <= 1
