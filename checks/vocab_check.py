@@ -37,12 +37,16 @@ import attrs
 import numpy as np
 
 from decodespec.spec.vocab import (
+    AddedToken,
+    AddedTokenObservation,
     EncDecVocab,
     MigrationObservation,
     MigrationSnapshot,
     NewRowInit,
+    ReleaseBundle,
     VocabAudit,
     VocabMap,
+    added_token_violations,
     append_drift,
     mapped_logit_gap,
     migrate_state,
@@ -52,14 +56,20 @@ from decodespec.spec.vocab import (
 )
 
 __all__ = [
+    "ADDED_TOKEN_MUTANTS",
     "MIGRATION_MUTANTS",
     "ROLLBACK_MUTANTS",
+    "AddedTokenReport",
     "MigrationReport",
     "ReferenceVocab",
     "RollbackReport",
+    "audit_added_tokens",
     "audit_model",
     "check_migration",
     "check_migration_rollback",
+    "checkpoint_rows",
+    "declared_added_tokens",
+    "loaded_bundle",
     "observe_encdec",
     "reference_vocab",
     "runtime_table",
@@ -74,29 +84,23 @@ _CONTROL = 3
 # -- the runtime's table --------------------------------------------------------------------------
 
 def runtime_table(tokenizer: Any) -> tuple[list[bytes], dict[str, int | None], list[int]]:
-    """``(tokens, specials, control_ids)`` of one of our tokenizers (``GGUFTokenizer``, ``ByteTokenizer``).
+    """``(tokens, specials, control_ids)`` of one of our tokenizers (``GGUFTokenizer``, ``ByteTokenizer``): its ``vocab_table()``.
 
     ``tokens[i]`` is ``token_bytes(i)``, a control token's own text; specials are the
     tokenizer's ``bos/eos/pad/unk_token_id``.
     """
-    control = sorted(int(i) for i in tokenizer.special_ids)
-    ctrl = set(control)
-    tokens = [tokenizer.id_to_token(i).encode("utf-8") if i in ctrl else tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
-    specials = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id,
-                "unk": tokenizer.unk_token_id}
-    return tokens, specials, control
+    tokens, specials, control = tokenizer.vocab_table()
+    return list(tokens), dict(specials), list(control)
 
 
 def runtime_vocab_hash(tokenizer: Any) -> str:
-    """:func:`~decodespec.spec.vocab.vocab_table_hash` of :func:`runtime_table` (cached per tokenizer and table code)."""
-    return _runtime_hash(tokenizer, type(tokenizer).token_bytes, type(tokenizer).id_to_token, tokenizer.vocab_size)
+    """The runtime's ordered vocabulary hash: its tokenizer's ``vocab_hash``.
 
-
-@functools.lru_cache(maxsize=8)
-def _runtime_hash(tokenizer: Any, _token_bytes: Any, _id_to_token: Any, _size: int) -> str:
-    # Keyed on the methods too: a failure-lab mutant that patches the tokenizer's table is hashed afresh.
-    tokens, specials, control = runtime_table(tokenizer)
-    return vocab_table_hash(tokens, specials, control)
+    That is :func:`~decodespec.spec.vocab.vocab_table_hash` of :func:`runtime_table`, the one
+    definition the request envelope's ``tokenizer_sha256`` also states; the tokenizer recomputes
+    it when its table code changes (a failure-lab mutant that patches ``token_bytes``).
+    """
+    return str(tokenizer.vocab_hash)
 
 
 def audit_model(model: Any, tokenizer: Any) -> VocabAudit:
@@ -198,6 +202,164 @@ def reference_vocab(model: str) -> ReferenceVocab:
                 (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))}
     specials = {k: None if v is None else int(v) for k, v in specials.items()}
     return ReferenceVocab(model, vocab_table_hash(tokens, specials, control), len(tokens), rows)
+
+
+# -- added tokens on identity (M3.8 0x08) ----------------------------------------------------------
+
+#: GGUF ``tokenizer.ggml.token_type`` of a user-defined (added, not special) token.
+_USER_DEFINED = 4
+
+
+def declared_added_tokens(model: str) -> tuple[AddedToken, ...]:
+    """The checkpoint's added and special tokens as the gate reads them (independent of ``impl/``).
+
+    SmolLM2: every GGUF token of type control (special) or user-defined, its spelling from
+    ``tokenizer.ggml.tokens``; tiny: its declared specials ``<pad>, <bos>, <eos>`` (ids 0-2),
+    which have no text form (the byte tokenizer encodes text as bytes).
+
+    Raises:
+        Rejection: ``model.file_missing`` when SmolLM2 is not installed.
+        ValueError: for another model name.
+    """
+    if model == "tiny":
+        return tuple(AddedToken(i, name, True, text_form=False) for i, name in enumerate(("<pad>", "<bos>", "<eos>")))
+    if model != "smollm2":
+        raise ValueError(f"no declared added tokens for {model!r}")
+    import gguf
+
+    from .reference.files import gguf_path
+
+    reader = gguf.GGUFReader(str(gguf_path(model)))
+    spellings = list(reader.fields["tokenizer.ggml.tokens"].contents())
+    types = list(reader.fields["tokenizer.ggml.token_type"].contents())
+    return tuple(AddedToken(i, spellings[i], t == _CONTROL) for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED))
+
+
+def checkpoint_rows(model: str, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """``(embedding rows [n, d], head rows [n, d])`` of ``ids`` as the checkpoint stores them (GGUF, dequantized by ``gguf``).
+
+    The head's rows are ``output.weight``'s, or the embedding's when the file ties them.
+    """
+    import gguf
+    from gguf.quants import dequantize
+
+    from .reference.files import gguf_path
+
+    reader = gguf.GGUFReader(str(gguf_path(model)))
+    tensors = {t.name: t for t in reader.tensors}
+    idx = np.asarray(list(ids), dtype=np.int64)
+
+    def rows(t: Any) -> np.ndarray:
+        return np.asarray(dequantize(np.asarray(t.data)[idx], t.tensor_type), dtype=np.float64).reshape(len(idx), -1)
+
+    embed = rows(tensors["token_embd.weight"])
+    head = rows(tensors["output.weight"]) if "output.weight" in tensors else embed
+    return embed, head
+
+
+@attrs.frozen(eq=False)
+class AddedTokenReport:
+    """Added tokens of a loaded runtime judged by ``invariant.vocab_added_token_identity``."""
+
+    declared: tuple[AddedToken, ...]
+    observed: dict[int, AddedTokenObservation]
+    violations: tuple[tuple[int, str], ...]
+
+    @property
+    def passed(self) -> bool:
+        """No violation."""
+        return not self.violations
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON (``decodespec vocab-audit --json``, ``added_tokens``)."""
+        return {"declared": [{"id": t.id, "content": t.content, "special": t.special} for t in self.declared],
+                "violations": [{"id": i, "violation": v} for i, v in self.violations], "ok": self.passed}
+
+
+def audit_added_tokens(model: Any, tokenizer: Any, name: str) -> AddedTokenReport:
+    """Read every declared added token from the runtime (string, flag, encode/decode, rows) and judge it.
+
+    Rows are compared with the checkpoint's (:func:`checkpoint_rows`) within ``2 u32 |row|`` per
+    value (Q4_1 dequantization is one float32 multiply and one add; float32 checkpoints are exact).
+
+    Source: M3.8 0x08 ("added token rows exist and were initialized/adapted as intended").
+    """
+    declared = declared_added_tokens(name)
+    ids = [t.id for t in declared]
+    want_embed, want_head = checkpoint_rows(name, ids)
+    embed = model.model.embed_tokens.weight.detach().double().cpu().numpy()
+    head = model.lm_head.weight.detach().double().cpu().numpy()
+    u = float(np.finfo(np.float32).eps) / 2
+    special = {int(i) for i in tokenizer.special_ids}
+    observed: dict[int, AddedTokenObservation] = {}
+    for k, tok in enumerate(declared):
+        if tok.id >= int(tokenizer.vocab_size):
+            continue
+        content = tokenizer.id_to_token(tok.id)
+
+        def error(rows: np.ndarray, want: np.ndarray, i: int = tok.id) -> float | None:
+            if i >= rows.shape[0] or rows.shape[1] != want.shape[0]:
+                return None
+            err, bound = np.abs(rows[i] - want), 2 * u * np.abs(want)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                return float(np.max(np.where(err == 0, 0.0, err / bound)))
+
+        observed[tok.id] = AddedTokenObservation(
+            content=content, special=tok.id in special,
+            encodes_to=tuple(int(x) for x in tokenizer.encode(tok.content)) if tok.text_form else None,
+            decodes_to=tokenizer.decode([tok.id], skip_special_tokens=False) if tok.text_form else None,
+            embedding_row_error=error(embed, want_embed[k]), output_row_error=error(head, want_head[k]),
+            row_zero=tok.id < embed.shape[0] and not np.any(embed[tok.id]))
+    return AddedTokenReport(declared, observed, added_token_violations(declared, observed, special))
+
+
+def _added_rows_reinitialized(model: Any) -> Any:
+    """Failure lab: a loader that resizes the vocabulary re-initializes the special tokens' rows with the mean row."""
+    import torch
+
+    embed = model.model.embed_tokens.weight
+    with torch.no_grad():
+        embed[:3] = embed.mean(dim=0, keepdim=True)  # the tiny model's specials, ids 0-2 (tied: the head's rows too)
+    return model
+
+
+#: name -> (loader bug applied to a loaded model, section, title, statement); each is the rule ``mutant.<name>``.
+ADDED_TOKEN_MUTANTS: dict[str, tuple[Callable[[Any], Any], str, str, str]] = {
+    "vocab_added_rows_reinitialized": (
+        _added_rows_reinitialized, "M3.8 0x12 Vocabulary and tying bugs (item 26); 0x08 The vocabulary-axis identity contract",
+        "The added / special tokens' rows are re-initialized on load",
+        ("A resize-on-load writes the mean embedding row into the rows of <pad>, <bos> and <eos>: every count, size, id and "
+         "string is right and the ordered hash is unchanged, but the rows are not the checkpoint's. audit_added_tokens reports "
+         "row_differs for ids 0-2 (invariant.vocab_added_token_identity).")),
+}
+
+
+# -- the release bundle (M3.8 0x08 "Release and rollback ledger") ----------------------------------
+
+def loaded_bundle(name: str, model: Any, tokenizer: Any, version: str, *, migration: Any = None,
+                  parent: str | None = None) -> ReleaseBundle:
+    """The :class:`~decodespec.spec.vocab.ReleaseBundle` of the artifacts loaded now.
+
+    Parts: the checkpoint file's SHA-256 (the GGUF the model was loaded from), the tokenizer's
+    program hash (``program_sha256``) and ordered vocabulary hash (``vocab_hash``), its table size
+    and special ids, its special tokens as ``(id, string, True)``, the model's embedding and output
+    rows, ``config.vocab_size`` and the tie (Parameter identity).
+    """
+    from decodespec.impl.gguf import file_sha256
+
+    from .reference.files import gguf_path
+
+    special = sorted(int(i) for i in tokenizer.special_ids)
+    return ReleaseBundle(
+        version=version, checkpoint_sha256=file_sha256(gguf_path(name)), tokenizer_sha256=tokenizer.program_sha256,
+        vocab_hash=tokenizer.vocab_hash, table_size=int(tokenizer.vocab_size),
+        special_ids={"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id,
+                     "unk": tokenizer.unk_token_id},
+        added_tokens=[(i, tokenizer.id_to_token(i), True) for i in special],
+        embedding_rows=int(model.model.embed_tokens.weight.shape[0]), output_rows=int(model.lm_head.weight.shape[0]),
+        config_vocab_size=int(model.config.vocab_size),
+        tie="tied" if model.lm_head.weight is model.model.embed_tokens.weight else "untied",
+        migration=migration, parent=parent)
 
 
 # -- migration ------------------------------------------------------------------------------------

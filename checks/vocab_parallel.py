@@ -36,7 +36,17 @@ import numpy as np
 from decodespec.spec import vocab_parallel as ref
 from decodespec.spec.policy.scores import softmax
 
-__all__ = ["RankRunTimeout", "VocabCase", "case_inputs", "compare", "reference", "run_check", "run_ranks"]
+__all__ = [
+    "RankRunTimeout",
+    "VocabCase",
+    "case_inputs",
+    "compare",
+    "read_rank_results",
+    "reference",
+    "run_check",
+    "run_ranks",
+    "start_ranks",
+]
 
 EPS = float(np.finfo(np.float64).eps)
 
@@ -82,7 +92,7 @@ def case_inputs(case: VocabCase) -> dict[str, np.ndarray]:
     return {"hidden": hidden, "weight": weight, "targets": targets, "ties": ties, "probs": probs, "u": u}
 
 
-def _worker(rank: int, world: int, init_file: str, case_json: str, out_dir: str, mutant: str | None, timeout_s: float) -> None:
+def _worker(rank: int, world: int, init_file: str, case_json: str, out_dir: str, timeout_s: float, mutant: str | None) -> None:
     import torch
     import torch.distributed as dist
 
@@ -122,12 +132,15 @@ def _worker(rank: int, world: int, init_file: str, case_json: str, out_dir: str,
         dist.destroy_process_group()
 
 
-def run_ranks(ranks: int, case: VocabCase = SMALL, *, mutant: str | None = None, deadline_s: float = 120.0) -> list[dict[str, Any]]:
-    """Run the case on ``ranks`` processes; each rank's results (``numpy`` arrays and ``telemetry``).
+def start_ranks(worker: Any, args: tuple[Any, ...], ranks: int, *, deadline_s: float, spawn_args: tuple[Any, ...] = ()) -> None:
+    """Run ``worker(rank, *args, *extra)`` on ``ranks`` processes and wait for all of them, within ``deadline_s``.
+
+    ``extra`` is ``spawn_args`` when the ranks are spawned (fresh interpreters: e.g. the mutant to
+    install again) and ``(None,) * len(spawn_args)`` when they are forked (they inherit it).
 
     Raises:
         RankRunTimeout: the ranks did not all finish within ``deadline_s`` (every rank is killed).
-        RuntimeError: a rank raised (its traceback is in the message) or exited without results.
+        RuntimeError: a rank raised (its traceback is in the message) or exited abnormally.
     """
     import torch
     import torch.multiprocessing as mp
@@ -140,33 +153,53 @@ def run_ranks(ranks: int, case: VocabCase = SMALL, *, mutant: str | None = None,
     # deadline).  Spawned ranks re-install the mutant.
     forkable = not torch.cuda.is_initialized() and "fork" in mp.get_all_start_methods() and torch.get_num_threads() == 1
     method = "fork" if forkable else "spawn"
+    extra = spawn_args if method == "spawn" else (None,) * len(spawn_args)
+    ctx = mp.start_processes(worker, args=(*args, *extra), nprocs=ranks, join=False, start_method=method)
+    end = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=max(0.1, min(1.0, end - time.monotonic()))):
+            if time.monotonic() > end:
+                raise RankRunTimeout(f"{ranks} ranks did not finish within {deadline_s:.0f} s")
+    except mp.ProcessRaisedException as exc:
+        raise RuntimeError(f"a rank raised: {str(exc)[-2000:]}") from None
+    except mp.ProcessExitedException as exc:
+        raise RuntimeError(f"a rank exited: {exc}") from None
+    finally:
+        for process in ctx.processes:
+            if process.is_alive():
+                process.kill()
+
+
+def run_ranks(ranks: int, case: VocabCase = SMALL, *, mutant: str | None = None, deadline_s: float = 120.0) -> list[dict[str, Any]]:
+    """Run the case on ``ranks`` processes; each rank's results (``numpy`` arrays and ``telemetry``).
+
+    Raises:
+        RankRunTimeout: the ranks did not all finish within ``deadline_s`` (every rank is killed).
+        RuntimeError: a rank raised (its traceback is in the message) or exited without results.
+    """
     with tempfile.TemporaryDirectory(prefix="decodespec-vp-") as tmp:
-        ctx = mp.start_processes(_worker, args=(ranks, os.path.join(tmp, "store"), json.dumps(attrs.asdict(case)), tmp,
-                                                mutant if method == "spawn" else None, max(5.0, deadline_s / 2)),
-                                 nprocs=ranks, join=False, start_method=method)
-        end = time.monotonic() + deadline_s
-        try:
-            while not ctx.join(timeout=max(0.1, min(1.0, end - time.monotonic()))):
-                if time.monotonic() > end:
-                    raise RankRunTimeout(f"{ranks} ranks did not finish within {deadline_s:.0f} s")
-        except mp.ProcessRaisedException as exc:
-            raise RuntimeError(f"a rank raised: {str(exc)[-2000:]}") from None
-        except mp.ProcessExitedException as exc:
-            raise RuntimeError(f"a rank exited: {exc}") from None
-        finally:
-            for process in ctx.processes:
-                if process.is_alive():
-                    process.kill()
-        out = []
-        for r in range(ranks):
-            path = Path(tmp) / f"rank{r}.npz"
-            if not path.is_file():
-                raise RuntimeError(f"rank {r} wrote no results")
-            with np.load(path) as data:
-                result = {k: data[k] for k in data.files}
+        start_ranks(_worker, (ranks, os.path.join(tmp, "store"), json.dumps(attrs.asdict(case)), tmp, max(5.0, deadline_s / 2)),
+                    ranks, deadline_s=deadline_s, spawn_args=(mutant,))
+        out = read_rank_results(tmp, ranks)
+        for r, result in enumerate(out):
             result["telemetry"] = json.loads((Path(tmp) / f"rank{r}.json").read_text())
-            out.append(result)
         return out
+
+
+def read_rank_results(folder: str, ranks: int) -> list[dict[str, Any]]:
+    """Each rank's ``rank<r>.npz`` in ``folder`` as a dict of arrays.
+
+    Raises:
+        RuntimeError: a rank wrote no results.
+    """
+    out = []
+    for r in range(ranks):
+        path = Path(folder) / f"rank{r}.npz"
+        if not path.is_file():
+            raise RuntimeError(f"rank {r} wrote no results")
+        with np.load(path) as data:
+            out.append({k: data[k] for k in data.files})
+    return out
 
 
 def reference(ranks: int, case: VocabCase) -> dict[str, Any]:

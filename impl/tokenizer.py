@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from decodespec.spec.errors import Rejection
+from decodespec.spec.vocab import vocab_table_hash
 
 from .gguf import UNSUPPORTED_ARCHITECTURE, read_metadata
 
@@ -52,7 +53,55 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs)))
 
 
-class GGUFTokenizer:
+class _OrderedTable:
+    """The ordered vocabulary table and its identity, shared by the two tokenizers.
+
+    ``vocab_hash`` is :func:`decodespec.spec.vocab.vocab_table_hash` -- the one definition of
+    the vocabulary identity (M3.8 0x08) -- of :meth:`vocab_table`; ``sha256`` is its older name
+    (what the request envelope's ``text_interface.tokenizer_sha256`` states).
+    """
+
+    vocab_size: int
+    special_ids: frozenset[int]
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    unk_token_id: int | None
+
+    def token_bytes(self, token_id: int) -> bytes:  # pragma: no cover - each tokenizer defines it
+        raise NotImplementedError
+
+    def id_to_token(self, token_id: int) -> str:  # pragma: no cover - each tokenizer defines it
+        raise NotImplementedError
+
+    def vocab_table(self) -> tuple[list[bytes], dict[str, int | None], list[int]]:
+        """``(tokens [V], specials, control ids)``: ``tokens[i]`` is ``token_bytes(i)``, a control token's own text.
+
+        Specials are ``bos/eos/pad/unk`` -> id or ``None``.
+        """
+        control = sorted(int(i) for i in self.special_ids)
+        ctrl = set(control)
+        tokens = [self.id_to_token(i).encode("utf-8") if i in ctrl else self.token_bytes(i) for i in range(self.vocab_size)]
+        specials = {"bos": self.bos_token_id, "eos": self.eos_token_id, "pad": self.pad_token_id, "unk": self.unk_token_id}
+        return tokens, specials, control
+
+    @property
+    def vocab_hash(self) -> str:
+        """The ordered vocabulary hash (``"sha256:<hex>"``) of :meth:`vocab_table`, computed once per table code."""
+        key = (type(self).token_bytes, type(self).id_to_token, self.vocab_size)
+        cached = self.__dict__.get("_vocab_hash")
+        if cached is None or cached[0] != key:
+            cached = (key, vocab_table_hash(*self.vocab_table()))
+            self.__dict__["_vocab_hash"] = cached
+        return str(cached[1])
+
+    @property
+    def sha256(self) -> str:
+        """Older name of :attr:`vocab_hash` (the envelope's ``text_interface.tokenizer_sha256``), read for compatibility."""
+        return self.vocab_hash
+
+
+class GGUFTokenizer(_OrderedTable):
     """Byte-level BPE tokenizer built from GGUF metadata.
 
     Attributes:
@@ -61,8 +110,12 @@ class GGUFTokenizer:
         special_ids: Ids of control tokens (never byte content; decoded to their text only when
             ``skip_special_tokens=False``).
         chat_template: The Jinja2 chat template string from the file.
-        sha256: Hash of the ordered token table, merges and special ids (the vocabulary
-            identity bound into the request envelope, M3.8 0x08).
+        vocab_hash / sha256: The ordered vocabulary hash (:func:`decodespec.spec.vocab.vocab_table_hash`
+            of :meth:`vocab_table`; the identity bound into the request envelope, M3.8 0x08).
+        program_sha256: Hash of the tokenizer as a program (spellings, merges, token types and
+            special ids): two tokenizers with one table and different merges split text apart.
+            Before the two hashes were unified it was ``sha256``; an envelope stating it is still
+            admitted (``decodespec generate``).
     """
 
     def __init__(self, metadata: dict[str, Any]):
@@ -121,7 +174,7 @@ class GGUFTokenizer:
         h.update(json.dumps({"tokens": tokens, "merges": merges, "types": token_types,
                              "special": [self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id]},
                             ensure_ascii=False).encode("utf-8"))
-        self.sha256 = "sha256:" + h.hexdigest()
+        self.program_sha256 = "sha256:" + h.hexdigest()
 
     # -- encoding ---------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -173,7 +226,7 @@ class GGUFTokenizer:
         )
 
 
-class ByteTokenizer:
+class ByteTokenizer(_OrderedTable):
     """A byte tokenizer for the tiny model: id = byte + ``NUM_SPECIAL``; ids 0..2 are PAD, BOS, EOS.
 
     ``vocab_size`` may exceed ``256 + NUM_SPECIAL``; the extra ids decode to no bytes.  It has
@@ -194,7 +247,7 @@ class ByteTokenizer:
         self.add_bos_token = True
         self.chat_template = None
         self.special_ids = frozenset({0, 1, 2})
-        self.sha256 = "sha256:" + hashlib.sha256(f"decodespec.byte-tokenizer.v1:{vocab_size}".encode()).hexdigest()
+        self.program_sha256 = "sha256:" + hashlib.sha256(f"decodespec.byte-tokenizer.v1:{vocab_size}".encode()).hexdigest()
 
     def encode(self, text: str) -> list[int]:
         """Ids of ``text``'s UTF-8 bytes (no BOS added)."""

@@ -57,6 +57,7 @@ __all__ = [
     "INVALID_INPUT",
     "NAN_LOGITS",
     "ROW_MAP_VIOLATIONS",
+    "SHARDED_TIE_VIOLATIONS",
     "TIED_VIOLATIONS",
     "TYING_VARIANT_VIOLATIONS",
     "UNIT_ROUNDOFF",
@@ -68,11 +69,13 @@ __all__ = [
     "LossSpec",
     "PrecisionPolicy",
     "RowMap",
+    "ShardedTieObservation",
     "Smoothing",
     "TyingLayout",
     "TyingObservation",
     "TyingVariant",
     "accumulation_violations",
+    "adam_first_update",
     "chunk_bounds",
     "chunked_loss",
     "criterion_accepts",
@@ -87,6 +90,7 @@ __all__ = [
     "row_losses",
     "row_map_from_labels",
     "row_map_violations",
+    "sharded_tie_violations",
     "target_distribution",
     "tied_gradient",
     "tiled_loss",
@@ -899,6 +903,115 @@ def tied_gradient(token_ids: Any, grad_in: Any, grad_logits: Any, hidden: Any, v
     input_part = np.zeros((vocab_size, gin.shape[1]))
     np.add.at(input_part, ids, gin)  # scatter-add: repeated ids accumulate
     return input_part, g.T @ h
+
+
+# -- 0x09: a sharded optimizer keeps the tie ------------------------------------------------------
+
+#: The named ways a sharded optimizer breaks a tied table (:func:`sharded_tie_violations`).
+SHARDED_TIE_VIOLATIONS: dict[str, str] = {
+    "alias_lost": "declared tied, but on some rank the head is no longer the embedding's Parameter (a loader materialized two)",
+    "no_owner": "no rank's optimizer shard holds the shared table: it is never updated",
+    "duplicate_entry": "one rank's shard holds the shared table (or its copy) more than once",
+    "split_owners": "the shared table (or its two halves, embedding and head) is owned by more than one rank",
+    "duplicate_state": "the shared table has more than one optimizer state over all ranks",
+    "gradient_not_once": "the table's gradient is not the input scatter plus the classifier term, accumulated once",
+    "update_not_one_step": "after one step the table is not one Adam step of that gradient from its old value",
+    "replicas_diverge": "after the step the ranks hold different tables",
+}
+
+
+@attrs.frozen
+class ShardedTieObservation:
+    """What each rank of a sharded optimizer holds for a tied table, as plain facts (read from torch by the checker).
+
+    Attributes:
+        declared_tied: The checkpoint configuration's ``tie_word_embeddings``.
+        alias: ``[R]``: per rank, ``lm_head.weight is embed_tokens.weight``.
+        entries: ``[R]``: per rank, parameter-group entries of its *local* optimizer shard that
+            are the embedding or the head Parameter (a duplicate counts twice).
+        states: ``[R]``: per rank, local optimizer states over those Parameters after the step.
+        grad_error: ``max |dE_observed - (input part + output part)| / bound`` over ranks and
+            rows (``<= 1`` keeps :func:`tied_gradient`; the checker derives the bound).
+        update_error: ``max |E_after - adam_first_update(E_before, dE)| / bound`` (``<= 1``: one step).
+        replicas_agree: Every rank holds the same table after the step.
+
+    Source: M3.8 0x09 ("Distributed and sharded optimizers must preserve that identity").
+    """
+
+    declared_tied: bool
+    alias: tuple[bool, ...]
+    entries: tuple[int, ...]
+    states: tuple[int, ...]
+    grad_error: float
+    update_error: float
+    replicas_agree: bool
+
+
+def adam_first_update(weight: Any, grad: Any, lr: float, eps: float = 1e-8) -> np.ndarray:
+    """``W - lr * g / (|g| + eps)``: one Adam step from zero moments, bias-corrected (float64).
+
+    With ``m_1 = (1 - b1) g`` and ``v_1 = (1 - b2) g^2`` the bias corrections give ``m_hat = g``,
+    ``v_hat = g^2`` for any ``b1, b2``; a table stepped twice (two optimizer entries on one rank)
+    moves by about ``2 lr``.
+
+    Args:
+        weight: ``[V, d]`` the table before the step.  grad: ``[V, d]`` its gradient.
+        lr: Learning rate (> 0).  eps: Adam's ``eps``.
+
+    Raises:
+        Rejection: ``head.invalid_input`` when the shapes differ or ``lr <= 0``.
+
+    Source: Kingma and Ba, Adam (Algorithm 1, first iteration); M3.8 0x09 (one optimizer state).
+    """
+    w = _matrix(weight, "weight", 2)
+    g = _matrix(grad, "grad", 2)
+    if w.shape != g.shape or not lr > 0:
+        raise Rejection(INVALID_INPUT, f"weight {w.shape} and grad {g.shape} must agree and lr > 0 (got {lr})", "$.grad")
+    out: np.ndarray = w - lr * g / (np.abs(g) + eps)
+    return out
+
+
+@rule(
+    "invariant.head_tied_sharded_owner",
+    title="A sharded optimizer keeps a tied table one Parameter, one owner, one state, one accumulated gradient",
+    section=S09 + " (Distributed and sharded optimizers must preserve that identity)",
+    statement="When optimizer state is sharded over R ranks (ZeroRedundancyOptimizer, or a plain partition of the parameters), "
+    "a declared tie stays one Parameter on every rank, which is one entry of exactly one rank's shard with exactly one "
+    "optimizer state; its gradient is the input scatter plus the classifier term accumulated once (invariant."
+    "head_tied_gradient_accumulates), one step moves it by one Adam update of that gradient, and every rank holds the same "
+    "table afterwards. A sharder that registers the table twice (two states, or the embedding and head halves split across "
+    "ranks) is refused (failure lab 0x12 items 31, 56).",
+)
+def sharded_tie_violations(obs: ShardedTieObservation) -> tuple[str, ...]:
+    """The names (:data:`SHARDED_TIE_VIOLATIONS`) of every way ``obs`` breaks the tie under sharding; empty when it keeps it.
+
+    Returns:
+        Violation names, in the order of :data:`SHARDED_TIE_VIOLATIONS`.
+
+    Source: M3.8 0x09 "Distributed and sharded optimizers must preserve that identity. Registering two
+    independently sharded parameters that happen to begin with equal values does not reproduce one shared
+    parameter with one accumulated gradient and one optimizer state"; 0x08 step 6.
+    """
+    out: list[str] = []
+    if obs.declared_tied and not all(obs.alias):
+        out.append("alias_lost")
+    owners = [r for r, n in enumerate(obs.entries) if n > 0]
+    tables = 1 if obs.declared_tied else 2  # untied: embedding and head are two Parameters, each owned once
+    if not owners:
+        out.append("no_owner")
+    if any(n > tables for n in obs.entries) or sum(obs.entries) > tables and len(owners) == 1:
+        out.append("duplicate_entry")
+    if obs.declared_tied and len(owners) > 1:
+        out.append("split_owners")
+    if sum(obs.states) > tables:
+        out.append("duplicate_state")
+    if not obs.grad_error <= 1.0:
+        out.append("gradient_not_once")
+    if not obs.update_error <= 1.0:
+        out.append("update_not_one_step")
+    if not obs.replicas_agree:
+        out.append("replicas_diverge")
+    return tuple(out)
 
 
 # -- 0x04: the declared accumulation dtype and the error bound it implies ---------------------

@@ -50,20 +50,30 @@ from decodespec.spec.errors import Rejection, register_code
 from decodespec.spec.rules import rule
 
 __all__ = [
+    "ADDED_TOKEN_VIOLATIONS",
     "AUDIT_VIOLATIONS",
+    "BUNDLE_FORMAT",
+    "BUNDLE_PARTS",
+    "INVALID_BUNDLE",
     "INVALID_MAP",
     "INVALID_TABLE",
     "MIGRATION_VIOLATIONS",
     "NEW_ROW_INITS",
     "SPECIAL_NAMES",
+    "TIE_MODES",
     "VOCAB_FORMAT",
+    "AddedToken",
+    "AddedTokenObservation",
     "AppendDrift",
     "MigrationObservation",
     "NewRowInit",
+    "ReleaseBundle",
     "VocabAudit",
     "VocabMap",
+    "added_token_violations",
     "append_drift",
     "audit_violations",
+    "bundle_violations",
     "mapped_logit_gap",
     "migrate_rows",
     "migrate_state",
@@ -277,6 +287,118 @@ def audit_violations(audit: VocabAudit) -> tuple[str, ...]:
     if not audit.vocab_hash:
         out.append("no_vocab_hash")
     return tuple(out)
+
+
+# -- added tokens on identity --------------------------------------------------------------------------
+
+@attrs.frozen
+class AddedToken:
+    """One added or special token as the checkpoint declares it (M3.8 0x08 "added token rows exist").
+
+    Attributes:
+        id: Its token id.
+        content: Its text (a control token's own spelling, e.g. ``"<|im_start|>"``).
+        special: A control token (skipped by ``skip_special_tokens``, never split by BPE).
+        text_form: Whether the tokenizer parses ``content`` back to ``id`` (``False`` for a
+            tokenizer whose specials have no text form, e.g. the tiny byte tokenizer).
+    """
+
+    id: int
+    content: str
+    special: bool
+    text_form: bool = True
+
+
+@attrs.frozen
+class AddedTokenObservation:
+    """What a runtime holds for one added token, read by the checker.
+
+    Attributes:
+        content: The runtime tokenizer's string for the id (``id_to_token``), ``None`` if it has none.
+        special: Whether the runtime marks the id special (control).
+        encodes_to: ``encode(content)`` of the runtime (``None``: not asked, no text form).
+        decodes_to: ``decode([id], skip_special_tokens=False)`` (``None``: not asked).
+        embedding_row_error / output_row_error: ``max |runtime row - checkpoint row| / bound`` of
+            the id's input-embedding and output-head rows (``None``: the runtime has no such row;
+            ``<= 1``: the checkpoint's row).
+        row_zero: The runtime's embedding row is all zeros (never initialized).
+    """
+
+    content: str | None
+    special: bool
+    encodes_to: tuple[int, ...] | None = None
+    decodes_to: str | None = None
+    embedding_row_error: float | None = None
+    output_row_error: float | None = None
+    row_zero: bool = False
+
+
+#: The named ways an added token loses its identity (:func:`added_token_violations`).
+ADDED_TOKEN_VIOLATIONS: dict[str, str] = {
+    "missing": "a declared added / special token is not an added token of the runtime",
+    "undeclared": "the runtime marks an id special that the checkpoint does not declare",
+    "string_differs": "the runtime's string for the id is not the declared one (id -> string)",
+    "special_flag_differs": "the runtime's special flag differs from the declaration",
+    "encode_not_id": "the runtime does not encode the token's text to exactly its id (string -> id)",
+    "decode_not_string": "the runtime does not decode the id to the token's text",
+    "no_row": "the id has no input-embedding or output-head row (failure lab 0x12 item 26)",
+    "row_differs": "the id's embedding or head row is not the checkpoint's (re-initialized or moved)",
+    "row_zero": "the id's embedding row is all zeros (never initialized)",
+}
+
+
+@rule(
+    "invariant.vocab_added_token_identity",
+    title="Added and special tokens keep their identity: id <-> string, special flag and rows",
+    section=S08 + " (added token rows exist and were initialized/adapted as intended)",
+    statement="Every added or special token the checkpoint declares is an added token of the runtime with the same string "
+    "for its id, the same special flag, its text encoding to exactly its id and its id decoding to its text (where the "
+    "tokenizer gives specials a text form), and an input-embedding and output-head row that are the checkpoint's rows "
+    "(not zero, not re-initialized); the runtime marks no other id special. Values alone (counts, sizes) prove none of "
+    "this (failure lab 0x12 items 25, 26).",
+)
+def added_token_violations(declared: Sequence[AddedToken], observed: Mapping[int, AddedTokenObservation],
+                           runtime_special: Iterable[int] = ()) -> tuple[tuple[int, str], ...]:
+    """Every ``(id, violation name)`` (:data:`ADDED_TOKEN_VIOLATIONS`) of the runtime's added tokens; empty when all keep their identity.
+
+    Args:
+        declared: The checkpoint's added / special tokens.
+        observed: ``{id: observation}`` for each declared id the runtime knows (absent: ``missing``).
+        runtime_special: Every id the runtime marks special.
+
+    Returns:
+        ``(id, name)`` pairs in id order, names in the order of :data:`ADDED_TOKEN_VIOLATIONS`.
+
+    Source: M3.8 0x08 ("special token IDs agree with model configuration", "added token rows exist
+    and were initialized/adapted as intended", "Equal row counts do not prove equal vocabulary
+    semantics").
+    """
+    order = list(ADDED_TOKEN_VIOLATIONS)
+    out: list[tuple[int, str]] = []
+    known = {t.id for t in declared}
+    for tok in sorted(declared, key=lambda t: t.id):
+        obs = observed.get(tok.id)
+        if obs is None:
+            out.append((tok.id, "missing"))
+            continue
+        bad = []
+        if obs.content != tok.content:
+            bad.append("string_differs")
+        if obs.special != tok.special:
+            bad.append("special_flag_differs")
+        if tok.text_form and obs.encodes_to is not None and obs.encodes_to != (tok.id,):
+            bad.append("encode_not_id")
+        if tok.text_form and obs.decodes_to is not None and obs.decodes_to != tok.content:
+            bad.append("decode_not_string")
+        if obs.embedding_row_error is None or obs.output_row_error is None:
+            bad.append("no_row")
+        elif not (obs.embedding_row_error <= 1.0 and obs.output_row_error <= 1.0):
+            bad.append("row_differs")
+        if obs.row_zero:
+            bad.append("row_zero")
+        out.extend((tok.id, name) for name in sorted(bad, key=order.index))
+    out.extend((int(i), "undeclared") for i in sorted({int(i) for i in runtime_special} - known))
+    return tuple(sorted(out, key=lambda p: (p[0], order.index(p[1]))))
 
 
 # -- migration ---------------------------------------------------------------------------------------
@@ -818,4 +940,194 @@ def transaction_violations(before: MigrationSnapshot, after: MigrationSnapshot) 
         out.append("config_changed")
     if (before.optimizer_params, before.optimizer_state) != (after.optimizer_params, after.optimizer_state):
         out.append("optimizer_changed")
+    return tuple(out)
+
+
+# -- 0x08: the versioned release bundle ------------------------------------------------------------
+
+INVALID_BUNDLE = register_code(
+    "vocab.invalid_bundle", "rejection", "M3.8 0x08 Release and rollback ledger",
+    "A release bundle is not a JSON object of the declared format, or one of its parts has the wrong type.",
+)
+#: The format tag of a release bundle manifest.
+BUNDLE_FORMAT = "decodespec.release.v1"
+#: The tie modes a bundle may state.
+TIE_MODES = ("tied", "untied")
+#: The parts of a bundle, in the order they are compared and named.
+BUNDLE_PARTS = ("version", "checkpoint_sha256", "tokenizer_sha256", "vocab_hash", "table_size", "special_ids", "added_tokens",
+                "embedding_rows", "output_rows", "config_vocab_size", "tie", "migration", "parent")
+
+
+def _bundle_str(v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise Rejection(INVALID_BUNDLE, f"expected a non-empty string, got {v!r}", "$")
+    return v
+
+
+def _bundle_opt_str(v: Any) -> str | None:
+    return None if v is None else _bundle_str(v)
+
+
+def _bundle_added(v: Any) -> tuple[tuple[int, str, bool], ...]:
+    try:
+        return tuple((int(i), str(c), bool(s)) for i, c, s in v)
+    except (TypeError, ValueError):
+        raise Rejection(INVALID_BUNDLE, "added_tokens must be [id, content, special] triples", "$.added_tokens") from None
+
+
+def _bundle_migration(v: Any) -> VocabMap | None:
+    if v is None or isinstance(v, VocabMap):
+        return v
+    try:
+        return VocabMap.create(int(v["old_size"]), int(v["new_size"]), [(int(a), int(b)) for a, b in v["pairs"]])
+    except (TypeError, KeyError, ValueError):
+        raise Rejection(INVALID_BUNDLE, "migration must be a map manifest {old_size, new_size, pairs}", "$.migration") from None
+
+
+def _bundle_tie(v: Any) -> str:
+    if v not in TIE_MODES:
+        raise Rejection(INVALID_BUNDLE, f"tie must be one of {TIE_MODES}, got {v!r}", "$.tie")
+    return str(v)
+
+
+def _bundle_specials(v: Any) -> dict[str, int | None]:
+    if not isinstance(v, Mapping) or set(v) - set(SPECIAL_NAMES):
+        raise Rejection(INVALID_BUNDLE, f"special_ids must map {list(SPECIAL_NAMES)} to ids", "$.special_ids")
+    return {k: None if v.get(k) is None else int(v[k]) for k in SPECIAL_NAMES}
+
+
+def _bundle_count(v: Any) -> int:
+    return _count(v, "bundle row count")
+
+
+@attrs.frozen(eq=False)
+class ReleaseBundle:
+    """One versioned release of the vocabulary axis: every part that must move together (M3.8 0x08 "Release and rollback ledger").
+
+    Attributes:
+        version: The release's name and version (e.g. ``"smollm2-135m-instruct-q4_1@1"``).
+        checkpoint_sha256: The checkpoint file's SHA-256 (model rows and bias).
+        tokenizer_sha256: The tokenizer as a program (spellings, merges, types, specials:
+            ``tokenizer.program_sha256``): one ordered table can be split by two merge lists.
+        vocab_hash: The ordered vocabulary hash (:func:`vocab_table_hash`).
+        table_size: Entries of the ordered table (``V_tok``).
+        special_ids: ``bos/eos/pad/unk`` -> id or ``None``.
+        added_tokens: ``(id, content, special)`` of every added / special token.
+        embedding_rows, output_rows: Rows of the input embedding and of the output head.
+        config_vocab_size: The configuration's ``vocab_size``.
+        tie: ``"tied"`` (one Parameter) or ``"untied"``.
+        migration: The map (:class:`VocabMap`) that made this release's rows from its parent's,
+            or ``None`` (a first release).
+        parent: The :meth:`digest` of the previous release bundle -- the rollback target, restored
+            whole, never an inverse permutation -- or ``None``.
+    """
+
+    version: str = attrs.field(converter=_bundle_str)
+    checkpoint_sha256: str = attrs.field(converter=_bundle_str)
+    tokenizer_sha256: str = attrs.field(converter=_bundle_str)
+    vocab_hash: str = attrs.field(converter=_bundle_str)
+    table_size: int = attrs.field(converter=_bundle_count)
+    special_ids: dict[str, int | None] = attrs.field(converter=_bundle_specials)
+    added_tokens: tuple[tuple[int, str, bool], ...] = attrs.field(converter=_bundle_added)
+    embedding_rows: int = attrs.field(converter=_bundle_count)
+    output_rows: int = attrs.field(converter=_bundle_count)
+    config_vocab_size: int = attrs.field(converter=_bundle_count)
+    tie: str = attrs.field(converter=_bundle_tie)
+    migration: VocabMap | None = attrs.field(default=None, converter=_bundle_migration)
+    parent: str | None = attrs.field(default=None, converter=_bundle_opt_str)
+
+    def part(self, name: str) -> Any:
+        """The JSON value of part ``name`` (one of :data:`BUNDLE_PARTS`)."""
+        value = getattr(self, name)
+        if name == "migration":
+            return None if value is None else value.to_json()
+        if name == "added_tokens":
+            return [list(t) for t in value]
+        return dict(value) if name == "special_ids" else value
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest: ``{"format": BUNDLE_FORMAT, <part>: value, ...}``."""
+        return {"format": BUNDLE_FORMAT, **{name: self.part(name) for name in BUNDLE_PARTS}}
+
+    def digest(self) -> str:
+        """``"sha256:<hex>"`` of the canonical manifest (sorted keys, no spaces, UTF-8): what a child's ``parent`` names."""
+        data = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        return "sha256:" + hashlib.sha256(data).hexdigest()
+
+    @classmethod
+    def from_json(cls, obj: Any) -> ReleaseBundle:
+        """Parse a manifest.
+
+        Raises:
+            Rejection: ``vocab.invalid_bundle`` for another format, a missing or mistyped part.
+        """
+        if not isinstance(obj, Mapping) or obj.get("format") != BUNDLE_FORMAT:
+            raise Rejection(INVALID_BUNDLE, f"a release bundle is a JSON object with format {BUNDLE_FORMAT!r}", "$.format")
+        required = [p for p in BUNDLE_PARTS if p not in ("migration", "parent")]
+        missing = [p for p in required if p not in obj]
+        if missing:
+            raise Rejection(INVALID_BUNDLE, f"the bundle lacks {missing}", f"$.{missing[0]}")
+        return cls(**{p: obj[p] for p in BUNDLE_PARTS if p in obj})
+
+
+@rule(
+    "invariant.vocab_release_bundle",
+    title="A release bundle binds tokenizer, ordered table, rows, config, tie and map under one version; parts that disagree are refused",
+    section="M3.8 0x08 Release and rollback ledger",
+    statement="A release is one versioned bundle of the tokenizer (its program hash), the ordered vocabulary hash, the table "
+    "size, the special and added tokens, the embedding and output rows, the config vocab_size, the tie mode, the migration "
+    "map from its parent and the parent's digest (the rollback target). Its parts must agree with each other (output rows = "
+    "embedding rows = config vocab_size >= table size; added and special ids inside the table; a tied release has one row "
+    "count; the map's new size is the output rows) and with the loaded artifacts, part by part; a bundle whose parts "
+    "disagree is refused naming the part.",
+)
+def bundle_violations(bundle: ReleaseBundle, loaded: ReleaseBundle | None = None) -> tuple[tuple[str, str], ...]:
+    """Every ``(part, reason)`` where ``bundle`` disagrees with itself or with ``loaded`` (what the artifacts are now).
+
+    Args:
+        bundle: The release manifest.
+        loaded: The same parts read from the loaded tokenizer, model and checkpoint (its
+            ``version``, ``migration`` and ``parent`` are not compared: the loaded artifacts
+            carry none), or ``None`` to check the bundle's own consistency only.
+
+    Returns:
+        ``(part, reason)`` pairs; internal disagreements first, then the parts in
+        :data:`BUNDLE_PARTS` order.
+
+    Source: M3.8 0x08 "Release and rollback ledger" (tokenizer and ordered table: deterministic ID
+    table hash; model rows; tied aliases; "Release tokenizer, model, optimizer, policy, and
+    mapping manifests as one versioned bundle"; "Reliable rollback restores the complete previous
+    release bundle").
+    """
+    out: list[tuple[str, str]] = []
+    b = bundle
+    if b.embedding_rows != b.output_rows:
+        out.append(("embedding_rows", f"{b.embedding_rows} embedding rows but {b.output_rows} output rows"
+                    + (" in a tied release (one table)" if b.tie == "tied" else "")))
+    if b.config_vocab_size != b.output_rows:
+        out.append(("config_vocab_size", f"config vocab_size {b.config_vocab_size} but {b.output_rows} output rows"))
+    if b.table_size > b.output_rows:
+        out.append(("table_size", f"{b.table_size} table entries but only {b.output_rows} output rows"))
+    for tid, content, _special in b.added_tokens:
+        if not 0 <= tid < b.table_size:
+            out.append(("added_tokens", f"added token {content!r} has id {tid} outside the table [0, {b.table_size})"))
+            break
+    if any(v is not None and not 0 <= v < b.table_size for v in b.special_ids.values()):
+        out.append(("special_ids", f"a special id lies outside the table [0, {b.table_size})"))
+    if b.migration is not None and b.migration.new_size != b.output_rows:
+        out.append(("migration", f"the map makes {b.migration.new_size} rows but the release has {b.output_rows}"))
+    if loaded is not None:
+        for name in BUNDLE_PARTS:
+            if name in ("version", "migration", "parent"):
+                continue
+            want, got = b.part(name), loaded.part(name)
+            if want == got:
+                continue
+            if isinstance(want, list) and isinstance(got, list):
+                k = next((i for i, (x, y) in enumerate(zip(want, got)) if x != y), min(len(want), len(got)))
+                x = want[k] if k < len(want) else "nothing"
+                y = got[k] if k < len(got) else "nothing"
+                out.append((name, f"entry {k}: the bundle states {x!r}, the loaded artifacts have {y!r}"))
+            else:
+                out.append((name, f"the bundle states {want!r}, the loaded artifacts have {got!r}"))
     return tuple(out)

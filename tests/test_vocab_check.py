@@ -177,7 +177,8 @@ def test_the_new_mutants_are_in_the_failure_lab():
               "mutant.vocab_bias_not_migrated": "output head", "mutant.head_chunk_mean": "output head",
               "mutant.head_valid_count_all_rows": "output head", "mutant.head_smoothing_non_target": "output head",
               "mutant.head_ignored_rows_trained": "output head", "mutant.head_bias_gradient_dropped": "output head",
-              "mutant.head_copy_not_tie": "output head"}
+              "mutant.head_copy_not_tie": "output head", "mutant.head_shard_duplicate_tie": "output head",
+              "mutant.head_shard_alias_split": "output head", "mutant.vocab_added_rows_reinitialized": "output head"}
     for rid, group in groups.items():
         m = MUTANTS[rid.removeprefix("mutant.")]
         assert rid in RULES and m.group == group and (m.checker is not None) == (group == "output head"), rid

@@ -81,6 +81,7 @@ __all__ = [
     "hf_model",
     "hf_tiny",
     "hf_tokenizer",
+    "hf_vocab_table",
     "register_custom_cases",
 ]
 
@@ -279,6 +280,33 @@ def constraint_fn(config: CaseConfig):
     return allowed
 
 
+@functools.lru_cache(maxsize=2)
+def hf_vocab_table(name: str) -> tuple[tuple[bytes, ...], dict[str, int | None], tuple[int, ...]] | None:
+    """HF's ordered vocabulary table of model ``name`` from its own tokenizer, or ``None`` (the tiny model has no HF tokenizer).
+
+    ``tokens[i]``: the bytes id ``i`` stands for -- ``convert_ids_to_tokens`` spellings decoded with
+    HF's byte-level map (``transformers.convert_slow_tokenizer.bytes_to_unicode``), a special
+    added token's own text (``added_tokens_decoder[i].special``); specials are the tokenizer's
+    ``bos/eos/pad/unk_token_id``.  Hashed by :func:`~decodespec.checks.adapters.peer.peer_vocab_hash`.
+
+    Source: transformers 5.24.0 ``tokenization_utils_base.py`` (``convert_ids_to_tokens``,
+    ``added_tokens_decoder``), ``convert_slow_tokenizer.py`` (``bytes_to_unicode``); M3.8 0x08.
+    """
+    tok = hf_tokenizer(name)
+    if tok is None:
+        return None
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    decoder = {c: b for b, c in bytes_to_unicode().items()}
+    control = tuple(sorted(int(i) for i, t in tok.added_tokens_decoder.items() if t.special))
+    ctrl = set(control)
+    spellings = tok.convert_ids_to_tokens(list(range(len(tok))))
+    tokens = tuple(s.encode("utf-8") if i in ctrl or not set(s) <= decoder.keys() else bytes(decoder[c] for c in s)
+                   for i, s in enumerate(spellings))
+    specials = {"bos": tok.bos_token_id, "eos": tok.eos_token_id, "pad": tok.pad_token_id, "unk": tok.unk_token_id}
+    return tokens, specials, control
+
+
 class HFEngine:
     """HF's generation loop, one contract call at a time (see the module docstring)."""
 
@@ -339,6 +367,10 @@ class HFEngine:
         self.cache, self.context_cap = cache, context_cap
         if config.seed is not None and gen.do_sample:
             torch.manual_seed(config.seed)  # HF's convention: the global RNG (transformers.set_seed)
+
+    def vocab_table(self, config: CaseConfig) -> Any:
+        """HF's ordered vocabulary table for ``config.model`` (:func:`hf_vocab_table`), or ``None``."""
+        return hf_vocab_table(config.model)
 
     def window_for(self, config: CaseConfig) -> int:
         """``max_position_embeddings`` of the case's model (loads it)."""

@@ -80,6 +80,7 @@ __all__ = [
     "create",
     "last_row",
     "llama",
+    "llamacpp_vocab_table",
     "logit_bias_processor",
     "logit_drift",
     "sampler_params",
@@ -255,6 +256,63 @@ def sampler_params(config: CaseConfig) -> dict[str, Any]:
     return params
 
 
+#: ``llama_token_attr`` bit of a control token (llama.h ``LLAMA_TOKEN_ATTR_CONTROL = 1 << 3``).
+_ATTR_CONTROL = 1 << 3
+#: llama.h ``LLAMA_TOKEN_NULL``: the vocabulary has no such special token.
+_TOKEN_NULL = -1
+
+
+def _piece(api: Any, vocab: Any, token: int, special: bool) -> bytes:
+    """``llama_token_to_piece`` of one id: the bytes it stands for (``special``: a control token's own text)."""
+    size = 64
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = int(api.llama_token_to_piece(vocab, token, buf, size, 0, special))
+        if n >= 0:
+            return buf.raw[:n]
+        size = -n  # the piece needs -n bytes
+
+
+def llamacpp_vocab_table(api: Any, vocab: Any, metadata: dict[str, str]) -> tuple[tuple[bytes, ...], dict[str, int | None], tuple[int, ...]]:
+    """llama.cpp's ordered vocabulary table, read through its vocabulary API (M3.8 0x08).
+
+    Args:
+        api: The ``llama_cpp`` bindings module (a stand-in in the tests): ``llama_vocab_n_tokens``,
+            ``llama_vocab_get_attr``, ``llama_token_to_piece``, ``llama_vocab_bos / eos / pad``.
+        vocab: The model's ``llama_vocab`` pointer (``Llama._model.vocab``).
+        metadata: The model's GGUF metadata as llama.cpp reports it (``Llama.metadata``): the
+            unknown-token id (``tokenizer.ggml.unknown_token_id``) has no getter in llama.h.
+
+    Returns:
+        ``(tokens [V], specials, control ids)``: ``tokens[i]`` is the piece of id ``i``
+        (``special=True`` for a control token, whose piece is then its own text); specials
+        ``LLAMA_TOKEN_NULL`` become ``None``.
+
+    Source: llama.cpp ``include/llama.h`` (``llama_vocab_n_tokens``, ``llama_vocab_get_attr``,
+    ``llama_token_to_piece``, ``llama_vocab_bos``); llama-cpp-python ``llama_cpp.py``.
+    """
+    n = int(api.llama_vocab_n_tokens(vocab))
+    control = tuple(i for i in range(n) if int(api.llama_vocab_get_attr(vocab, i)) & _ATTR_CONTROL)
+    ctrl = set(control)
+    tokens = tuple(_piece(api, vocab, i, i in ctrl) for i in range(n))
+
+    def special(value: Any) -> int | None:
+        return None if value is None or int(value) == _TOKEN_NULL else int(value)
+
+    unk = metadata.get("tokenizer.ggml.unknown_token_id")
+    specials = {"bos": special(api.llama_vocab_bos(vocab)), "eos": special(api.llama_vocab_eos(vocab)),
+                "pad": special(api.llama_vocab_pad(vocab)), "unk": None if unk is None else int(unk)}
+    return tokens, specials, control
+
+
+@functools.lru_cache(maxsize=1)
+def _llamacpp_table() -> tuple[tuple[bytes, ...], dict[str, int | None], tuple[int, ...]]:
+    import llama_cpp
+
+    llm = llama()
+    return llamacpp_vocab_table(llama_cpp, llm._model.vocab, dict(getattr(llm, "metadata", {}) or {}))
+
+
 class LlamaCppEngine:
     """llama.cpp's loop, one contract call at a time (see the module docstring)."""
 
@@ -267,6 +325,10 @@ class LlamaCppEngine:
         self.config: CaseConfig | None = None
 
     # -- request -------------------------------------------------------------------------
+    def vocab_table(self, config: CaseConfig) -> Any:
+        """llama.cpp's ordered vocabulary table of the SmolLM2 file (:func:`llamacpp_vocab_table`); ``None`` for another model."""
+        return _llamacpp_table() if config.model == "smollm2" else None
+
     def window_for(self, config: CaseConfig) -> int:
         """``n_ctx`` of the adapter's context.
 

@@ -47,6 +47,7 @@ from decodespec.spec.request import context_cap, default_static_capacity, static
 from decodespec.spec.snapshot import SNAPSHOT_FORM_UNAVAILABLE
 from decodespec.spec.state import InterruptPoint, Phase, call_interrupt_point, next_call, repair_owed
 from decodespec.spec.transitions import NOT_ENABLED
+from decodespec.spec.vocab import vocab_table_hash
 
 from . import (
     ADAPTER_INVALID_ACTION,
@@ -60,7 +61,8 @@ from . import (
 )
 from .features import undeclared
 
-__all__ = ["PeerAdapter", "PeerDecision", "PeerEngine", "bound_triggers", "log_softmax_at", "main_value", "register_tolerances", "unsupported"]
+__all__ = ["PeerAdapter", "PeerDecision", "PeerEngine", "bound_triggers", "log_softmax_at", "main_value", "peer_vocab_hash", "register_tolerances",
+           "unsupported"]
 
 
 def unsupported(message: str, path: str = "$") -> Rejection:
@@ -135,6 +137,31 @@ class PeerDecision:
     support_ids: np.ndarray | None = None
     support_probs: np.ndarray | None = None
     draws: int | None = None
+
+
+#: Hashes of peers' tables already computed: ``id(tokens) -> (tokens, hash)`` (the table object is kept alive with its key).
+_TABLE_HASHES: dict[int, tuple[Any, str]] = {}
+
+
+def peer_vocab_hash(engine: Any, config: CaseConfig) -> str | None:
+    """The peer's ordered vocabulary hash (M3.8 0x08), or ``None`` when it exposes no table for ``config.model``.
+
+    The engine's optional ``vocab_table(config)`` returns ``(tokens [V], specials, control ids)``
+    read from the peer's own tokenizer or vocabulary API (HF: its tokenizer; llama.cpp: its
+    ``llama_vocab``); it is hashed with :func:`decodespec.spec.vocab.vocab_table_hash`, the one
+    definition our runtime's receipts and the gate's reference use, so ``ladder.STATE`` compares
+    it (check ``vocab.hash``) on the peer's first observation.
+    """
+    reader = getattr(engine, "vocab_table", None)
+    table = None if reader is None else reader(config)
+    if table is None:
+        return None
+    tokens, specials, control = table
+    hit = _TABLE_HASHES.get(id(tokens))
+    if hit is None or hit[0] is not tokens:
+        hit = (tokens, vocab_table_hash(tokens, specials, control))
+        _TABLE_HASHES[id(tokens)] = hit
+    return hit[1]
 
 
 class PeerEngine(Protocol):
@@ -240,6 +267,8 @@ class PeerAdapter:
         #: The config of a refused ``reset`` (nothing admitted); ``None`` once a reset admits a request.
         self.refused: CaseConfig | None = None
         self.snapshots: dict[str, tuple[Any, dict[str, Any], CaseConfig]] = {}
+        #: The peer's ordered vocabulary hash for the admitted request's model (:func:`peer_vocab_hash`).
+        self.vocab_hash: str | None = None
 
     # -- contract ------------------------------------------------------------------------
     def capabilities(self) -> frozenset[str]:
@@ -267,6 +296,7 @@ class PeerAdapter:
             self.config, self.refused = None, config
             raise
         self.refused = None
+        self.vocab_hash = peer_vocab_hash(self.engine, config)
 
     def prompt_logprobs(self, config: CaseConfig, spec: Any) -> tuple[Any, ...]:
         """The peer's prompt logprobs (M3.10 0x02) of ``config``'s prompt under ``spec``: a fresh :meth:`reset`, then the
@@ -399,7 +429,8 @@ class PeerAdapter:
             cache_physical=self.engine.physical() if cached else 0,
             call=call,
             cache_probe=self.engine.cache_probe(processed) if cached and self.in_flight is None and processed > 0 else None,
-            vocab_rows=None if score is None else len(score[1]),  # the peer's V_out (its ordered table is not read: no hash)
+            vocab_rows=None if score is None else len(score[1]),  # the peer's V_out
+            vocab_hash=self.vocab_hash,  # its own tokenizer's / vocabulary API's ordered table, hashed by the one definition
         )
 
     def close(self) -> None:

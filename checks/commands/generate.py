@@ -442,6 +442,8 @@ def _admitted_request(args: argparse.Namespace, model, tokenizer):
     """The runtime request: ``--request FILE`` admitted, or the flags' envelope admitted."""
     from pathlib import Path
 
+    import attrs
+
     from decodespec.impl.runtime import RuntimeRequest
     from decodespec.spec.envelope import EMPTY_PROMPT, validate_request_envelope
     from decodespec.spec.errors import Rejection
@@ -461,7 +463,8 @@ def _admitted_request(args: argparse.Namespace, model, tokenizer):
         raise Rejection(EMPTY_PROMPT, f"an empty prompt needs a declared start state; {_DISPLAY[args.model]} declares none "
                         "(give a non-empty --prompt, or --chat to wrap it in the chat template)", "$.prompt") from None
     _check_artifact(admitted, args.model, model, tokenizer)
-    return RuntimeRequest.from_admitted(admitted)
+    # Receipts carry the ordered vocabulary hash, also when the envelope states the older program hash.
+    return attrs.evolve(RuntimeRequest.from_admitted(admitted), vocab_hash=tokenizer.vocab_hash)
 
 
 def _check_artifact(admitted, name: str, model, tokenizer) -> None:
@@ -470,9 +473,12 @@ def _check_artifact(admitted, name: str, model, tokenizer) -> None:
 
     checkpoint = _checkpoint_sha256(name, model)
     ti = admitted.text_interface
+    # text_interface.tokenizer_sha256 is the ordered vocabulary hash (spec.vocab.vocab_table_hash, tokenizer.vocab_hash);
+    # an envelope written before the two hashes were unified states the tokenizer's program hash, still admitted.
+    stated_vocab = tokenizer.vocab_hash if ti.tokenizer_sha256 == getattr(tokenizer, "program_sha256", None) else ti.tokenizer_sha256
     for what, stated, loaded in (
         ("artifact.checkpoint_sha256", admitted.artifact.checkpoint_sha256, checkpoint),
-        ("text_interface.tokenizer_sha256", ti.tokenizer_sha256, tokenizer.sha256),
+        ("text_interface.tokenizer_sha256", stated_vocab, tokenizer.vocab_hash),
         ("text_interface.vocab_size", ti.vocab_size, model.config.vocab_size),
     ):
         if stated != loaded:
@@ -488,7 +494,7 @@ def envelope_from_flags(args: argparse.Namespace, model, tokenizer) -> dict[str,
     if tokenizer.add_bos_token and tokenizer.bos_token_id is not None:
         prompt_ids = [tokenizer.bos_token_id, *prompt_ids]
     eos = sorted({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    text_interface: dict[str, Any] = {"tokenizer_sha256": tokenizer.sha256, "vocab_size": model.config.vocab_size, "eos_ids": eos}
+    text_interface: dict[str, Any] = {"tokenizer_sha256": tokenizer.vocab_hash, "vocab_size": model.config.vocab_size, "eos_ids": eos}
     if tokenizer.bos_token_id is not None and tokenizer.bos_token_id not in eos:
         text_interface["bos_id"] = tokenizer.bos_token_id
     if getattr(tokenizer, "pad_token_id", None) is not None:

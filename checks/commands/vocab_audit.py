@@ -36,6 +36,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny", help="the model (default tiny)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--write-bundle", metavar="FILE", help="write the release bundle of the loaded artifacts (after the "
+                        "audit holds) to FILE")
+    parser.add_argument("--release-version", default=None, help="the bundle's version (default <model>@1)")
+    parser.add_argument("--check-bundle", metavar="FILE", help="check the release bundle in FILE against itself and the "
+                        "loaded artifacts; names every part that disagrees")
     return parser
 
 
@@ -50,20 +55,26 @@ def run(args: argparse.Namespace) -> int:
             print(f"decodespec vocab-audit: {SMOLLM2_SKIP_REASON}", file=sys.stderr)
             return 3
     from decodespec.checks.adapters.impl import load_model, load_tokenizer
-    from decodespec.checks.vocab_check import audit_model, reference_vocab
-    from decodespec.spec.vocab import AUDIT_VIOLATIONS, audit_violations
+    from decodespec.checks.vocab_check import audit_added_tokens, audit_model, reference_vocab
+    from decodespec.spec.vocab import ADDED_TOKEN_VIOLATIONS, AUDIT_VIOLATIONS, audit_violations
 
-    audit = audit_model(load_model(args.model), load_tokenizer(args.model))
+    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    audit = audit_model(model, tokenizer)
     ref = reference_vocab(args.model)
+    added = audit_added_tokens(model, tokenizer, args.model)
     violations = list(audit_violations(audit))
     if audit.vocab_hash != ref.vocab_hash:
         violations.append("hash_differs_from_checkpoint")
     if audit.output_rows != ref.output_rows:
         violations.append("rows_differ_from_checkpoint")
+    violations += [f"added_token:{i}:{v}" for i, v in added.violations]
+    bundle_report = _bundle(args, model, tokenizer, ok=not violations)
+    violations += [f"bundle:{part}" for part, _ in bundle_report.get("violations", [])]
     ok = not violations
     if args.json:
         print(json.dumps({"model": args.model, "audit": audit.to_json(), "checkpoint": {"vocab_hash": ref.vocab_hash,
-                          "table_size": ref.table_size, "output_rows": ref.output_rows}, "violations": violations, "ok": ok}))
+                          "table_size": ref.table_size, "output_rows": ref.output_rows}, "added_tokens": added.to_json(),
+                          "bundle": bundle_report or None, "violations": violations, "ok": ok}))
         return 0 if ok else 1
     rows = [
         ("tokenizer base size (tokenizer.vocab_size)", audit.tokenizer_size),
@@ -78,13 +89,54 @@ def run(args: argparse.Namespace) -> int:
         ("ordered vocabulary hash (runtime)", audit.vocab_hash),
         ("ordered vocabulary hash (checkpoint)", ref.vocab_hash),
         ("checkpoint table entries / head rows", f"{ref.table_size} / {ref.output_rows}"),
+        ("added / special tokens (string, flag, rows)",
+         f"{len(added.declared)} declared, " + ("all keep their identity" if added.passed else f"{len(added.violations)} violations")),
     ]
+    if bundle_report:
+        rows.append(("release bundle " + bundle_report["action"], f"{bundle_report['path']} ({bundle_report['version']}, "
+                     f"{bundle_report['digest']})" if bundle_report.get("digest") else bundle_report["path"]))
     print(f"vocabulary audit of {args.model} (M3.8 0x08)")
     for label, value in rows:
-        print(f"  {label:46s} {value}")
+        print(f"  {label:48s} {value}")
     if ok:
         print("ok: every emitted id has an output row, embedding and head agree with the config, special ids agree, "
               "and the runtime's ordered table is the checkpoint's")
     for name in violations:
-        print(f"VIOLATION {name}: {AUDIT_VIOLATIONS.get(name, 'the runtime and the checkpoint disagree')}")
+        if not name.startswith("bundle:"):
+            why = AUDIT_VIOLATIONS.get(name) or ADDED_TOKEN_VIOLATIONS.get(name.rsplit(":", 1)[-1]) or "the runtime and the checkpoint disagree"
+            print(f"VIOLATION {name}: {why}")
+    for part, why in bundle_report.get("violations", []):
+        print(f"VIOLATION bundle part {part}: {why}")
     return 0 if ok else 1
+
+
+def _bundle(args: argparse.Namespace, model, tokenizer, *, ok: bool) -> dict:
+    """Write or check the release bundle (``--write-bundle`` / ``--check-bundle``); the report, ``{}`` when neither was asked.
+
+    Writing refuses (``violations``: ``audit``) when the audit failed: a bundle binds a consistent release only.
+    """
+    from pathlib import Path
+
+    from decodespec.checks.vocab_check import loaded_bundle
+    from decodespec.spec.errors import Rejection
+    from decodespec.spec.vocab import ReleaseBundle, bundle_violations
+
+    if args.write_bundle:
+        version = args.release_version or f"{args.model}@1"
+        bundle = loaded_bundle(args.model, model, tokenizer, version)
+        bad = [("audit", "the audit failed: no bundle written")] if not ok else list(bundle_violations(bundle))
+        if not bad:
+            Path(args.write_bundle).write_text(json.dumps(bundle.to_json(), indent=1, ensure_ascii=False) + "\n")
+        return {"action": "written", "path": args.write_bundle, "version": version,
+                "digest": None if bad else bundle.digest(), "violations": bad}
+    if args.check_bundle:
+        try:
+            bundle = ReleaseBundle.from_json(json.loads(Path(args.check_bundle).read_text()))
+        except (OSError, ValueError) as exc:
+            return {"action": "checked", "path": args.check_bundle, "violations": [("format", f"unreadable: {exc}")]}
+        except Rejection as exc:
+            return {"action": "checked", "path": args.check_bundle, "violations": [("format", exc.message)]}
+        loaded = loaded_bundle(args.model, model, tokenizer, bundle.version)
+        return {"action": "checked", "path": args.check_bundle, "version": bundle.version, "digest": bundle.digest(),
+                "violations": list(bundle_violations(bundle, loaded))}
+    return {}

@@ -11,11 +11,18 @@ These bugs live at interfaces the gate's case table does not drive -- a user's t
   REDUCTION or GRADIENT;
 * ``head_copy_not_tie`` (:data:`~decodespec.checks.head_check.TYING_MUTANTS`): the tiny model
   loaded with a copied head, judged by ``invariant.head_tied_one_parameter`` (layer TYING);
+* ``head_shard_*`` (:data:`~decodespec.checks.sharded_tie.SHARD_MUTANTS`): a ZeroRedundancyOptimizer over
+  2 gloo ranks whose sharder registers the tied table twice or splits a copied alias across ranks,
+  judged by :func:`~decodespec.checks.sharded_tie.run_sharded_tie` (``invariant.head_tied_sharded_owner``,
+  layer TYING);
 * ``vocab_*`` migration mutants (:data:`decodespec.checks.vocab_check.MIGRATION_MUTANTS`):
   :func:`~decodespec.checks.vocab_check.check_migration` of the tiny model with a ``[V]`` head
   bias, after one Adam step, through a map that swaps ids 40 and 41, drops id 511 and appends 8
   rows (mean-initialized), calibrated on :func:`decodespec.impl.vocab.migrate_vocabulary`
   (layer MIGRATION);
+* ``vocab_added_rows_reinitialized`` (:data:`~decodespec.checks.vocab_check.ADDED_TOKEN_MUTANTS`): the tiny
+  model with its special tokens' rows re-initialized on load, judged by
+  :func:`~decodespec.checks.vocab_check.audit_added_tokens` (``invariant.vocab_added_token_identity``);
 * ``vocab_migration_not_rolled_back`` (:data:`~decodespec.checks.vocab_check.ROLLBACK_MUTANTS`):
   :func:`~decodespec.checks.vocab_check.check_migration_rollback` of the same model and map with
   a fault injected after the rows are installed, judged by ``invariant.vocab_migration_transaction``.
@@ -122,6 +129,38 @@ def _rollback_checker(name: str) -> Callable[[bool], dict | None]:
     return check
 
 
+def _shard_checker(name: str) -> Callable[[bool], dict | None]:
+    def check(mutated: bool) -> dict | None:
+        from ..sharded_tie import run_sharded_tie
+
+        report = run_sharded_tie(2, mutant=name if mutated else None)
+        if report.passed:
+            return None
+        return {"check": "sharded_tie.tiny.R2", "layer": "TYING", "rule": "invariant.head_tied_sharded_owner",
+                "ladder_check": report.violations[0], "message": f"sharded-optimizer violations {list(report.violations)}"}
+
+    return check
+
+
+def _added_token_checker(name: str) -> Callable[[bool], dict | None]:
+    def check(mutated: bool) -> dict | None:
+        from decodespec.impl.tokenizer import ByteTokenizer
+
+        from ..vocab_check import ADDED_TOKEN_MUTANTS, audit_added_tokens
+
+        model = _tiny()
+        if mutated:
+            model = ADDED_TOKEN_MUTANTS[name][0](model)
+        report = audit_added_tokens(model, ByteTokenizer(model.config.vocab_size), "tiny")
+        if report.passed:
+            return None
+        token, first = report.violations[0]
+        return {"check": "added_tokens.tiny", "layer": "VOCABULARY", "rule": "invariant.vocab_added_token_identity",
+                "ladder_check": first, "message": f"added-token violations {list(report.violations)} (first at id {token})"}
+
+    return check
+
+
 def _add(name: str, checker: Callable[[bool], dict | None], representative: bool = False) -> None:
     r = RULES[f"mutant.{name}"]
     MUTANTS[name] = Mutant(name, _G, r.title, r.section, r.statement, (), representative=representative, checker=checker)
@@ -129,15 +168,21 @@ def _add(name: str, checker: Callable[[bool], dict | None], representative: bool
 
 def _register_all() -> None:
     from ..head_check import LOSS_MUTANTS, TYING_MUTANTS
-    from ..vocab_check import MIGRATION_MUTANTS, ROLLBACK_MUTANTS
+    from ..sharded_tie import SHARD_MUTANTS
+    from ..vocab_check import ADDED_TOKEN_MUTANTS, MIGRATION_MUTANTS, ROLLBACK_MUTANTS
 
     for name in LOSS_MUTANTS:
         _add(name, _loss_checker(name), representative=name == "head_chunk_mean")
     for name in TYING_MUTANTS:
         _add(name, _tying_checker(name))
+    for name in SHARD_MUTANTS:  # rules registered in checks/sharded_tie.py
+        _add(name, _shard_checker(name))
     for name, (fn, section, title, statement) in MIGRATION_MUTANTS.items():
         register(Rule(id=f"mutant.{name}", kind="mutant", title=title, section=section, statement=statement, obj=fn))
         _add(name, _migration_checker(name))
+    for name, (fn, section, title, statement) in ADDED_TOKEN_MUTANTS.items():
+        register(Rule(id=f"mutant.{name}", kind="mutant", title=title, section=section, statement=statement, obj=fn))
+        _add(name, _added_token_checker(name))
     for name, (fn, section, title, statement) in ROLLBACK_MUTANTS.items():
         register(Rule(id=f"mutant.{name}", kind="mutant", title=title, section=section, statement=statement, obj=fn))
         _add(name, _rollback_checker(name))
