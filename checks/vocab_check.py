@@ -587,7 +587,7 @@ def snapshot_migration(model: Any, optimizer: Any) -> MigrationSnapshot:
     """Fingerprint the vocabulary Parameters (objects and values), the tie, ``vocab_size`` and the optimizer.
 
     A Parameter's key is its object identity, not its ``data_ptr``: the decode-weight arena may
-    relocate a Parameter's storage (``refuse_projections``) without changing the model.
+    relocate a Parameter's storage (``rebuild_fused_projections``) without changing the model.
     """
     def key(p: Any) -> str:
         return str(id(p))

@@ -734,7 +734,7 @@ class LlamaForCausalLM(nn.Module):
     def _apply(self, fn, recurse: bool = True):  # nn.Module hook
         """After a device/dtype move (``.to``, ``to_empty``), point the projections at fused matrices again."""
         result = super()._apply(fn, recurse)
-        self.refuse_projections()
+        self.rebuild_fused_projections()
         for layer in self.model.layers:  # cached native weight pointers would pin the old storage
             layer.__dict__.pop("_native_weights", None)
         return result
@@ -742,9 +742,9 @@ class LlamaForCausalLM(nn.Module):
     def __setstate__(self, state) -> None:
         """After ``copy.deepcopy`` or unpickling: the copied weights are new storage, so fuse them again."""
         super().__setstate__(state)
-        self.refuse_projections()
+        self.rebuild_fused_projections()
 
-    def refuse_projections(self) -> None:
+    def rebuild_fused_projections(self) -> None:
         """(Re)build every layer's fused ``qkv`` and ``gate_up`` matrices (:class:`FusedWeight`).
 
         On the CPU every weight a decode step reads is moved into one arena in the order a step
@@ -800,7 +800,7 @@ class LlamaForCausalLM(nn.Module):
 
         The Parameter kept is the head's when the two differ in storage but agree in shape,
         dtype and device (its values overwritten by the embedding's): after a device move the
-        two are separate tensors again, and :meth:`refuse_projections` placed the head in the
+        two are separate tensors again, and :meth:`rebuild_fused_projections` placed the head in the
         decode-weight arena, where a decode step streams it last.  Otherwise the embedding's
         Parameter is used for both.
         """

@@ -223,7 +223,7 @@ def shard_model(model: LlamaForCausalLM, plan: ShardPlan, rank: int) -> LlamaFor
     local.to_empty(device="cpu")
     local.load_state_dict(out, strict=False)
     local.tie_weights()
-    local.refuse_projections()
+    local.rebuild_fused_projections()
     return local.to(model.dtype).eval()
 
 

@@ -159,8 +159,8 @@ def _undo_log(model: Any, optimizer: torch.optim.Optimizer | None) -> Any:
                 dict.__setitem__(g, "params", params)  # plain dict store: the group object itself is kept
             optimizer.state.clear()
             optimizer.state.update(state)
-        if hasattr(model, "refuse_projections"):
-            model.refuse_projections()  # the decode-weight arena holds the old head again
+        if hasattr(model, "rebuild_fused_projections"):
+            model.rebuild_fused_projections()  # the decode-weight arena holds the old head again
 
     return undo
 
@@ -223,5 +223,5 @@ def _apply(model: Any, old: torch.Tensor, new: torch.Tensor, fresh: torch.Tensor
                 else:
                     moved[name] = value
             optimizer.state[swaps[key]] = moved
-    if hasattr(model, "refuse_projections"):
-        model.refuse_projections()  # the head moved: place it in the decode-weight arena again
+    if hasattr(model, "rebuild_fused_projections"):
+        model.rebuild_fused_projections()  # the head moved: place it in the decode-weight arena again

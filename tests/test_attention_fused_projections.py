@@ -79,7 +79,7 @@ def test_writes_and_replacements_are_never_lost(monkeypatch):
     replaced = _logits(model)
     assert not torch.equal(replaced, doubled)
     assert torch.equal(replaced, _separate_logits(model, monkeypatch))  # ... the separate path is
-    model.refuse_projections()
+    model.rebuild_fused_projections()
     assert _fused_in_use(model) and torch.equal(_logits(model), replaced)
 
 

@@ -1,4 +1,4 @@
-"""The CPU weight arena (impl/model.py ``weight_arena``, ``LlamaForCausalLM.refuse_projections``).
+"""The CPU weight arena (impl/model.py ``weight_arena``, ``LlamaForCausalLM.rebuild_fused_projections``).
 
 On the CPU every weight a decode step reads lives in one buffer, in the order the step reads it,
 each slice on a 64-byte boundary (and the buffer on 2 MiB transparent huge pages where Linux
@@ -50,7 +50,7 @@ def test_rebuilding_the_arena_changes_no_value():
     state = {k: v.clone() for k, v in model.state_dict().items()}
     before = _logits(model)
     old = model.model.layers[0].input_layernorm.weight.untyped_storage().data_ptr()
-    model.refuse_projections()
+    model.rebuild_fused_projections()
     assert model.model.layers[0].input_layernorm.weight.untyped_storage().data_ptr() != old
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     assert torch.equal(_logits(model), before)
@@ -61,11 +61,11 @@ def test_mixed_dtypes_fall_back_to_separate_storage():
     before = _logits(model)
     layer = model.model.layers[0]
     layer.self_attn.o_proj.weight = nn.Parameter(layer.self_attn.o_proj.weight.detach().clone().to(torch.float64))
-    model.refuse_projections()
+    model.rebuild_fused_projections()
     assert layer.self_attn.qkv.get() is not None and layer.mlp.gate_up.get() is not None  # still fused
     assert len({t.untyped_storage().data_ptr() for t in _tensors(model)}) > 1  # no common arena
     layer.self_attn.o_proj.weight = nn.Parameter(layer.self_attn.o_proj.weight.detach().to(torch.float32))
-    model.refuse_projections()
+    model.rebuild_fused_projections()
     assert torch.equal(_logits(model), before)
 
 
