@@ -1259,6 +1259,20 @@ def _split_statement(statement: str) -> list[tuple[str, str]]:
     return [("Statement", statement.strip())]
 
 
+def executable_guard(rule_id: str) -> list[tuple[str, str]]:
+    """The guard clauses the request machine runs for a transition rule, in order: ``[(clause name, error code)]``.
+
+    Read from :data:`decodespec.spec.transitions.TRANSITIONS` (the table row of ``rule_id``), so the docs show the
+    executable clauses beside the prose statement (issue 17 item 6); ``[]`` for a rule that is no table row.
+    """
+    from decodespec.spec.transitions import TRANSITIONS
+
+    for row in TRANSITIONS:
+        if row.rule_id == rule_id:
+            return [(clause.name, clause.code) for clause in row.guard]
+    return []
+
+
 def _implemented_by(obj: Any) -> str | None:
     if obj is None:
         return None
@@ -1422,6 +1436,12 @@ def setup(app: Any) -> dict[str, Any]:
             rows: list[list[Any]] = [["Kind", r.kind], ["Section", r.section]]
             for label, text in _split_statement(r.statement):
                 rows.append([label, paragraphs(text)])
+            clauses = executable_guard(ident)
+            if clauses:
+                items = nodes.bullet_list()
+                for name, code in clauses:
+                    items += nodes.list_item("", nodes.paragraph("", "", nodes.literal(name, name), nodes.Text(f"  (else {code})")))
+                rows.append(["Guard clauses (executed, in order)", items])
             impl = _implemented_by(r.obj)
             rows.append(["Implemented by", nodes.literal(impl, impl) if impl else "—"])
             rows.append(["Checked by", tests_list(ident, self.state_["mentions"])])

@@ -109,6 +109,19 @@ def test_rule_sections_show_section_statement_and_implementation(site: docs.Buil
         implemented_by = docs._implemented_by(rule.obj)
         if implemented_by is not None:
             assert implemented_by in block
+        text = " ".join(html.unescape(re.sub(r"<[^>]+>", " ", block)).split())
+        for name, code in docs.executable_guard(rid):  # the clauses the machine runs, not only the prose guard
+            assert " ".join(name.split()) in text and code in text, (rid, name)
+
+
+def test_every_transition_row_renders_its_executable_clauses() -> None:
+    from decodespec.spec.transitions import TRANSITIONS
+
+    rows = [row for row in TRANSITIONS if row.guard]
+    assert rows and all(docs.executable_guard(row.rule_id)[: len(row.guard)] for row in rows)
+    launch = docs.executable_guard("transition.launch_prefill")
+    assert ("phase == READY", "transition.not_enabled") in launch and any(n.startswith("P < L") for n, _ in launch), launch
+    assert docs.executable_guard("invariant.no_such_rule") == []
 
 
 def test_error_codes_grouped_by_area(site: docs.BuildResult) -> None:
