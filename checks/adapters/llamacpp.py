@@ -80,6 +80,7 @@ __all__ = [
     "create",
     "last_row",
     "llama",
+    "llama_all_rows",
     "llamacpp_vocab_table",
     "logit_bias_processor",
     "logit_drift",
@@ -92,6 +93,8 @@ LLAMACPP_SKIP_REASON = ("llama-cpp-python not installed: pip install 'decodespec
 
 #: The context the adapter creates (positions; the adapter's model window).
 N_CTX = 2048
+#: The prompt-logprob context (``logits_all=True``): its ``n_ctx x V`` float32 score buffer is 100 MB at 512.
+N_CTX_ALL = 512
 #: Policy transform -> the ``Llama._init_sampler`` keyword of its sampler (its one parameter).
 _SAMPLER_FIELDS = {
     "temperature": "temp", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical": "typical_p",
@@ -99,7 +102,7 @@ _SAMPLER_FIELDS = {
 }
 LLAMACPP_CAPABILITIES = frozenset({
     "cache:none", "cache:dynamic", "prefill_chunk", "decide_commit", "inflight", "sampling", "logits", "policy_rows", "reuse",
-    "snapshot",
+    "snapshot", "output.prompt_logprobs",
 }) | envelope_features() | names_at("policy.order") | {transform_capability(n) for n in (*_SAMPLER_FIELDS, "mirostat_v2", "logit_bias")}
 """The ops and probes the step-wise adapter has, every envelope feature the gate sends (llama.cpp refuses what it cannot
 keep at reset: a skip), the policy orders, and the transforms :func:`sampler_params` maps to llama.cpp samplers."""
@@ -140,6 +143,22 @@ def llama():
     llm = llama_cpp.Llama(model_path=str(smollm2_path()), n_ctx=N_CTX, n_batch=512, n_ubatch=512, n_threads=1,
                           n_threads_batch=1, logits_all=False, seed=0, verbose=False)
     atexit.register(llm.close)  # free the context before interpreter teardown unloads the bindings
+    return llm
+
+
+@functools.lru_cache(maxsize=1)
+def llama_all_rows():
+    """A second ``Llama`` context on the SmolLM2 file with ``logits_all=True`` (every row's logits kept in ``scores``),
+    for prompt logprobs only (created once per process, :data:`N_CTX_ALL` positions)."""
+    import atexit
+
+    import llama_cpp
+
+    from decodespec.impl.gguf import smollm2_path
+
+    llm = llama_cpp.Llama(model_path=str(smollm2_path()), n_ctx=N_CTX_ALL, n_batch=512, n_ubatch=512, n_threads=1,
+                          n_threads_batch=1, logits_all=True, seed=0, verbose=False)
+    atexit.register(llm.close)
     return llm
 
 
@@ -393,6 +412,43 @@ class LlamaCppEngine:
         llm.eval(sequence[start:start + length])  # at n_past = llama-cpp-python's n_tokens
         return last_row(llm)
 
+
+    def prompt_logprobs(self, config: CaseConfig, spec: Any) -> list[Any]:
+        """Prompt logprobs through llama.cpp's ``logits_all`` rows (M3.10 0x02): the prompt evaluated on a
+        ``logits_all=True`` context (one ``Llama.eval`` per ``prefill_chunk`` rows, or one for the whole prompt), row
+        ``i`` of ``Llama.scores`` log-softmaxed (float32) at ``x_{i+1}``; no row scores ``x_0``.
+
+        llama-cpp-python's own echo API (``create_completion(echo=True, logprobs=k)``) is not used: it pairs token
+        ``i`` with row ``i`` after dropping a leading BOS, so it reports ``x_1`` as ``None`` for a BOS-led prompt and
+        every later token one row late otherwise (``checks/expectations/llamacpp.toml`` ``[prompt_logprobs]``,
+        abetlen/llama-cpp-python#1983; ``tests/test_adapters_llamacpp.py`` shows it).  First-token policy: the rows
+        have no entry for ``x_0`` (``omitted``); under ``none`` the unscored first entry is added here.  Ranks and
+        top-k follow the spec's order (:func:`decodespec.impl.prompt_logprobs.entries_from_logits`, a formatter).
+
+        Raises:
+            Rejection: ``adapter.unsupported`` for a prompt longer than :data:`N_CTX_ALL` or another model.
+        """
+        import torch
+
+        from decodespec.impl.prompt_logprobs import entries_from_logits, first_entries
+
+        prompt = [int(t) for t in config.prompt_ids]
+        L = len(prompt)
+        if config.model != "smollm2":
+            raise unsupported("llama.cpp runs GGUF files; the tiny model has none", "$.model")
+        if L > N_CTX_ALL:
+            raise unsupported(f"the prompt-logprob context holds {N_CTX_ALL} positions, the prompt has {L}", "$.prompt")
+        llm = llama_all_rows()
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        chunk = config.prefill_chunk if config.prefill_chunk and config.cache != "none" else L
+        for start in range(0, L, chunk):
+            llm.eval(prompt[start:start + chunk])
+        logits = np.array(llm.scores[: L - 1], dtype=np.float32, copy=True)  # [L - 1, V]: row L - 1 scores the output
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        entries = entries_from_logits(torch.from_numpy(logits), 1, prompt, spec.top_k) if L > 1 else []
+        return first_entries(prompt, spec) + entries
 
     def rollback(self, processed: int) -> None:
         """``llama_memory_seq_rm(mem, -1, processed, -1)``."""
