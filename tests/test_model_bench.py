@@ -157,32 +157,52 @@ def test_hf_timer_stamps_calls_and_emissions():
 
 def test_llamacpp_peer_times_each_generated_token(monkeypatch, tmp_path):
     """The llama.cpp peer's wrapper (llama-cpp-python is not installed here: a stand-in module with its API):
-    greedy settings, ``new_tokens`` tokens then stop, one emission per token, no calls (not observable)."""
+    greedy settings, ``new_tokens`` tokens then stop, one emission per token, every ``eval`` a timed call (the first
+    the prefill of the whole prompt), and a fresh request every repetition: the stand-in, like ``Llama.generate``,
+    reuses a cached prompt prefix unless the context was reset."""
     import sys
     import types
 
     from decodespec.impl.bench import llamacpp_peer
     from decodespec.spec.latency import request_latency
 
-    seen = {}
+    seen = {"evals": []}
+
+    class Ctx:
+        def kv_cache_clear(self):
+            seen["cleared"] = seen.get("cleared", 0) + 1
 
     class Llama:
         def __init__(self, **kwargs):
             seen["init"] = kwargs
+            self._ctx, self.n_tokens = Ctx(), 0
+
+        def reset(self):
+            self.n_tokens = 0
+
+        def eval(self, tokens):
+            seen["evals"].append(len(tokens))
+            self.n_tokens += len(tokens)
 
         def generate(self, tokens, **kwargs):
             seen["generate"] = (list(tokens), kwargs)
+            prompt = list(tokens)[self.n_tokens:] or list(tokens)[-1:]  # the prefix match of llama.py L:917-950
+            self.eval(prompt)
             token = 100
             while True:  # like llama-cpp-python, it never stops by itself
                 token += 1
                 yield token
+                self.eval([token])
 
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
     monkeypatch.setattr("decodespec.impl.gguf.smollm2_path", lambda: tmp_path / "model.gguf")
     run = llamacpp_peer([1, 2, 3], 4, 1)
-    ids, timeline = run()
-    assert ids == (101, 102, 103, 104)
+    for _ in range(2):  # the second repetition must prefill the whole prompt again
+        seen["evals"].clear()
+        ids, timeline = run()
+        assert ids == (101, 102, 103, 104) and seen["evals"][0] == 3
     assert seen["generate"][0] == [1, 2, 3] and seen["generate"][1]["temp"] == 0.0 and seen["generate"][1]["top_k"] == 1
-    assert seen["init"]["logits_all"] is False and seen["init"]["n_threads"] == 1
+    assert seen["init"]["logits_all"] is False and seen["init"]["n_threads"] == 1 and seen["cleared"] == 2
     lat = request_latency(timeline)
-    assert lat.tokens_delivered == 4 and len(lat.itl_ns) == 3 and lat.calls == 0 and lat.prefill_tokens_per_s is None
+    assert lat.tokens_delivered == 4 and len(lat.itl_ns) == 3
+    assert (lat.prefill_calls, lat.decode_calls, lat.prefill_rows) == (1, 3, 3) and lat.prefill_tokens_per_s is not None
