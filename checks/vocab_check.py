@@ -72,6 +72,7 @@ __all__ = [
     "ReferenceVocab",
     "RollbackReport",
     "audit_added_tokens",
+    "audit_hf_added_tokens",
     "audit_model",
     "check_migration",
     "check_migration_rollback",
@@ -322,6 +323,35 @@ def audit_added_tokens(model: Any, tokenizer: Any, name: str) -> AddedTokenRepor
             embedding_row_error=error(embed, want_embed[k]), output_row_error=error(head, want_head[k]),
             row_zero=tok.id < embed.shape[0] and not np.any(embed[tok.id]))
     return AddedTokenReport(declared, observed, added_token_violations(declared, observed, special))
+
+
+def audit_hf_added_tokens(name: str = "smollm2", *, model: Any = None, tokenizer: Any = None) -> AddedTokenReport:
+    """HF's added tokens judged on identity against the GGUF (``invariant.vocab_added_token_identity``).
+
+    HF's ``added_tokens_decoder`` (id -> content, special flag), its encode/decode of each
+    token's text (:class:`~decodespec.checks.adapters.hf.HFTokenizerView`) and HF's model's
+    embedding and head rows are read for every token the checkpoint declares added or special
+    (:func:`declared_added_tokens`, from the GGUF token types), as :func:`audit_added_tokens`
+    reads our runtime.
+
+    Args:
+        name: ``smollm2`` (the tiny model has no HF tokenizer).
+        model, tokenizer: HF's model and tokenizer (default :func:`~decodespec.checks.adapters.hf.hf_model`,
+            :func:`~decodespec.checks.adapters.hf.hf_tokenizer` of ``name``).
+
+    Raises:
+        Rejection: ``model.file_missing`` when SmolLM2 is not installed.
+        ValueError: ``name`` has no HF tokenizer.
+
+    Source: M3.8 0x08 ("added token rows exist and were initialized/adapted as intended", "special
+    token IDs agree with model configuration").
+    """
+    from .adapters.hf import HFTokenizerView, hf_model, hf_tokenizer
+
+    tok = tokenizer if tokenizer is not None else hf_tokenizer(name)
+    if tok is None:
+        raise ValueError(f"{name!r} has no HF tokenizer")
+    return audit_added_tokens(model if model is not None else hf_model(name), HFTokenizerView(tok), name)
 
 
 def _added_rows_reinitialized(model: Any) -> Any:
