@@ -80,6 +80,7 @@ __all__ = [
     "generate_sequence",
     "generation_config",
     "hf_model",
+    "hf_table_of",
     "hf_tiny",
     "hf_tokenizer",
     "hf_vocab_table",
@@ -281,9 +282,8 @@ def constraint_fn(config: CaseConfig):
     return allowed
 
 
-@functools.lru_cache(maxsize=2)
-def hf_vocab_table(name: str) -> tuple[tuple[bytes, ...], dict[str, int | None], tuple[int, ...]] | None:
-    """HF's ordered vocabulary table of model ``name`` from its own tokenizer, or ``None`` (the tiny model has no HF tokenizer).
+def hf_table_of(tok: Any) -> tuple[tuple[bytes, ...], dict[str, int | None], tuple[int, ...]]:
+    """The ordered vocabulary table of an HF tokenizer object (HF's own, or the one vLLM serves with).
 
     ``tokens[i]``: the bytes id ``i`` stands for -- ``convert_ids_to_tokens`` spellings decoded with
     HF's byte-level map (``transformers.convert_slow_tokenizer.bytes_to_unicode``), a special
@@ -293,9 +293,6 @@ def hf_vocab_table(name: str) -> tuple[tuple[bytes, ...], dict[str, int | None],
     Source: transformers 5.24.0 ``tokenization_utils_base.py`` (``convert_ids_to_tokens``,
     ``added_tokens_decoder``), ``convert_slow_tokenizer.py`` (``bytes_to_unicode``); M3.8 0x08.
     """
-    tok = hf_tokenizer(name)
-    if tok is None:
-        return None
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     decoder = {c: b for b, c in bytes_to_unicode().items()}
@@ -306,6 +303,13 @@ def hf_vocab_table(name: str) -> tuple[tuple[bytes, ...], dict[str, int | None],
                    for i, s in enumerate(spellings))
     specials = {"bos": tok.bos_token_id, "eos": tok.eos_token_id, "pad": tok.pad_token_id, "unk": tok.unk_token_id}
     return tokens, specials, control
+
+
+@functools.lru_cache(maxsize=2)
+def hf_vocab_table(name: str) -> tuple[tuple[bytes, ...], dict[str, int | None], tuple[int, ...]] | None:
+    """HF's ordered vocabulary table of model ``name`` from its own tokenizer (:func:`hf_table_of`), or ``None`` (the tiny model has no HF tokenizer)."""
+    tok = hf_tokenizer(name)
+    return None if tok is None else hf_table_of(tok)
 
 
 class HFTokenizerView:
