@@ -280,3 +280,17 @@ def test_vocab_audit_writes_and_checks_the_bundle(model, tmp_path, capsys):
     # the policy still addresses the loaded vocabulary, no longer the one the bundle states
     assert rc == 1 and [p for p, _ in out["bundle"]["violations"]] == ["policy", "vocab_hash", "added_tokens"]
     assert "bundle:vocab_hash" in out["violations"]
+    # policy masks: written when inside the table, refused (nothing written) when one is not
+    masked = tmp_path / "masked.json"
+    rc, out = _audit(capsys, "--model", model, "--write-bundle", str(masked), "--policy-masks",
+                     json.dumps({"bad_words_ids": [[100, 101], [7]], "logit_bias_ids": [3]}))
+    assert rc == 0 and json.loads(masked.read_text())["policy"]["bad_words_ids"] == [[100, 101], [7]]
+    rc, out = _audit(capsys, "--model", model, "--check-bundle", str(masked))
+    assert rc == 0  # the masks are the release's own: not compared with the artifacts
+    outside = tmp_path / "outside.json"
+    rc, out = _audit(capsys, "--model", model, "--write-bundle", str(outside), "--policy-masks",
+                     json.dumps({"logit_bias_ids": [written["table_size"]]}))
+    assert rc == 1 and not outside.exists() and out["bundle"]["violations"][0][0] == "policy"
+    assert out["bundle"]["violations"][0][1].startswith("policy_ids_outside_table")
+    rc, out = _audit(capsys, "--model", model, "--write-bundle", str(outside), "--policy-masks", "[1]")
+    assert rc == 1 and not outside.exists() and out["bundle"]["violations"][0][0] == "policy"
