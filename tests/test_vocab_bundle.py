@@ -294,3 +294,27 @@ def test_vocab_audit_writes_and_checks_the_bundle(model, tmp_path, capsys):
     assert out["bundle"]["violations"][0][1].startswith("policy_ids_outside_table")
     rc, out = _audit(capsys, "--model", model, "--write-bundle", str(outside), "--policy-masks", "[1]")
     assert rc == 1 and not outside.exists() and out["bundle"]["violations"][0][0] == "policy"
+
+
+def test_the_optimizer_manifest_read_from_torch_names_one_owner_and_catches_a_duplicate_slot():
+    """checks.vocab_check.optimizer_manifest on the tiny model (tied, [V] bias) after one Adam step and a migration."""
+    from decodespec.checks.mutants.head import _migration_plan, _tiny
+    from decodespec.checks.vocab_check import MIGRATION_MUTANTS, _trained, optimizer_manifest
+    from decodespec.impl.vocab import migrate_vocabulary
+
+    vmap, init = _migration_plan()
+    pairs = {int(a): int(b) for a, b in zip(vmap.old_ids, vmap.new_ids)}
+    for migrate, want in [(migrate_vocabulary, []),
+                          (MIGRATION_MUTANTS["vocab_optimizer_before_retie"][0], ["optimizer_stale_parameter"])]:
+        model = _tiny(bias=True)
+        optimizer = _trained(model)
+        before = optimizer_manifest(model, optimizer)
+        assert [(p.uses, p.rows) for p in before.params] == [(("embed", "head"), 512), (("bias",), 512)]
+        assert {k for k, _, _ in before.params[0].states} >= {"exp_avg", "exp_avg_sq"}
+        migrate(model, pairs, vmap.new_size, init=init.kind, sources=dict(init.sources), optimizer=optimizer)
+        after = optimizer_manifest(model, optimizer, vmap)
+        assert after.map_digest == map_digest(vmap) and all(p.rows == 520 and p.new_rows_zero for p in after.params)
+        assert after.params[0].states != before.params[0].states  # the state moved: new digests
+        bundle = _bundle(embedding_rows=520, output_rows=520, config_vocab_size=520, shards=ShardManifest.even(520),
+                         migration=vmap, optimizer=after)
+        assert [v for _, v in manifest_violations(bundle)] == want
