@@ -7,7 +7,7 @@ schema :data:`ROWS_SCHEMA_PATH`, ``spec/schemas/rows.v1.json``; no M3.8 receipts
 line            fields (``frontier`` and ``phase`` optional on every line after the header)
 =============== ===========================================================================
 ``request``     ``format`` = ``decodespec.rows.v1``, ``request`` (the ``numinens.request.v1``
-                envelope), optional ``runtime`` ``{name, model, dtype}``
+                envelope), optional ``runtime`` ``{name, model, dtype, vocab_hash}``
 ``call``        ``kind`` (prefill / decode / repair), ``start``, ``length``: one model call,
                 launched and completed
 ``token``       ``row`` (the raw score row ``[V]`` the decision read), ``token_id``, ``logprob``,
@@ -23,7 +23,9 @@ line            fields (``frontier`` and ``phase`` optional on every line after 
 a ``token`` is ``Decide`` + ``Commit``, ``empty_support`` is ``SupportEmpty`` -- and judges each
 line in ladder order (:mod:`decodespec.checks.ladder`), stopping at the first broken rule:
 
-* **STATE**: the action is enabled (a guard that fails names itself: a call at the wrong start, a
+* **STATE**: the runtime's ordered vocabulary hash, when the header states one
+  (``runtime.vocab_hash``), is the model's (``vocab_hash=``; M3.8 0x08,
+  ``invariant.vocab_ordered_identity``; check ``vocab.hash``, judged before any line); the action is enabled (a guard that fails names itself: a call at the wrong start, a
   decode after the output closed, a token without a scored call), and every stated ``frontier``
   field, ``phase`` and the finish's ``output_ids`` equal the spec state's after the line; a
   recording that ends before the request is terminal.
@@ -516,7 +518,8 @@ class _Judge:
 
 
 def judge_rows(lines: Iterable[str | dict[str, Any]], *, tolerance: Tolerance, reference: Any = None,
-               token_bytes: Callable[[int], bytes] | None = None, machine: Machine = MACHINE) -> Judgement:
+               token_bytes: Callable[[int], bytes] | None = None, machine: Machine = MACHINE,
+               vocab_hash: str | None = None) -> Judgement:
     """Judge a ``decodespec.rows.v1`` recording (see the module docstring): the first broken rule and its ladder layer.
 
     Args:
@@ -530,6 +533,10 @@ def judge_rows(lines: Iterable[str | dict[str, Any]], *, tolerance: Tolerance, r
         token_bytes: The bytes of each id (:func:`decodespec.checks.trace_validation.token_bytes_of`),
             needed when the request declares stop strings or structured completion.
         machine: The spec transition machine (tests plug in broken ones).
+        vocab_hash: The recorded model's ordered vocabulary hash as the gate reads it
+            (:func:`decodespec.checks.vocab_check.reference_vocab`), or ``None``.  When both it and
+            the header's ``runtime.vocab_hash`` are given, a difference fails STATE ``vocab.hash``
+            at the header (line 1): the runtime scored another ordered vocabulary.
 
     Returns:
         The :class:`Judgement` (never raises for a broken rule).
@@ -554,6 +561,12 @@ def judge_rows(lines: Iterable[str | dict[str, Any]], *, tolerance: Tolerance, r
             raise Rejection(JUDGE_SCHEMA, f"line {i + 1} is the finish line but {len(records) - 1 - i} lines follow it", f"$[{i + 1}]")
     admitted = _admit(records[0])
     judge = _Judge(admitted, tolerance, reference, token_bytes, machine)
+    stated = records[0].get("runtime", {}).get("vocab_hash")
+    if stated is not None and vocab_hash is not None and stated != vocab_hash:
+        verdict = Verdict(FAILED, "STATE", "ladder.STATE", "vocab.hash", expected=vocab_hash, actual=stated, step=0,
+                          message=f"ordered vocabulary hash (M3.8 0x08: equal sizes prove no identity): the model's is {vocab_hash}, "
+                          f"the runtime states {stated}")
+        return Judgement(verdict, 1, "request", 0, len(records), 0, admitted.identity)
     num_tokens = 0
     index, rec = 0, records[0]
     try:
@@ -595,7 +608,9 @@ def record_rows(runner: Any, *, runtime: dict[str, Any] | None = None) -> list[d
 
     Args:
         runner: The runner, not yet admitted; its ``request.envelope`` (canonical bytes) is the header's request.
-        runtime: The header's ``runtime`` object (``{"name", "model", "dtype"}``), or ``None``.
+        runtime: The header's ``runtime`` object (``{"name", "model", "dtype"[, "vocab_hash"]}``), or ``None``;
+            ``vocab_hash`` is the runner's tokenizer's ordered vocabulary hash when it has one and
+            the object does not state it.
 
     Returns:
         The recording's lines as objects (:func:`write_rows` writes them).
@@ -605,6 +620,9 @@ def record_rows(runner: Any, *, runtime: dict[str, Any] | None = None) -> list[d
     header: dict[str, Any] = {"event": "request", "format": FORMAT, "request": json.loads(envelope)}
     if runtime:
         header["runtime"] = dict(runtime)
+        own = getattr(getattr(runner, "tokenizer", None), "vocab_hash", None)
+        if own is not None:
+            header["runtime"].setdefault("vocab_hash", str(own))
     out = [header]
     call = None
     row = None

@@ -43,11 +43,17 @@ from decodespec.spec.vocab import (
     MigrationObservation,
     MigrationSnapshot,
     NewRowInit,
+    OptimizerManifest,
+    OptimizerParam,
+    PolicyManifest,
     ReleaseBundle,
+    ShardManifest,
     VocabAudit,
     VocabMap,
     added_token_violations,
     append_drift,
+    bundle_violations,
+    map_digest,
     mapped_logit_gap,
     migrate_state,
     migration_violations,
@@ -57,20 +63,26 @@ from decodespec.spec.vocab import (
 
 __all__ = [
     "ADDED_TOKEN_MUTANTS",
+    "INFERENCE_ONLY",
     "MIGRATION_MUTANTS",
+    "RELEASE_MUTANTS",
     "ROLLBACK_MUTANTS",
     "AddedTokenReport",
     "MigrationReport",
     "ReferenceVocab",
     "RollbackReport",
     "audit_added_tokens",
+    "audit_hf_added_tokens",
     "audit_model",
     "check_migration",
     "check_migration_rollback",
+    "check_release_after_migration",
     "checkpoint_rows",
     "declared_added_tokens",
     "loaded_bundle",
+    "loaded_policy",
     "observe_encdec",
+    "optimizer_manifest",
     "reference_vocab",
     "runtime_table",
     "runtime_vocab_hash",
@@ -313,6 +325,35 @@ def audit_added_tokens(model: Any, tokenizer: Any, name: str) -> AddedTokenRepor
     return AddedTokenReport(declared, observed, added_token_violations(declared, observed, special))
 
 
+def audit_hf_added_tokens(name: str = "smollm2", *, model: Any = None, tokenizer: Any = None) -> AddedTokenReport:
+    """HF's added tokens judged on identity against the GGUF (``invariant.vocab_added_token_identity``).
+
+    HF's ``added_tokens_decoder`` (id -> content, special flag), its encode/decode of each
+    token's text (:class:`~decodespec.checks.adapters.hf.HFTokenizerView`) and HF's model's
+    embedding and head rows are read for every token the checkpoint declares added or special
+    (:func:`declared_added_tokens`, from the GGUF token types), as :func:`audit_added_tokens`
+    reads our runtime.
+
+    Args:
+        name: ``smollm2`` (the tiny model has no HF tokenizer).
+        model, tokenizer: HF's model and tokenizer (default :func:`~decodespec.checks.adapters.hf.hf_model`,
+            :func:`~decodespec.checks.adapters.hf.hf_tokenizer` of ``name``).
+
+    Raises:
+        Rejection: ``model.file_missing`` when SmolLM2 is not installed.
+        ValueError: ``name`` has no HF tokenizer.
+
+    Source: M3.8 0x08 ("added token rows exist and were initialized/adapted as intended", "special
+    token IDs agree with model configuration").
+    """
+    from .adapters.hf import HFTokenizerView, hf_model, hf_tokenizer
+
+    tok = tokenizer if tokenizer is not None else hf_tokenizer(name)
+    if tok is None:
+        raise ValueError(f"{name!r} has no HF tokenizer")
+    return audit_added_tokens(model if model is not None else hf_model(name), HFTokenizerView(tok), name)
+
+
 def _added_rows_reinitialized(model: Any) -> Any:
     """Failure lab: a loader that resizes the vocabulary re-initializes the special tokens' rows with the mean row."""
     import torch
@@ -359,7 +400,109 @@ def loaded_bundle(name: str, model: Any, tokenizer: Any, version: str, *, migrat
         embedding_rows=int(model.model.embed_tokens.weight.shape[0]), output_rows=int(model.lm_head.weight.shape[0]),
         config_vocab_size=int(model.config.vocab_size),
         tie="tied" if model.lm_head.weight is model.model.embed_tokens.weight else "untied",
-        migration=migration, parent=parent)
+        policy=loaded_policy(tokenizer), migration=migration, parent=parent)
+
+
+def loaded_policy(tokenizer: Any, *, bad_words_ids: Sequence[Sequence[int]] = (),
+                  logit_bias_ids: Sequence[int] = ()) -> PolicyManifest:
+    """The local-policy manifest of the loaded tokenizer: its ordered hash, special ids and EOS id, with the given masks."""
+    specials = {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id,
+                "unk": tokenizer.unk_token_id}
+    eos = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
+    return PolicyManifest(tokenizer.vocab_hash, specials, eos, bad_words_ids, logit_bias_ids)
+
+
+#: The optimizer manifest of an inference-only release (the runtime holds no optimizer state).
+INFERENCE_ONLY = OptimizerManifest(absent=True, reason="inference-only release: the runtime holds no optimizer state")
+
+
+def optimizer_manifest(model: Any, optimizer: Any, migration: VocabMap | None = None) -> OptimizerManifest:
+    """The optimizer manifest of a torch model and optimizer: per vocabulary-shaped Parameter, its uses and state digests.
+
+    Entries: every Parameter in the optimizer's groups whose first dimension is a vocabulary row
+    count (the model's embedding rows, or ``migration.old_size``), named by the model's
+    ``named_parameters`` (``"<stale>"`` when the model no longer holds it); ``uses`` are
+    Parameter identity with ``embed_tokens.weight``, ``lm_head.weight`` and ``lm_head.bias``;
+    ``states`` the SHA-256 of each row-addressed state tensor's bytes; ``new_rows`` the map's
+    new rows and whether every state tensor is zero there; ``map_digest`` the map's
+    (:func:`~decodespec.spec.vocab.map_digest`).
+
+    Source: M3.8 0x08 "Release and rollback ledger" (optimizer/master state).
+    """
+    embed, head, bias = model.model.embed_tokens.weight, model.lm_head.weight, model.lm_head.bias
+    rows_now = int(embed.shape[0])
+    vocab_rows = {rows_now} | ({migration.old_size} if migration is not None else set())
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    fresh = () if migration is None else tuple(int(i) for i in migration.new_rows())
+    entries, seen = [], set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in seen or p.dim() < 1 or int(p.shape[0]) not in vocab_rows:
+                continue
+            seen.add(id(p))
+            uses = tuple(u for u, q in (("embed", embed), ("head", head), ("bias", bias)) if q is p)
+            state = {k: v for k, v in optimizer.state.get(p, {}).items() if hasattr(v, "dim") and v.dim() >= 1}
+            digests = tuple(sorted((k, int(v.shape[0]), "sha256:" + hashlib.sha256(v.detach().cpu().contiguous().numpy().tobytes()).hexdigest())
+                                   for k, v in state.items()))
+            zero = all(not bool(v.detach()[list(fresh)].any()) for v in state.values()) if fresh else True
+            entries.append(OptimizerParam(names.get(id(p), "<stale>"), uses, int(p.shape[0]), digests, fresh, zero))
+    return OptimizerManifest(params=tuple(entries), map_digest=None if migration is None else map_digest(migration))
+
+
+def check_release_after_migration(model: Any, vmap: VocabMap, init: NewRowInit, *, release: Callable[..., Any] | None = None,
+                                  tokenizer: Any = None) -> tuple[tuple[str, str], ...]:
+    """Train ``model`` one Adam step, migrate it, release it as a bundle and judge the bundle's manifests.
+
+    ``release(model, optimizer, vmap, before)`` returns the release's optimizer manifest
+    (``before``: the manifest read at step 1, before the migration); default: read it again
+    after the migration (:func:`optimizer_manifest` with the map).  The bundle's other parts are
+    the migrated model's; its shards one process, its policy the tokenizer's (the tiny model's
+    byte table grown to the new rows).  Judged by ``invariant.vocab_release_manifests``.
+
+    Returns:
+        The ``(part, reason)`` pairs of :func:`~decodespec.spec.vocab.bundle_violations`.
+
+    Source: M3.8 0x08 "Tied alias and optimizer restoration order" (steps 1 and 9), "Release and rollback ledger".
+    """
+    import torch
+
+    from decodespec.impl.tokenizer import ByteTokenizer
+    from decodespec.impl.vocab import migrate_vocabulary
+
+    optimizer = _trained(model)
+    before = optimizer_manifest(model, optimizer)
+    pairs = {int(a): int(b) for a, b in zip(vmap.old_ids, vmap.new_ids)}
+    values = None if init.values is None else torch.as_tensor(init.values, dtype=model.lm_head.weight.dtype)
+    migrate_vocabulary(model, pairs, vmap.new_size, init=init.kind, sources=dict(init.sources), values=values, optimizer=optimizer)
+    manifest = (release or (lambda m, o, v, b: optimizer_manifest(m, o, v)))(model, optimizer, vmap, before)
+    tok = tokenizer or ByteTokenizer(vmap.new_size)
+    rows = int(model.lm_head.weight.shape[0])
+    bundle = ReleaseBundle(
+        version="tiny@2", checkpoint_sha256="sha256:" + "0" * 64, tokenizer_sha256=tok.program_sha256, vocab_hash=tok.vocab_hash,
+        table_size=int(tok.vocab_size), special_ids={"bos": tok.bos_token_id, "eos": tok.eos_token_id, "pad": tok.pad_token_id,
+                                                     "unk": tok.unk_token_id},
+        added_tokens=[(i, tok.id_to_token(i), True) for i in sorted(int(i) for i in tok.special_ids)],
+        embedding_rows=int(model.model.embed_tokens.weight.shape[0]), output_rows=rows, config_vocab_size=int(model.config.vocab_size),
+        tie="tied" if model.lm_head.weight is model.model.embed_tokens.weight else "untied", optimizer=manifest,
+        shards=ShardManifest.even(rows), policy=loaded_policy(tok), migration=vmap, parent="sha256:" + "1" * 64)
+    return bundle_violations(bundle)
+
+
+def _stale_optimizer_manifest(model: Any, optimizer: Any, vmap: VocabMap, before: OptimizerManifest) -> OptimizerManifest:
+    """Failure lab: the release ships the optimizer manifest loaded at step 1, before the migration moved the state (item 55)."""
+    return before
+
+
+#: name -> (release step, section, title, statement), judged by :func:`check_release_after_migration`.
+RELEASE_MUTANTS: dict[str, tuple[Callable[..., Any], str, str, str]] = {
+    "vocab_release_stale_optimizer_manifest": (
+        _stale_optimizer_manifest, "M3.8 0x12 Extended contract failures (item 55); 0x08 Release and rollback ledger",
+        "The release bundle ships the optimizer manifest from before the migration",
+        ("The migration moves rows and moments correctly, but step 9 releases the optimizer manifest read at step 1: its "
+         "state digests, row counts and map are the parent release's, so a restore from this bundle applies old moments to "
+         "the wrong token addresses. bundle_violations names the optimizer part (optimizer_rows, optimizer_not_mapped, "
+         "optimizer_new_rows; invariant.vocab_release_manifests).")),
+}
 
 
 # -- migration ------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from decodespec.checks.adapters import CAPABILITIES, AdapterUnavailable, CaseConfig, vllm
+from decodespec.checks.adapters import CAPABILITIES, AdapterUnavailable, CaseConfig, Observation, vllm
 from decodespec.checks.adapters.vllm_engine import capabilities, sampling_fields
+from decodespec.checks.testing import requires_hf, requires_smollm2
 from decodespec.spec.errors import DecodeSpecError, Rejection
 
 
@@ -316,3 +317,52 @@ def test_bench_runner_on_real_vllm_times_one_prefill_and_g_minus_1_decodes_of_ou
     assert lat.tokens_delivered == 4 and len(lat.itl_ns) == 3 and lat.ttft_ns > 0
     ours = generate(load_smollm2(), prompt, max_new_tokens=4, eos_token_ids=())
     assert ids == tuple(ours.output_ids)
+
+
+class _StandInLLM:
+    """vLLM's ``LLM`` as far as the vocabulary reader asks it: ``get_tokenizer()`` (vLLM serves an HF tokenizer)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def get_tokenizer(self):
+        self.calls += 1
+        return self.tokenizer
+
+
+@requires_hf
+@requires_smollm2
+def test_vllm_reports_the_ordered_vocabulary_hash_of_its_tokenizer_and_a_permuted_one_fails_state(monkeypatch) -> None:
+    """M3.8 0x08: the vLLM engine reads its own tokenizer's ordered table; STATE compares its hash with the checkpoint's."""
+    from decodespec.checks.adapters.hf import hf_tokenizer
+    from decodespec.checks.adapters.peer import peer_vocab_hash
+    from decodespec.checks.adapters.vllm_engine import VllmEngine
+    from decodespec.checks.adapters.wire import observation_from_json, observation_to_json
+    from decodespec.checks.ladder import Expected, Tolerance, check_state
+    from decodespec.checks.vocab_check import reference_vocab
+
+    ref = reference_vocab("smollm2")
+    config = CaseConfig(model="smollm2", prompt_ids=(1, 504, 3), max_new_tokens=1, eos_ids=(2,))
+    engine = VllmEngine(Path("unused"))
+    engine.llm = _StandInLLM(hf_tokenizer("smollm2"))  # the engine is built; only its tokenizer is read
+    assert peer_vocab_hash(engine, config) == ref.vocab_hash
+    assert peer_vocab_hash(engine, config) == ref.vocab_hash and engine.llm.calls == 1  # read once per engine
+    assert engine.vocab_table(config.evolve(model="tiny")) is None
+    # the hash travels the stdio protocol in the observation and STATE judges it
+    expected = Expected(tolerance=Tolerance.from_logit(0.0, 0.0), phase="ready", output_ids=(), vocab_hash=ref.vocab_hash,
+                        vocab_rows=ref.output_rows)
+    obs = observation_from_json(observation_to_json(Observation(phase="ready", output_ids=(), vocab_hash=peer_vocab_hash(engine, config),
+                                                                vocab_rows=ref.output_rows)))
+    assert check_state(expected, obs) is None
+    # a vLLM whose tokenizer swaps ids 500 and 501: same size, another identity -- STATE vocab.hash
+    tok = hf_tokenizer("smollm2")
+    real = type(tok).convert_ids_to_tokens
+    monkeypatch.setattr(type(tok), "convert_ids_to_tokens",
+                        lambda self, ids, *a, **k: real(self, [{500: 501, 501: 500}.get(i, i) for i in ids], *a, **k))
+    swapped = VllmEngine(Path("unused"))
+    swapped.llm = _StandInLLM(tok)
+    bad = peer_vocab_hash(swapped, config)
+    monkeypatch.undo()
+    assert bad != ref.vocab_hash
+    verdict = check_state(expected, Observation(phase="ready", output_ids=(), vocab_hash=bad, vocab_rows=ref.output_rows))
+    assert verdict is not None and (verdict.layer, verdict.check) == ("STATE", "vocab.hash")

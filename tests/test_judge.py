@@ -376,3 +376,38 @@ def test_the_worked_example_of_docs_adapters_runs_as_written(tmp_path, capsys):
     run.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
     assert main(["judge", str(run), "--reference"]) == 1
     assert json.loads(capsys.readouterr().out)["layer"] == "DECISION"
+
+
+def test_the_stated_ordered_vocabulary_hash_is_judged_at_state(greedy_rows, byte_tokenizer, tmp_path, capsys):
+    """M3.8 0x08: a recording may state its runtime's ordered vocabulary hash; a wrong one fails STATE vocab.hash at line 1."""
+    from decodespec.checks.vocab_check import reference_vocab
+    from decodespec.spec.vocab import vocab_table_hash
+
+    model_hash = reference_vocab("tiny").vocab_hash
+    assert greedy_rows[0]["runtime"]["vocab_hash"] == byte_tokenizer.vocab_hash == model_hash  # record_rows wrote it
+    assert judge(greedy_rows, vocab_hash=model_hash).conforming
+    # a runtime whose table swaps two ids: same size, another identity
+    tokens_, specials, control = byte_tokenizer.vocab_table()
+    swapped = list(tokens_)
+    swapped[100], swapped[101] = swapped[101], swapped[100]
+    other = vocab_table_hash(swapped, specials, control)
+    rows = copy.deepcopy(greedy_rows)
+    rows[0]["runtime"]["vocab_hash"] = other
+    verdict = judge(rows, vocab_hash=model_hash)
+    assert (verdict.verdict.layer, verdict.verdict.check, verdict.line, verdict.event) == ("STATE", "vocab.hash", 1, "request")
+    assert (verdict.verdict.expected, verdict.verdict.actual) == (model_hash, other)
+    assert judge(rows).conforming  # no model hash given: nothing to compare with
+    unstated = copy.deepcopy(greedy_rows)
+    del unstated[0]["runtime"]["vocab_hash"]
+    assert judge(unstated, vocab_hash=model_hash).conforming  # not stated: not compared
+    # the command reads the model's hash from the checkpoint as the gate does
+    bad = tmp_path / "swapped.jsonl"
+    write_rows(bad, rows)
+    assert main(["judge", str(bad)]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert (out["layer"], out["check"], out["line"]) == ("STATE", "vocab.hash", 1)
+    rows[0]["runtime"]["vocab_hash"] = "sha256:xyz"
+    write_rows(bad, rows)
+    assert main(["judge", str(bad)]) == 2
+    err = json.loads(capsys.readouterr().err)["error"]
+    assert err["code"] == JUDGE_SCHEMA and err["path"] == "$[0].runtime.vocab_hash"

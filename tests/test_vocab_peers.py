@@ -3,7 +3,8 @@
 llama.cpp may not be installed: its reader is tested on a stand-in of the bindings (the llama.h calls it
 makes, answered from a table), and on the real library when present.
 
-Rules checked: invariant.vocab_ordered_identity; ladder.STATE (check vocab.hash).
+Rules checked: invariant.vocab_ordered_identity; ladder.STATE (check vocab.hash); invariant.vocab_added_token_identity
+(HF's added tokens against the GGUF).
 """
 
 from __future__ import annotations
@@ -153,3 +154,59 @@ def test_hf_reports_the_checkpoint_hash_and_a_permuted_hf_tokenizer_fails_state(
     finally:
         monkeypatch.undo()
         hf.hf_vocab_table.cache_clear()
+
+
+class _Renamed:
+    """An HF tokenizer whose ``added_tokens_decoder`` is edited (content or special flag), everything else delegated."""
+
+    def __init__(self, tok, edits):
+        self._tok, self._edits = tok, edits
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __len__(self):
+        return len(self._tok)
+
+    @property
+    def added_tokens_decoder(self):
+        import copy
+
+        out = {}
+        for i, t in self._tok.added_tokens_decoder.items():
+            t = copy.copy(t)
+            for key, value in self._edits.get(int(i), {}).items():
+                setattr(t, key, value)
+            out[i] = t
+        return out
+
+
+@requires_hf
+@requires_smollm2
+def test_hf_added_tokens_keep_their_identity_against_the_gguf():
+    """HF's added_tokens_decoder (id <-> content, special flag), encode/decode and HF's rows, judged against the GGUF's declaration."""
+    import types
+
+    import torch
+
+    from decodespec.checks.adapters import hf
+    from decodespec.checks.vocab_check import audit_hf_added_tokens, declared_added_tokens
+
+    report = audit_hf_added_tokens("smollm2")
+    declared = declared_added_tokens("smollm2")
+    assert report.passed and len(declared) == 17 and [t.id for t in report.declared] == list(range(17))
+    assert report.observed[1].content == "<|im_start|>" and report.observed[1].encodes_to == (1,)
+    assert all(o.special and o.embedding_row_error <= 1 for o in report.observed.values())
+    # planted: id 1 spelled as another token, id 2 no longer special
+    tok = _Renamed(hf.hf_tokenizer("smollm2"), {1: {"content": "<|im_end|>"}, 2: {"special": False}})
+    bad = audit_hf_added_tokens("smollm2", tokenizer=tok)
+    assert bad.violations == ((1, "string_differs"), (2, "special_flag_differs"))
+    # planted: HF's embedding row of id 3 zeroed (a resize that re-initialized it)
+    model = hf.hf_model("smollm2")
+    embed = model.model.embed_tokens.weight.detach().clone()
+    embed[3] = 0
+    fake = types.SimpleNamespace(model=types.SimpleNamespace(embed_tokens=types.SimpleNamespace(weight=embed)),
+                                 lm_head=types.SimpleNamespace(weight=model.lm_head.weight))
+    assert audit_hf_added_tokens("smollm2", model=fake).violations == ((3, "row_differs"), (3, "row_zero"))
+    assert torch.count_nonzero(model.model.embed_tokens.weight[3]) > 0  # the shared model is untouched
+

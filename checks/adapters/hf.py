@@ -71,6 +71,7 @@ from .peer import PeerAdapter, PeerDecision, bound_triggers, main_value, unsuppo
 __all__ = [
     "HF_CAPABILITIES",
     "HFEngine",
+    "HFTokenizerView",
     "adopt_model",
     "available",
     "batch_generate",
@@ -79,6 +80,7 @@ __all__ = [
     "generate_sequence",
     "generation_config",
     "hf_model",
+    "hf_table_of",
     "hf_tiny",
     "hf_tokenizer",
     "hf_vocab_table",
@@ -280,9 +282,8 @@ def constraint_fn(config: CaseConfig):
     return allowed
 
 
-@functools.lru_cache(maxsize=2)
-def hf_vocab_table(name: str) -> tuple[tuple[bytes, ...], dict[str, int | None], tuple[int, ...]] | None:
-    """HF's ordered vocabulary table of model ``name`` from its own tokenizer, or ``None`` (the tiny model has no HF tokenizer).
+def hf_table_of(tok: Any) -> tuple[tuple[bytes, ...], dict[str, int | None], tuple[int, ...]]:
+    """The ordered vocabulary table of an HF tokenizer object (HF's own, or the one vLLM serves with).
 
     ``tokens[i]``: the bytes id ``i`` stands for -- ``convert_ids_to_tokens`` spellings decoded with
     HF's byte-level map (``transformers.convert_slow_tokenizer.bytes_to_unicode``), a special
@@ -292,9 +293,6 @@ def hf_vocab_table(name: str) -> tuple[tuple[bytes, ...], dict[str, int | None],
     Source: transformers 5.24.0 ``tokenization_utils_base.py`` (``convert_ids_to_tokens``,
     ``added_tokens_decoder``), ``convert_slow_tokenizer.py`` (``bytes_to_unicode``); M3.8 0x08.
     """
-    tok = hf_tokenizer(name)
-    if tok is None:
-        return None
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     decoder = {c: b for b, c in bytes_to_unicode().items()}
@@ -305,6 +303,45 @@ def hf_vocab_table(name: str) -> tuple[tuple[bytes, ...], dict[str, int | None],
                    for i, s in enumerate(spellings))
     specials = {"bos": tok.bos_token_id, "eos": tok.eos_token_id, "pad": tok.pad_token_id, "unk": tok.unk_token_id}
     return tokens, specials, control
+
+
+@functools.lru_cache(maxsize=2)
+def hf_vocab_table(name: str) -> tuple[tuple[bytes, ...], dict[str, int | None], tuple[int, ...]] | None:
+    """HF's ordered vocabulary table of model ``name`` from its own tokenizer (:func:`hf_table_of`), or ``None`` (the tiny model has no HF tokenizer)."""
+    tok = hf_tokenizer(name)
+    return None if tok is None else hf_table_of(tok)
+
+
+class HFTokenizerView:
+    """HF's tokenizer seen through the calls :func:`decodespec.checks.vocab_check.audit_added_tokens` makes of one of ours.
+
+    ``vocab_size`` is ``len(tok)`` (base table plus added tokens); ``special_ids`` the ids HF's
+    ``added_tokens_decoder`` marks ``special``; ``id_to_token`` the added token's ``content``
+    (``convert_ids_to_tokens`` for a base id); ``encode`` without HF's own BOS/EOS
+    (``add_special_tokens=False``); ``decode`` keeps special tokens.
+
+    Source: transformers 5.24.0 ``tokenization_utils_base.py`` (``added_tokens_decoder``,
+    ``encode``, ``decode``); M3.8 0x08 ("added token rows exist").
+    """
+
+    def __init__(self, tok: Any):
+        self.tok = tok
+        self.added = {int(i): t for i, t in tok.added_tokens_decoder.items()}
+        self.vocab_size = len(tok)
+        self.special_ids = frozenset(i for i, t in self.added.items() if t.special)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The added token's content, or the base spelling."""
+        hit = self.added.get(int(token_id))
+        return str(hit.content) if hit is not None else str(self.tok.convert_ids_to_tokens(int(token_id)))
+
+    def encode(self, text: str) -> list[int]:
+        """``tok.encode(text, add_special_tokens=False)``."""
+        return [int(i) for i in self.tok.encode(text, add_special_tokens=False)]
+
+    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
+        """``tok.decode(ids, skip_special_tokens=...)``."""
+        return str(self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
 
 class HFEngine:

@@ -54,6 +54,9 @@ decodespec.checks.adapters.vllm_engine'``.  The controller is the peers' one
   (``temperature=0``, ``max_tokens=G``, ``ignore_eos=True``, no logprobs), each
   ``EngineCore`` step timed as one model call and each ``LLMEngine.step`` that returns tokens as
   one emission (:class:`~decodespec.spec.latency.Timeline`).
+* **Vocabulary identity** (M3.8 0x08): :meth:`VllmEngine.vocab_table` reads the ordered table
+  of vLLM's own tokenizer (``LLM.get_tokenizer()``, an HF tokenizer) as the ``hf`` adapter reads
+  HF's; every observation carries its hash, compared at STATE (``vocab.hash``).
 * **Cancel / abort**: an interrupt in flight awaits the step, then ``abort_request([id])``;
   a cancel between calls leaves the request in the engine until the next reset aborts it
   (vLLM has no call in flight then).
@@ -189,6 +192,7 @@ class VllmEngine:
         self.request_id: str | None = None
         self.num_requests = 0
         self.scheduled: dict[str, int] = {}
+        self._table: Any = None
 
     # -- engine --------------------------------------------------------------------------
     def _engine(self) -> Any:
@@ -232,6 +236,25 @@ class VllmEngine:
         if config.model != "smollm2":
             raise unsupported("the gate's vLLM runs SmolLM2 (converted from the GGUF file); the tiny model is not served", "$.model")
         return MAX_MODEL_LEN
+
+    def vocab_table(self, config: Any) -> Any:
+        """vLLM's ordered vocabulary table: the HF tokenizer vLLM serves with (``LLM.get_tokenizer()``), read as HF's is.
+
+        :func:`~decodespec.checks.adapters.hf.hf_table_of` of it (id -> bytes, special added tokens
+        as control ids, the tokenizer's special ids), read once per engine; the peer controller
+        hashes it (:func:`~decodespec.checks.adapters.peer.peer_vocab_hash`) and reports it in every
+        observation, so ``ladder.STATE`` compares it with the checkpoint's (check ``vocab.hash``).
+        ``None`` for a model the server does not run.
+
+        Source: vLLM 0.32.0 ``vllm/entrypoints/llm.py`` (``LLM.get_tokenizer``); M3.8 0x08.
+        """
+        if config.model != "smollm2":
+            return None
+        if self._table is None:
+            from .hf import hf_table_of
+
+            self._table = hf_table_of(self._engine().get_tokenizer())
+        return self._table
 
     def start(self, config: Any, *, context_cap: int, reuse: bool = False) -> None:
         """A new request: the previous one aborted, ``SamplingParams`` built and validated by vLLM.

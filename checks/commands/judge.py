@@ -8,7 +8,10 @@ runtime, or by ours with ``decodespec judge --record ENVELOPE --model tiny FILE`
 ``expected`` / ``actual`` and the ``message`` (and the bounded ``probe`` of the rows).
 
 ``--reference`` also compares every row with the float64 reference of the same committed prefix
-(the header's ``runtime.model``: ``tiny`` or ``smollm2``).  The tolerance is the declared one of
+(the header's ``runtime.model``: ``tiny`` or ``smollm2``).  A header that states the runtime's
+ordered vocabulary hash (``runtime.vocab_hash``) of a known model is compared with the model's
+as the gate reads it (:func:`~decodespec.checks.vocab_check.reference_vocab`): a different one
+fails STATE ``vocab.hash`` at line 1; ``--record`` writes our tokenizer's.  The tolerance is the declared one of
 the header's ``(runtime.name, runtime.model, runtime.dtype)`` (:func:`~decodespec.checks.ladder.tolerance_for`,
 our runtime's bound for an unknown runtime name); ``--epsilon E`` states it instead (logit epsilon
 E, logprob bound ``2 E + 1e-5``).  ``--tokenizer`` gives the token bytes of stop strings /
@@ -90,7 +93,13 @@ def run(args: argparse.Namespace) -> int:
             from decodespec.checks.lockstep import reference_for
 
             reference = reference_for(model)
-        judgement = judge_rows(lines, tolerance=tolerance, reference=reference, token_bytes=_token_bytes(args.tokenizer, model))
+        model_hash = None
+        if info.get("vocab_hash") is not None and model in ("tiny", "smollm2"):  # stated: compared at STATE with the model's
+            from decodespec.checks.vocab_check import reference_vocab
+
+            model_hash = reference_vocab(str(model)).vocab_hash
+        judgement = judge_rows(lines, tolerance=tolerance, reference=reference, token_bytes=_token_bytes(args.tokenizer, model),
+                               vocab_hash=model_hash)
     except DecodeSpecError as exc:
         return _error(exc)
     from .validate_trace import printable_json

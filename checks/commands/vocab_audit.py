@@ -11,6 +11,14 @@ runtime's hash and rows with the checkpoint's as the gate reads it, independentl
 (:func:`decodespec.checks.vocab_check.reference_vocab`; ``invariant.vocab_ordered_identity``).
 ``--json`` prints one JSON object.
 
+``--write-bundle`` writes the release bundle (:class:`decodespec.spec.vocab.ReleaseBundle`) of
+the loaded artifacts with the ledger's manifests: the optimizer manifest declared absent (an
+inference-only release), the shard manifest (``--shards N`` contiguous ranges and owners) and
+the local-policy manifest (the ordered hash, special and EOS ids the policy addresses, and the
+``--policy-masks`` bad-word ids and logit-bias keys, each inside the table);
+``--check-bundle`` checks one (``invariant.vocab_release_bundle``,
+``invariant.vocab_release_manifests``), naming every part that disagrees.
+
 Exit codes: 0 the audit holds and the hashes agree; 1 a violation or a hash / row mismatch;
 3 SmolLM2 not installed.
 
@@ -39,8 +47,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--write-bundle", metavar="FILE", help="write the release bundle of the loaded artifacts (after the "
                         "audit holds) to FILE")
     parser.add_argument("--release-version", default=None, help="the bundle's version (default <model>@1)")
-    parser.add_argument("--check-bundle", metavar="FILE", help="check the release bundle in FILE against itself and the "
-                        "loaded artifacts; names every part that disagrees")
+    parser.add_argument("--policy-masks", default=None, metavar="JSON", help="the written bundle's policy masks, "
+                        "'{\"bad_words_ids\": [[id, ...], ...], \"logit_bias_ids\": [id, ...]}' (default none); each id must "
+                        "lie inside the table")
+    parser.add_argument("--shards", type=int, default=1, metavar="N", help="the written bundle's shard manifest splits the "
+                        "vocabulary rows over N ranks, contiguous and even (default 1)")
+    parser.add_argument("--check-bundle", metavar="FILE", help="check the release bundle in FILE (with its optimizer, shard "
+                        "and policy manifests) against itself and the loaded artifacts; names every part that disagrees")
     return parser
 
 
@@ -117,13 +130,24 @@ def _bundle(args: argparse.Namespace, model, tokenizer, *, ok: bool) -> dict:
     """
     from pathlib import Path
 
-    from decodespec.checks.vocab_check import loaded_bundle
+    import attrs
+
+    from decodespec.checks.vocab_check import INFERENCE_ONLY, loaded_bundle, loaded_policy
     from decodespec.spec.errors import Rejection
-    from decodespec.spec.vocab import ReleaseBundle, bundle_violations
+    from decodespec.spec.vocab import ReleaseBundle, ShardManifest, bundle_violations
 
     if args.write_bundle:
         version = args.release_version or f"{args.model}@1"
-        bundle = loaded_bundle(args.model, model, tokenizer, version)
+        rows = int(model.lm_head.weight.shape[0])
+        # an inference release: the optimizer manifest is declared absent, never left out
+        try:
+            masks = json.loads(args.policy_masks) if args.policy_masks else {}
+            policy = loaded_policy(tokenizer, bad_words_ids=masks.get("bad_words_ids", ()), logit_bias_ids=masks.get("logit_bias_ids", ()))
+        except (ValueError, TypeError, AttributeError) as exc:
+            return {"action": "written", "path": args.write_bundle, "version": version, "digest": None,
+                    "violations": [("policy", f"--policy-masks is not the masks object: {exc}")]}
+        bundle = attrs.evolve(loaded_bundle(args.model, model, tokenizer, version), optimizer=INFERENCE_ONLY,
+                              shards=ShardManifest.even(rows, max(1, min(args.shards, rows))), policy=policy)
         bad = [("audit", "the audit failed: no bundle written")] if not ok else list(bundle_violations(bundle))
         if not bad:
             Path(args.write_bundle).write_text(json.dumps(bundle.to_json(), indent=1, ensure_ascii=False) + "\n")

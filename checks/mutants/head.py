@@ -25,7 +25,10 @@ These bugs live at interfaces the gate's case table does not drive -- a user's t
   :func:`~decodespec.checks.vocab_check.audit_added_tokens` (``invariant.vocab_added_token_identity``);
 * ``vocab_migration_not_rolled_back`` (:data:`~decodespec.checks.vocab_check.ROLLBACK_MUTANTS`):
   :func:`~decodespec.checks.vocab_check.check_migration_rollback` of the same model and map with
-  a fault injected after the rows are installed, judged by ``invariant.vocab_migration_transaction``.
+  a fault injected after the rows are installed, judged by ``invariant.vocab_migration_transaction``;
+* ``vocab_release_stale_optimizer_manifest`` (:data:`~decodespec.checks.vocab_check.RELEASE_MUTANTS`):
+  :func:`~decodespec.checks.vocab_check.check_release_after_migration` of the same model and map,
+  releasing the optimizer manifest read before the migration, judged by ``invariant.vocab_release_manifests``.
 
 Their rules (``mutant.<name>``) are registered where the broken implementations live.
 
@@ -161,6 +164,21 @@ def _added_token_checker(name: str) -> Callable[[bool], dict | None]:
     return check
 
 
+def _release_checker(name: str) -> Callable[[bool], dict | None]:
+    def check(mutated: bool) -> dict | None:
+        from ..vocab_check import RELEASE_MUTANTS, check_release_after_migration
+
+        vmap, init = _migration_plan()
+        bad = check_release_after_migration(_tiny(bias=True), vmap, init, release=RELEASE_MUTANTS[name][0] if mutated else None)
+        if not bad:
+            return None
+        part, why = bad[0]
+        return {"check": "release_bundle.tiny", "layer": "MIGRATION", "rule": "invariant.vocab_release_manifests",
+                "ladder_check": why.split(":", 1)[0], "message": f"bundle part {part}: {[w.split(':', 1)[0] for _, w in bad]}"}
+
+    return check
+
+
 def _add(name: str, checker: Callable[[bool], dict | None], representative: bool = False) -> None:
     r = RULES[f"mutant.{name}"]
     MUTANTS[name] = Mutant(name, _G, r.title, r.section, r.statement, (), representative=representative, checker=checker)
@@ -169,7 +187,7 @@ def _add(name: str, checker: Callable[[bool], dict | None], representative: bool
 def _register_all() -> None:
     from ..head_check import LOSS_MUTANTS, TYING_MUTANTS
     from ..sharded_tie import SHARD_MUTANTS
-    from ..vocab_check import ADDED_TOKEN_MUTANTS, MIGRATION_MUTANTS, ROLLBACK_MUTANTS
+    from ..vocab_check import ADDED_TOKEN_MUTANTS, MIGRATION_MUTANTS, RELEASE_MUTANTS, ROLLBACK_MUTANTS
 
     for name in LOSS_MUTANTS:
         _add(name, _loss_checker(name), representative=name == "head_chunk_mean")
@@ -186,6 +204,10 @@ def _register_all() -> None:
     for name, (fn, section, title, statement) in ROLLBACK_MUTANTS.items():
         register(Rule(id=f"mutant.{name}", kind="mutant", title=title, section=section, statement=statement, obj=fn))
         _add(name, _rollback_checker(name))
+
+    for name, (fn, section, title, statement) in RELEASE_MUTANTS.items():
+        register(Rule(id=f"mutant.{name}", kind="mutant", title=title, section=section, statement=statement, obj=fn))
+        _add(name, _release_checker(name))
 
 
 _register_all()
