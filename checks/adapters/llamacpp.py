@@ -43,7 +43,7 @@ allocated once per context, not per request), transforms without a llama-cpp-pyt
 finite-state constraint; a logit bias is llama-cpp-python's own ``logit_bias`` processor at the
 head of the chain), a repetition penalty over the prompt (llama-cpp-python's window holds only
 the accepted output tokens), ``min_new_tokens`` (no such llama.cpp parameter), stop strings, structured completion, an
-empty EOS set (llama-cpp-python always stops on EOG).  A streamed request runs with its chunks
+empty EOS set or one without the vocabulary's EOS id (llama-cpp-python always stops on EOG).  A streamed request runs with its chunks
 not exposed.
 
 Source: llama-cpp-python 0.3.36 ``llama_cpp/llama.py`` (``Llama.eval``, ``_init_sampler``,
@@ -370,6 +370,13 @@ class LlamaCppEngine:
             raise unsupported("llama.cpp has no min_new_tokens", "$.min_new_tokens")
         if not config.eos_ids:
             raise unsupported("llama-cpp-python always stops on the vocabulary's EOG tokens", "$.eos_ids")
+        eos = int(llama().token_eos())
+        if eos not in config.eos_ids:
+            # The machines draw EOS sets of any ids (issue 15 item 4): llama-cpp-python still stops on the vocabulary's
+            # EOG tokens (SmolLM2: 0, 2, 4), so a request whose EOS set leaves out the vocabulary's EOS id would end
+            # `eos` where the spec runs on.  An EOS set that holds it but not 0 or 4 is run (the gate's cases).
+            raise unsupported(f"llama-cpp-python always stops on the vocabulary's EOG tokens; the EOS set must hold its EOS "
+                              f"id {eos}", "$.eos_ids")
         if config.dtype != "float32" or config.device != "cpu":
             raise unsupported("the llama.cpp adapter runs the Q4_1 file on the CPU (dtype float32 names the reference)", "$.dtype")
         params = sampler_params(config)
