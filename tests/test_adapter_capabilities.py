@@ -238,3 +238,10 @@ def test_coverage_enforces_only_declared_features() -> None:
     assert {"transform.logit_bias", "transform.logit_bias@hf", "enum.alignment.text", "transform.top_k@vllm"} <= set(full)
     assert set(full) - set(less) == {k for k in full if k.startswith("transform.logit_bias") or k.endswith("@vllm")
                                      or k in ("enum.alignment.text", "enum.policy.order.vllm")}
+
+
+def test_every_case_only_feature_is_required_by_a_case() -> None:
+    """features.CASE_ONLY_FEATURES (sent through a dedicated case, not a CaseConfig field) each have such a case."""
+    required = {name for model in ("tiny", "smollm2") for case in cases_for(model) for name in case.requires}
+    assert features.CASE_ONLY_FEATURES and features.CASE_ONLY_FEATURES <= required
+    assert not features.CASE_ONLY_FEATURES & features.sendable_features()

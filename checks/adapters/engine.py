@@ -246,12 +246,12 @@ def capabilities_markdown() -> str:
     A test compares the page's table with this text; regenerate it with
     ``python -c "from decodespec.checks.adapters.engine import capabilities_markdown; print(capabilities_markdown())"``.
     """
-    from .features import CONFIG_FIELDS, SHORT_NAMES, feature_capabilities, sendable_features
+    from .features import CASE_ONLY_FEATURES, CONFIG_FIELDS, SHORT_NAMES, feature_capabilities, sendable_features
 
     paths = feature_capabilities()
     long_names = {short: full for full, short in SHORT_NAMES.items()}
     fields = {f"{section}.{prop}": field for field, (section, prop) in CONFIG_FIELDS.items()}
-    sendable = sendable_features()
+    sendable = sendable_features() | CASE_ONLY_FEATURES
     rows = ["| name | what it declares | on the engine route |", "| --- | --- | --- |"]
     for name in sorted(OP_AND_PROBE_MEANINGS):
         rows.append(f"| `{name}` | {OP_AND_PROBE_MEANINGS[name]} | {_engine_route(name)} |")

@@ -44,6 +44,7 @@ from decodespec.spec.envelope import request_schema
 from decodespec.spec.policy import POLICY_JSON_SCHEMA
 
 __all__ = [
+    "CASE_ONLY_FEATURES",
     "CONFIG_FIELDS",
     "SECTIONS",
     "SHORT_NAMES",
@@ -239,6 +240,11 @@ def config_features() -> frozenset[str]:
         names |= set(feature.all_names())
     names |= {transform_capability(n) for n in _transform_names()}
     return frozenset(names)
+
+
+#: Envelope features the gate sends through a dedicated case rather than a :class:`~decodespec.checks.adapters.CaseConfig`
+#: field (the case ``requires`` the capability; ``tests/test_adapter_capabilities.py`` checks that one does).
+CASE_ONLY_FEATURES = frozenset({"output.prompt_logprobs"})  # matrix.prompt_logprobs (M3.10 0x02)
 
 
 @functools.lru_cache(maxsize=1)
