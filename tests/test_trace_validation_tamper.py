@@ -548,3 +548,22 @@ def test_a_redacted_chunk_text_digest_is_free_and_the_verdict_says_it_was_not_ch
     chunk["text"] = chunk["text"] + "\u00e9"
     _write(content, records)
     assert _verdict(capsys, content, 1)["accepted"] is False
+
+
+@pytest.mark.parametrize("stops", [False, True])
+def test_include_stop_str_is_free_only_until_a_stop_string_matched(tmp_path, capsys, stops):
+    """The trace fuzz (seed 49) flipped ``output.include_stop_str`` in a trace without stop strings: accepted, and the
+    oracle now declares it free there.  After a stop-string finish the flag decides the returned text, so the flip
+    is refused (and the oracle would call its acceptance wrong)."""
+    from trace_oracle import classify_acceptance
+
+    flags = ("--max-new-tokens", "8", "--stop", "BB", "--stream") if stops else ("--max-new-tokens", "4")
+    path = _generate(tmp_path, "include", *flags)
+    records = _records(path)
+    assert (records[-1]["finish_reason"] == "stop_string") is stops
+    records[0]["output"]["include_stop_str"] = not records[0]["output"]["include_stop_str"]
+    flipped = tmp_path / "flipped.ndjson"
+    _write(flipped, records)
+    verdict = _verdict(capsys, flipped, 1 if stops else 0)
+    kind, _ = classify_acceptance(path.read_bytes(), flipped.read_bytes())
+    assert kind == ("wrong" if stops else "free"), verdict

@@ -65,6 +65,9 @@ FREE_FIELDS: dict[tuple[str, tuple[str, ...]], str] = {
                                              "per-file key that is not stored) and the token bytes that would relate it "
                                              "to the tokens are not in the file; the verdict lists "
                                              "invariant.chunk_metadata (chunk text) in needs_content",
+    ("request", ("output", "include_stop_str")): "free only while no stop string matched (no stop_string trigger or "
+                                                 "finish): it says whether a matched stop string stays in the returned "
+                                                 "text, and nothing is returned differently before a match",
     ("finish", ("stream", "error")): "free only while the report says the delivery failed: the consumer's exception text "
                                      "(a runtime message, not a spec value)",
 }
@@ -182,6 +185,9 @@ def _free(event: str, path: tuple, header: dict[str, Any], rec: dict[str, Any], 
         draws = [r.get("draws") for r in lines if isinstance(r, dict) and r.get("event") == "decision"]
         value = header["params"]["max_draws"]
         return all(isinstance(d, int) and d <= value for d in draws)
+    if path == ("output", "include_stop_str"):
+        return not any(isinstance(r, dict) and ("stop_string" in (r.get("triggers") or ()) or r.get("finish_reason") == "stop_string")
+                       for r in lines)
     if path == ("output", "max_json_depth"):
         return header.get("output", {}).get("structured") == "none"
     if path == ("stream", "error"):
