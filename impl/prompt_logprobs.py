@@ -21,7 +21,7 @@ import torch
 
 from decodespec.spec.prompt_logprobs import FirstTokenPolicy, PromptLogprob, PromptLogprobsSpec
 
-__all__ = ["BLOCK_ELEMENTS", "entries_from_logits", "first_entries", "score_rows"]
+__all__ = ["BLOCK_ELEMENTS", "entries_from_logits", "entries_from_prompt_rows", "first_entries", "score_rows"]
 
 #: Most logits materialised at once (rows per block = BLOCK_ELEMENTS // V, at least 1): 16 Mi floats, 64 MiB.
 BLOCK_ELEMENTS = 1 << 24
@@ -93,3 +93,13 @@ def entries_from_logits(logits: torch.Tensor, first_position: int, prompt_ids: S
 def first_entries(prompt_ids: Sequence[int], spec: PromptLogprobsSpec) -> list[PromptLogprob]:
     """The entries before any row's: ``[x_0 without a score]`` under ``none``, ``[]`` under ``omitted`` (M3.10 0x02)."""
     return [PromptLogprob(0, int(prompt_ids[0]))] if spec.first_token is FirstTokenPolicy.NONE and prompt_ids else []
+
+
+def entries_from_prompt_rows(logits: torch.Tensor, prompt_ids: Sequence[int], spec: PromptLogprobsSpec) -> list[PromptLogprob]:
+    """Every entry of a prompt from its first ``L - 1`` raw rows (row ``i`` scores ``x_{i+1}``): :func:`first_entries`,
+    then :func:`entries_from_logits` -- a peer's formatter of its own rows (HF's logits, llama.cpp's ``logits_all``).
+
+    Shapes: ``logits [L - 1, V]`` (any float dtype).
+    """
+    rows = entries_from_logits(logits, 1, prompt_ids, spec.top_k) if len(prompt_ids) > 1 else []
+    return first_entries(prompt_ids, spec) + rows

@@ -48,6 +48,7 @@ import numpy as np
 
 from decodespec.spec.errors import Rejection, register_code
 from decodespec.spec.rules import rule
+from decodespec.spec.vocab_parallel import shard_ranges
 
 __all__ = [
     "ADDED_TOKEN_VIOLATIONS",
@@ -1131,14 +1132,13 @@ class ShardManifest:
 
     @classmethod
     def even(cls, rows: int, ranks: int = 1) -> ShardManifest:
-        """The even contiguous split of ``rows`` over ``ranks`` (the first ``rows mod ranks`` own one row more), rank ``r`` owning range ``r``."""
-        base, extra = divmod(rows, max(ranks, 1))
-        out, start = [], 0
-        for r in range(ranks):
-            stop = start + base + (1 if r < extra else 0)
-            out.append((start, stop, r))
-            start = stop
-        return cls(ranks, tuple(out))
+        """The even contiguous split of ``rows`` over ``ranks`` (:func:`decodespec.spec.vocab_parallel.shard_ranges`: the
+        first ``rows mod ranks`` own one row more), rank ``r`` owning range ``r``.
+
+        Raises:
+            Rejection: ``vocab_parallel.invalid_layout`` when ``ranks < 1`` or ``ranks > rows``.
+        """
+        return cls(ranks, tuple((a, b, r) for r, (a, b) in enumerate(shard_ranges(rows, ranks))))
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as JSON."""

@@ -135,6 +135,12 @@ def _diffs(a: Any, b: Any, path: tuple = ()) -> list[tuple]:
     return [] if a == b and type(a) is type(b) else [path]
 
 
+def _stop_matched(lines: list[Any]) -> bool:
+    """Whether any event records a stop-string trigger or finish."""
+    return any(isinstance(r, dict) and ("stop_string" in (r.get("triggers") or ()) or r.get("finish_reason") == "stop_string")
+               for r in lines)
+
+
 def _stop_strings_free(header: dict[str, Any], lines: list[Any], old: Any, new: Any) -> bool:
     """FREE_FIELDS[request, output.stop_strings]: every added or removed string is inert in this output."""
     data = header.get("data")
@@ -143,7 +149,7 @@ def _stop_strings_free(header: dict[str, Any], lines: list[Any], old: Any, new: 
     if not (isinstance(old, list) and isinstance(new, list) and all(isinstance(s, str) for s in old + new)):
         return False
     events = [r for r in lines if isinstance(r, dict)]
-    if any("stop_string" in (r.get("triggers") or ()) or r.get("finish_reason") == "stop_string" for r in events):
+    if _stop_matched(events):
         return False
     texts = [r["text"] for r in events if r.get("event") in ("stream", "finish") and isinstance(r.get("text"), str)]
     if not texts:
@@ -186,8 +192,7 @@ def _free(event: str, path: tuple, header: dict[str, Any], rec: dict[str, Any], 
         value = header["params"]["max_draws"]
         return all(isinstance(d, int) and d <= value for d in draws)
     if path == ("output", "include_stop_str"):
-        return not any(isinstance(r, dict) and ("stop_string" in (r.get("triggers") or ()) or r.get("finish_reason") == "stop_string")
-                       for r in lines)
+        return not _stop_matched(lines)
     if path == ("output", "max_json_depth"):
         return header.get("output", {}).get("structured") == "none"
     if path == ("stream", "error"):

@@ -465,15 +465,14 @@ class HFEngine:
         """
         import torch
 
-        from decodespec.impl.prompt_logprobs import entries_from_logits, first_entries
+        from decodespec.impl.prompt_logprobs import entries_from_prompt_rows
 
         prompt = list(config.prompt_ids)
         L = len(prompt)
         chunk = config.prefill_chunk if config.prefill_chunk is not None and self.cache is not None else L
         rows = [self.forward(prompt, s, min(chunk, L - s), every_row=True) for s in range(0, L, chunk)]
         logits = np.concatenate(rows)[: L - 1]  # [L - 1, V]: row L - 1 scores the first output
-        entries = entries_from_logits(torch.from_numpy(logits), 1, prompt, spec.top_k) if L > 1 else []
-        return first_entries(prompt, spec) + entries
+        return entries_from_prompt_rows(torch.from_numpy(logits), prompt, spec)
 
     def rollback(self, processed: int) -> None:
         """HF's ``Cache.crop(-n)`` back to ``processed`` rows."""

@@ -131,35 +131,31 @@ def create(**options: Any) -> PeerAdapter:
     return PeerAdapter(LlamaCppEngine(), "llamacpp")
 
 
-@functools.lru_cache(maxsize=1)
-def llama():
-    """The shared ``Llama`` context on the SmolLM2 GGUF file (created once per process)."""
+def _smollm2_context(n_ctx: int, *, logits_all: bool):
+    """A ``Llama`` context on the SmolLM2 GGUF file: one thread, ``n_batch = n_ubatch = 512``, seed 0, freed at exit."""
     import atexit
 
     import llama_cpp
 
     from decodespec.impl.gguf import smollm2_path
 
-    llm = llama_cpp.Llama(model_path=str(smollm2_path()), n_ctx=N_CTX, n_batch=512, n_ubatch=512, n_threads=1,
-                          n_threads_batch=1, logits_all=False, seed=0, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(smollm2_path()), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=1,
+                          n_threads_batch=1, logits_all=logits_all, seed=0, verbose=False)
     atexit.register(llm.close)  # free the context before interpreter teardown unloads the bindings
     return llm
 
 
 @functools.lru_cache(maxsize=1)
+def llama():
+    """The shared ``Llama`` context on the SmolLM2 GGUF file (created once per process, last row only)."""
+    return _smollm2_context(N_CTX, logits_all=False)
+
+
+@functools.lru_cache(maxsize=1)
 def llama_all_rows():
-    """A second ``Llama`` context on the SmolLM2 file with ``logits_all=True`` (every row's logits kept in ``scores``),
-    for prompt logprobs only (created once per process, :data:`N_CTX_ALL` positions)."""
-    import atexit
-
-    import llama_cpp
-
-    from decodespec.impl.gguf import smollm2_path
-
-    llm = llama_cpp.Llama(model_path=str(smollm2_path()), n_ctx=N_CTX_ALL, n_batch=512, n_ubatch=512, n_threads=1,
-                          n_threads_batch=1, logits_all=True, seed=0, verbose=False)
-    atexit.register(llm.close)
-    return llm
+    """A second context with ``logits_all=True`` (every row's logits kept in ``scores``), for prompt logprobs only
+    (created once per process, :data:`N_CTX_ALL` positions)."""
+    return _smollm2_context(N_CTX_ALL, logits_all=True)
 
 
 def last_row(llm: Any) -> np.ndarray:
@@ -437,7 +433,7 @@ class LlamaCppEngine:
         """
         import torch
 
-        from decodespec.impl.prompt_logprobs import entries_from_logits, first_entries
+        from decodespec.impl.prompt_logprobs import entries_from_prompt_rows
 
         prompt = [int(t) for t in config.prompt_ids]
         L = len(prompt)
@@ -452,10 +448,7 @@ class LlamaCppEngine:
         for start in range(0, L, chunk):
             llm.eval(prompt[start:start + chunk])
         logits = np.array(llm.scores[: L - 1], dtype=np.float32, copy=True)  # [L - 1, V]: row L - 1 scores the output
-        llm.reset()
-        llm._ctx.kv_cache_clear()
-        entries = entries_from_logits(torch.from_numpy(logits), 1, prompt, spec.top_k) if L > 1 else []
-        return first_entries(prompt, spec) + entries
+        return entries_from_prompt_rows(torch.from_numpy(logits), prompt, spec)
 
     def rollback(self, processed: int) -> None:
         """``llama_memory_seq_rm(mem, -1, processed, -1)``."""
