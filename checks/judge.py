@@ -72,16 +72,14 @@ import jsonschema
 import numpy as np
 
 from decodespec.checks.fastschema import FastAccept
-from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Commit, Decide, Launch, SupportEmpty, action_label
+from decodespec.spec import request_machine as rm
+from decodespec.spec.actions import Action, Admit, Commit, Decide, Launch, SupportEmpty, action_label
 from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason
 from decodespec.spec.envelope import AdmittedRequest, validate_request_envelope
 from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit, quote, register_code
-from decodespec.spec.policy import PolicyConfig, RequestView, ScoreRow, child_state, decide, initial_policy_state, policy_config_from_json, processed_row
-from decodespec.spec.policy.codes import TERMINAL_DECISION_CODES
-from decodespec.spec.policy.rng import rng_key, uniform
 from decodespec.spec.policy.scores import log_softmax
-from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, is_terminal, params_from_request
-from decodespec.spec.stop import StopConfig, step_triggers
+from decodespec.spec.request_machine import request_from_envelope
+from decodespec.spec.state import Phase, RequestState, is_terminal
 from decodespec.spec.transitions import MACHINE, Machine, expected_report
 
 from .ladder import FAILED, PASSED, UNDECIDED, Tolerance, Verdict, score_row_failure
@@ -294,25 +292,6 @@ def _admit(header: dict[str, Any]) -> AdmittedRequest:
     return admitted
 
 
-def with_min_new_tokens(policy: PolicyConfig, min_new_tokens: int) -> PolicyConfig:
-    """``policy`` with the ``min_new_tokens`` legality transform first when the request needs it and the policy lacks it.
-
-    The declared choice of our runtime and the gate (M3.8 "Hard constraints define a conditional
-    support"): the termination plane's ``min_new_tokens`` masks the EOS ids through the policy.
-    """
-    if min_new_tokens <= 0 or policy.find("min_new_tokens") is not None:
-        return policy
-    obj = policy.to_json()
-    return policy_config_from_json({**obj, "transforms": [{"name": "min_new_tokens"}] + obj["transforms"]})
-
-
-def _stop_config(admitted: AdmittedRequest, params: RequestParams) -> StopConfig:
-    term, out = admitted.termination, admitted.output
-    return StopConfig(max_new_tokens=params.max_new_tokens, eos_ids=params.eos_ids, min_new_tokens=params.min_new_tokens,
-                      prompt_len=params.prompt_len, max_context_len=params.context_cap, stop_strings=tuple(term.stop_strings),
-                      include_stop_str=out.include_stop_str, alignment=out.alignment, json_completion=term.structured == "json")
-
-
 # --------------------------------------------------------------------------------------------
 # The judge.
 # --------------------------------------------------------------------------------------------
@@ -327,34 +306,37 @@ def _fail(layer: str, check: str, expected: Any, actual: Any, message: str, prob
 
 
 class _Judge:
-    """The spec side of one recording, advanced line by line."""
+    """The spec side of one recording: the composed request (:mod:`decodespec.spec.request_machine`), advanced line by line."""
 
     def __init__(self, admitted: AdmittedRequest, tolerance: Tolerance, reference: Any, token_bytes: Callable[[int], bytes] | None,
                  machine: Machine):
         self.admitted = admitted
-        params = params_from_request(admitted)
-        if reference is not None and reference.window < params.context_cap:  # the gate's cap (lockstep.params_for): the model window
-            params = attrs.evolve(params, context_cap=reference.window)
-        self.params = params
-        self.policy = with_min_new_tokens(admitted.policy, self.params.min_new_tokens)
+        # With a reference, its window caps the context as in the gate (lockstep.params_for).
+        self.request = request_from_envelope(admitted, window=None if reference is None else reference.window)
+        self.params = self.request.params
+        self.policy = self.request.policy
         self.tolerance = tolerance
         self.reference = reference
         self.machine = machine
-        self.prompt_ids = tuple(admitted.decoder_input_ids)
-        self.stop = _stop_config(admitted, self.params)
+        self.prompt_ids = self.request.prompt_ids
         self.token_bytes = token_bytes
         if (self.params.stop_strings or self.params.structured) and token_bytes is None:
             raise Rejection(JUDGE_UNSUPPORTED, "the request declares stop strings or structured completion, whose triggers need the "
                             "model's token bytes: name a known model (runtime.model tiny / smollm2) or pass a tokenizer", "$[0].runtime.model")
-        self.policy_state = attrs.evolve(initial_policy_state(self.policy), rng_counter=admitted.rng.counter)
-        self.state = initial_state(self.params)
         self.undecided: tuple[Verdict, int] | None = None
-        self.state = self._step(Admit(), "admit")
+        self.composed = rm.initial(self.request)
+        self._do(lambda c: rm.apply(self.request, c, Admit(), machine=machine), Admit(), "admit")
+
+    @property
+    def state(self) -> RequestState:
+        """The M3.10 machine state."""
+        return self.composed.machine
 
     # -- helpers -------------------------------------------------------------------------
-    def _step(self, action: Action, what: str) -> RequestState:
+    def _do(self, fn: Callable[[rm.ComposedState], rm.ComposedState], action: Action, what: str) -> None:
+        """``self.composed = fn(self.composed)``; a refusal is a broken STATE rule naming the guard."""
         try:
-            return self.machine.step(self.params, self.state, action)
+            self.composed = fn(self.composed)
         except DecodeSpecError as exc:
             guard = exc.details.get("guard") or exc.details.get("check")
             rule = exc.details.get("rule", "the transition")
@@ -380,11 +362,6 @@ class _Judge:
         if list(stated) != spec:
             raise _fail("SEQUENCE", "triggers", spec, list(stated), f"{what} triggers: the spec fires {spec}, the runtime reported {list(stated)}")
 
-    def _view(self) -> RequestView:
-        a = self.admitted
-        return RequestView(prompt_ids=self.prompt_ids, output_ids=self.state.output_ids, eos_ids=sorted(self.params.eos_ids),
-                           min_new_tokens=self.params.min_new_tokens, identity=self.params.identity, seed=a.rng.seed)
-
     def _row(self, rec: dict[str, Any]) -> tuple[np.ndarray, float]:
         """STATE (a scored call precedes the row) and TENSOR (shape; the reference row) of a row line; ``(row, epsilon)``."""
         if self.state.phase is not Phase.SCORED or self.state.score is None:
@@ -408,23 +385,24 @@ class _Judge:
 
     # -- lines ---------------------------------------------------------------------------
     def on_call(self, rec: dict[str, Any]) -> None:
-        self.state = self._step(Launch(CallKind(rec["kind"]), rec["start"], rec["length"]), "launch")
-        self.state = self._step(expected_report(self.params, self.state), "complete")
+        launch = Launch(CallKind(rec["kind"]), rec["start"], rec["length"])
+        self._do(lambda c: rm.apply(self.request, c, launch, machine=self.machine), launch, "launch")
+        self._do(lambda c: rm.complete(self.request, c, machine=self.machine), expected_report(self.params, self.state), "complete")
         self._state_check(rec)
 
     def on_empty_support(self, rec: dict[str, Any]) -> None:
         row, _ = self._row(rec)
-        assert self.state.score is not None
+        score = self.state.score
+        assert score is not None
         try:
-            receipt, _ = decide(ScoreRow.create(row, row_id=self.state.score.score_id), self.policy, self.policy_state, self._view())
+            choice = rm.choose(self.request, self.composed, row, machine=self.machine)
         except DecodeSpecError as exc:
-            if exc.code not in TERMINAL_DECISION_CODES:
-                raise _fail("DECISION", "decision.policy", "a decision", exc.code, f"the spec policy refuses the row: {exc.message}") from None
-        else:
-            raise _fail("DECISION", "decision.empty_support", receipt.selected_id, "empty_support",
+            raise _fail("DECISION", "decision.policy", "a decision", exc.code, f"the spec policy refuses the row: {exc.message}") from None
+        if choice is not None:
+            raise _fail("DECISION", "decision.empty_support", choice.token, "empty_support",
                         f"output {self.state.output_count}: the runtime found the legal support empty, the spec policy selects "
-                        f"{receipt.selected_id} on the same row")
-        self.state = self._step(SupportEmpty(self.state.score.score_id), "support_empty")
+                        f"{choice.token} on the same row")
+        self._do(lambda c: rm.support_empty(self.request, c, machine=self.machine), SupportEmpty(score.score_id), "support_empty")
         self._state_check(rec)
 
     def on_token(self, rec: dict[str, Any], index: int) -> None:
@@ -432,33 +410,30 @@ class _Judge:
         score = self.state.score
         assert score is not None
         index_o = self.state.output_count
-        view = self._view()
         token = int(rec["token_id"])
-        srow = ScoreRow.create(row, row_id=score.score_id)
         try:
-            processed = processed_row(srow, self.policy, self.policy_state, view)
-            receipt, after = decide(srow, self.policy, self.policy_state, view)
+            choice = rm.choose(self.request, self.composed, row, machine=self.machine)
         except DecodeSpecError as exc:
-            if exc.code in TERMINAL_DECISION_CODES:
-                raise _fail("DECISION", "decision.empty_support", "empty_support", token,
-                            f"output {index_o}: the spec policy finds no legal token on this row (finish constraint_error), the "
-                            f"runtime selected {token}") from None
             raise _fail("DECISION", "decision.policy", "a decision", exc.code, f"output {index_o}: the spec policy refuses the row: "
                         f"{exc.message}") from None
-        draws = receipt.draws
+        if choice is None:
+            raise _fail("DECISION", "decision.empty_support", "empty_support", token,
+                        f"output {index_o}: the spec policy finds no legal token on this row (finish constraint_error), the "
+                        f"runtime selected {token}")
+        processed = choice.processed
+        draws = choice.draws
         if "draws" in rec and rec["draws"] != draws:
             raise _fail("POLICY", "draws", draws, rec["draws"], f"output {index_o}: the decision consumed {rec['draws']} RNG draws, "
                         f"the spec policy's selector ({processed.selector}) draws {draws}")
         if not 0 <= token < self.params.vocab_size or not processed.support_mask[token]:
-            raise _fail("DECISION", "decision.support", receipt.selected_id, token,
+            raise _fail("DECISION", "decision.support", choice.token, token,
                         f"output {index_o}: the runtime selected {token}, outside the processed support of its own row "
-                        f"({processed.support_size} ids; the spec policy selects {receipt.selected_id})")
-        if token != receipt.selected_id:
+                        f"({processed.support_size} ids; the spec policy selects {choice.token})")
+        if token != choice.token:
             greedy = processed.selector == "greedy"
-            u = None if greedy else uniform(rng_key(self.params.identity, self.admitted.rng.seed), view.step, 0)
-            verdict = judge_decision(policy=self.policy, ref_values=processed.values, ref_token=receipt.selected_id, runtime_token=token,
-                                     tolerance=self.tolerance, greedy=greedy, ref_probs=processed.probs, u=u, output_index=index_o,
-                                     epsilon=eps)
+            verdict = judge_decision(policy=self.policy, ref_values=processed.values, ref_token=choice.token, runtime_token=token,
+                                     tolerance=self.tolerance, greedy=greedy, ref_probs=processed.probs,
+                                     u=None if greedy else choice.u, output_index=index_o, epsilon=eps)
             # The margin rule on the runtime's own row: the "reference" row of the message is the spec policy's processing of it.
             verdict = attrs.evolve(verdict, message=verdict.message + " [judged on the recorded row: 'reference' is the spec policy's "
                                    "processed row of it]")
@@ -466,7 +441,6 @@ class _Judge:
                 raise _Broken(verdict)
             if verdict.result == UNDECIDED and self.undecided is None:
                 self.undecided = (verdict, index)
-            after = child_state(self.policy, self.policy_state, token, draws=draws)  # any id the tolerance allows is legal
         want = float(log_softmax(row)[token])
         bound = self.tolerance.at_row(row).logprob
         got = float(rec["logprob"])
@@ -475,22 +449,16 @@ class _Judge:
                         f"output {index_o}: the logprob at vocabulary id {token} is not log-softmax of its own score row there: "
                         f"expected {want:.6g}, observed {got:.6g}, |error| {abs(got - want):.3g} > bound {bound:.3g}",
                         {"kind": "logprob", "id": token, "expected": want, "observed": got, "bound": bound})
-        self.state = self._step(Decide(score.score_id, token, draws), "decide")
-        text: frozenset[FinishReason] = frozenset()
-        if self.token_bytes is not None and (self.params.stop_strings or self.params.structured):
-            ids = self.state.output_ids + (token,)
-            fired, _, _ = step_triggers(self.stop, ids, self._bytes(ids))
-            text = frozenset(fired) & TEXT_TRIGGERS
+        # Any id the tolerance allows is legal: the spec adopts it (the policy state advances as for that id).
+        self._do(lambda c: rm.decide(self.request, c, choice, token=token, machine=self.machine),
+                 Decide(score.score_id, token, draws), "decide")
         before = self.state.triggers
         assert self.state.receipt is not None
-        self.state = self._step(Commit(self.state.receipt.receipt_id, text), "commit")
-        self.policy_state = after
+        receipt_id = self.state.receipt.receipt_id
+        self._do(lambda c: rm.commit(self.request, c, token_bytes=self.token_bytes, machine=self.machine),
+                 Commit(receipt_id, frozenset()), "commit")
         self._triggers_check(rec.get("triggers"), self.state.triggers - before, f"output {index_o}: the commit's")
         self._state_check(rec)
-
-    def _bytes(self, ids: Sequence[int]) -> list[bytes]:
-        assert self.token_bytes is not None
-        return [b"" if t in self.params.eos_ids else bytes(self.token_bytes(int(t))) for t in ids]
 
     def on_finish(self, rec: dict[str, Any]) -> None:
         if self.state.phase is not Phase.FINISHED:

@@ -47,22 +47,17 @@ from typing import Any
 import attrs
 import numpy as np
 
-from decodespec.spec.actions import TEXT_TRIGGERS, Action, Admit, Cancel, Commit, Decide, Fault, Launch, Recover, Restore, Snapshot, StreamFailure, SupportEmpty
-from decodespec.spec.enums import EXTERNAL_FINISH_REASONS, FINISH_PRECEDENCE, CallKind, FinishReason
-from decodespec.spec.envelope import ZERO_NEW_TOKENS_REJECTED
-from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit
-from decodespec.spec.policy import PolicyConfig, PolicyState, RequestView, ScoreRow, child_state, decide, policy_config_from_json, processed_row
-from decodespec.spec.policy.codes import TERMINAL_DECISION_CODES
-from decodespec.spec.policy.config import Family
-from decodespec.spec.policy.rng import rng_key, uniform
-from decodespec.spec.policy.scores import log_softmax
-from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
-from decodespec.spec.request import context_cap, prompt_room
+from decodespec.spec import request_machine as rm
+from decodespec.spec.actions import Action, Cancel, Fault, Recover, StreamFailure
+from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason
+from decodespec.spec.errors import DecodeSpecError, Rejection
+from decodespec.spec.policy import PolicyConfig, RequestView, ScoreRow, decide, policy_config_from_json, processed_row
+from decodespec.spec.request import context_cap, policy_with_min_new_tokens
 from decodespec.spec.request import static_capacity as request_static_capacity
-from decodespec.spec.snapshot import REPAIRED, SnapshotRecord, take_snapshot
-from decodespec.spec.state import Phase, RequestParams, RequestState, due_call, initial_state, repair_outstanding
-from decodespec.spec.stop import StopConfig, align_output, reference_stream, step_triggers
-from decodespec.spec.transitions import MACHINE, NOT_ENABLED, Machine, expected_report, expected_start
+from decodespec.spec.request_machine import ComposedState, Request, SnapshotEntry, compose
+from decodespec.spec.request_machine import admission_refusal as spec_admission_refusal
+from decodespec.spec.state import Phase, RequestParams, RequestState
+from decodespec.spec.transitions import MACHINE, Machine
 
 from .adapters import ADAPTER_UNSUPPORTED, RANK_FAULTS, Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
 from .ladder import (
@@ -163,38 +158,35 @@ def params_for(config: CaseConfig, vocab_size: int, window: int) -> RequestParam
 
 
 def policy_for(config: CaseConfig) -> PolicyConfig:
-    """The M3.8 policy the spec side decides with: the config's, plus ``min_new_tokens`` when needed.
+    """The M3.8 policy the spec side decides with: the config's, plus ``min_new_tokens`` when needed
+    (:func:`decodespec.spec.request.policy_with_min_new_tokens`).
 
     Raises:
         Rejection: ``policy.*`` for a policy object the schema refuses.
     """
-    policy = policy_config_from_json(config.policy)
-    if config.min_new_tokens > 0 and policy.find("min_new_tokens") is None:
-        obj = policy.to_json()
-        policy = policy_config_from_json({**obj, "transforms": [{"name": "min_new_tokens"}] + obj["transforms"]})
-    return policy
+    return policy_with_min_new_tokens(policy_config_from_json(config.policy), config.min_new_tokens)
 
 
 def admission_refusal(config: CaseConfig, vocab_size: int, window: int) -> DecodeSpecError | None:
-    """The typed refusal of admitting ``config``, or ``None`` (see the module docstring).
-
-    Source: M3.10 "The first-output off-by-one" (G = 0 reject), "Immutable request envelope"
-    (ids inside the vocabulary), 0x09 (static capacity).
+    """The typed refusal of admitting ``config``, or ``None``: a policy the schema refuses, then the spec's
+    :func:`decodespec.spec.request_machine.admission_refusal`.
     """
     try:
         policy_for(config)
     except DecodeSpecError as exc:
         return exc
-    if config.max_new_tokens == 0 and config.zero_new_tokens == "reject":
-        return Rejection(ZERO_NEW_TOKENS_REJECTED, "max_new_tokens is 0 and the declared G=0 branch is 'reject'", "$.max_new_tokens")
-    if any(t >= vocab_size for t in config.prompt_ids):
-        return Rejection(_RUNTIME_INVALID_REQUEST, f"a prompt id is outside [0, {vocab_size})", "$.prompt_ids")
-    if config.prompt_len >= window:
-        return ResourceLimit(_CONTEXT_WINDOW_EXCEEDED, f"prompt length {config.prompt_len} leaves no room in the window {window}", "$.prompt_ids")
-    capacity = static_capacity(config, window)
-    if capacity is not None and capacity < prompt_room(config.prompt_len, config.max_new_tokens):
-        return ResourceLimit(CACHE_CAPACITY_EXCEEDED, f"static capacity {capacity} cannot hold the prompt", "$.static_capacity")
-    return None
+    return spec_admission_refusal(params_for(config, vocab_size, window), config.prompt_ids, window)
+
+
+def request_for(config: CaseConfig, vocab_size: int, window: int, special_ids: frozenset[int] = frozenset()) -> Request:
+    """The spec's composed :class:`~decodespec.spec.request_machine.Request` of ``config``.
+
+    Raises:
+        Rejection / ResourceLimit: ``policy.*``, ``stop.*``.
+    """
+    return compose(params_for(config, vocab_size, window), policy_config_from_json(config.policy), prompt_ids=config.prompt_ids,
+                   seed=config.seed, stop_strings=config.stop_strings, include_stop_str=config.include_stop_str,
+                   alignment=config.alignment, window=window, special_ids=special_ids)
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,18 +292,15 @@ def judge_decision(
 
 @attrs.frozen
 class SpecSnapshot:
-    """What the spec side keeps per snapshot handle."""
+    """What the spec side keeps per snapshot handle: the composed state's snapshot and the runtime's observation then."""
 
-    record: SnapshotRecord
-    policy_state: PolicyState
-    logprobs: tuple[float, ...]
-    last_call: dict[str, Any] | None
-    last_decision: tuple[int, float, int, Any] | None
+    entry: SnapshotEntry
     observation: Observation | None
 
 
 class SpecSide:
-    """The spec state of one request plus what the spec needs to act (policy, stop reference, ledgers).
+    """The spec side of one request: the composed :class:`~decodespec.spec.request_machine.Request` and its
+    :class:`~decodespec.spec.request_machine.ComposedState` (one frozen value), stepped by the spec's pure functions.
 
     Args:
         config: The case config.
@@ -325,39 +314,30 @@ class SpecSide:
         self.tokenizer = tokenizer
         self.machine = machine
         self.snapshots: dict[str, SpecSnapshot] = {}
+        self._special_ids = frozenset(getattr(tokenizer, "special_ids", ()))
         self._install(config)
 
     def _install(self, config: CaseConfig) -> None:
         self.config = config
-        self.params = params_for(config, self.reference.vocab_size, self.reference.window)
-        self.policy = policy_for(config)
-        self.state = initial_state(self.params)
-        self.policy_state = PolicyState(rng_counter=0, constraint_state=self._initial_constraint(), mirostat_mu=self._initial_mu())
-        self.pending_policy_state: PolicyState | None = None
-        self.logprobs: list[float] = []
-        self.pending_logprob: float | None = None
-        self.last_call: dict[str, Any] | None = None
-        #: The latest decision: (token, reference logprob, draws, processed row (ids, probs) or None).
-        self.last_decision: tuple[int, float, int, Any] | None = None
-        #: The latest committed decision (what the latest decision falls back to when a pending one is discarded).
-        self.committed_decision: tuple[int, float, int, Any] | None = None
-        self.stop = StopConfig(max_new_tokens=config.max_new_tokens, eos_ids=frozenset(config.eos_ids),
-                               min_new_tokens=config.min_new_tokens, prompt_len=config.prompt_len,
-                               max_context_len=self.params.context_cap, stop_strings=config.stop_strings,
-                               include_stop_str=config.include_stop_str, alignment=config.alignment,
-                               json_completion=config.structured == "json")
+        self.request = request_for(config, self.reference.vocab_size, self.reference.window, self._special_ids)
+        self.composed = rm.initial(self.request)
 
-    def _initial_constraint(self):
-        from decodespec.spec.policy import initial_policy_state
+    # -- views -----------------------------------------------------------------------------
+    @property
+    def params(self) -> RequestParams:
+        """The M3.10 machine's parameters."""
+        return self.request.params
 
-        return initial_policy_state(self.policy).constraint_state
+    @property
+    def policy(self) -> PolicyConfig:
+        """The M3.8 policy the request decides with."""
+        return self.request.policy
 
-    def _initial_mu(self):
-        from decodespec.spec.policy import initial_policy_state
+    @property
+    def state(self) -> RequestState:
+        """The M3.10 machine state."""
+        return self.composed.machine
 
-        return initial_policy_state(self.policy).mirostat_mu
-
-    # -- helpers ---------------------------------------------------------------------------
     def admit(self, config: CaseConfig) -> None:
         """Admission of ``config`` (replaces the request; snapshots are kept).
 
@@ -367,13 +347,9 @@ class SpecSide:
         refusal = admission_refusal(config, self.reference.vocab_size, self.reference.window)
         if refusal is not None:
             raise refusal
-        old = (self.config, self.params, self.policy, self.state)
-        try:
-            self._install(config)
-            self.state = self.machine.step(self.params, self.state, Admit())
-        except DecodeSpecError:
-            self.config, self.params, self.policy, self.state = old
-            raise
+        request = request_for(config, self.reference.vocab_size, self.reference.window, self._special_ids)
+        self.composed = rm.admit(request, machine=self.machine)
+        self.config, self.request = config, request
 
     @property
     def sequence(self) -> tuple[int, ...]:
@@ -381,21 +357,16 @@ class SpecSide:
         return self.config.prompt_ids + self.state.output_ids
 
     def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
-        """The output bytes of each id (``b""`` for special tokens)."""
-        # Declared choice (docs/design.md section 2): EOS ids never contribute text, like special tokens.
-        special = frozenset(getattr(self.tokenizer, "special_ids", ())) | frozenset(self.config.eos_ids)
-        return [b"" if t in special else self.tokenizer.token_bytes(t) for t in ids]
+        """The output bytes of each id (``b""`` for special tokens and EOS ids)."""
+        return self.request.output_bytes(ids, self.tokenizer.token_bytes)
 
     def view(self, state: RequestState) -> RequestView:
         """The policy's request view at ``state``."""
-        c = self.config
-        return RequestView(prompt_ids=c.prompt_ids, output_ids=state.output_ids, eos_ids=sorted(c.eos_ids),
-                           min_new_tokens=c.min_new_tokens, identity=self.params.identity, seed=c.seed)
+        return self.request.view(state.output_ids)
 
     def greedy(self) -> bool:
         """Whether the selector is greedy (family greedy, or temperature 0)."""
-        t = self.policy.find("temperature")
-        return self.policy.family is Family.GREEDY or (t is not None and t.get("temperature") == 0.0)
+        return self.request.greedy
 
 
 @attrs.frozen
@@ -466,6 +437,15 @@ class ReferenceDecision:
     greedy: bool
     policy: PolicyConfig
     epsilon: float | None = None
+
+
+@attrs.frozen
+class _SupportNote:
+    """The gate's annotation of a decision record: whether its support is the runtime's own processed row, and the
+    rounding slack (nats) of comparing its log-probabilities (see :meth:`LockStep._decide`)."""
+
+    own_row: bool
+    slack: float
 
 
 class LockStep:
@@ -569,7 +549,7 @@ class LockStep:
             spec = {"status": "ok"}
         except DecodeSpecError as exc:
             # step / run are loops of controller actions: a refused one ends the loop and those before it stand.
-            partial = act["op"] in ("step", "run") and self.spec.state is not saved[3]
+            partial = act["op"] in ("step", "run") and self.spec.state is not saved[2].machine
             if not partial:
                 self._restore(saved)
                 checks = []
@@ -638,65 +618,40 @@ class LockStep:
                                f"a rejected action changed the observable {name}")
         return None
 
-    def _save(self) -> tuple:
+    def _save(self) -> tuple[CaseConfig, Request, ComposedState, dict[str, SpecSnapshot]]:
         s = self.spec
-        return (s.config, s.params, s.policy, s.state, s.policy_state, s.pending_policy_state, list(s.logprobs), s.pending_logprob,
-                s.last_call, s.last_decision, s.committed_decision, s.stop, dict(s.snapshots))
+        return (s.config, s.request, s.composed, dict(s.snapshots))
 
-    def _restore(self, saved: tuple) -> None:
+    def _restore(self, saved: tuple[CaseConfig, Request, ComposedState, dict[str, SpecSnapshot]]) -> None:
         s = self.spec
-        (s.config, s.params, s.policy, s.state, s.policy_state, s.pending_policy_state, s.logprobs, s.pending_logprob,
-         s.last_call, s.last_decision, s.committed_decision, s.stop, s.snapshots) = saved
+        s.config, s.request, s.composed, s.snapshots = saved
 
     # -- the spec translation --------------------------------------------------------------
     def _step(self, action: Action) -> None:
         s = self.spec
-        s.state = s.machine.step(s.params, s.state, action)
+        s.composed = rm.apply(s.request, s.composed, action, machine=s.machine)
 
     def _launch(self, kind: CallKind | None, length: int | None) -> None:
         s = self.spec
-        due = due_call(s.params, s.state)
-        if kind is None:
-            if due is None:
-                raise Rejection(NOT_ENABLED, f"no call is due in phase {s.state.phase.value}", "$.action",
-                                details={"rule": "controller", "guard": "a call is due"})
-            kind = due[0]
-        start = expected_start(s.params, s.state)
-        if length is None:
-            length = due[2] if due is not None and due[0] is kind else (1 if s.params.cached else s.params.prompt_len + s.state.output_count)
-        self._step(Launch(kind, start, length))
-        call = s.state.in_flight
-        assert call is not None
-        positions = list(range(call.start, call.end))
-        s.last_call = {"call_id": call.call_id, "kind": call.kind.value, "start": call.start, "length": call.length,
-                       "position_ids": positions, "cache_position": positions}
+        s.composed = rm.launch(s.request, s.composed, kind, length, machine=s.machine)
 
     def _complete(self) -> None:
         s = self.spec
-        self._step(expected_report(s.params, s.state))
+        s.composed = rm.complete(s.request, s.composed, machine=s.machine)
 
     def _decide(self, obs: Observation, checks: list[DecisionCheck], runtime_token: int | None) -> None:
         s = self.spec
         state = s.state
-        if state.phase is not Phase.SCORED or state.score is None:
-            self._step(Decide(score_id="", token_id=0, draws=0))  # raises the spec's own refusal
-        score = state.score
-        assert score is not None
         index = state.output_count
-        view = s.view(state)
-        ref_raw = s.reference.row(s.sequence)
-        ref_row = ScoreRow.create(ref_raw, row_id=score.score_id)
-        try:
-            receipt, after = decide(ref_row, s.policy, s.policy_state, view)
-        except DecodeSpecError as exc:
-            if exc.code not in TERMINAL_DECISION_CODES:
-                raise
-            # An empty legal support is the typed terminal finish constraint_error (M3.10 0x02 branch table).
-            self._step(SupportEmpty(score.score_id))
+        ref_raw = s.reference.row(s.sequence) if state.phase is Phase.SCORED and state.score is not None else ()
+        choice = rm.choose(s.request, s.composed, ref_raw, machine=s.machine)  # refuses outside SCORED
+        if choice is None:  # an empty legal support is the typed terminal finish constraint_error (M3.10 0x02 branch table)
+            s.composed = rm.support_empty(s.request, s.composed, machine=s.machine)
             return
-        ref_processed = processed_row(ref_row, s.policy, s.policy_state, view)
-        token, draws = receipt.selected_id, receipt.draws
-        u = None if s.greedy() else uniform(rng_key(s.params.identity, s.config.seed), view.step, 0)
+        view = s.view(state)
+        ref_processed = choice.processed
+        token = choice.token
+        u = choice.u
         self.reference_decisions[tuple(s.sequence)] = ReferenceDecision(index, token, ref_processed.values, ref_processed.probs, u,
                                                                         s.greedy(), s.policy, self.tolerance.epsilon(ref_raw))
         cand_processed = None
@@ -708,12 +663,13 @@ class LockStep:
                                     where=f"output {index}: the runtime decided on a score row away from the reference row of the same prefix: ")
             if bad is not None:
                 checks.append(DecisionCheck(index, bad))
-            cand_row = ScoreRow.create(obs.score_row, row_id=score.score_id)
+            cand_row = ScoreRow.create(obs.score_row, row_id=choice.score_id)
             try:
-                cand_processed = processed_row(cand_row, s.policy, s.policy_state, view)
-                cand_token = decide(cand_row, s.policy, s.policy_state, view)[0].selected_id
+                cand_processed = processed_row(cand_row, s.policy, s.composed.policy_state, view)
+                cand_token = decide(cand_row, s.policy, s.composed.policy_state, view)[0].selected_id
             except DecodeSpecError:
                 cand_processed = cand_token = None
+        adopted = None
         if runtime_token is not None and runtime_token != token:
             verdict = judge_decision(policy=s.policy, ref_values=ref_processed.values, ref_token=token, runtime_token=runtime_token,
                                      tolerance=self.tolerance, greedy=s.greedy(), cand_token=cand_token,
@@ -721,13 +677,7 @@ class LockStep:
                                      cand_values=None if cand_processed is None else cand_processed.values)
             checks.append(DecisionCheck(index, verdict))
             if verdict.result == UNDECIDED:
-                token = runtime_token
-                after = child_state(s.policy, s.policy_state, token, draws=draws)
-        self._step(Decide(score.score_id, token, draws))
-        probe = cand_processed if cand_processed is not None else ref_processed
-        support = probe.support
-        s.pending_policy_state = after
-        s.pending_logprob = float(log_softmax(np.asarray(ref_raw, dtype=np.float64))[token])
+                adopted = runtime_token
         # The runtime processed its own row in its dtype: a processed score of magnitude M carries
         # rounding of M * 2^-mantissa (a logit bias of 1e4 in float32: ~1e-3), which moves each
         # log-probability by at most twice that, beyond the raw-row tolerance.  M is the largest
@@ -743,45 +693,34 @@ class LockStep:
             magnitude = max(float(np.max(np.abs(finite))) if finite.size else 0.0,
                             (float(np.max(np.abs(raw))) if raw.size else 0.0) + sum(biases))
             slack = 4.0 * _UNIT_ROUNDOFF.get(s.config.dtype, 2.0 ** -8) * magnitude
-        s.last_decision = (token, s.pending_logprob, draws, (support, probe.probs[support], cand_processed is not None, slack))
+        # The record keeps the support of the runtime's own processed row when it exposed one (else the reference's),
+        # annotated with whether it did and the rounding slack of comparing its log-probabilities.
+        s.composed = rm.decide(s.request, s.composed, choice, token=adopted, support=cand_processed,
+                               annotation=_SupportNote(cand_processed is not None, slack), machine=s.machine)
 
     def _commit(self, receipt: str | None, obs: Observation) -> None:
         s = self.spec
-        state = s.state
-        pending = state.receipt
-        receipt_id = receipt if receipt is not None else (pending.receipt_id if pending is not None else "")
-        text: frozenset[FinishReason] = frozenset()
-        if pending is not None and receipt_id == pending.receipt_id and (s.params.stop_strings or s.params.structured):
-            ids = state.output_ids + (pending.token_id,)
-            fired, _, _ = step_triggers(s.stop, ids, s.token_bytes(ids))
-            text = frozenset(fired) & TEXT_TRIGGERS
-        self._step(Commit(receipt_id, text))
-        assert s.pending_policy_state is not None and s.pending_logprob is not None
-        s.policy_state = s.pending_policy_state
-        s.logprobs.append(s.pending_logprob)
-        s.pending_policy_state = None
-        s.pending_logprob = None
-        s.committed_decision = s.last_decision
+        s.composed = rm.commit(s.request, s.composed, receipt, token_bytes=s.tokenizer.token_bytes, machine=s.machine)
 
     def _controller(self, obs: Observation, checks: list[DecisionCheck], *, until_commit: bool) -> None:
         s = self.spec
         moved = False
         while True:
-            state = s.state
-            if state.in_flight is not None:
+            action = rm.next_action(s.request, s.composed)
+            if action == "complete":
                 self._complete()
-            elif state.quarantined and (state.phase is Phase.READY or repair_outstanding(s.params, state)):
+            elif action == "recover":
                 self._step(Recover())
-            elif state.phase is Phase.SCORED:
-                index = state.output_count
+            elif action == "decide":
+                index = s.state.output_count
                 self._decide(obs, checks, obs.output_ids[index] if index < len(obs.output_ids) else None)
-            elif state.phase is Phase.DECIDED:
+            elif action == "commit":
                 self._commit(None, obs)
                 moved = True
                 if until_commit:
                     return
                 continue
-            elif due_call(s.params, state) is not None:
+            elif action == "launch":
                 self._launch(None, None)
             else:
                 break
@@ -811,16 +750,15 @@ class LockStep:
             self._controller(obs, checks, until_commit=False)
         elif op == "cancel":
             self._step(Cancel(FinishReason(act["kind"])))
-            self._discard_decision()
         elif op == "stream_fail":
             self._step(StreamFailure())
-            self._discard_decision()
         elif op == "fault":  # a rank that dies or stalls is a participant missing from the roster: a device fault
             self._step(Fault("device_fault" if act["kind"] in RANK_FAULTS else act["kind"]))
         elif op == "recover":
             self._step(Recover())
         elif op == "snapshot":
-            self._snapshot(act["form"], act["id"])
+            s.composed, entry = rm.snapshot(s.request, s.composed, act["form"], machine=s.machine)
+            s.snapshots[act["id"]] = SpecSnapshot(entry, None)
         elif op == "restore":
             self._restore_snapshot(act["snapshot"], act["corrupt"])
         elif op == "reuse":
@@ -831,48 +769,13 @@ class LockStep:
         else:  # pragma: no cover - check_action knows every op
             raise AssertionError(op)
 
-    def _discard_decision(self) -> None:
-        """An interrupt after the decision discards the pending receipt: the latest decision is the last committed one again."""
-        s = self.spec
-        if s.state.receipt is None and s.pending_logprob is not None:
-            s.pending_policy_state = None
-            s.pending_logprob = None
-            s.last_decision = s.committed_decision
-
-    def _snapshot(self, form: str, handle: str) -> None:
-        """``Snapshot``; a ``repaired`` snapshot with a pending token first runs the valid append call.
-
-        The append call (decode between calls, repair after finish) runs only where the runtime
-        would run it -- no call in flight, no quarantine; every refusal is then the spec's own
-        ``transition.snapshot`` guard (``snapshot.form_unavailable``).
-        """
-        s = self.spec
-        state = s.state
-        if form == REPAIRED and state.pending_ids and state.in_flight is None and not state.quarantined:
-            if state.phase is Phase.READY:
-                self._launch(CallKind.DECODE, None)
-                self._complete()
-            elif repair_outstanding(s.params, state):
-                self._launch(CallKind.REPAIR, None)
-                self._complete()
-        self._step(Snapshot(form))
-        record = take_snapshot(s.params, s.state, form)
-        s.snapshots[handle] = SpecSnapshot(record, s.policy_state, tuple(s.logprobs), s.last_call, s.last_decision, None)
-
     def _restore_snapshot(self, handle: str, corrupt: str | None) -> None:
         s = self.spec
         snap = s.snapshots.get(handle)
         if snap is None:
             raise Rejection("adapter.invalid_action", f"no snapshot named {handle!r}", "$.snapshot")
-        record = snap.record if corrupt is None else corrupt_record(snap.record, corrupt)
-        state = s.machine.step(s.params, initial_state(s.params), Restore(record))
-        s.state = state
-        s.policy_state = snap.policy_state
-        s.pending_policy_state = None
-        s.pending_logprob = None
-        s.logprobs = list(snap.logprobs)
-        s.last_call = snap.last_call
-        s.last_decision = s.committed_decision = snap.last_decision
+        record = None if corrupt is None else corrupt_record(snap.entry.record, corrupt)
+        s.composed = rm.restore(s.request, snap.entry, record, machine=s.machine)
 
     # -- the expected projection -----------------------------------------------------------
     def _expected(self, obs: Observation, checks: tuple[DecisionCheck, ...], *, resume: Observation | None = None) -> Expected:
@@ -887,10 +790,14 @@ class LockStep:
         if obs.cache_probe is not None and params.cached and 0 < state.processed <= len(seq):
             cache_probe = s.reference.kv(seq[:state.processed])
         call = None
-        if s.last_call is not None:
-            call = {**s.last_call, "in_flight": state.in_flight is not None and state.in_flight.call_id == s.last_call["call_id"]}
-        decision = s.last_decision
-        text, chunks, returned = self._text(state)
+        last = s.composed.call
+        if last is not None:
+            call = {"call_id": last.call_id, "kind": last.kind.value, "start": last.start, "length": last.length,
+                    "position_ids": last.positions, "cache_position": last.positions,
+                    "in_flight": state.in_flight is not None and state.in_flight.call_id == last.call_id}
+        decision = s.composed.decision
+        note = None if decision is None else decision.annotation
+        out = rm.output_view(s.request, s.composed, s.tokenizer.token_bytes)
         vocab = reference_vocab(s.config.model)
         return Expected(
             tolerance=self.tolerance,
@@ -907,42 +814,19 @@ class LockStep:
             call=call,
             score_row=score_row,
             cache_probe=cache_probe,
-            support_ids=None if decision is None else decision[3][0],
-            support_probs=None if decision is None else decision[3][1],
-            support_log_tolerance=self.tolerance.logprob + decision[3][3] if decision is not None and decision[3][2] else None,
-            draws=None if decision is None else decision[2],
+            support_ids=None if decision is None else decision.support_ids,
+            support_probs=None if decision is None else decision.support_probs,
+            support_log_tolerance=self.tolerance.logprob + note.slack if note is not None and note.own_row else None,
+            draws=None if decision is None else decision.draws,
             decision_checks=checks,
-            decision_token=None if decision is None else decision[0],
-            decision_logprob=None if decision is None else decision[1],
-            logprobs=tuple(s.logprobs),
+            decision_token=None if decision is None else decision.token,
+            decision_logprob=None if decision is None else decision.logprob,
+            logprobs=s.composed.logprobs,
             finish_reason=None if state.finish_reason is None else state.finish_reason.value,
             triggers=tuple(r.value for r in FINISH_PRECEDENCE if r in state.triggers),
-            text=text,
-            chunks=chunks,
-            returned_ids=returned,
-            returned_logprobs=None if returned is None else tuple(s.logprobs[:len(returned)]),
+            text=out.text,
+            chunks=None if out.chunks is None else tuple(c.to_json() for c in out.chunks),
+            returned_ids=out.returned_ids,
+            returned_logprobs=out.returned_logprobs,
             resume=resume,
         )
-
-    def _text(self, state: RequestState) -> tuple[str, tuple[dict[str, Any], ...] | None, tuple[int, ...] | None]:
-        """The spec's returned text, delivered chunks and, once finished, returned ids (:mod:`decodespec.spec.stop` reference)."""
-        s = self.spec
-        ids = list(state.output_ids)
-        stream = s.config.stream
-        if not ids:
-            return "", (() if stream else None), (() if state.phase is Phase.FINISHED else None)
-        tb = s.token_bytes(ids)
-        flush = None
-        returned = None
-        if state.phase is not Phase.FINISHED:
-            text = b"".join(tb).decode("utf-8", errors="replace")
-        elif state.triggers - EXTERNAL_FINISH_REASONS:  # a commit closed the output
-            fired, match, structured_end = step_triggers(s.stop, ids, tb)
-            aligned = align_output(s.stop, ids, tb, None, fired, match, structured_end)
-            text, returned = aligned.text, aligned.output_ids
-        else:  # closed from outside: everything committed is text; the stream flushes except after stream_error
-            aligned = align_output(s.stop, ids, tb, None, frozenset(state.triggers))
-            text, returned = aligned.text, aligned.output_ids
-            flush = None if state.finish_reason is FinishReason.STREAM_ERROR else state.finish_reason
-        chunks = reference_stream(s.stop, ids, tb, external=flush).chunks if stream else None
-        return text, None if chunks is None else tuple(c.to_json() for c in chunks), returned

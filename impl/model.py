@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decodespec.spec.errors import Rejection, ResourceLimit, register_code
+from decodespec.spec.request import CONTEXT_WINDOW_EXCEEDED as SPEC_CONTEXT_WINDOW_EXCEEDED
 
 from .cache import CACHE_ABI_MISMATCH, CacheABI, DynamicCache, StaticCache
 from .config import ATTN_IMPLEMENTATIONS, INVALID_CONFIG, LlamaConfig
@@ -82,12 +83,8 @@ TRAINING_MODE = register_code(
     "Inference was asked of a model in training mode (dropout and training behaviour would be active).",
 )
 
-CONTEXT_WINDOW_EXCEEDED = register_code(
-    "model.context_window_exceeded",
-    "resource_limit",
-    "M3.10 0x0A Position and cache consistency",
-    "A position id would reach or pass the model's context window (max_position_embeddings).",
-)
+#: ``model.context_window_exceeded`` (registered in the spec: :data:`decodespec.spec.request.CONTEXT_WINDOW_EXCEEDED`).
+CONTEXT_WINDOW_EXCEEDED = SPEC_CONTEXT_WINDOW_EXCEEDED
 
 
 class LlamaRMSNorm(nn.Module):

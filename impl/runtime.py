@@ -88,12 +88,13 @@ from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, Pen
 from decodespec.spec.envelope import MAX_TIMEOUT_MS, ZERO_NEW_TOKENS_REJECTED, AdmittedRequest
 from decodespec.spec.errors import NOT_ENABLED, DecodeSpecError, Rejection, ResourceLimit, quote, register_code
 from decodespec.spec.policy.codes import FAMILY_MISMATCH, TERMINAL_DECISION_CODES
-from decodespec.spec.policy.config import Family, PolicyConfig, policy_config_from_json
+from decodespec.spec.policy.config import Family, PolicyConfig
 from decodespec.spec.policy.receipt import DecisionReceipt
 from decodespec.spec.policy.state import PolicyState, RequestView, initial_policy_state
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
 from decodespec.spec.prompt_logprobs import PromptLogprob, PromptLogprobsSpec
-from decodespec.spec.request import context_cap, default_static_capacity, prompt_room
+from decodespec.spec.request import INVALID_REQUEST as SPEC_INVALID_REQUEST
+from decodespec.spec.request import context_cap, default_static_capacity, policy_with_min_new_tokens, prompt_room
 from decodespec.spec.state import InterruptPoint, Phase, call_interrupt_point, next_call, repair_owed
 
 from .cache import DynamicCache, StaticCache, check_static_reservation, make_cache
@@ -119,12 +120,8 @@ __all__ = [
     "Selection",
 ]
 
-INVALID_REQUEST = register_code(
-    "runtime.invalid_request",
-    "rejection",
-    "M3.10 Immutable request envelope",
-    "The generation request is malformed: empty prompt, a token id outside [0, V), or a negative max_new_tokens.",
-)
+#: ``runtime.invalid_request`` (registered in the spec: :data:`decodespec.spec.request.INVALID_REQUEST`).
+INVALID_REQUEST = SPEC_INVALID_REQUEST
 
 ARTIFACT_MISMATCH = register_code(
     "runtime.artifact_mismatch",
@@ -262,12 +259,8 @@ class RuntimeRequest:
 
 
 def _with_min_new_tokens(policy: PolicyConfig, min_new_tokens: int) -> PolicyConfig:
-    """``policy`` with the ``min_new_tokens`` legality transform when O < min_new_tokens can happen."""
-    if min_new_tokens <= 0 or policy.find("min_new_tokens") is not None:
-        return policy
-    obj = policy.to_json()
-    transforms = [{"name": "min_new_tokens"}] + obj["transforms"]
-    return policy_config_from_json({**obj, "transforms": transforms})
+    """``policy`` with the ``min_new_tokens`` legality transform (:func:`decodespec.spec.request.policy_with_min_new_tokens`)."""
+    return policy_with_min_new_tokens(policy, min_new_tokens)
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ these defaults is computed anywhere else.
 * :func:`unbounded_context_cap`: ``L + G + 1``, a cap no request of length bounds L, G reaches
   (the explorer's C when its bounds declare none).
 * :func:`prompt_room`: the slots admission requires of S and C: ``L + 1`` when G >= 1, else ``L``.
+* :func:`policy_with_min_new_tokens`: the M3.8 policy a request decides with (``min_new_tokens``
+  enforced by the policy's legality transform).
 
 Source: M3.10 0x09 "Cache families preserve different contracts", "The first-output
 off-by-one", "Immutable request envelope and canonical identity".
@@ -29,13 +31,35 @@ off-by-one", "Immutable request envelope and canonical identity".
 
 from __future__ import annotations
 
+from .errors import register_code
+from .policy import PolicyConfig, policy_config_from_json
+
 __all__ = [
+    "CONTEXT_WINDOW_EXCEEDED",
+    "INVALID_REQUEST",
     "context_cap",
     "default_static_capacity",
+    "policy_with_min_new_tokens",
     "prompt_room",
     "static_capacity",
     "unbounded_context_cap",
 ]
+
+#: A request a runtime cannot run as given: empty prompt, a token id outside ``[0, V)``, a negative G.
+INVALID_REQUEST = register_code(
+    "runtime.invalid_request",
+    "rejection",
+    "M3.10 Immutable request envelope",
+    "The generation request is malformed: empty prompt, a token id outside [0, V), or a negative max_new_tokens.",
+)
+
+#: A position id would reach or pass the model's window.
+CONTEXT_WINDOW_EXCEEDED = register_code(
+    "model.context_window_exceeded",
+    "resource_limit",
+    "M3.10 0x0A Position and cache consistency",
+    "A position id would reach or pass the model's context window (max_position_embeddings).",
+)
 
 
 def default_static_capacity(prompt_len: int, max_new_tokens: int, window: int) -> int:
@@ -99,3 +123,30 @@ def prompt_room(prompt_len: int, max_new_tokens: int) -> int:
     Source: M3.10 0x09 "Cache families preserve different contracts" (overflow fails before overwrite).
     """
     return prompt_len + (1 if max_new_tokens >= 1 else 0)
+
+
+def policy_with_min_new_tokens(policy: PolicyConfig, min_new_tokens: int) -> PolicyConfig:
+    """``policy`` with the ``min_new_tokens`` legality transform first when the request needs it and the policy lacks it.
+
+    The declared choice of the contract (docs/design.md section 2): the termination plane's
+    ``min_new_tokens`` masks every EOS id through the M3.8 policy's legality stage, so EOS is
+    never selected (not merely never honoured) while ``O < min_new_tokens``.
+
+    Args:
+        policy: The request's M3.8 policy.
+        min_new_tokens: The termination plane's ``min_new_tokens`` (tokens).
+
+    Returns:
+        ``policy`` itself when ``min_new_tokens <= 0`` or the policy already has the transform,
+        else a copy with ``{"name": "min_new_tokens"}`` as its first transform.
+
+    Raises:
+        Rejection: ``policy.*`` when the augmented policy is refused by the schema.
+
+    Source: M3.8 0x0B "Hard constraints define a conditional support"; M3.10 0x05 stop table
+    ("EOS ... after min_new_tokens").
+    """
+    if min_new_tokens <= 0 or policy.find("min_new_tokens") is not None:
+        return policy
+    obj = policy.to_json()
+    return policy_config_from_json({**obj, "transforms": [{"name": "min_new_tokens"}] + obj["transforms"]})

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import bisect
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -202,6 +202,10 @@ def _to_alignment(value: Any) -> OutputAlignment:
                         "$.alignment") from None
 
 
+def _to_id_set(value: Iterable[int]) -> frozenset[int]:
+    return frozenset(value)
+
+
 def _to_stop_tuple(value: Any) -> tuple[Any, ...]:
     if isinstance(value, (str, bytes)):
         raise Rejection(STOP_PATTERN_TYPE, "stop strings must be a list of str, not one string", "$.stop")
@@ -236,7 +240,7 @@ class StopConfig:
     """
 
     max_new_tokens: int
-    eos_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+    eos_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_to_id_set)
     min_new_tokens: int = 0
     prompt_len: int = 0
     max_context_len: int | None = None
