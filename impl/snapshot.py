@@ -71,7 +71,7 @@ from decodespec.spec.passport import CONTENT, passport_from_json, snapshot_passp
 from decodespec.spec.policy.config import policy_config_from_json
 from decodespec.spec.policy.receipt import content_id, receipt_policy_mismatch
 from decodespec.spec.policy.state import PolicyState
-from decodespec.spec.request import context_cap
+from decodespec.spec.request import context_cap, policy_with_min_new_tokens
 from decodespec.spec.snapshot import (
     PENDING_SUFFIX,
     REPAIRED,
@@ -93,6 +93,7 @@ from decodespec.spec.state import Score as SpecScore
 
 from .cache import CacheABI
 from .output import OUTPUT_STATE_FORMAT
+from .values import Decision, RuntimeRequest, Score
 
 __all__ = [
     "SNAPSHOT_FORMAT",
@@ -217,9 +218,7 @@ def take_runtime_snapshot(runner, form: str) -> RuntimeSnapshot:
     if runner.cache is not None and processed > 0:
         tensors = [(k.detach().to("cpu").contiguous().clone(), v.detach().to("cpu").contiguous().clone())
                    for k, v in runner.cache.committed_tensors()]
-    observer_state = None
-    if runner.observer is not None and hasattr(runner.observer, "snapshot_state"):
-        observer_state = runner.observer.snapshot_state()
+    observer_state = runner.observer.snapshot_state()
     snapshot = RuntimeSnapshot(
         record=record,
         logprobs=tuple(runner.logprobs),
@@ -265,7 +264,6 @@ def request_from_json(obj: dict[str, Any]):
     """
     from decodespec.spec.envelope import validate_request_envelope
 
-    from .runtime import RuntimeRequest
 
     if not isinstance(obj, dict):
         raise Rejection(SNAPSHOT_MALFORMED, f"the request must be an object, got {type(obj).__name__}", "$.request")
@@ -767,11 +765,10 @@ def _check_receipts(snapshot: RuntimeSnapshot) -> None:
 
     Source: M3.8 0x0B decision receipts; M3.10 0x06 "One selection is an output-state transaction".
     """
-    from .runtime import _with_min_new_tokens
 
     rec = snapshot.record
     receipts, outputs = snapshot.receipts, rec.output_ids
-    policy = _with_min_new_tokens(snapshot.request.policy, snapshot.request.min_new_tokens)
+    policy = policy_with_min_new_tokens(snapshot.request.policy, snapshot.request.min_new_tokens)
     if len(receipts) > len(outputs):
         raise _refuse(SNAPSHOT_LEDGER_INVALID, f"{len(receipts)} decision receipts for {len(outputs)} outputs", "$.receipts")
     offset = len(outputs) - len(receipts)
@@ -845,7 +842,6 @@ def restore_runner(cls, model, snapshot: RuntimeSnapshot, request=None, **kwargs
     Raises:
         Rejection: ``snapshot.*`` (see the module docstring).
     """
-    from .runtime import Decision, Score
 
     request = snapshot.request if request is None else request
     _check(snapshot, model, request)
@@ -875,7 +871,7 @@ def restore_runner(cls, model, snapshot: RuntimeSnapshot, request=None, **kwargs
     if rec.score is not None:
         logits = snapshot.score_logits.to(model.device)
         runner.score = Score(rec.score.score_id, rec.score.generation, rec.score.processed, rec.score.output_count, logits)
-    if runner.observer is not None and snapshot.observer_state is not None and hasattr(runner.observer, "restore_state"):
+    if snapshot.observer_state is not None:
         runner.observer.restore_state(snapshot.observer_state)
     if runner.sink is not None:
         runner._emit_request()

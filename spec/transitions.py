@@ -74,6 +74,7 @@ from .participation import (
     active,
     anyone_left,
     blocked,
+    expected_lanes,
     initial_progress,
     participation_failure,
     rank_enter,
@@ -172,17 +173,6 @@ def _receipt(state: RequestState) -> Receipt:
 def expected_start(params: RequestParams, state: RequestState) -> int:
     """Input position of the next call's first row: P when cached, 0 (full recomputation) without a cache."""
     return state.processed if params.cached else 0
-
-
-def expected_lanes(params: RequestParams, call: InFlightCall) -> tuple[tuple[str, int], ...]:
-    """The roster report that selects ALL_NEW: advancing lanes at the call's end, fixed lanes at S."""
-    out = []
-    for lane in params.profile.lanes:
-        if lane.name not in call.roster:
-            continue
-        frontier = call.end if lane.advancing else params.source_len
-        out.append((lane.name, frontier if frontier is not None else 0))
-    return tuple(out)
 
 
 def expected_report(params: RequestParams, state: RequestState) -> Complete:
