@@ -108,7 +108,7 @@ from .policy import decide as policy_decide
 from .prompt_logprobs import first_entries, score_rows
 from .rng import RequestRng
 from .snapshot import restore_runner, take_runtime_snapshot
-from .values import CallRecord, Decision, GenerationResult, RuntimeRequest, Score
+from .values import CallRecord, Decision, GenerationResult, RunnerState, RuntimeRequest, Score
 
 __all__ = [
     "ARTIFACT_MISMATCH",
@@ -292,6 +292,30 @@ class RequestRunner:
         self.clock = clock
         #: Clock reading at admission (the budget's origin), ``None`` before :meth:`admit` or without a budget.
         self.admitted_at: float | None = None
+
+    # ---------------------------------------------------------------------------------------
+    # The state as one record.
+    # ---------------------------------------------------------------------------------------
+    #: The :class:`RunnerState` fields, each an attribute of the runner (lists for the growing ledgers, a set for the triggers).
+    STATE_FIELDS = tuple(f.name for f in attrs.fields(RunnerState))
+
+    def state(self) -> RunnerState:
+        """The request state as one frozen :class:`~decodespec.impl.values.RunnerState` (the spec's field names)."""
+        values = {name: getattr(self, name) for name in self.STATE_FIELDS}
+        for name in ("output_ids", "logprobs", "receipts", "consumed", "issued", "scores"):
+            values[name] = tuple(values[name])
+        values["triggers"] = frozenset(values["triggers"])
+        return RunnerState(**values)
+
+    def adopt_state(self, state: RunnerState) -> None:
+        """Make ``state`` the runner's request state (a restored runner; the caller validated it)."""
+        for name in self.STATE_FIELDS:
+            value = getattr(state, name)
+            if name in ("output_ids", "logprobs", "receipts", "consumed", "issued", "scores"):
+                value = list(value)
+            elif name == "triggers":
+                value = set(value)
+            setattr(self, name, value)
 
     # ---------------------------------------------------------------------------------------
     # Views.

@@ -93,7 +93,7 @@ from decodespec.spec.state import Score as SpecScore
 
 from .cache import CacheABI
 from .output import OUTPUT_STATE_FORMAT
-from .values import Decision, RuntimeRequest, Score
+from .values import Decision, RunnerState, RuntimeRequest, Score
 
 __all__ = [
     "SNAPSHOT_FORMAT",
@@ -192,27 +192,27 @@ def take_runtime_snapshot(runner, form: str) -> RuntimeSnapshot:
         if runner.complete() is not Selection.ALL_NEW:
             raise refuse("the append call selected ALL_OLD; the state keeps its pending token")
     request = runner.request
-    processed = runner.processed
+    st = runner.state()
+    processed = st.processed
     record = SnapshotRecord(
         identity=request.identity,
         form=form,
-        phase=runner.phase,
+        phase=st.phase,
         processed=processed,
-        output_ids=tuple(runner.output_ids),
-        pending_ids=tuple(runner.pending_ids),
-        pending_tag=runner.pending_tag,
+        output_ids=st.output_ids,
+        pending_ids=st.pending_ids,
+        pending_tag=st.pending_tag,
         lanes=((_LANE, processed if processed > 0 else None),) if request.cached else (),
-        generation=runner.generation,
-        score=None if runner.score is None else SpecScore(runner.score.score_id, runner.score.generation, runner.score.processed,
-                                                          runner.score.output_count),
-        issued=tuple(runner.issued),
-        consumed=tuple(Receipt(d.receipt_id, d.score_id, d.token_id, d.draws, d.rng_counter_before) for d in runner.consumed),
-        scores=tuple(SpecScore(*s) for s in runner.scores),
-        rng_counter=runner.policy_state.rng_counter,
-        finish_reason=runner.finish_reason,
-        triggers=frozenset(runner.triggers),
-        num_calls=runner.num_calls,
-        num_retries=runner.num_retries,
+        generation=st.generation,
+        score=None if st.score is None else SpecScore(st.score.score_id, st.score.generation, st.score.processed, st.score.output_count),
+        issued=st.issued,
+        consumed=tuple(Receipt(d.receipt_id, d.score_id, d.token_id, d.draws, d.rng_counter_before) for d in st.consumed),
+        scores=tuple(SpecScore(*sc) for sc in st.scores),
+        rng_counter=st.policy_state.rng_counter,
+        finish_reason=st.finish_reason,
+        triggers=st.triggers,
+        num_calls=st.num_calls,
+        num_retries=st.num_retries,
     )
     tensors = None
     if runner.cache is not None and processed > 0:
@@ -221,15 +221,15 @@ def take_runtime_snapshot(runner, form: str) -> RuntimeSnapshot:
     observer_state = runner.observer.snapshot_state()
     snapshot = RuntimeSnapshot(
         record=record,
-        logprobs=tuple(runner.logprobs),
-        policy_state=runner.policy_state,
-        receipts=tuple(r.to_json() for r in runner.receipts),
+        logprobs=st.logprobs,
+        policy_state=st.policy_state,
+        receipts=tuple(r.to_json() for r in st.receipts),
         request=request,
         cache_family=request.cache,
         cache_abi=None if runner.cache is None else runner.cache.abi,
         capacity=runner.capacity,
         tensors=tensors,
-        score_logits=None if runner.score is None else runner.score.logits.detach().to("cpu").clone(),
+        score_logits=None if st.score is None else st.score.logits.detach().to("cpu").clone(),
         observer_state=observer_state,
     )
     if runner.sink is not None:
@@ -852,25 +852,33 @@ def restore_runner(cls, model, snapshot: RuntimeSnapshot, request=None, **kwargs
         runner.cache.load_committed([(k.to(device), v.to(device)) for k, v in snapshot.tensors], generation=rec.generation)
     elif runner.cache is not None:
         runner.cache.generation = rec.generation
-    runner.phase = rec.phase
-    runner.processed = rec.processed
-    runner.output_ids = list(rec.output_ids)
-    runner.logprobs = list(snapshot.logprobs)
-    runner.consumed = [Decision(c.receipt_id, c.score_id, c.token_id, lp, c.draws, c.rng_counter_before, None, None)
-                       for c, lp in zip(rec.consumed, snapshot.logprobs)]
-    runner.pending_ids = tuple(rec.pending_ids)
-    runner.pending_tag = rec.pending_tag
-    runner.generation = rec.generation
-    runner.issued = list(rec.issued)
-    runner.scores = [(s.score_id, s.generation, s.processed, s.output_count) for s in rec.scores]
-    runner.policy_state = snapshot.policy_state
-    runner.finish_reason = rec.finish_reason
-    runner.triggers = set(rec.triggers)
-    runner.num_calls = rec.num_calls
-    runner.num_retries = rec.num_retries
+    score = None
     if rec.score is not None:
         logits = snapshot.score_logits.to(model.device)
-        runner.score = Score(rec.score.score_id, rec.score.generation, rec.score.processed, rec.score.output_count, logits)
+        score = Score(rec.score.score_id, rec.score.generation, rec.score.processed, rec.score.output_count, logits)
+    runner.adopt_state(RunnerState(
+        phase=rec.phase,
+        processed=rec.processed,
+        output_ids=tuple(rec.output_ids),
+        logprobs=tuple(snapshot.logprobs),
+        receipts=(),
+        consumed=tuple(Decision(c.receipt_id, c.score_id, c.token_id, lp, c.draws, c.rng_counter_before, None, None)
+                       for c, lp in zip(rec.consumed, snapshot.logprobs)),
+        pending_ids=tuple(rec.pending_ids),
+        pending_tag=rec.pending_tag,
+        generation=rec.generation,
+        in_flight=None,
+        score=score,
+        decision=None,
+        issued=tuple(rec.issued),
+        scores=tuple((s.score_id, s.generation, s.processed, s.output_count) for s in rec.scores),
+        policy_state=snapshot.policy_state,
+        finish_reason=rec.finish_reason,
+        triggers=frozenset(rec.triggers),
+        quarantined=False,
+        num_calls=rec.num_calls,
+        num_retries=rec.num_retries,
+    ))
     if snapshot.observer_state is not None:
         runner.observer.restore_state(snapshot.observer_state)
     if runner.sink is not None:

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import torch
 
-from decodespec.spec.enums import CallKind, FinishReason
+from decodespec.spec.enums import CallKind, FinishReason, PendingTag
 from decodespec.spec.envelope import AdmittedRequest
 from decodespec.spec.errors import Rejection
 from decodespec.spec.policy.config import Family, PolicyConfig
@@ -25,8 +25,9 @@ from decodespec.spec.policy.receipt import DecisionReceipt
 from decodespec.spec.policy.state import PolicyState
 from decodespec.spec.prompt_logprobs import PromptLogprobsSpec
 from decodespec.spec.request import INVALID_REQUEST, context_cap
+from decodespec.spec.state import Phase
 
-__all__ = ["CallRecord", "Decision", "GenerationResult", "RuntimeRequest", "Score"]
+__all__ = ["CallRecord", "Decision", "GenerationResult", "RunnerState", "RuntimeRequest", "Score"]
 
 
 @attrs.frozen
@@ -313,3 +314,58 @@ class GenerationResult:
             "stream": None if self.stream is None else dict(self.stream),
             **extra,
         }
+
+
+@attrs.frozen(eq=False)
+class RunnerState:
+    """The runner's request state as one frozen record, field for field the spec's ``RequestState`` names.
+
+    :meth:`decodespec.impl.runtime.RequestRunner.state` reads it; snapshots are taken from it and a
+    restored runner adopts one (:func:`decodespec.impl.snapshot.restore_runner`).  Tensors stay out:
+    the K/V rows live in the cache, the score's logits in :class:`Score`.
+
+    Attributes:
+        phase: The request phase.
+        processed: P, input positions whose K/V rows are committed.
+        output_ids: The O committed output ids.
+        logprobs: Their logprobs (nats).
+        receipts: The M3.8 receipt of each committed token.
+        consumed: The consumed decisions (the commit ledger).
+        pending_ids: U, committed ids not yet processed, with ``pending_tag``.
+        pending_tag: U's tag.
+        generation: The cache generation.
+        in_flight: The launched, not yet completed call.
+        score: The consumable score row.
+        decision: The issued, not yet committed decision.
+        issued: Every receipt id issued.
+        scores: ``(score_id, generation, processed, output_count)`` of every exposed score.
+        policy_state: The M3.8 policy state (RNG counter, automaton state, Mirostat mu).
+        finish_reason: The published finish reason, or ``None``.
+        triggers: Every finish trigger recorded.
+        quarantined: Whether the handle waits for ``recover``.
+        num_calls: Calls launched.
+        num_retries: Failed calls retried.
+
+    Source: M3.10 0x00 "Authoritative phase and commit spine" (the state's fields).
+    """
+
+    phase: Phase
+    processed: int
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    receipts: tuple[DecisionReceipt, ...]
+    consumed: tuple[Decision, ...]
+    pending_ids: tuple[int, ...]
+    pending_tag: PendingTag
+    generation: int
+    in_flight: CallRecord | None
+    score: Score | None
+    decision: Decision | None
+    issued: tuple[str, ...]
+    scores: tuple[tuple[str, int, int, int], ...]
+    policy_state: PolicyState
+    finish_reason: FinishReason | None
+    triggers: frozenset[FinishReason]
+    quarantined: bool
+    num_calls: int
+    num_retries: int
