@@ -19,6 +19,15 @@ from decodespec.spec.state import Phase, RequestState
 from .runtime_helpers import request, sampled_policy
 
 
+def started(model, tokenizer, outputs: int) -> RequestRunner:
+    """A sampled 6-token request on ``model``, admitted and advanced to ``outputs`` commits."""
+    prompt = [tokenizer.bos_token_id, *tokenizer.encode("frontiers")]
+    runner = RequestRunner(model, request(prompt, 6, policy=sampled_policy()))
+    runner.admit()
+    advance(runner, outputs)
+    return runner
+
+
 def advance(runner: RequestRunner, outputs: int) -> None:
     """Step ``runner`` until it has committed ``outputs`` tokens and launched nothing since."""
     while len(runner.output_ids) < outputs or runner.phase is not Phase.READY:
@@ -32,10 +41,7 @@ def test_field_names_are_the_specs():
 
 
 def test_state_is_frozen_and_round_trips(tiny_model, byte_tokenizer):
-    prompt = [byte_tokenizer.bos_token_id, *byte_tokenizer.encode("frontiers")]
-    runner = RequestRunner(tiny_model, request(prompt, 6, policy=sampled_policy()))
-    runner.admit()
-    advance(runner, 3)
+    runner = started(tiny_model, byte_tokenizer, 3)
     state = runner.state()
     assert state.phase is Phase.READY and len(state.output_ids) == 3 and state.output_ids == tuple(runner.output_ids)
     assert state.policy_state.rng_counter == 3 and len(state.consumed) == len(state.receipts) == 3
@@ -43,7 +49,7 @@ def test_state_is_frozen_and_round_trips(tiny_model, byte_tokenizer):
         state.processed = 0  # type: ignore[misc]
     advance(runner, 4)
     assert runner.state().output_ids != state.output_ids and state.output_ids == tuple(runner.output_ids[:3])  # a copy, not a view
-    other = RequestRunner(tiny_model, request(prompt, 6, policy=sampled_policy()))
+    other = RequestRunner(tiny_model, runner.request)
     other.adopt_state(state)
     again = other.state()
     for field in attrs.fields(RunnerState):
@@ -52,10 +58,7 @@ def test_state_is_frozen_and_round_trips(tiny_model, byte_tokenizer):
 
 
 def test_a_snapshot_restores_the_same_state(tiny_model, byte_tokenizer):
-    prompt = [byte_tokenizer.bos_token_id, *byte_tokenizer.encode("frontiers")]
-    runner = RequestRunner(tiny_model, request(prompt, 6, policy=sampled_policy()))
-    runner.admit()
-    advance(runner, 2)
+    runner = started(tiny_model, byte_tokenizer, 2)
     before = runner.state()
     restored = RequestRunner.restore(tiny_model, runner.snapshot("pending_suffix"))
     after = restored.state()
