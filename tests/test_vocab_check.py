@@ -27,7 +27,8 @@ from decodespec.checks.adapters import Observation
 from decodespec.checks.ladder import Expected, Tolerance, check_state
 from decodespec.checks.mutants.harness import KILLED, Calibration, GateCheck, run_gate
 from decodespec.spec.errors import Rejection
-from decodespec.spec.vocab import NewRowInit, VocabMap, audit_violations
+from decodespec.spec.vocab import audit_violations
+from decodespec.spec.vocab_migration import NewRowInit, VocabMap
 
 
 def test_tiny_audit_agrees_with_the_checkpoint(tiny_model, byte_tokenizer):

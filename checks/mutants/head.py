@@ -92,7 +92,7 @@ def _tying_checker(name: str) -> Callable[[bool], dict | None]:
 
 
 def _migration_plan():
-    from decodespec.spec.vocab import NewRowInit, VocabMap
+    from decodespec.spec.vocab_migration import NewRowInit, VocabMap
 
     pairs = {v: v for v in range(511)}  # id 511 dropped
     pairs[40], pairs[41] = 41, 40  # two ids swapped
