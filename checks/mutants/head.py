@@ -74,7 +74,7 @@ def _tying_checker(name: str) -> Callable[[bool], dict | None]:
     def check(mutated: bool) -> dict | None:
         import torch
 
-        from decodespec.spec.head import tying_violations
+        from decodespec.spec.head_tying import tying_violations
 
         from ..head_check import TYING_MUTANTS, observe_tying
 
