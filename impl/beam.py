@@ -69,6 +69,9 @@ parent/token candidates", "First-step and finished-set contracts", "Length penal
 transformers 5.24 ``generation/utils.py`` ``_beam_search`` (log-softmax then processors,
 ``_get_top_k_continuations``, ``_get_running_beams_for_next_iteration``,
 ``_update_finished_beams``, ``_check_early_stop_heuristic``, ``reorder_cache(beam_idx)``).
+
+Size: one loop: the beam runner keeps K live beams as K batch rows of one cache and forks, reorders
+and finishes them in the same state; splitting it would pass that state between modules.
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@ Source: M3.10 0x08 "Prefill and decode" (shape table), 0x09 "KV cache implementa
 from coordinates" and "Chunked input equivalence"; HF
 ``transformers/models/llama/modeling_llama.py`` and ``integrations/sdpa_attention.py`` (the
 numerics mirrored here); pytorch-labs/gpt-fast ``model.py`` (layout).
+
+Size: the plain Llama decoder with HF's module names (RMSNorm, RoPE, attention, MLP, layers, the
+causal LM with its position and cache checks) and the native decode kernel's dispatch; the fused
+weights and the arena are in impl/fastpath.py.
 """
 
 from __future__ import annotations

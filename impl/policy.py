@@ -19,6 +19,9 @@ scatter), HF ``NoRepeatNGramLogitsProcessor`` (``unfold`` windows), HF ``TopPLog
 (``bincount`` counts), llama.cpp ``top_n_sigma`` (population std of finite logits).
 Differences from those peers are the spec's declared choices: exact-k top-k with lowest-id
 ties, stable sorts, the crossing token kept by top-p and typical.
+
+Size: the torch twin of every M3.8 transform and selector, one function each in the spec's order
+(spec/policy/transforms.py, selectors.py), over shared row helpers.
 """
 
 from __future__ import annotations

@@ -70,6 +70,10 @@ bounded cached profile and branch table, 0x03, 0x06 "Finish reason and RNG prece
 frontiers", 0x09, 0x0A "Logical recovery sockets" and "Asynchronous completion and error
 boundaries"; HF ``GenerationMixin._sample`` (last row in float32), gpt-fast (explicit
 ``input_pos``), Meta Llama ``generate`` (``prev_pos:cur_pos``).
+
+Size: the controller: one method per spec action (the table above) over one request's state; its
+records are in impl/values.py, the observer protocol in impl/observers.py, snapshots in
+impl/snapshot.py.
 """
 
 from __future__ import annotations

@@ -47,6 +47,9 @@ gives the same tokens and logprobs as never stopping (tests/test_snapshot*.py).
 Source: M3.10 0x0BA "A completed output is not automatically a resumable snapshot", "Immutable
 identity versus mutable request state" (restoring token ids while resetting RNG, parser, stream
 suffix, finish state or positions is a different continuation).
+
+Size: one format: both snapshot forms, their JSON + safetensors files and every typed restore check
+(identity, ledger, lanes, cache ABI, observer state) of the same record.
 """
 
 from __future__ import annotations

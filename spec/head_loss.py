@@ -16,6 +16,10 @@ Source: M3.8 0x04 ("One denominator derives softmax, log-softmax, and cross-entr
 is a target-distribution contract", "Dtype and degenerate-row policy"), 0x05 ("Source-to-tensor
 training trace", "Materialized, chunked, and fused execution", "Exact conformance checks"), 0x02
 ("Cross-entropy gradient at the head", "Deriving the complete affine-head backward").
+
+Size: one training interface: the three loss schedules must agree with each other and share the row
+checks, the smoothing target and the online log-sum-exp; the accumulation bound and the row map
+bound the same loss.
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ Source: M3.10 "Authoritative phase and commit spine", "The first-output off-by-o
 branch table, 0x06 "One selection is an output-state transaction" and "Finish reason and RNG
 precedence", 0x08, 0x0A "Logical recovery sockets" and "Asynchronous completion and error
 boundaries".
+
+Size: the transition table: every M3.10 transition with its guard clauses beside its effect (issue
+17 item 6), one table read top to bottom.
 """
 
 from __future__ import annotations
