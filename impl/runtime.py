@@ -99,7 +99,7 @@ from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
 from decodespec.spec.prompt_logprobs import PromptLogprob
 from decodespec.spec.request import INVALID_REQUEST as SPEC_INVALID_REQUEST
 from decodespec.spec.request import context_cap, default_static_capacity, policy_with_min_new_tokens, prompt_room
-from decodespec.spec.state import InterruptPoint, Phase, call_interrupt_point, next_call, repair_owed
+from decodespec.spec.state import ControllerAction, InterruptPoint, Phase, call_interrupt_point, controller_action, next_call, repair_owed
 
 from .cache import DynamicCache, StaticCache, check_static_reservation, make_cache
 from .events import EVENTS_FORMAT, EventSink
@@ -918,22 +918,13 @@ class RequestRunner:
             return "admit"
         if self._plan_interrupt() or self._budget_interrupt():
             return "cancel"
-        if self.in_flight is not None:
-            self.complete()
-            return "complete"
-        if self.quarantined and (self.phase is Phase.READY or self.repair_owed()):
-            self.recover()
-            return "recover"
-        if self.phase is Phase.SCORED:
-            self.decide()
-            return "decide"
-        if self.phase is Phase.DECIDED:
-            self.commit()
-            return "commit"
-        if self.next_call() is not None:
-            self.launch()
-            return "launch"
-        return None
+        action = controller_action(phase=self.phase, call_in_flight=self.in_flight is not None, quarantined=self.quarantined,
+                                   repair_owed=self.repair_owed(), call_due=self.next_call() is not None)
+        if action is None:
+            return None
+        {ControllerAction.COMPLETE: self.complete, ControllerAction.RECOVER: self.recover, ControllerAction.DECIDE: self.decide,
+         ControllerAction.COMMIT: self.commit, ControllerAction.LAUNCH: self.launch}[action]()
+        return action.value
 
     def _plan_interrupt(self) -> bool:
         at = self.interrupt_point()

@@ -165,3 +165,18 @@ def test_the_schedule_home():
     assert call_interrupt_point(Phase.FINISHED, True) is InterruptPoint.IN_FLIGHT
     assert call_interrupt_point(Phase.FINISHED, False) is None
     assert call_interrupt_point(Phase.SCORED, False) is InterruptPoint.AFTER_COMPLETION
+
+
+def test_the_controller_order_home():
+    """One order of the controller's actions (spec/state.py controller_action), asked by the spec, impl and the peers."""
+    from decodespec.spec.state import ControllerAction, controller_action
+
+    base = {"phase": Phase.READY, "call_in_flight": False, "quarantined": False, "repair_owed": False, "call_due": True}
+    assert controller_action(**base) is ControllerAction.LAUNCH
+    assert controller_action(**{**base, "call_in_flight": True, "quarantined": True}) is ControllerAction.COMPLETE
+    assert controller_action(**{**base, "quarantined": True}) is ControllerAction.RECOVER
+    assert controller_action(**{**base, "phase": Phase.FINISHED, "quarantined": True, "call_due": False}) is None
+    assert controller_action(**{**base, "phase": Phase.FINISHED, "quarantined": True, "repair_owed": True}) is ControllerAction.RECOVER
+    assert controller_action(**{**base, "phase": Phase.SCORED}) is ControllerAction.DECIDE
+    assert controller_action(**{**base, "phase": Phase.DECIDED}) is ControllerAction.COMMIT
+    assert controller_action(**{**base, "call_due": False}) is None
