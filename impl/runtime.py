@@ -92,7 +92,7 @@ from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, Pen
 from decodespec.spec.envelope import MAX_TIMEOUT_MS, ZERO_NEW_TOKENS_REJECTED
 from decodespec.spec.errors import NOT_ENABLED, DecodeSpecError, Rejection, ResourceLimit, quote, register_code
 from decodespec.spec.policy.codes import FAMILY_MISMATCH, TERMINAL_DECISION_CODES
-from decodespec.spec.policy.config import Family, PolicyConfig
+from decodespec.spec.policy.config import Family
 from decodespec.spec.policy.receipt import DecisionReceipt
 from decodespec.spec.policy.state import RequestView, initial_policy_state
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
@@ -138,11 +138,6 @@ ARTIFACT_MISMATCH = register_code(
 )
 
 _LANE = "self_kv"
-
-
-def _with_min_new_tokens(policy: PolicyConfig, min_new_tokens: int) -> PolicyConfig:
-    """``policy`` with the ``min_new_tokens`` legality transform (:func:`decodespec.spec.request.policy_with_min_new_tokens`)."""
-    return policy_with_min_new_tokens(policy, min_new_tokens)
 
 
 @attrs.frozen
@@ -222,7 +217,7 @@ class RequestRunner:
     ):
         self.model = model
         self.request = request = _validated(model, request)
-        self.policy = _with_min_new_tokens(request.policy, request.min_new_tokens)
+        self.policy = policy_with_min_new_tokens(request.policy, request.min_new_tokens)
         self.sink = sink
         self.faults = faults or FaultPlan()
         self.faults.check(num_layers=model.config.num_hidden_layers, cached=request.cached, stream=request.stream)
