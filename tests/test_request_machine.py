@@ -203,3 +203,31 @@ def test_the_adapters_guide_oracle_example_runs_as_written():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == shown
+
+
+@pytest.mark.parametrize("runtime_plane, output_plane, max_new_tokens", [
+    ({"cache_family": "none", "cache_abi": "none"}, {"final_cache": "none"}, 5),
+    ({"cache_family": "static", "static_capacity": 64, "prefill_chunk": 3}, {"final_cache": "processed_inputs_only"}, 5),
+    ({"cache_family": "dynamic", "prefill_chunk": 8}, {"final_cache": "all_outputs"}, 5),  # the repair call at finish
+    ({"cache_family": "dynamic", "prefill_chunk": 8}, {"final_cache": "processed_inputs_only"}, 0),  # G = 0: no decision
+])
+def test_every_cache_family_and_schedule_replays(tiny_model, byte_tokenizer, runtime_plane, output_plane, max_new_tokens):
+    """The oracle makes the same calls due as our runtime (chunked prefill, no cache, the repair call, G = 0) and accepts its run."""
+    env = envelope(max_new_tokens=max_new_tokens)
+    env["runtime"].pop("prefill_chunk", None)
+    env["runtime"].update(runtime_plane)
+    env["output"].update(output_plane)
+    env["termination"]["min_new_tokens"] = min(env["termination"].get("min_new_tokens", 0), max_new_tokens)
+    admitted, _ = validate_request_envelope(json.dumps(env).encode())
+    runner = RequestRunner(tiny_model, RuntimeRequest.from_admitted(admitted), tokenizer=byte_tokenizer)
+    lines = record_rows(runner, runtime={"name": "impl", "model": "tiny", "dtype": "float32"})
+    decisions = [ObservedDecision(np.asarray(r["row"]), r["token_id"], r["logprob"]) for r in lines if r["event"] == "token"]
+    request = rm.request_from_envelope(admitted)
+    result = replay_decisions(request, decisions, finish_reason=lines[-1]["finish_reason"], logprob_atol=1e-4)
+    assert result.ok, result.breach
+    assert len(decisions) == max_new_tokens and list(result.output_ids) == lines[-1]["output_ids"]
+    calls = [(r["kind"], r["start"], r["length"]) for r in lines if r["event"] == "call"]
+    state = result.state
+    last = None if state.call is None else (state.call.kind.value, state.call.start, state.call.length)
+    assert last == (calls[-1] if calls else None)  # the same last call (G = 0 under no_call: none)
+    assert state.machine.num_calls == len(calls)
