@@ -1,8 +1,9 @@
 """Deliberately broken variants of our runtime that the gate must catch (failure-lab examples).
 
 Each is a small subclass of the real component with one shape-preserving bug from M3.10 0x0B,
-registered as a named runtime (:data:`decodespec.checks.traces.RUNTIMES`) so that a trace
-recording its failure replays with ``decodespec replay``:
+named in :data:`BROKEN_RUNTIMES` (which :func:`decodespec.checks.traces.open_runtime` adds to
+:data:`decodespec.checks.traces.RUNTIMES`) so that a trace recording its failure replays with
+``decodespec replay``:
 
 ==================================  ==========================================================  ==============
 runtime name                        bug (M3.10 0x0B)                                            caught at
@@ -27,7 +28,6 @@ from decodespec.impl.runtime import RequestRunner
 from decodespec.spec.request import static_capacity
 
 from .adapters.impl import ImplAdapter
-from .traces import RUNTIMES
 
 __all__ = ["BROKEN_RUNTIMES", "FrozenRngRunner", "LeakyStaticCache", "NextStepLogprobRunner"]
 
@@ -92,10 +92,9 @@ def _leaky_cache(request, model):
     return LeakyStaticCache(model.cache_abi, capacity)
 
 
-#: name -> adapter factory.
+#: name -> adapter factory (:func:`decodespec.checks.traces.open_runtime` opens them by name).
 BROKEN_RUNTIMES = {
     "impl.broken.next_step_logprob": lambda: ImplAdapter(runner_cls=NextStepLogprobRunner, name="impl.broken.next_step_logprob"),
     "impl.broken.frozen_rng": lambda: ImplAdapter(runner_cls=FrozenRngRunner, name="impl.broken.frozen_rng"),
     "impl.broken.stale_static_row": lambda: ImplAdapter(cache_factory=_leaky_cache, name="impl.broken.stale_static_row"),
 }
-RUNTIMES.update(BROKEN_RUNTIMES)

@@ -15,14 +15,16 @@ This module is that measurement and the derivation:
    ``ATEN_CPU_CAPABILITY`` the CPU has (``default``, ``avx2``, ``avx512``) and 1 and 2 threads
    (torch reads the capability once, at import, so each variant is its own process), and
    writes the maxima to ``checks/calibration.json``;
-3. :func:`derive` turns the maxima into the declared :class:`~decodespec.checks.ladder.Tolerance`
-   of each (runtime, model, dtype): ``logit_rel = HEADROOM * max(error / scale)`` over score
-   rows, ``kv_rel = HEADROOM * max(error / scale)`` over layers' K and V, and the absolute
-   parts ``HEADROOM * max(error)`` over rows (resp. layers) whose scale is below
-   :data:`SMALL_SCALE` (a floor for near-zero rows; at least :data:`ABS_FLOOR`).
+3. :func:`~decodespec.checks.tolerance.derive` turns the maxima into the declared
+   :class:`~decodespec.checks.tolerance.Tolerance` of each (runtime, model, dtype):
+   ``logit_rel = HEADROOM * max(error / scale)`` over score rows, ``kv_rel = HEADROOM *
+   max(error / scale)`` over layers' K and V, and the absolute parts ``HEADROOM * max(error)``
+   over rows (resp. layers) whose scale is below
+   :data:`~decodespec.checks.tolerance.SMALL_SCALE` (a floor for near-zero rows; at least
+   :data:`~decodespec.checks.tolerance.ABS_FLOOR`).
 
-The ladder's :data:`~decodespec.checks.ladder.TOLERANCES` are built from the shipped file with
-:func:`derive`; tests/test_calibration.py re-measures in its own process and asserts the
+The ladder's :data:`~decodespec.checks.tolerance.TOLERANCES` are built from the shipped file with
+:func:`~decodespec.checks.tolerance.derive`; tests/test_calibration.py re-measures in its own process and asserts the
 measured errors stay inside the declared tolerance.
 
 Source: M3.10 "A logit tolerance is not a token-equality proof", 0x0BA ("Sensitivity is a
@@ -36,33 +38,21 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from .adapters import CaseConfig
+from .ladder import measuring
+from .lockstep import LockStep
+from .tolerance import SMALL_SCALE, Tolerance
+from .traces import open_runtime
 
 __all__ = [
-    "ABS_FLOOR",
-    "CALIBRATION_FILE",
-    "HEADROOM",
     "LONGEST_PROMPT",
-    "SMALL_SCALE",
     "calibration_configs",
-    "derive",
-    "load_calibration",
     "measure",
     "summarize",
     "sweep",
 ]
-
-#: Factor between the largest measured error and the declared bound.
-HEADROOM = 4.0
-#: Rows / layers with a reference magnitude below this set the absolute part.
-SMALL_SCALE = 1.0
-#: The least absolute part of a bound (float32 rounding of a value near 1).
-ABS_FLOOR = 1e-6
-#: The shipped measurement (package data).
-CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 
 _TEXTS = (
     "The capital of France is",
@@ -117,10 +107,6 @@ def measure(runtime: str, configs: Iterable[CaseConfig]) -> list[dict[str, Any]]
         The :func:`~decodespec.checks.ladder.measuring` records, each with the config's
         ``cache``, ``attention`` and ``decode_kernel`` added.
     """
-    from .ladder import Tolerance, measuring
-    from .lockstep import LockStep
-    from .traces import open_runtime
-
     opened = Tolerance.from_logit(1e9, 1e9)  # measure, never stop at a bound
     records: list[dict[str, Any]] = []
     for config in configs:
@@ -164,37 +150,6 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, float]:
         "kv_max_rel": max((e / s for e, s in kvs if s > 0), default=0.0),
         "kv_small_max_error": max((e for e, s in kvs if s < SMALL_SCALE), default=0.0),
     }
-
-
-def derive(variants: Sequence[dict[str, Any]]):
-    """The declared tolerance of one (runtime, model, dtype) from its measured variants.
-
-    Args:
-        variants: :func:`summarize` dicts (one per capability / thread count / path).
-
-    Returns:
-        :class:`~decodespec.checks.ladder.Tolerance` with ``logit_rel`` and ``kv_rel`` =
-        :data:`HEADROOM` times the largest relative error, absolute parts :data:`HEADROOM`
-        times the largest error at small scale (at least :data:`ABS_FLOOR`), and
-        ``row_scale`` the largest reference row magnitude met.
-    """
-    from .ladder import Tolerance
-
-    def top(key: str) -> float:
-        return max(float(v[key]) for v in variants)
-
-    return Tolerance.from_logit(
-        max(ABS_FLOOR, HEADROOM * top("row_small_max_error")),
-        max(ABS_FLOOR, HEADROOM * top("kv_small_max_error")),
-        logit_rel=HEADROOM * top("row_max_rel"),
-        kv_rel=HEADROOM * top("kv_max_rel"),
-        row_scale=top("row_max_scale"),
-    )
-
-
-def load_calibration(path: Path = CALIBRATION_FILE) -> dict[str, Any]:
-    """The shipped measurement: ``{"entries": [{"runtime", "model", "dtype", "variants": [...]}, ...], ...}``."""
-    return json.loads(Path(path).read_text())
 
 
 def _capabilities() -> list[str]:

@@ -13,7 +13,7 @@ and llama.cpp.  A :class:`Case` is one of:
 * ``resume``: an uninterrupted run versus the same request snapshotted after ``resume_at``
   actions, restored and continued (RESUME: ``Continue(Restore(S), n) == Continue(S, n)``);
 * ``custom``: a runtime-specific procedure (padded batches, beam width 1), registered per
-  runtime in :data:`CUSTOM` (a runtime without one skips the case with that reason);
+  runtime in :data:`decodespec.checks.procedures.CUSTOM` (a runtime without one skips the case with that reason);
 * ``prompt_logprobs``: the runtime's prompt logprobs (M3.10 0x02) under one-shot and chunked
   prefill, the static cache and the no-cache path, judged against the float64 reference at
   STATE / TENSOR / DECISION (:func:`~decodespec.checks.prompt_logprobs.run_prompt_logprobs_case`;
@@ -39,34 +39,31 @@ from __future__ import annotations
 import fnmatch
 import functools
 import json
-import math
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 
 from decodespec.spec.errors import DecodeSpecError
 
 from .adapters import CORRUPTIONS, AdapterUnavailable, CaseConfig, config_capabilities
-from .coverage import record_items, record_lockstep
-from .ladder import FAILED, PASSED, UNDECIDED, Expected, Tolerance, Verdict, compare, decision_probe, describe_probe, greedy_comparator, tolerance_for
-from .lockstep import LockStep, ReferenceDecision, judge_decision, reference_for
+from .coverage import record_lockstep
+from .divergence import pair_verdict
+from .ladder import FAILED, PASSED, UNDECIDED, Verdict
+from .lockstep import LockStep
+from .procedures import CUSTOM
+from .prompts import greedy_continuation, prompt_ids
 from .traces import make_trace, open_runtime
 
 __all__ = [
-    "CUSTOM",
     "EXPECTATIONS_DIR",
     "Case",
     "CaseResult",
     "Expectation",
     "cases_for",
     "load_expectations",
-    "pair_divergence_verdict",
-    "path_divergence_verdict",
-    "prompt_ids",
     "report_line",
     "run_case",
     "unused_expectations",
@@ -118,34 +115,13 @@ class Case:
 # --------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=32)
-def prompt_ids(model: str, text: str, *, chat: bool = True) -> tuple[int, ...]:
-    """Token ids of ``text``: BOS + UTF-8 bytes on tiny; a bare chat turn (or plain text) on SmolLM2."""
-    if model == "tiny":
-        return (1,) + tuple(b + 3 for b in text.encode("utf-8"))
-    from .adapters.impl import load_tokenizer
-
-    tok = load_tokenizer(model)
-    return tuple(tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n" if chat else text))
-
-
-def _greedy_continuation(model: str, prompt: Sequence[int], n: int) -> list[int]:
-    """The reference's greedy continuation (lowest id on ties), used to aim stop strings at real output."""
-    ref = reference_for(model)
-    out: list[int] = []
-    for _ in range(n):
-        row = ref.row(tuple(prompt) + tuple(out))
-        out.append(int(np.argmax(row)))
-    return out
-
-
 def _spanning_stop(model: str, prompt: Sequence[int], n: int) -> tuple[str, str, int]:
     """``(stop, longer, i)``: a 2-character stop string spanning output tokens ``i`` and ``i + 1`` (ASCII), and a
     3-character one sharing its prefix."""
     from .adapters.impl import load_tokenizer
 
     tok = load_tokenizer(model)
-    ids = _greedy_continuation(model, prompt, n)
+    ids = list(greedy_continuation(model, tuple(prompt), n))
     pieces = [tok.token_bytes(t) if t not in getattr(tok, "special_ids", ()) and t != 2 else b"" for t in ids]
     for i in range(len(pieces) - 2):
         a, b, c = pieces[i], pieces[i + 1], pieces[i + 2]
@@ -355,8 +331,8 @@ def cases_for(model: str) -> tuple[Case, ...]:
         "continue where they stopped.", _M + "; 0x0B resumable snapshot; M3.8 0x0B request-owned randomness",
         base.evolve(policy=SAMPLED, seed=4), ({"op": "run"},), resume_at=2, requires=frozenset({"snapshot", "sampling"}))
 
-    # -- runtime families outside the request adapter (procedures: checks/families.py and below) --
-    finisher = _greedy_continuation(model, short, 2)[1]  # the short row's second greedy token: it finishes early
+    # -- runtime families outside the request adapter (procedures: checks/procedures.py) --
+    finisher = greedy_continuation(model, tuple(short), 2)[1]  # the short row's second greedy token: it finishes early
     add("matrix.padded_batch_eos_left", "custom", "A left-padded batch in which one row selects its EOS mid-run: that row stops "
         "there (no token after logical completion), the others go on, each equal to its unbatched run.",
         _M + "; 0x06 Stop criteria and active rows; 0x07", base.evolve(eos_ids=[finisher]))
@@ -488,150 +464,6 @@ def report_line(result: CaseResult) -> dict[str, Any]:
     return out
 
 
-def _drive(adapter, config: CaseConfig, actions: Sequence[Mapping[str, Any]], runtime: str) -> LockStep:
-    ls = LockStep(adapter, config, runtime=runtime)
-    ls.reset()
-    for action in actions:
-        if ls.failed:
-            break
-        ls.apply(action)
-    return ls
-
-
-def _pair_verdict(a: LockStep, b: LockStep, fields: Sequence[str], tol: Tolerance) -> Verdict:
-    """Compare the two runs' observations step by step (within twice the tolerance: both are within it of the reference).
-
-    Where the two token paths diverge (first differing output ``k``), the steps up to the shared
-    prefix are compared as usual and the divergence itself is judged by the margin rule
-    (:func:`pair_divergence_verdict`): ``undecided`` when the reference margin of the shared prefix
-    cannot decide between the two ids, ``failed`` only when it rules one of them out.  Later steps
-    condition on different prefixes and are not compared.
-
-    Source: M3.10 "A logit tolerance is not a token-equality proof" (issue 8: "Greedy token
-    equality is only claimed from a logit tolerance when the reference margin exceeds 2 epsilon;
-    otherwise the report says the margin was too small to decide"), "Correctness matrix".
-    """
-    pair_tol = tol.scaled(2)
-    final_a, final_b = _final_ids(a), _final_ids(b)
-    shared = _common_prefix(final_a, final_b)
-    diverged = shared < min(len(final_a), len(final_b))
-    for index, (oa, ob) in enumerate(zip(a.observations, b.observations)):
-        if oa is None or ob is None:
-            continue
-        if diverged and max(len(oa.output_ids), len(ob.output_ids)) > shared:
-            break
-        exp = Expected(
-            tolerance=pair_tol,
-            output_ids=oa.output_ids if "ids" in fields else None,
-            frontier=oa.frontier if "frontier" in fields else None,
-            cache_committed=oa.cache_committed if "cache" in fields else None,
-            rng_counter=oa.rng_counter if "rng" in fields else None,
-            score_row=oa.score_row if "logits" in fields and oa.score_output_count == ob.score_output_count else None,
-            cache_probe=oa.cache_probe if "kv" in fields else None,
-            text=oa.text if "text" in fields else None,
-        )
-        verdict = compare(exp, ob, layers=("STATE", "TENSOR", "SEQUENCE"))
-        if not verdict.passed:
-            return attrs.evolve(verdict, step=index, message=f"pair comparison at step {index}: {verdict.message}")
-    if not diverged:
-        return Verdict(PASSED)
-    prefix = tuple(a.config.prompt_ids) + final_a[:shared]
-    ref = a.reference_decisions.get(prefix) or b.reference_decisions.get(prefix)
-    if ref is None:
-        return Verdict(FAILED, "STATE", "ladder.STATE", "output_ids", list(final_a), list(final_b),
-                       f"the two paths diverge at output {shared} ({final_a[shared]} vs {final_b[shared]}) and the spec made no "
-                       "reference decision on the shared prefix to judge it by")
-    return pair_divergence_verdict(ref, final_a[shared], final_b[shared], tol)
-
-
-def _final_ids(ls: LockStep) -> tuple[int, ...]:
-    obs = next((o for o in reversed(ls.observations) if o is not None), None)
-    return () if obs is None else tuple(obs.output_ids)
-
-
-def _common_prefix(x: Sequence[int], y: Sequence[int]) -> int:
-    n = 0
-    while n < min(len(x), len(y)) and x[n] == y[n]:
-        n += 1
-    return n
-
-
-def pair_divergence_verdict(ref: ReferenceDecision, token_a: int, token_b: int, tol: Tolerance) -> Verdict:
-    """Judge two runtime paths that select ``token_a`` and ``token_b`` after the same committed prefix.
-
-    Each path's id is judged against the spec's decision on the reference row of that prefix
-    (:func:`~decodespec.checks.lockstep.judge_decision`, the row's epsilon ``ref.epsilon``: each path is
-    within epsilon of the reference).  A path the reference margin rules out fails the pair (its
-    verdict, DECISION layer); otherwise the tolerance cannot decide between the two ids and the
-    pair is ``undecided`` (check ``pair.margin``; greedy: both ids within 2 epsilon of the
-    reference maximum, so the reference margin is at most 2 epsilon).
-
-    Args:
-        ref: The spec's decision on the shared prefix (:attr:`LockStep.reference_decisions`).
-        token_a / token_b: The two paths' ids at output ``ref.output_index`` (different).
-        tol: The runtime's declared tolerance.
-
-    Returns:
-        ``failed`` (``decision.selected_id`` / ``decision.draw`` / ``decision.support``) or
-        ``undecided`` (``pair.margin``), never ``passed`` for two different ids.
-
-    Source: M3.10 "A logit tolerance is not a token-equality proof"; issue 8.
-    """
-    k = ref.output_index
-    eps = tol.logit if ref.epsilon is None else ref.epsilon
-    for side, token in (("A", token_a), ("B", token_b)):
-        verdict = judge_decision(policy=ref.policy, ref_values=ref.values, ref_token=ref.token, runtime_token=int(token), tolerance=tol,
-                                 greedy=ref.greedy, ref_probs=ref.probs, u=ref.u, output_index=k, epsilon=eps)
-        if verdict.result == FAILED:
-            return attrs.evolve(verdict, message=f"pair: the paths diverge at output {k} ({token_a} vs {token_b}); path {side}: "
-                                                 f"{verdict.message}")
-    finite = np.sort(ref.values[np.isfinite(ref.values)])
-    margin = float(finite[-1] - finite[-2]) if finite.size > 1 else math.inf
-    what = (f"the reference margin {margin:.3g} <= 2 epsilon = {2 * eps:.3g}" if ref.greedy else
-            f"the uniform {ref.u:.6g} lies within the tolerance of both ids' CDF intervals")
-    probe = decision_probe([ref.token, int(token_a), int(token_b)], ref.values, what="processed")
-    return Verdict(UNDECIDED, "DECISION", "ladder.DECISION", "pair.margin", int(token_a), int(token_b),
-                   f"pair: the paths diverge at output {k} ({token_a} vs {token_b}) where {what}: the tolerance cannot decide "
-                   f"between them (the reference selects {ref.token}; processed scores {describe_probe(probe)})", probe=probe)
-
-
-def path_divergence_verdict(ls: LockStep, ids: Sequence[int], other: Sequence[int], tol: Tolerance, *, layer: str, check: str,
-                            what: str) -> Verdict:
-    """Judge a token path ``other`` (a batch row, a width-one beam) against the lock-step run ``ls`` whose ids are ``ids``.
-
-    Equal paths pass.  Where they diverge at output ``k`` after a shared prefix, the divergence
-    is judged by the margin rule on the spec's reference decision of that prefix
-    (:func:`pair_divergence_verdict`, from ``ls.reference_decisions``): ``undecided`` when the
-    reference margin cannot decide between the two ids, ``failed`` when it rules ``other``'s id
-    out (at the DECISION layer, the failing id's check).  A path that is a strict prefix of the
-    other (one stopped, the other went on) and a divergence without a reference decision fail at
-    ``layer`` / ``check``.
-
-    Args:
-        ls: The lock-step run (greedy, batch size one) the other path is compared with.
-        ids / other: The two paths' output ids.
-        tol: The runtime's declared tolerance.
-        layer / check: The ladder layer and check named by a failure (``STATE`` / ``batch.output_ids``,
-            ``DECISION`` / ``beam.tokens``).
-        what: The comparison, for messages ("batch row 1 (left padding) and the batch-size-one run").
-
-    Source: M3.10 "A logit tolerance is not a token-equality proof"; issue 8.
-    """
-    ids, other = tuple(int(t) for t in ids), tuple(int(t) for t in other)
-    if ids == other:
-        return Verdict(PASSED)
-    k = _common_prefix(ids, other)
-    ref = ls.reference_decisions.get(tuple(ls.config.prompt_ids) + ids[:k]) if k < min(len(ids), len(other)) else None
-    if ref is None:
-        return Verdict(FAILED, layer, f"ladder.{layer}", check, list(ids), list(other), f"{what} select different token paths")
-    verdict = pair_divergence_verdict(ref, ids[k], other[k], tol)
-    return attrs.evolve(verdict, message=f"{what}: {verdict.message}")
-
-
-#: ``(case id, runtime) -> procedure(case, runtime) -> Verdict`` for ``custom`` cases.
-CUSTOM: dict[tuple[str, str], Callable[[Case, str], Verdict]] = {}
-
-
 def run_case(case: Case, runtime: str, *, adapter_factory: Callable[[], Any] | None = None,
              expectations: Sequence[Expectation] = ()) -> CaseResult:
     """Run one case on ``runtime`` and classify the outcome (see the module docstring)."""
@@ -655,7 +487,11 @@ def run_case(case: Case, runtime: str, *, adapter_factory: Callable[[], Any] | N
         fn = CUSTOM.get((case.id, runtime.split(":", 1)[0]))
         if fn is None:
             return skip(f"no {case.id} procedure for runtime {runtime}")
-        return done(fn(case, runtime))
+        try:
+            verdict = fn(case, runtime)
+        except AdapterUnavailable as exc:  # the procedure's runtime is not installed here
+            return skip(str(exc))
+        return done(verdict)
     open_one = adapter_factory or (lambda: open_runtime(runtime, model))
     try:
         adapter = open_one()
@@ -693,7 +529,7 @@ def run_case(case: Case, runtime: str, *, adapter_factory: Callable[[], Any] | N
                 return done(bad, trace=trace, action=action, unsupported=ls.unsupported)
         verdict = Verdict(PASSED)
         if case.kind == "pair":
-            verdict = _pair_verdict(runs[0], runs[1], case.compare, runs[0].tolerance)
+            verdict = pair_verdict(runs[0], runs[1], case.compare, runs[0].tolerance)
         undecided = [ls.verdict for ls in runs if ls.verdict.result == UNDECIDED]
         if verdict.passed and undecided:
             verdict = undecided[0]
@@ -721,87 +557,3 @@ def _resume_run(ls: LockStep, case: Case) -> LockStep:
     if not ls.failed:
         ls.finish_against(uninterrupted)
     return ls
-
-
-# --------------------------------------------------------------------------------------------
-# Custom procedures of our runtime.
-# --------------------------------------------------------------------------------------------
-
-
-def _row_path_verdict(model: str, prompt: Sequence[int], ids: Sequence[int], rows: Sequence[Any], tol: Tolerance) -> Verdict:
-    """Each decision of a greedy path: its row against the reference row of the same prefix, then the seed's comparator."""
-    ref = reference_for(model)
-    undecided = None
-    for index, (token, row) in enumerate(zip(ids, rows)):
-        ref_row = ref.row(tuple(prompt) + tuple(ids[:index]))
-        verdict = greedy_comparator(ref_row, np.asarray(row, dtype=np.float32), tol.epsilon(ref_row), candidate_id=int(token))
-        if verdict.result == FAILED:
-            return attrs.evolve(verdict, message=f"output {index}: {verdict.message}")
-        undecided = undecided or (verdict if verdict.result == UNDECIDED else None)
-    return undecided or Verdict(PASSED)
-
-
-def _impl_padded_batch(case: Case, runtime: str) -> Verdict:
-    from decodespec.impl.batch import batch_generate
-
-    from .adapters.impl import load_model
-
-    config = case.config
-    side = case.id.rsplit("_", 1)[-1]
-    record_items({f"padding_side.{side}"})
-    model = load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
-    tol = tolerance_for(runtime, config.model, config.dtype)
-    prompts = [config.prompt_ids, prompt_ids(config.model, "Hi"), prompt_ids(config.model, "héllo ✓ 日本")]
-    batch = batch_generate(model, prompts, max_new_tokens=config.max_new_tokens, eos_token_ids=config.eos_ids, padding_side=side,
-                           return_scores=True)
-    assert batch.scores is not None
-    for b, (prompt, row) in enumerate(zip(prompts, batch.rows)):
-        verdict = _row_path_verdict(config.model, prompt, row.output_ids, batch.scores[b], tol)
-        if not verdict.passed:
-            return attrs.evolve(verdict, message=f"batch row {b} ({side} padding): {verdict.message}")
-        single = _drive(open_runtime(runtime, config.model), config.evolve(prompt_ids=prompt), [{"op": "run"}], runtime)
-        if single.verdict.result == FAILED:
-            return single.verdict
-        verdict = path_divergence_verdict(single, single.observation.output_ids, row.output_ids, tol, layer="STATE",
-                                          check="batch.output_ids", what=f"batch row {b} ({side} padding) and the batch-size-one run")
-        if not verdict.passed:
-            return verdict
-    return Verdict(PASSED)
-
-
-def _impl_beam_width_one(case: Case, runtime: str) -> Verdict:
-    from decodespec.impl.beam import beam_generate
-    from decodespec.spec.beam import BeamParams
-
-    from .adapters.impl import load_model
-
-    config = case.config
-    model = load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
-    tol = tolerance_for(runtime, config.model, config.dtype)
-    greedy = _drive(open_runtime(runtime, config.model), config, [{"op": "run"}], runtime)
-    if greedy.verdict.result == FAILED:
-        return greedy.verdict
-    obs = greedy.observation
-    result = beam_generate(model, config.prompt_ids, BeamParams.hf_compatible(1, config.max_new_tokens, config.eos_ids))
-    record_items({"beam.width.1"})
-    best = result.best
-    if best is None:
-        return Verdict(FAILED, "DECISION", "ladder.DECISION", "beam.tokens", list(obs.output_ids), None,
-                       "beam width one completes no hypothesis")
-    verdict = path_divergence_verdict(greedy, obs.output_ids, best.output_ids, tol, layer="DECISION", check="beam.tokens",
-                                      what="greedy decoding and beam width one")
-    if not verdict.passed:
-        return verdict
-    total = float(sum(obs.logprobs))
-    if not abs(best.score - total) <= tol.logprob * max(1, len(obs.logprobs)):
-        return Verdict(FAILED, "DECISION", "ladder.DECISION", "beam.score", total, best.score,
-                       "the width-one beam score is not the sum of the greedy logprobs")
-    return Verdict(PASSED)
-
-
-CUSTOM[("matrix.padded_batch_left", "impl")] = _impl_padded_batch
-CUSTOM[("matrix.padded_batch_right", "impl")] = _impl_padded_batch
-CUSTOM[("matrix.greedy_vs_beam1", "impl")] = _impl_beam_width_one
-CUSTOM[("matrix.padded_batch_eos_left", "impl")] = _impl_padded_batch
-
-from . import families  # noqa: F401 - registers the beam and encoder-decoder procedures

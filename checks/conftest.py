@@ -107,7 +107,7 @@ def pytest_configure(config: pytest.Config) -> None:
         import contextlib
 
         from decodespec.checks.mutants import get
-        from decodespec.checks.mutants.harness import spec_side
+        from decodespec.checks.mutants.seams import spec_side
 
         try:
             chosen = get(mutant)

@@ -49,8 +49,9 @@ from decodespec.spec.request import prompt_room
 from .adapters import CaseConfig, config_capabilities
 from .adapters.features import CONFIG_FIELDS, feature_of, policy_feature, transform_capability
 from .coverage import EDGE_FRACTION, SCHEMA_ENUMS, schema_enum, unsupported_values
+from .prompts import greedy_continuation, prompts_for
 
-__all__ = ["FORCED_TEXTS", "PRACTICAL_MAX", "case_configs", "greedy_continuation", "param_values", "policies", "prompt_pool"]
+__all__ = ["FORCED_TEXTS", "PRACTICAL_MAX", "case_configs", "param_values", "policies"]
 
 #: Upper ends drawn for parameters the catalog leaves unbounded above (the catalog's bounds are used everywhere else).
 PRACTICAL_MAX: dict[tuple[str, str], float] = {
@@ -63,28 +64,6 @@ _ALPHABET = "ab c{}\"é✓日"
 _WARPER_STAGES = (Stage.TEMPERATURE, Stage.TRUNCATION)
 #: A CaseConfig field's baseline: its default (what it is drawn as when the runtime does not declare the feature).
 _BASELINES = {name: attrs.fields_dict(CaseConfig)[name].default for name in CONFIG_FIELDS}
-
-
-@functools.lru_cache(maxsize=4)
-def prompt_pool(model: str) -> tuple[tuple[int, ...], ...]:
-    """The machines' prompt pool of ``model`` (:func:`decodespec.checks.machines.prompts_for`)."""
-    from .machines import prompts_for
-
-    return prompts_for(model)
-
-
-@functools.lru_cache(maxsize=256)
-def greedy_continuation(model: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
-    """The reference's greedy continuation of ``prompt`` (``n`` ids; lowest id on ties): the ids a greedy output will contain."""
-    import numpy as np
-
-    from .lockstep import reference_for
-
-    ref = reference_for(model)
-    out: list[int] = []
-    for _ in range(n):
-        out.append(int(np.argmax(ref.row(prompt + tuple(out)))))
-    return tuple(out)
 
 
 @functools.lru_cache(maxsize=8)
@@ -264,7 +243,7 @@ def case_configs(draw, model: str, cache: str, caps: frozenset[str], *, max_new:
 
     tok = _tokenizer(model)
     vocab = int(load_model(model).config.vocab_size)
-    pool = prompt_pool(model)
+    pool = prompts_for(model)
     if draw(st.integers(0, 7)) == 0:  # a random prompt anywhere in the vocabulary (rarely one id past it: refused)
         prompt = tuple(draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=6)))
         outside = draw(st.integers(0, 9)) == 0
@@ -419,7 +398,7 @@ def sweep_cases(model: str) -> tuple[Any, ...]:
     from .coverage import edge_items, transform_orders
 
     tok = _tokenizer(model)
-    pool = prompt_pool(model)
+    pool = prompts_for(model)
     prompt = pool[2]
     likely = greedy_continuation(model, prompt, 4)
     forced_text = "The cat"

@@ -35,7 +35,7 @@ line in ladder order (:mod:`decodespec.checks.ladder`), stopping at the first br
 * **POLICY**: the stated ``draws`` equal the spec policy's.
 * **DECISION**: the selected id is the spec policy's (:func:`decodespec.spec.policy.decide`) on
   the observed row, by the seed's margin rule under the declared
-  :class:`~decodespec.checks.ladder.Tolerance` (:func:`decodespec.checks.lockstep.judge_decision`:
+  :class:`~decodespec.checks.tolerance.Tolerance` (:func:`decodespec.checks.lockstep.judge_decision`:
   greedy, a differing id fails unless the processed gap is at most 2 epsilon, then ``undecided``;
   sampled, the replayed draw of the request's RNG key, an id outside the processed support
   fails); the logprob is ``log_softmax(row)[token_id]`` within the tolerance's logprob bound; an
@@ -82,8 +82,9 @@ from decodespec.spec.request_machine import request_from_envelope
 from decodespec.spec.state import Phase, RequestState, is_terminal
 from decodespec.spec.transitions import MACHINE, Machine, expected_report
 
-from .ladder import FAILED, PASSED, UNDECIDED, Tolerance, Verdict, score_row_failure
+from .ladder import FAILED, PASSED, UNDECIDED, Verdict, score_row_failure
 from .lockstep import judge_decision
+from .tolerance import Tolerance
 from .trace_validation import _frontier
 
 __all__ = [
@@ -492,7 +493,7 @@ def judge_rows(lines: Iterable[str | dict[str, Any]], *, tolerance: Tolerance, r
 
     Args:
         lines: The recording's lines (JSON text or parsed objects), the ``request`` header first.
-        tolerance: The declared tolerance (:func:`decodespec.checks.ladder.tolerance_for`): epsilon
+        tolerance: The declared tolerance (:func:`decodespec.checks.tolerance.tolerance_for`): epsilon
             of the margin rule and the logprob bound; with ``reference``, the TENSOR bound.
         reference: A float64 reference with ``row(ids) -> [V]`` and ``window``
             (:class:`~decodespec.checks.reference.Reference64`) of the recorded model, or ``None``

@@ -33,8 +33,8 @@ entry and the :data:`PROBE_ENTRIES` largest differences, both sides), which fail
 
 Tolerances are declared per (runtime, model, dtype) against the float64 reference in a stated
 form -- absolute plus relative to the row's largest magnitude for score rows, per layer and per
-K / V for the cache (:class:`Tolerance`) -- and derived from the shipped calibration
-(``checks/calibration.json``, :mod:`decodespec.checks.calibrate`), never typed in by hand;
+K / V for the cache (:class:`~decodespec.checks.tolerance.Tolerance`) -- and derived from the shipped calibration
+(``checks/calibration.json``, :mod:`decodespec.checks.tolerance`), never typed in by hand;
 docs/design.md section 11b gives the method and headroom.
 
 Source: M3.10 "A logit tolerance is not a token-equality proof" (the comparator order and the
@@ -57,6 +57,7 @@ import numpy as np
 from decodespec.spec.rules import rule
 
 from .adapters import Observation
+from .tolerance import Tolerance
 
 __all__ = [
     "FAILED",
@@ -64,13 +65,11 @@ __all__ = [
     "PASSED",
     "PROBE_ENTRIES",
     "PROBE_POSITIONS",
-    "TOLERANCES",
     "UNDECIDED",
     "DecisionCheck",
     "Expected",
     "Layer",
     "Result",
-    "Tolerance",
     "Verdict",
     "cache_probe_failure",
     "combine",
@@ -81,7 +80,6 @@ __all__ = [
     "greedy_comparator",
     "score_row_failure",
     "score_row_probe",
-    "tolerance_for",
 ]
 
 
@@ -109,103 +107,6 @@ class Result(enum.StrEnum):
 LAYERS: tuple[Layer, ...] = tuple(Layer)
 PASSED, FAILED, UNDECIDED = Result.PASSED, Result.FAILED, Result.UNDECIDED
 _S = "M3.10 A logit tolerance is not a token-equality proof; Correctness matrix"
-
-
-@attrs.frozen
-class Tolerance:
-    """Declared numerical tolerances of one (runtime, model, dtype) against the float64 reference.
-
-    The stated form (docs/design.md section "Tolerances"): an error is within tolerance when
-
-    * score rows: ``max_v |row - ref| <= logit + logit_rel * max_v |ref|`` (:meth:`epsilon`);
-    * committed K/V: per layer and per K / V, ``max |kv - ref| <= kv + kv_rel * max |ref|`` of
-      that layer's K (resp. V) rows (:meth:`kv_bounds`);
-    * processed probabilities and logprobs: ``2 * epsilon`` plus rounding (a logit error
-      epsilon moves log-softmax by at most 2 epsilon).
-
-    Attributes:
-        logit: Absolute part of epsilon on raw logits (L-infinity).
-        kv: Absolute part of the K (after RoPE) / V bound.
-        prob: Absolute tolerance on processed probabilities at the declared ``row_scale``.
-        logprob: Absolute tolerance on recorded logprobs at the declared ``row_scale``.
-        logit_rel: Part of epsilon relative to the reference row's largest magnitude.
-        kv_rel: Part of the K/V bound relative to the layer's largest reference magnitude.
-        row_scale: The largest reference row magnitude the calibration met (the scale
-            :attr:`prob` and :attr:`logprob` are stated at, where no row is at hand).
-
-    Units: logits and nats.
-    """
-
-    logit: float
-    kv: float
-    prob: float
-    logprob: float
-    logit_rel: float = 0.0
-    kv_rel: float = 0.0
-    row_scale: float = 0.0
-
-    @classmethod
-    def from_logit(cls, logit: float, kv: float, *, logit_rel: float = 0.0, kv_rel: float = 0.0, row_scale: float = 0.0) -> Tolerance:
-        """Derived tolerances: a logit error epsilon moves log-softmax by at most 2 epsilon."""
-        eps = logit + logit_rel * row_scale
-        return cls(logit=logit, kv=kv, prob=2 * eps + 1e-6, logprob=2 * eps + 1e-5, logit_rel=logit_rel, kv_rel=kv_rel,
-                   row_scale=row_scale)
-
-    def epsilon(self, reference_row: Any) -> float:
-        """Epsilon of one score row: ``logit + logit_rel * max |reference_row|`` over its finite entries.
-
-        Shapes: ``reference_row [V]``.
-        """
-        if not self.logit_rel:
-            return self.logit
-        ref = np.asarray(reference_row, dtype=np.float64)
-        finite = ref[np.isfinite(ref)]
-        return self.logit + self.logit_rel * (float(np.max(np.abs(finite))) if finite.size else 0.0)
-
-    def at_row(self, reference_row: Any) -> Tolerance:
-        """This tolerance with epsilon fixed at ``reference_row``'s (probabilities and logprobs derived from it)."""
-        eps = self.epsilon(reference_row)
-        return Tolerance(logit=eps, kv=self.kv, prob=2 * eps + 1e-6, logprob=2 * eps + 1e-5, kv_rel=self.kv_rel)
-
-    def scaled(self, factor: float) -> Tolerance:
-        """Every bound multiplied by ``factor`` (two runs each within the tolerance differ by at most twice it)."""
-        return Tolerance(logit=factor * self.logit, kv=factor * self.kv, prob=factor * self.prob, logprob=factor * self.logprob,
-                         logit_rel=factor * self.logit_rel, kv_rel=factor * self.kv_rel, row_scale=self.row_scale)
-
-    def kv_bounds(self, reference: Any) -> np.ndarray:
-        """Per layer and per K / V: ``kv + kv_rel * max |reference[layer, kind]|``.
-
-        Shapes: ``reference [layers, 2, H_kv, P, D]`` -> ``[layers, 2]``.
-        """
-        ref = np.abs(np.asarray(reference, dtype=np.float64))
-        scale = ref.reshape(ref.shape[0], 2, -1).max(axis=-1) if ref.size else np.zeros(ref.shape[:2])
-        return self.kv + self.kv_rel * scale
-
-
-def _declared() -> dict[tuple[str, str, str], Tolerance]:
-    """The declared tolerances, derived from the shipped calibration (:mod:`decodespec.checks.calibrate`).
-
-    Our runtime's entries (``impl``) are also the default (``*``) of a runtime that declares
-    none (a ``stdio:`` runtime): its error is judged by the bound our own float32 runtime meets.
-    """
-    from .calibrate import CALIBRATION_FILE, derive, load_calibration
-
-    out: dict[tuple[str, str, str], Tolerance] = {}
-    if not CALIBRATION_FILE.is_file():
-        return out
-    for entry in load_calibration()["entries"]:
-        tol = derive(entry["variants"])
-        out[(entry["runtime"], entry["model"], entry["dtype"])] = tol
-        if entry["runtime"] == "impl":
-            out[("*", entry["model"], entry["dtype"])] = tol
-    return out
-
-
-#: ``(runtime or "*", model, dtype) -> Tolerance`` against the float64 reference, derived from
-#: ``checks/calibration.json`` (``decodespec calibrate --update``; method, maxima and headroom in
-#: docs/design.md "Tolerances").  A peer adapter may register its own entry (llama.cpp: its
-#: expectations file).
-TOLERANCES: dict[tuple[str, str, str], Tolerance] = _declared()
 
 
 #: Where :func:`measuring` collects the TENSOR layer's errors (``None``: not collecting).
@@ -239,18 +140,6 @@ def measuring() -> Iterator[list[dict[str, Any]]]:
         yield sink
     finally:
         _MEASUREMENTS.reset(token)
-
-
-def tolerance_for(runtime: str, model: str, dtype: str) -> Tolerance:
-    """The declared tolerance of ``runtime`` on ``model`` in ``dtype`` (runtime entry first, then ``*``).
-
-    Raises:
-        KeyError: when no tolerance is declared (a gate must not guess one).
-    """
-    for key in ((runtime.split(":", 1)[0], model, dtype), ("*", model, dtype)):
-        if key in TOLERANCES:
-            return TOLERANCES[key]
-    raise KeyError(f"no tolerance declared for runtime {runtime!r}, model {model!r}, dtype {dtype!r}")
 
 
 @attrs.frozen

@@ -60,23 +60,10 @@ from decodespec.spec.state import Phase, RequestParams, RequestState
 from decodespec.spec.transitions import MACHINE, Machine
 
 from .adapters import ADAPTER_UNSUPPORTED, RANK_FAULTS, Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
-from .ladder import (
-    FAILED,
-    LAYERS,
-    PASSED,
-    UNDECIDED,
-    DecisionCheck,
-    Expected,
-    Tolerance,
-    Verdict,
-    compare,
-    decision_probe,
-    describe_probe,
-    score_row_failure,
-    tolerance_for,
-)
+from .ladder import FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, Verdict, compare, decision_probe, describe_probe, score_row_failure
 from .reference import Reference64, load_gguf64
 from .reference.files import gguf_path
+from .tolerance import Tolerance, tolerance_for
 from .vocab_check import reference_vocab
 
 __all__ = [
@@ -228,7 +215,7 @@ def judge_decision(
         ref_probs: Processed reference probabilities (multinomial).
         u: The decision's uniform (multinomial).
         output_index: O of the decision (for the message).
-        epsilon: The row's epsilon (:meth:`~decodespec.checks.ladder.Tolerance.epsilon` of the raw
+        epsilon: The row's epsilon (:meth:`~decodespec.checks.tolerance.Tolerance.epsilon` of the raw
             reference row; default ``tolerance.logit``).
         cand_values: The spec policy's processed row of the runtime's own raw row, when it exposed
             one (named in the message and the probe beside the reference's).
@@ -455,7 +442,7 @@ class LockStep:
         adapter: The runtime's adapter.
         config: The case config (``reset`` admits it on both sides).
         runtime: Runtime name for the tolerance lookup (default ``adapter.name``).
-        tolerance: Declared tolerance (default :func:`~decodespec.checks.ladder.tolerance_for`).
+        tolerance: Declared tolerance (default :func:`~decodespec.checks.tolerance.tolerance_for`).
         layers: Ladder layers to check.
         machine: The spec machine (default the specification's).
 

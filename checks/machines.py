@@ -50,7 +50,6 @@ Source: M3.10 "Boundary cases" (adversarial state transitions); /work/shared/DES
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -68,16 +67,16 @@ from decodespec.spec.state import Phase, due_call, interrupt_point, repair_outst
 
 from .adapters import CORRUPTIONS, Adapter
 from .cases import load_expectations
-from .ladder import FAILED, PASSED, Expected, Tolerance, Verdict, compare
+from .ladder import FAILED, PASSED, Expected, Verdict, compare
 from .lockstep import LockStep
+from .prompts import PROMPT_TEXTS, prompts_for
+from .tolerance import Tolerance
 from .traces import make_trace, open_runtime, write_trace
 
-__all__ = ["PROMPT_TEXTS", "SAMPLED_POLICY", "BeamMachine", "GateMachine", "machine_failure", "machine_for", "machine_settings", "prompts_for", "run_beam_machine", "run_machine"]
+__all__ = ["SAMPLED_POLICY", "BeamMachine", "GateMachine", "machine_failure", "machine_for", "machine_settings", "run_beam_machine", "run_machine"]
 
 #: The multinomial policy the machines draw (temperature 0.8, top-k 40: one draw per decision).
 SAMPLED_POLICY = {"family": "multinomial", "transforms": [{"name": "temperature", "temperature": 0.8}, {"name": "top_k", "k": 40}]}
-#: Prompt texts (tiny: BOS + UTF-8 bytes; SmolLM2: a bare chat turn).  The first is one token on tiny.
-PROMPT_TEXTS = ("", "Hi", "The cat sat", "héllo ✓")
 #: Budgets per profile and model: (max_examples, stateful_step_count).
 BUDGETS = {
     "fast": {"tiny": (60, 15), "smollm2": (4, 8)},
@@ -88,15 +87,7 @@ BUDGETS = {
 _SIMPLE_OPS = ("decode", "launch", "complete", "decide", "commit", "step", "recover", "repair", "stream_fail")
 
 
-@functools.lru_cache(maxsize=4)
-def prompts_for(model: str) -> tuple[tuple[int, ...], ...]:
-    """The machines' prompt pool of ``model`` (shortest first is a one-token prompt on tiny)."""
-    if model == "tiny":
-        return tuple((1,) + tuple(b + 3 for b in text.encode("utf-8")) for text in PROMPT_TEXTS)
-    from .adapters.impl import load_tokenizer
 
-    tok = load_tokenizer(model)
-    return tuple(tuple(tok.encode(f"<|im_start|>user\n{text or 'Yes?'}<|im_end|>\n<|im_start|>assistant\n")) for text in PROMPT_TEXTS)
 
 
 def machine_settings(model: str, **overrides: Any) -> settings:

@@ -10,7 +10,7 @@ JSON-lines wire has no such message yet).  :func:`judge` compares an answer with
   consistent);
 * TENSOR ``prompt_logprobs.value``: each logprob within the declared logprob tolerance of the
   reference log-softmax of the float64 row of the same prefix (:class:`~decodespec.checks.reference.Reference64`
-  ``row(x_0..x_{i-1})``), at that row's scale (:meth:`~decodespec.checks.ladder.Tolerance.at_row`);
+  ``row(x_0..x_{i-1})``), at that row's scale (:meth:`~decodespec.checks.tolerance.Tolerance.at_row`);
 * DECISION ``prompt_logprobs.rank`` / ``prompt_logprobs.top_k``: the rank lies in the interval
   the tolerance cannot decide (ids whose reference logprob is more than 2 epsilon above the
   token's are surely ahead, those within it may go either way), each top-k id's reference
@@ -36,7 +36,8 @@ import numpy as np
 
 from decodespec.spec.prompt_logprobs import PromptLogprob, PromptLogprobsSpec, prompt_logprobs_aligned, scored_positions
 
-from .ladder import FAILED, PASSED, Tolerance, Verdict, tolerance_for
+from .ladder import FAILED, PASSED, Verdict
+from .tolerance import Tolerance, tolerance_for
 
 __all__ = ["CAPABILITY", "judge", "reference_rows", "run_prompt_logprobs_case", "variants"]
 

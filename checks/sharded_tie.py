@@ -1,7 +1,7 @@
 """M3.8 0x09: judge a sharded optimizer over a tied model against ``invariant.head_tied_sharded_owner``.
 
 :func:`run_sharded_tie` starts ``R`` gloo ranks (CPU; forked from a one-thread process, else
-spawned: :func:`decodespec.checks.vocab_parallel.start_ranks`).  Each rank loads the tiny model
+spawned: :func:`decodespec.checks.ranks.start_ranks`).  Each rank loads the tiny model
 (seed 0, tied), builds the optimizer with :func:`decodespec.impl.sharded.sharded_optimizer`
 (torch's ``ZeroRedundancyOptimizer``, Adam per shard) -- or a failure-lab sharder of
 :data:`SHARD_MUTANTS` --, runs one next-token loss on the same ids (one repeated, so the lookup's
@@ -43,6 +43,8 @@ from decodespec.spec.head import (
     tied_gradient,
 )
 from decodespec.spec.rules import Rule, register
+
+from .ranks import read_rank_results, start_ranks
 
 __all__ = ["INPUT_IDS", "LR", "SHARD_MUTANTS", "ShardedTieReport", "observe_sharded_tie", "run_sharded_tie"]
 
@@ -195,8 +197,6 @@ def run_sharded_tie(ranks: int = 2, *, mutant: str | None = None, model: str = "
         RankRunTimeout: the ranks did not finish within ``deadline_s``.
         RuntimeError: a rank raised or wrote no results.
     """
-    from .vocab_parallel import read_rank_results, start_ranks
-
     if mutant is not None and mutant not in SHARD_MUTANTS:
         raise KeyError(f"unknown sharder mutant {mutant!r}; known: {sorted(SHARD_MUTANTS)}")
     with tempfile.TemporaryDirectory(prefix="decodespec-zero-") as tmp:

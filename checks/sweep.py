@@ -17,7 +17,7 @@ consumer so emissions are what a stream user sees):
 * **contract**: a probe run driven step by step that keeps every decision row and the K/V rows the
   prefill committed, judged against the float64 no-cache reference (:mod:`decodespec.checks.reference`)
   and, where the seed names it, against the runtime's own run at the sweep's base point, with the
-  calibrated tolerance of ``checks/ladder.py`` (:func:`~decodespec.checks.ladder.tolerance_for`;
+  calibrated tolerance of ``checks/ladder.py`` (:func:`~decodespec.checks.tolerance.tolerance_for`;
   two runs each within it differ by at most twice it: ``Tolerance.scaled(2)``) -- never a typed one.
 
 Contracts by variable (the seed's table, "main observation" column):
@@ -72,7 +72,8 @@ from decodespec.spec.errors import Rejection, register_code
 from decodespec.spec.latency import Emission, Timeline, expected_calls, request_latency, summarize
 from decodespec.spec.request import default_static_capacity
 
-from .ladder import FAILED, UNDECIDED, cache_probe_failure, compare_rows, greedy_comparator, tolerance_for
+from .ladder import FAILED, UNDECIDED, cache_probe_failure, compare_rows, greedy_comparator
+from .tolerance import tolerance_for
 
 __all__ = [
     "SWEEP_TWO_VARIABLES",

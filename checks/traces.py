@@ -112,8 +112,8 @@ TRACE_INVALID = register_code(
     "and its policy, an action); the path names the field.")
 _VARS = ("action", "runtime", "spec", "observation", "state", "verdict")
 
-#: Named runtimes beyond :func:`~decodespec.checks.adapters.open_adapter`'s (deliberately broken
-#: runtimes register here, e.g. :mod:`decodespec.checks.broken`): name -> adapter factory.
+#: Named runtimes beyond :func:`~decodespec.checks.adapters.open_adapter`'s: name -> adapter factory (the
+#: deliberately broken runtimes of :data:`decodespec.checks.broken.BROKEN_RUNTIMES` are added on first use).
 RUNTIMES: dict[str, Callable[[], Adapter]] = {}
 
 
@@ -131,12 +131,14 @@ RUNTIMES["vllm"] = _vllm
 
 
 def _register_broken(name: str) -> None:
-    """Import :mod:`decodespec.checks.broken` (it registers the broken runtimes) unless ``name`` is registered."""
+    """Add :data:`decodespec.checks.broken.BROKEN_RUNTIMES` to :data:`RUNTIMES` unless ``name`` is registered."""
     if name not in RUNTIMES:
         try:
-            import decodespec.checks.broken  # noqa: F401 - registers the broken runtimes
+            from .broken import BROKEN_RUNTIMES
         except ModuleNotFoundError:  # pragma: no cover
-            pass
+            return
+        for key, factory in BROKEN_RUNTIMES.items():
+            RUNTIMES.setdefault(key, factory)
 
 
 def open_runtime(name: str, model: str | None = None) -> Adapter:
@@ -213,7 +215,7 @@ def mutant_installed(name: str | None) -> Any:
         yield
         return
     from .mutants import get
-    from .mutants.harness import spec_side
+    from .mutants.seams import spec_side
 
     try:
         chosen = get(name)

@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +35,15 @@ import numpy as np
 from decodespec.spec import vocab_parallel as ref
 from decodespec.spec.policy.scores import softmax
 
+from .ranks import RankRunTimeout, read_rank_results, start_ranks
+
 __all__ = [
-    "RankRunTimeout",
     "VocabCase",
     "case_inputs",
     "compare",
-    "read_rank_results",
     "reference",
     "run_check",
     "run_ranks",
-    "start_ranks",
 ]
 
 EPS = float(np.finfo(np.float64).eps)
@@ -73,10 +71,6 @@ class VocabCase:
 #: The small case of the gate and the unit tests; the SmolLM2-sized head (V = 49152, d = 576).
 SMALL = VocabCase()
 SMOLLM2_HEAD = VocabCase(vocab=49152, hidden=576, rows=2, seed=1, k=40, p=0.95, tie_levels=7)
-
-
-class RankRunTimeout(TimeoutError):
-    """The ranks did not finish within the deadline (every rank was killed)."""
 
 
 def case_inputs(case: VocabCase) -> dict[str, np.ndarray]:
@@ -132,44 +126,6 @@ def _worker(rank: int, world: int, init_file: str, case_json: str, out_dir: str,
         dist.destroy_process_group()
 
 
-def start_ranks(worker: Any, args: tuple[Any, ...], ranks: int, *, deadline_s: float, spawn_args: tuple[Any, ...] = ()) -> None:
-    """Run ``worker(rank, *args, *extra)`` on ``ranks`` processes and wait for all of them, within ``deadline_s``.
-
-    ``extra`` is ``spawn_args`` when the ranks are spawned (fresh interpreters: e.g. the mutant to
-    install again) and ``(None,) * len(spawn_args)`` when they are forked (they inherit it).
-
-    Raises:
-        RankRunTimeout: the ranks did not all finish within ``deadline_s`` (every rank is killed).
-        RuntimeError: a rank raised (its traceback is in the message) or exited abnormally.
-    """
-    import torch
-    import torch.multiprocessing as mp
-
-    # fork copies this interpreter (torch already imported, an installed mutant already in place): a
-    # fraction of a second per rank where spawn re-imports torch (15-20 s per rank on the shared
-    # 2-core machine).  After CUDA was initialized only spawn is safe, and so after this process ran
-    # torch with more than one intra-op thread: GNU libgomp's thread pool does not survive a fork (the
-    # forked rank's first parallel region hangs -- seen in the full test suite, 2 threads, until the
-    # deadline).  Spawned ranks re-install the mutant.
-    forkable = not torch.cuda.is_initialized() and "fork" in mp.get_all_start_methods() and torch.get_num_threads() == 1
-    method = "fork" if forkable else "spawn"
-    extra = spawn_args if method == "spawn" else (None,) * len(spawn_args)
-    ctx = mp.start_processes(worker, args=(*args, *extra), nprocs=ranks, join=False, start_method=method)
-    end = time.monotonic() + deadline_s
-    try:
-        while not ctx.join(timeout=max(0.1, min(1.0, end - time.monotonic()))):
-            if time.monotonic() > end:
-                raise RankRunTimeout(f"{ranks} ranks did not finish within {deadline_s:.0f} s")
-    except mp.ProcessRaisedException as exc:
-        raise RuntimeError(f"a rank raised: {str(exc)[-2000:]}") from None
-    except mp.ProcessExitedException as exc:
-        raise RuntimeError(f"a rank exited: {exc}") from None
-    finally:
-        for process in ctx.processes:
-            if process.is_alive():
-                process.kill()
-
-
 def run_ranks(ranks: int, case: VocabCase = SMALL, *, mutant: str | None = None, deadline_s: float = 120.0) -> list[dict[str, Any]]:
     """Run the case on ``ranks`` processes; each rank's results (``numpy`` arrays and ``telemetry``).
 
@@ -184,22 +140,6 @@ def run_ranks(ranks: int, case: VocabCase = SMALL, *, mutant: str | None = None,
         for r, result in enumerate(out):
             result["telemetry"] = json.loads((Path(tmp) / f"rank{r}.json").read_text())
         return out
-
-
-def read_rank_results(folder: str, ranks: int) -> list[dict[str, Any]]:
-    """Each rank's ``rank<r>.npz`` in ``folder`` as a dict of arrays.
-
-    Raises:
-        RuntimeError: a rank wrote no results.
-    """
-    out = []
-    for r in range(ranks):
-        path = Path(folder) / f"rank{r}.npz"
-        if not path.is_file():
-            raise RuntimeError(f"rank {r} wrote no results")
-        with np.load(path) as data:
-            out.append({k: data[k] for k in data.files})
-    return out
 
 
 def reference(ranks: int, case: VocabCase) -> dict[str, Any]:

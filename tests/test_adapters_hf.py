@@ -268,7 +268,7 @@ def test_step_wise_greedy_on_another_static_capacity_is_hfs_generate_within_the_
     count) the blocking of that reduction and so the float32 rounding differ.  What is provably true then: the same ids
     (every step's greedy margin is far above the difference) and rows within the declared HF tiny logit tolerance."""
     from decodespec.checks.adapters.hf import generate_sequence
-    from decodespec.checks.ladder import tolerance_for
+    from decodespec.checks.tolerance import tolerance_for
 
     config = tiny(cache="static", max_new_tokens=6)
     want = generate_sequence(config)

@@ -83,8 +83,8 @@ def test_the_rows_agree_with_the_reference_and_the_echo_api_is_one_row_late():
     """Our reading of llama.cpp's rows is within its declared tolerance of the float64 reference; llama-cpp-python's
     echo API, on a prompt without a leading BOS, reports for x_i the value of row i (one late), not row i - 1."""
     from decodespec.checks.cases import cases_for
-    from decodespec.checks.ladder import tolerance_for
     from decodespec.checks.prompt_logprobs import reference_rows
+    from decodespec.checks.tolerance import tolerance_for
 
     config = next(c for c in cases_for("smollm2") if c.id == "matrix.prompt_logprobs").config
     prompt = list(config.prompt_ids)

@@ -338,7 +338,8 @@ def test_vllm_reports_the_ordered_vocabulary_hash_of_its_tokenizer_and_a_permute
     from decodespec.checks.adapters.peer import peer_vocab_hash
     from decodespec.checks.adapters.vllm_engine import VllmEngine
     from decodespec.checks.adapters.wire import observation_from_json, observation_to_json
-    from decodespec.checks.ladder import Expected, Tolerance, check_state
+    from decodespec.checks.ladder import Expected, check_state
+    from decodespec.checks.tolerance import Tolerance
     from decodespec.checks.vocab_check import reference_vocab
 
     ref = reference_vocab("smollm2")

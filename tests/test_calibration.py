@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from decodespec.checks.calibrate import ABS_FLOOR, HEADROOM, calibration_configs, derive, load_calibration, measure, summarize
-from decodespec.checks.ladder import TOLERANCES, Tolerance, tolerance_for
+from decodespec.checks.calibrate import calibration_configs, measure, summarize
+from decodespec.checks.tolerance import ABS_FLOOR, HEADROOM, TOLERANCES, Tolerance, derive, load_calibration, tolerance_for
 
 
 def _entries() -> list[dict]:

@@ -20,8 +20,8 @@ import pytest
 
 from decodespec.checks.cli import main
 from decodespec.checks.judge import JUDGE_SCHEMA, JUDGE_UNREADABLE, JUDGE_UNSUPPORTED, ROWS_SCHEMA_PATH, judge_rows, read_rows, record_rows, write_rows
-from decodespec.checks.ladder import tolerance_for
 from decodespec.checks.lockstep import reference_for
+from decodespec.checks.tolerance import tolerance_for
 from decodespec.checks.trace_validation import token_bytes_of
 from decodespec.impl.runtime import RequestRunner, RuntimeRequest
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag

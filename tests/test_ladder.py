@@ -12,23 +12,9 @@ import numpy as np
 import pytest
 
 from decodespec.checks.adapters import Observation
-from decodespec.checks.ladder import (
-    FAILED,
-    LAYERS,
-    PASSED,
-    TOLERANCES,
-    UNDECIDED,
-    DecisionCheck,
-    Expected,
-    Tolerance,
-    Verdict,
-    combine,
-    compare,
-    compare_rows,
-    greedy_comparator,
-    tolerance_for,
-)
+from decodespec.checks.ladder import FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, Verdict, combine, compare, compare_rows, greedy_comparator
 from decodespec.checks.lockstep import judge_decision
+from decodespec.checks.tolerance import TOLERANCES, Tolerance, tolerance_for
 from decodespec.spec.policy import policy_config_from_json
 from decodespec.spec.rules import RULES
 

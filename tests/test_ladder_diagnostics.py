@@ -18,19 +18,9 @@ import numpy as np
 import pytest
 
 from decodespec.checks.adapters import CaseConfig, Observation
-from decodespec.checks.ladder import (
-    FAILED,
-    PROBE_ENTRIES,
-    PROBE_POSITIONS,
-    UNDECIDED,
-    Expected,
-    Tolerance,
-    Verdict,
-    compare,
-    greedy_comparator,
-    score_row_probe,
-)
+from decodespec.checks.ladder import FAILED, PROBE_ENTRIES, PROBE_POSITIONS, UNDECIDED, Expected, Verdict, compare, greedy_comparator, score_row_probe
 from decodespec.checks.lockstep import judge_decision
+from decodespec.checks.tolerance import Tolerance
 from decodespec.checks.traces import MAX_TRACE_NAME, load_trace, make_trace, trace_file_name, write_trace
 from decodespec.spec.policy import policy_config_from_json
 
@@ -228,7 +218,7 @@ def test_a_failure_lab_mutant_is_localized_to_its_chunk(tiny_model) -> None:
 
 
 def test_an_undecided_pair_names_the_ids_and_their_reference_scores() -> None:
-    from decodespec.checks.cases import pair_divergence_verdict
+    from decodespec.checks.divergence import pair_divergence_verdict
     from decodespec.checks.lockstep import ReferenceDecision
 
     greedy = policy_config_from_json({"family": "greedy"})

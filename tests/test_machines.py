@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import Phase
 
-from decodespec.checks.machines import BUDGETS, machine_settings, prompts_for, run_beam_machine, run_machine
+from decodespec.checks.machines import BUDGETS, machine_settings, run_beam_machine, run_machine
+from decodespec.checks.prompts import prompts_for
 from decodespec.checks.traces import load_trace, replay
 
 

@@ -138,10 +138,10 @@ import attrs
 
 from decodespec.checks.adapters import CaseConfig
 from decodespec.checks.adapters.impl import ImplAdapter, load_model
-from decodespec.checks.cases import prompt_ids
-from decodespec.checks.ladder import tolerance_for
 from decodespec.checks.prompt_logprobs import judge, reference_rows, variants
+from decodespec.checks.prompts import prompt_ids
 from decodespec.checks.testing import requires_hf, requires_smollm2
+from decodespec.checks.tolerance import tolerance_for
 from decodespec.impl.faults import DeviceFault, FaultPlan
 from decodespec.impl.runtime import RequestRunner, RuntimeRequest
 

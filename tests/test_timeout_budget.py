@@ -263,10 +263,10 @@ def test_a_resumed_request_starts_a_fresh_budget_at_restore(tiny_model, prompt, 
 def _lockstep(runner_cls, actions):
     from decodespec.checks.adapters import CaseConfig
     from decodespec.checks.adapters.impl import ImplAdapter
-    from decodespec.checks.cases import _drive  # the gate's own driver (reset, then each action until a failure)
+    from decodespec.checks.divergence import drive  # the gate's own driver (reset, then each action until a failure)
 
     config = CaseConfig(model="tiny", prompt_ids=(1, 40, 41, 42), max_new_tokens=6, seed=0)
-    return _drive(ImplAdapter(runner_cls=runner_cls), config, actions, "impl")
+    return drive(ImplAdapter(runner_cls=runner_cls), config, actions, "impl")
 
 
 class _OwnBudget(RequestRunner):

@@ -11,7 +11,7 @@ import time
 import attrs
 import pytest
 
-from decodespec.checks.ladder import tolerance_for
+from decodespec.checks.tolerance import tolerance_for
 from decodespec.impl.config import LlamaConfig
 from decodespec.impl.faults import ParticipantFailure
 from decodespec.impl.runtime import RequestRunner, RuntimeRequest
@@ -187,7 +187,7 @@ def test_smollm2_tp_decode_equals_single_process(smollm2_model, world_size):
 def test_impl_tp_tolerance_is_calibrated_not_typed(model):
     """The impl-tp tolerance is derived from its own measurement (R = 2, one thread per rank) under default and AVX2 at
     least (tiny also AVX-512), never borrowed from impl's."""
-    from decodespec.checks.calibrate import derive, load_calibration
+    from decodespec.checks.tolerance import derive, load_calibration
 
     entry = next(e for e in load_calibration()["entries"] if (e["runtime"], e["model"], e["dtype"]) == ("impl-tp", model, "float32"))
     seen = {(v["capability"], v["threads"]) for v in entry["variants"]}

@@ -24,8 +24,9 @@ import torch
 
 from decodespec.checks import vocab_check as vc
 from decodespec.checks.adapters import Observation
-from decodespec.checks.ladder import Expected, Tolerance, check_state
+from decodespec.checks.ladder import Expected, check_state
 from decodespec.checks.mutants.harness import KILLED, Calibration, GateCheck, run_gate
+from decodespec.checks.tolerance import Tolerance
 from decodespec.spec.errors import Rejection
 from decodespec.spec.vocab import NewRowInit, VocabMap, audit_violations
 

@@ -17,8 +17,9 @@ import pytest
 from decodespec.checks.adapters import CaseConfig, Observation
 from decodespec.checks.adapters.llamacpp import LLAMACPP_SKIP_REASON, llamacpp_vocab_table
 from decodespec.checks.adapters.peer import PeerAdapter, peer_vocab_hash
-from decodespec.checks.ladder import Expected, Tolerance, check_state
+from decodespec.checks.ladder import Expected, check_state
 from decodespec.checks.testing import requires_hf, requires_smollm2
+from decodespec.checks.tolerance import Tolerance
 from decodespec.checks.vocab_check import reference_vocab
 from decodespec.spec.vocab import vocab_table_hash
 

@@ -71,7 +71,7 @@ IMPL_CAPABILITIES = frozenset({
 }) | (sendable_features() - names_at("policy.family", "policy.num_beams", "policy.length_penalty", "policy.early_stopping")) \
     | {"sampling"}
 """Every op and probe but the native kernel, and every envelope feature, policy field and transform the gate can send,
-except beams (the request runner decodes one sequence; :mod:`decodespec.checks.families` runs beams)."""
+except beams (the request runner decodes one sequence; :mod:`decodespec.checks.procedures` runs beams)."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

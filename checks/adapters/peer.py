@@ -75,8 +75,8 @@ def register_tolerances(runtime: str) -> dict[tuple[str, str, str], Any]:
 
     Reads the ``[tolerance.<model>.<dtype>]`` tables (``logit``, ``kv``: epsilon on raw logits and
     on committed K/V rows) of ``checks/expectations/<runtime>.toml`` into
-    :data:`decodespec.checks.ladder.TOLERANCES` under ``(runtime, model, dtype)``; the derived
-    probability and logprob tolerances follow :meth:`~decodespec.checks.ladder.Tolerance.from_logit`.
+    :data:`decodespec.checks.tolerance.TOLERANCES` under ``(runtime, model, dtype)``; the derived
+    probability and logprob tolerances follow :meth:`~decodespec.checks.tolerance.Tolerance.from_logit`.
 
     Returns:
         The entries registered.
@@ -84,7 +84,7 @@ def register_tolerances(runtime: str) -> dict[tuple[str, str, str], Any]:
     import tomllib
     from pathlib import Path
 
-    from decodespec.checks.ladder import TOLERANCES, Tolerance
+    from decodespec.checks.tolerance import TOLERANCES, Tolerance
 
     path = Path(__file__).resolve().parent.parent / "expectations" / f"{runtime}.toml"
     if not path.is_file():

@@ -4,7 +4,7 @@ Runs the calibration set (:func:`decodespec.checks.calibrate.calibration_configs
 on ``--runtime`` for each ``--dtype``, in one child process per ``ATEN_CPU_CAPABILITY`` the CPU
 has (``default``, ``avx2``, ``avx512``; or those named with ``--capability``) and per thread
 count (``--threads``), prints each variant's maxima, and the tolerance
-:func:`~decodespec.checks.calibrate.derive` gives with its headroom over the largest error.
+:func:`~decodespec.checks.tolerance.derive` gives with its headroom over the largest error.
 ``--update`` merges the entries into the shipped ``checks/calibration.json`` (the ladder's
 declared tolerances are derived from that file); ``--out FILE`` writes them as JSON.
 
@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def report_markdown() -> str:
     """The shipped calibration as Markdown: every variant's maxima, and the tolerance derived from them."""
-    from decodespec.checks.calibrate import HEADROOM, derive, load_calibration
+    from decodespec.checks.tolerance import HEADROOM, derive, load_calibration
 
     data = load_calibration()
     lines = ["# Calibration: error against the float64 reference", "",
@@ -99,7 +99,8 @@ def _entries_of(path: Path) -> list[dict] | None:
 
 def run(args: argparse.Namespace) -> int:
     from decodespec.checks.adapters import AdapterUnavailable
-    from decodespec.checks.calibrate import CALIBRATION_FILE, HEADROOM, derive, load_calibration, summarize, sweep
+    from decodespec.checks.calibrate import summarize, sweep
+    from decodespec.checks.tolerance import CALIBRATION_FILE, HEADROOM, derive, load_calibration
     from decodespec.checks.traces import check_runtime
     from decodespec.impl.events import write_atomically
     from decodespec.spec.errors import DecodeSpecError

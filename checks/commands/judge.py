@@ -12,7 +12,7 @@ runtime, or by ours with ``decodespec judge --record ENVELOPE --model tiny FILE`
 ordered vocabulary hash (``runtime.vocab_hash``) of a known model is compared with the model's
 as the gate reads it (:func:`~decodespec.checks.vocab_check.reference_vocab`): a different one
 fails STATE ``vocab.hash`` at line 1; ``--record`` writes our tokenizer's.  The tolerance is the declared one of
-the header's ``(runtime.name, runtime.model, runtime.dtype)`` (:func:`~decodespec.checks.ladder.tolerance_for`,
+the header's ``(runtime.name, runtime.model, runtime.dtype)`` (:func:`~decodespec.checks.tolerance.tolerance_for`,
 our runtime's bound for an unknown runtime name); ``--epsilon E`` states it instead (logit epsilon
 E, logprob bound ``2 E + 1e-5``).  ``--tokenizer`` gives the token bytes of stop strings /
 structured completion (``auto``: the header's model).
@@ -63,7 +63,7 @@ def _error(exc) -> int:
 def run(args: argparse.Namespace) -> int:
     """Judge (or record) and print; returns the exit code."""
     from decodespec.checks.judge import JUDGE_NO_TOLERANCE, JUDGE_SCHEMA, judge_rows, parse_line, read_rows
-    from decodespec.checks.ladder import Tolerance, tolerance_for
+    from decodespec.checks.tolerance import Tolerance, tolerance_for
     from decodespec.spec.errors import DecodeSpecError, Rejection
 
     if args.record is not None:

@@ -9,7 +9,7 @@ distributed checks (``distributed.vocab_parallel.R2``: the vocabulary-parallel h
 ranks against its float64 reference, :mod:`decodespec.checks.vocab_parallel`), in that order;
 a mutant may name checks to run first (``Mutant.first``, the checks that exercise its code).  :func:`run_gate` installs the mutant (:meth:`~decodespec.checks.mutants.Mutant.applied`)
 around the whole run, with the gate's reference computations on the oracle side
-(:data:`ORACLE_ENTRY_POINTS`, :func:`~decodespec.checks.mutants.seams.oracle_side`): the
+(:func:`~decodespec.checks.mutants.seams.spec_side`, :func:`~decodespec.checks.mutants.seams.oracle_side`): the
 reference is the specification, so it runs the original code.
 
 Outcomes (:class:`MutantResult`):
@@ -46,13 +46,12 @@ from typing import Any, Callable, Iterator, Sequence
 import attrs
 
 from . import MUTANTS, Mutant
-from .seams import Patch, SeamMoved, install, oracle_side
+from .seams import SeamMoved, spec_side
 
 __all__ = [
     "CACHES",
     "KILLED",
     "CRASHED",
-    "ORACLE_ENTRY_POINTS",
     "SEAM_MOVED",
     "SURVIVED",
     "Calibration",
@@ -60,7 +59,6 @@ __all__ = [
     "MutantResult",
     "gate_checks",
     "run_gate",
-    "spec_side",
 ]
 
 KILLED = "killed"
@@ -69,31 +67,6 @@ CRASHED = "crashed"
 SEAM_MOVED = "seam_moved"
 #: Cache families the machines run, in order.
 CACHES = ("dynamic", "static", "none")
-
-#: The gate's reference computations (the specification side of every comparison).
-ORACLE_ENTRY_POINTS: tuple[str, ...] = (
-    "decodespec.checks.families:encdec_reference",
-)
-
-
-def _on_oracle_side(original: Callable[..., Any]) -> Callable[..., Any]:
-    def reference(*args: Any, **kwargs: Any) -> Any:
-        with oracle_side():
-            return original(*args, **kwargs)
-
-    return reference
-
-
-@contextlib.contextmanager
-def spec_side() -> Iterator[None]:
-    """Run every gate reference computation (:data:`ORACLE_ENTRY_POINTS`) on the oracle side.
-
-    Raises:
-        SeamMoved: an entry point no longer exists (the gate changed: update the list).
-    """
-    with install([Patch(target, wrap=_on_oracle_side) for target in ORACLE_ENTRY_POINTS], "gate reference"):
-        yield
-
 
 # --------------------------------------------------------------------------------------------
 # The gate as a list of checks.

@@ -21,7 +21,7 @@ Every installed replacement is a **dispatcher**: it runs the mutated code on the
 and the original code on the oracle side (:func:`oracle_side`).  The gate's decoder reference
 (:mod:`decodespec.checks.reference`, float64, no ``impl/`` code) cannot see a patched seam at
 all; the oracle side remains for the references that still run ``impl/`` code (the
-encoder-decoder reference, :data:`decodespec.checks.mutants.harness.ORACLE_ENTRY_POINTS`).
+encoder-decoder reference, :data:`ORACLE_ENTRY_POINTS`, installed by :func:`spec_side`).
 
 :func:`fingerprint` records the object at each seam, so a test can prove that after every
 mutant the normal path holds exactly the objects it held before.
@@ -50,6 +50,7 @@ import attrs
 
 __all__ = [
     "MISSING",
+    "ORACLE_ENTRY_POINTS",
     "Patch",
     "aliases",
     "SeamMoved",
@@ -61,6 +62,7 @@ __all__ = [
     "mutated_source",
     "oracle_side",
     "resolve",
+    "spec_side",
 ]
 
 #: Placeholder of "no attribute / no entry here" in fingerprints.
@@ -374,3 +376,28 @@ def install(patches: Sequence[Patch], label: str) -> Iterator[None]:
                 delattr(container, key)
             else:
                 setattr(container, key, old)
+
+
+#: The gate's reference computations (the specification side of every comparison).
+ORACLE_ENTRY_POINTS: tuple[str, ...] = (
+    "decodespec.checks.procedures:encdec_reference",
+)
+
+
+def _on_oracle_side(original: Callable[..., Any]) -> Callable[..., Any]:
+    def reference(*args: Any, **kwargs: Any) -> Any:
+        with oracle_side():
+            return original(*args, **kwargs)
+
+    return reference
+
+
+@contextlib.contextmanager
+def spec_side() -> Iterator[None]:
+    """Run every gate reference computation (:data:`ORACLE_ENTRY_POINTS`) on the oracle side.
+
+    Raises:
+        SeamMoved: an entry point no longer exists (the gate changed: update the list).
+    """
+    with install([Patch(target, wrap=_on_oracle_side) for target in ORACLE_ENTRY_POINTS], "gate reference"):
+        yield

@@ -1,6 +1,10 @@
-"""Gate procedures for runtime families the request adapter does not drive: beam search and encoder-decoder.
+"""Gate procedures for the table's ``custom`` cases: what the request adapter does not drive.
 
-Two ``custom`` cases of the table (:mod:`decodespec.checks.cases`) for our runtime:
+:data:`CUSTOM` maps ``(case id, runtime)`` to a procedure ``(case, runtime) -> Verdict`` (``case`` a
+:class:`decodespec.checks.cases.Case`); :func:`~decodespec.checks.cases.run_case` skips a custom
+case of a runtime without one.  Padded batches (``matrix.padded_batch_*``: every row against the
+reference path and the batch-size-one run) and beam width one (``matrix.greedy_vs_beam1``) run on
+our runtime and on HF; two runtime families run on our runtime only:
 
 * ``matrix.beam_lockstep``: :class:`~decodespec.impl.beam.BeamRunner` (K = 3, the normative
   ``exact`` termination waiting for the two best results, an EOS the model reaches early, a parity
@@ -27,15 +31,21 @@ bookkeeping bugs", "Encoder-decoder memory bugs"; M3.8 0x0F.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import attrs
 import numpy as np
 
-from .cases import CUSTOM, Case, _greedy_continuation
-from .ladder import FAILED, PASSED, Verdict, score_row_failure, tolerance_for
+from .coverage import record_items
+from .divergence import drive, path_divergence_verdict, row_path_verdict
+from .ladder import FAILED, PASSED, Verdict, score_row_failure
 from .lockstep import reference_for
+from .prompts import greedy_continuation, prompt_ids
+from .tolerance import tolerance_for
+from .traces import open_runtime
 
-__all__ = ["ENCDEC_TOLERANCE", "beam_lockstep", "encdec_cached_vs_uncached", "encdec_reference"]
+__all__ = ["CUSTOM", "ENCDEC_TOLERANCE", "beam_lockstep", "encdec_cached_vs_uncached", "encdec_reference"]
 
 #: Declared tolerance on float32 encoder-decoder log-probabilities, cached versus uncached (tests/test_encdec.py).
 ENCDEC_TOLERANCE = 1e-5
@@ -57,7 +67,7 @@ def _beam_setup(model: str, prompt: tuple[int, ...], steps: int) -> tuple[int, l
     live on); the legal set is the top :data:`_LEGAL_PER_STEP` ids along the greedy path plus EOS; the automaton
     flips its state on odd ids, so the constraint lane of a branch depends on its whole path."""
     ref = reference_for(model)
-    path = _greedy_continuation(model, prompt, steps)
+    path = list(greedy_continuation(model, prompt, steps))
     eos = path[2]
     legal = {eos}
     for i in range(steps):
@@ -67,7 +77,7 @@ def _beam_setup(model: str, prompt: tuple[int, ...], steps: int) -> tuple[int, l
     return eos, sorted(legal), {"initial": "even", "transitions": transitions}
 
 
-def beam_lockstep(case: Case, runtime: str) -> Verdict:
+def beam_lockstep(case: Any, runtime: str) -> Verdict:
     """The ``matrix.beam_lockstep`` procedure (see the module docstring)."""
     from decodespec.impl.beam import BeamRunner
     from decodespec.impl.runtime import RuntimeRequest
@@ -142,7 +152,7 @@ def encdec_reference(model: Any, src: Any, src_mask: Any, max_len: int, start_sy
     return greedy_decode(model, src, src_mask, max_len, start_symbol, use_cache=False)
 
 
-def encdec_cached_vs_uncached(case: Case, runtime: str) -> Verdict:
+def encdec_cached_vs_uncached(case: Any, runtime: str) -> Verdict:
     """The ``matrix.encdec_cached_vs_uncached`` procedure (see the module docstring)."""
     import torch
 
@@ -170,5 +180,125 @@ def encdec_cached_vs_uncached(case: Case, runtime: str) -> Verdict:
     return Verdict(PASSED)
 
 
-CUSTOM[("matrix.beam_lockstep", "impl")] = beam_lockstep
-CUSTOM[("matrix.encdec_cached_vs_uncached", "impl")] = encdec_cached_vs_uncached
+# --------------------------------------------------------------------------------------------
+# Padded batches and beam width one: our runtime and HF.
+# --------------------------------------------------------------------------------------------
+
+
+def _impl_padded_batch(case: Any, runtime: str) -> Verdict:
+    """``matrix.padded_batch_*``: every row of our padded batch against the reference path and the batch-size-one run."""
+    from decodespec.impl.batch import batch_generate
+
+    from .adapters.impl import load_model
+
+    config = case.config
+    side = case.id.rsplit("_", 1)[-1]
+    record_items({f"padding_side.{side}"})
+    model = load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
+    tol = tolerance_for(runtime, config.model, config.dtype)
+    prompts = [config.prompt_ids, prompt_ids(config.model, "Hi"), prompt_ids(config.model, "héllo ✓ 日本")]
+    batch = batch_generate(model, prompts, max_new_tokens=config.max_new_tokens, eos_token_ids=config.eos_ids, padding_side=side,
+                           return_scores=True)
+    assert batch.scores is not None
+    for b, (prompt, row) in enumerate(zip(prompts, batch.rows)):
+        verdict = row_path_verdict(config.model, prompt, row.output_ids, batch.scores[b], tol)
+        if not verdict.passed:
+            return attrs.evolve(verdict, message=f"batch row {b} ({side} padding): {verdict.message}")
+        single = drive(open_runtime(runtime, config.model), config.evolve(prompt_ids=prompt), [{"op": "run"}], runtime)
+        if single.verdict.result == FAILED:
+            return single.verdict
+        verdict = path_divergence_verdict(single, single.observation.output_ids, row.output_ids, tol, layer="STATE",
+                                          check="batch.output_ids", what=f"batch row {b} ({side} padding) and the batch-size-one run")
+        if not verdict.passed:
+            return verdict
+    return Verdict(PASSED)
+
+
+def _impl_beam_width_one(case: Any, runtime: str) -> Verdict:
+    """``matrix.greedy_vs_beam1``: beam width one selects the greedy path, its score the sum of the greedy logprobs."""
+    from decodespec.impl.beam import beam_generate
+    from decodespec.spec.beam import BeamParams
+
+    from .adapters.impl import load_model
+
+    config = case.config
+    model = load_model(config.model, config.dtype, config.device, config.attention, config.decode_kernel)
+    tol = tolerance_for(runtime, config.model, config.dtype)
+    greedy = drive(open_runtime(runtime, config.model), config, [{"op": "run"}], runtime)
+    if greedy.verdict.result == FAILED:
+        return greedy.verdict
+    obs = greedy.observation
+    result = beam_generate(model, config.prompt_ids, BeamParams.hf_compatible(1, config.max_new_tokens, config.eos_ids))
+    record_items({"beam.width.1"})
+    best = result.best
+    if best is None:
+        return Verdict(FAILED, "DECISION", "ladder.DECISION", "beam.tokens", list(obs.output_ids), None,
+                       "beam width one completes no hypothesis")
+    verdict = path_divergence_verdict(greedy, obs.output_ids, best.output_ids, tol, layer="DECISION", check="beam.tokens",
+                                      what="greedy decoding and beam width one")
+    if not verdict.passed:
+        return verdict
+    total = float(sum(obs.logprobs))
+    if not abs(best.score - total) <= tol.logprob * max(1, len(obs.logprobs)):
+        return Verdict(FAILED, "DECISION", "ladder.DECISION", "beam.score", total, best.score,
+                       "the width-one beam score is not the sum of the greedy logprobs")
+    return Verdict(PASSED)
+
+
+
+
+def _hf_padded_batch(case: Any, runtime: str) -> Verdict:
+    """``matrix.padded_batch_*``: every row of HF's padded batch against the reference path and HF's batch-size-one run."""
+    from .adapters.hf import batch_generate  # HF transformers: imported when the hf runtime runs
+
+    config = case.config
+    side = "left" if "left" in case.id else "right"
+    tol = tolerance_for(runtime, config.model, config.dtype)
+    prompts = [config.prompt_ids, prompt_ids(config.model, "Hi"), prompt_ids(config.model, "héllo ✓ 日本")]
+    for b, (prompt, (ids, rows)) in enumerate(zip(prompts, batch_generate(config, prompts, side))):
+        verdict = row_path_verdict(config.model, prompt, ids, rows, tol)
+        if not verdict.passed:
+            return attrs.evolve(verdict, message=f"HF batch row {b} ({side} padding): {verdict.message}")
+        single = drive(open_runtime(runtime, config.model), config.evolve(prompt_ids=prompt), [{"op": "run"}], runtime)
+        if single.verdict.result == FAILED:
+            return single.verdict
+        verdict = path_divergence_verdict(single, single.observation.output_ids, ids, tol, layer="STATE", check="batch.output_ids",
+                                          what=f"HF batch row {b} ({side} padding) and HF's batch-size-one run")
+        if not verdict.passed:
+            return verdict
+    return Verdict(PASSED)
+
+
+def _hf_beam_width_one(case: Any, runtime: str) -> Verdict:
+    """``matrix.greedy_vs_beam1``: ``generate(num_beams=1)`` (HF dispatches it to greedy search) equals the lock-step greedy run."""
+    from .adapters.hf import generate_sequence  # HF transformers: imported when the hf runtime runs
+
+    config = case.config
+    greedy = drive(open_runtime(runtime, config.model), config, [{"op": "run"}], runtime)
+    if greedy.verdict.result == FAILED:
+        return greedy.verdict
+    beam = generate_sequence(config, num_beams=1, text=False)
+    ids = beam["output_ids"][0]
+    verdict = path_divergence_verdict(greedy, greedy.observation.output_ids, ids, tolerance_for(runtime, config.model, config.dtype),
+                                      layer="DECISION", check="beam.tokens", what="HF's step-wise greedy run and generate(num_beams=1)")
+    if not verdict.passed:
+        return verdict
+    if not np.array_equal(beam["logits"][-1], greedy.observation.score_row):
+        return Verdict(FAILED, "TENSOR", "ladder.TENSOR", "beam.score_row", "equal rows", "different rows",
+                       "HF generate(num_beams=1) decided its last token on another row than the step-wise run")
+    return Verdict(PASSED)
+
+
+#: ``(case id, runtime) -> procedure(case, runtime) -> Verdict`` for the table's ``custom`` cases
+#: (:func:`decodespec.checks.cases.run_case` skips a custom case of a runtime without one).
+CUSTOM: dict[tuple[str, str], Callable[[Any, str], Verdict]] = {
+    ("matrix.padded_batch_left", "impl"): _impl_padded_batch,
+    ("matrix.padded_batch_right", "impl"): _impl_padded_batch,
+    ("matrix.greedy_vs_beam1", "impl"): _impl_beam_width_one,
+    ("matrix.padded_batch_eos_left", "impl"): _impl_padded_batch,
+    ("matrix.beam_lockstep", "impl"): beam_lockstep,
+    ("matrix.encdec_cached_vs_uncached", "impl"): encdec_cached_vs_uncached,
+    ("matrix.padded_batch_left", "hf"): _hf_padded_batch,
+    ("matrix.padded_batch_right", "hf"): _hf_padded_batch,
+    ("matrix.greedy_vs_beam1", "hf"): _hf_beam_width_one,
+}
