@@ -9,7 +9,7 @@ registries, so it cannot drift from the code:
   :data:`decodespec.spec.errors.ERROR_CODES` (rejection and resource-limit codes);
 * the published envelope schema ``spec/schemas/request.v1.json`` and ``docs/examples/*.json``;
 * the policy's declared order presets (:mod:`decodespec.spec.policy`, when present);
-* the explorer's graph of reachable states (:mod:`decodespec.checks.explore`, when present)
+* the explorer's graph of reachable states (:mod:`decodespec.checks.modelcheck.explore`, when present)
   for the phase machine, and the M3.10 0x08 boundary table for the commit spine;
 * conformance and failure-lab report files under ``docs/results/``;
 * the tests themselves: a test "checks" a rule when its source names the rule id.
@@ -516,7 +516,7 @@ def commit_spine_graph(boundaries: Sequence[FrontierBoundary] = FRONTIER_BOUNDAR
 #: Explorer configurations whose reachable graphs are unioned into the phase machine: the
 #: default bounds (chunked prefill, interrupts, faults, adversarial actions, repair), the three
 #: G=0 branches, a static cache and the non-default profiles.  Keyword arguments of
-#: ``decodespec.checks.explore.ExploreBounds``.
+#: ``decodespec.checks.modelcheck.explore.ExploreBounds``.
 PHASE_CONFIGS: tuple[dict[str, Any], ...] = (
     {},
     {"max_new_tokens": 0, "zero_new_tokens": "reject"},
@@ -535,7 +535,7 @@ def _value(x: Any) -> str:
 
 def _explored_graphs(configs: Sequence[Mapping[str, Any]]) -> tuple[list[tuple[Any, nx.DiGraph]], list[str]]:
     """Explore each configuration; return the ``(params, graph)`` pairs and the refused ones."""
-    from decodespec.checks import explore as ex
+    from decodespec.checks.modelcheck import explore as ex
 
     out, refused = [], []
     for cfg in configs:
@@ -562,9 +562,9 @@ def phase_graph(configs: Sequence[Mapping[str, Any]] = PHASE_CONFIGS) -> tuple[n
         explorer is not available.
     """
     try:
-        importlib.import_module("decodespec.checks.explore")
+        importlib.import_module("decodespec.checks.modelcheck.explore")
     except ImportError as exc:
-        return None, f"the explorer (decodespec.checks.explore) is not available: {exc}"
+        return None, f"the explorer (decodespec.checks.modelcheck.explore) is not available: {exc}"
     edge_rules: dict[tuple[str, str], set[str]] = {}
     num_states = 0
     terminal: set[str] = set()
@@ -589,7 +589,7 @@ def phase_graph(configs: Sequence[Mapping[str, Any]] = PHASE_CONFIGS) -> tuple[n
         if node in terminal and not any(u == node and v != node for u, v in phases.edges):
             phases.nodes[node].update(shape="doubleoctagon", rank="sink")
     source = (f"collapsed from {num_states} reachable states of {len(explored)} explorer configurations "
-              "(decodespec.checks.explore, PHASE_CONFIGS); edges name the transition rules taken")
+              "(decodespec.checks.modelcheck.explore, PHASE_CONFIGS); edges name the transition rules taken")
     if refused:
         source += f"; configurations the explorer refused: {'; '.join(refused)}"
     return phases, source
@@ -610,7 +610,7 @@ def spec_frontier_observations(
         explorer is not available.
     """
     try:
-        importlib.import_module("decodespec.checks.explore")
+        importlib.import_module("decodespec.checks.modelcheck.explore")
     except ImportError as exc:
         return None, f"the explorer is not available: {exc}"
     cfg = {"vocab": 3, "prompt_len": 2, "max_new_tokens": 3, "prefill_chunk": None, "faults": False,
@@ -1656,7 +1656,7 @@ def setup(app: Any) -> dict[str, Any]:
         """``--help`` of every registered ``decodespec`` subcommand."""
 
         def body(self) -> list[Any]:
-            from decodespec.checks import cli
+            from decodespec.checks.commands import cli
 
             with _env("COLUMNS", "100"):
                 parser = cli.build_parser()

@@ -7,7 +7,7 @@ reference row of the shared prefix: ``undecided`` when the reference margin is a
 2 epsilon (``ladder.DECISION``, check ``pair.margin``), ``failed`` only when the margin rules one
 of the ids out.  Synthetic rows, no model.
 
-Source: M3.10 "A logit tolerance is not a token-equality proof"; checks/cases.py
+Source: M3.10 "A logit tolerance is not a token-equality proof"; checks/gate/cases.py
 ``pair_verdict`` / ``pair_divergence_verdict``.
 """
 
@@ -18,10 +18,10 @@ from types import SimpleNamespace
 import numpy as np
 
 from decodespec.checks.adapters import CaseConfig, Observation
-from decodespec.checks.divergence import pair_divergence_verdict, pair_verdict
-from decodespec.checks.ladder import FAILED, PASSED, UNDECIDED
-from decodespec.checks.lockstep import ReferenceDecision
-from decodespec.checks.tolerance import Tolerance
+from decodespec.checks.gate.divergence import pair_divergence_verdict, pair_verdict
+from decodespec.checks.gate.ladder import FAILED, PASSED, UNDECIDED
+from decodespec.checks.gate.lockstep import ReferenceDecision
+from decodespec.checks.gate.tolerance import Tolerance
 from decodespec.spec.policy import policy_config_from_json
 
 V = 16
@@ -125,7 +125,7 @@ def test_sampled_divergence_uses_the_draw_margin() -> None:
 
 def test_a_batch_row_diverging_at_a_near_tie_is_undecided_not_failed() -> None:
     """``path_divergence_verdict``: the batch row's id at the divergence lies within 2 eps of the reference maximum."""
-    from decodespec.checks.divergence import path_divergence_verdict
+    from decodespec.checks.gate.divergence import path_divergence_verdict
 
     run = _pair(0.05)[0]  # reference margin 0.05 <= 2 eps = 0.2 at output 1
     verdict = path_divergence_verdict(run, (3, 5, 11), (3, 7, 12), TOL, layer="STATE", check="batch.output_ids",
@@ -135,7 +135,7 @@ def test_a_batch_row_diverging_at_a_near_tie_is_undecided_not_failed() -> None:
 
 
 def test_a_batch_row_diverging_at_a_wide_margin_fails_on_its_id() -> None:
-    from decodespec.checks.divergence import path_divergence_verdict
+    from decodespec.checks.gate.divergence import path_divergence_verdict
 
     run = _pair(1.0)[0]  # margin 1.0 > 2 eps: id 7 is ruled out
     verdict = path_divergence_verdict(run, (3, 5, 11), (3, 7, 12), TOL, layer="DECISION", check="beam.tokens",
@@ -145,7 +145,7 @@ def test_a_batch_row_diverging_at_a_wide_margin_fails_on_its_id() -> None:
 
 def test_equal_paths_pass_and_a_path_running_past_the_other_fails_at_the_named_check() -> None:
     """A row that goes on after the other stopped (rows expanding after EOS) is no near tie: it fails."""
-    from decodespec.checks.divergence import path_divergence_verdict
+    from decodespec.checks.gate.divergence import path_divergence_verdict
 
     run = _pair(0.05)[0]
     assert path_divergence_verdict(run, (3, 5), (3, 5), TOL, layer="STATE", check="batch.output_ids", what="x").result == PASSED
@@ -153,13 +153,13 @@ def test_equal_paths_pass_and_a_path_running_past_the_other_fails_at_the_named_c
     assert (verdict.result, verdict.layer, verdict.check) == (FAILED, "STATE", "batch.output_ids")
 
 
-# ---- an expectation tied to one model (checks/expectations/*.toml ``model``) -----------------------------------
+# ---- an expectation tied to one model (checks/gate/expectations/*.toml ``model``) -----------------------------------
 
 
 def test_an_expectation_with_a_model_explains_and_is_missed_only_on_that_model(tmp_path) -> None:
     """``hf.stop_strings_need_a_tokenizer`` is tiny-only: on SmolLM2 it neither explains a failure nor is reported unused."""
-    from decodespec.checks.cases import CaseResult, load_expectations, unused_expectations
-    from decodespec.checks.ladder import Verdict
+    from decodespec.checks.gate.cases import CaseResult, load_expectations, unused_expectations
+    from decodespec.checks.gate.ladder import Verdict
 
     (tmp_path / "peer.toml").write_text('[[deviation]]\nid = "peer.x"\ncase = "boundary.stop_*"\nmodel = "tiny"\nreason = "r"\n')
     (e,) = load_expectations("peer", tmp_path)

@@ -114,7 +114,7 @@ def create(**options: Any) -> PeerAdapter:
     """The step-wise HF adapter (``options`` are ignored: the case config names model, dtype, device).
 
     HF's procedures for the table's custom cases (padded batches, beam width one) are in
-    :data:`decodespec.checks.procedures.CUSTOM`.
+    :data:`decodespec.checks.gate.procedures.CUSTOM`.
     """
     return PeerAdapter(HFEngine(), "hf")
 
@@ -312,7 +312,7 @@ def hf_vocab_table(name: str) -> tuple[tuple[bytes, ...], dict[str, int | None],
 
 
 class HFTokenizerView:
-    """HF's tokenizer seen through the calls :func:`decodespec.checks.vocab_check.audit_added_tokens` makes of one of ours.
+    """HF's tokenizer seen through the calls :func:`decodespec.checks.gate.vocab_check.audit_added_tokens` makes of one of ours.
 
     ``vocab_size`` is ``len(tok)`` (base table plus added tokens); ``special_ids`` the ids HF's
     ``added_tokens_decoder`` marks ``special``; ``id_to_token`` the added token's ``content``
@@ -458,7 +458,7 @@ class HFEngine:
         chunks of ``prefill_chunk`` rows) with every row kept, row ``i`` log-softmaxed (float32) at ``x_{i+1}``.
 
         HF has no prompt-logprob API; the usual recipe (``logits[:, :-1]`` scored at ``input_ids[:, 1:]``) has no entry
-        for ``x_0`` (first-token policy ``omitted``, ``checks/expectations/hf.toml`` ``[prompt_logprobs]``); under
+        for ``x_0`` (first-token policy ``omitted``, ``checks/gate/expectations/hf.toml`` ``[prompt_logprobs]``); under
         ``none`` the unscored first entry is added here.  Ranks and top-k follow the spec's order
         (:func:`decodespec.impl.prompt_logprobs.entries_from_logits`, a formatter of HF's rows).
         """
@@ -638,7 +638,7 @@ def generate_sequence(config: CaseConfig, *, num_beams: int = 1, length_penalty:
 
 
 # --------------------------------------------------------------------------------------------
-# HF's batched and width-one generate paths (the custom cases' procedures: checks/procedures.py).
+# HF's batched and width-one generate paths (the custom cases' procedures: checks/gate/procedures.py).
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """``decodespec docs --out DIR``: build the reviewer docs site (HTML) from the spec registries.
 
-Exit codes (see :mod:`decodespec.checks.cli`): 0 built with no warning and complete coverage;
+Exit codes (see :mod:`decodespec.checks.commands.cli`): 0 built with no warning and complete coverage;
 1 Sphinx warned (warnings are errors) or a rule / code is undocumented, documented twice or
 unknown; 3 Sphinx, MyST or Graphviz ``dot`` is missing, or the hand-written pages are absent.
 
