@@ -18,8 +18,8 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-from decodespec.checks import docs
-from decodespec.checks.docs import (
+from decodespec.checks.docs import pages as docs
+from decodespec.checks.docs.pages import (
     FRONTIER_BOUNDARIES,
     DocsError,
     build_site,
@@ -106,7 +106,7 @@ def test_rule_sections_show_section_statement_and_implementation(site: docs.Buil
         block = page[start:end if end != -1 else len(page)]
         assert rule.title.split()[0] in block
         assert rule.section.split()[0] in block
-        implemented_by = docs._implemented_by(rule.obj)
+        implemented_by = docs.implemented_by(rule.obj)
         if implemented_by is not None:
             assert implemented_by in block
         text = " ".join(html.unescape(re.sub(r"<[^>]+>", " ", block)).split())

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from decodespec.checks import docs
+from decodespec.checks.docs import pages as docs
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 

@@ -167,7 +167,7 @@ def test_decodespec_mutants_command(capsys, tmp_path):
     assert main(["mutants", "--only", "mutant.logprob_wrong_axis", "--json", "--report", str(report)]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert lines[-1]["summary"]["kill_rate"] == 1.0 and lines[0]["killed_by"].startswith("tiny: ") and "ladder.DECISION" in lines[0]["killed_by"]
-    from decodespec.checks.docs import load_results
+    from decodespec.checks.docs.pages import load_results
 
     _, lab = load_results(tmp_path)
     assert [x["mutant"] for x in lab] == ["mutant.logprob_wrong_axis"] and lab[0]["killed"] is True

@@ -303,7 +303,7 @@ def test_every_corpus_trace_is_synthetic_and_a_redacted_or_unknown_one_is_refuse
 
 
 def test_gate_report_lines_are_synthetic_and_checked_when_read(tmp_path):
-    from decodespec.checks.docs import DocsError, load_results
+    from decodespec.checks.docs.pages import DocsError, load_results
     from decodespec.checks.gate.cases import CaseResult, report_line
     from decodespec.checks.gate.ladder import Verdict
 

@@ -302,7 +302,7 @@ class MutantResult:
         return self.outcome == KILLED
 
     def report_line(self) -> dict[str, Any]:
-        """One ``docs/results/failure-lab.jsonl`` line (see :mod:`decodespec.checks.docs` ``load_results``)."""
+        """One ``docs/results/failure-lab.jsonl`` line (see :func:`decodespec.checks.docs.pages.load_results`)."""
         m = MUTANTS[self.mutant]
         by = self.killed_by or {}
         line = {"mutant": m.rule_id, "killed": self.killed, "outcome": self.outcome, "model": self.model, "group": m.group,
