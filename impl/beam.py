@@ -69,6 +69,9 @@ parent/token candidates", "First-step and finished-set contracts", "Length penal
 transformers 5.24 ``generation/utils.py`` ``_beam_search`` (log-softmax then processors,
 ``_get_top_k_continuations``, ``_get_running_beams_for_next_iteration``,
 ``_update_finished_beams``, ``_check_early_stop_heuristic``, ``reorder_cache(beam_idx)``).
+
+Size: one loop: the beam runner keeps K live beams as K batch rows of one cache and forks, reorders
+and finishes them in the same state; splitting it would pass that state between modules.
 """
 
 from __future__ import annotations
@@ -101,13 +104,13 @@ from decodespec.spec.policy.config import Family, PolicyConfig
 from decodespec.spec.policy.scores import ScoreKind
 from decodespec.spec.policy.state import PolicyState, RequestView, initial_policy_state
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
-from decodespec.spec.request import context_cap
+from decodespec.spec.request import context_cap, policy_with_min_new_tokens
 
 from .cache import StaticCache, make_cache
 from .events import EVENTS_FORMAT, EventSink
 from .model import CONTEXT_WINDOW_EXCEEDED, LlamaForCausalLM
 from .policy import next_state, process_scores
-from .runtime import INVALID_REQUEST, RuntimeRequest, _check_static_capacity, _validated, _with_min_new_tokens
+from .runtime import INVALID_REQUEST, RuntimeRequest, _check_static_capacity, _validated
 
 __all__ = [
     "BEAM_UNSUPPORTED",
@@ -336,7 +339,7 @@ class BeamRunner:
                             f"{sorted(params.eos_ids)}) disagree with the request (K={request.policy.num_beams}, "
                             f"G={request.max_new_tokens}, eos={list(eos)})", "$.policy")
         self.model, self.request, self.params = model, request, params
-        self.policy = _with_min_new_tokens(request.policy, request.min_new_tokens)
+        self.policy = policy_with_min_new_tokens(request.policy, request.min_new_tokens)
         self.capacity = request.static_capacity if request.cache == "static" else None
         window = model.config.max_position_embeddings
         cap = context_cap(window, request.context_cap, self.capacity)

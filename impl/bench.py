@@ -54,6 +54,9 @@ Timing is never asserted by tests: this is a script (``decodespec bench``) whose
 Source: M3.10 0x08 "Quantifying projection reuse and retained state" (what a cached decode step
 reads); M3.10 0x0A "Asynchronous completion and error boundaries" (timers synchronise the
 device); M4 owns physical cost; HF ``GenerationMixin.generate`` (the peer).
+
+Size: one benchmark run: the same ids and calls timed on every installed runtime (ours, HF,
+llama.cpp, vLLM) so their ratios come from one run; each peer's timing needs its own loop.
 """
 
 from __future__ import annotations

@@ -44,6 +44,9 @@ boundary", "A cache is an ABI, not an untyped tuple", "Cache families preserve d
 contracts" (``0 <= K_committed <= K_reserved <= K_max``); 0x0A "Logical recovery sockets"
 (quarantine until recovery); HF ``transformers/cache_utils.py`` ``DynamicCache`` / ``StaticCache``
 (``update``, ``get_seq_length``, ``crop``, ``reorder_cache``, ``reset``, ``index_copy_`` writes).
+
+Size: the cache ABI and both cache families (dynamic, static) implement one stage / commit / crop
+protocol (M3.10 0x09) and are read side by side.
 """
 
 from __future__ import annotations

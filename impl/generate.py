@@ -36,113 +36,17 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-import attrs
 import torch
 
-from decodespec.spec.enums import FinishReason
 from decodespec.spec.policy.config import PolicyConfig
-from decodespec.spec.policy.receipt import DecisionReceipt
 
 from .events import EventSink
 from .faults import FaultPlan
 from .model import LlamaForCausalLM
 from .runtime import INVALID_REQUEST, CommitObserver, RequestRunner, RuntimeRequest
+from .values import GenerationResult
 
 __all__ = ["INVALID_REQUEST", "GenerationResult", "generate", "greedy_generate", "select_greedy"]
-
-
-@attrs.frozen
-class GenerationResult:
-    """What one request returned (M3.10 0x06 output contract; docs/design.md section 8).
-
-    Attributes:
-        prompt_ids: The L prompt token ids.
-        output_ids: The returned output ids under the alignment contract (``int[k]``; a final EOS
-            included); every committed id when no cut applies or without the output observer.
-        text: The returned text (UTF-8 of the output bytes ``[0, visible_end)``; EOS and other
-            special tokens contribute no bytes; "" without a tokenizer).
-        logprobs: ``float[k]``: per returned token, natural log-softmax of the raw float32 logits of
-            its selecting row at that token (``<= 0``); ``len(logprobs) == len(output_ids)``.
-        finish_reason: The canonical finish reason (``None`` for a suspended request).
-        triggers: Every finish condition recorded, in precedence order.
-        frontier: ``{"prompt_len", "output_count", "pending", "processed", "pending_tag"}``
-            (L, O, |U|, P, tag) at finish; O counts every committed token.
-        receipts: One M3.8 decision receipt per committed token (``impl.policy.decide``).
-        rng_counter: Draws the request consumed (0 for greedy).
-        num_committed: O, tokens committed (returned or not); ``None`` when unknown.
-        alignment: ``token`` / ``text`` / ``span`` when the output observer aligned the result,
-            else ``None``.
-        overhang: Output bytes ``[visible_end, ids_byte_end)``: what the returned ids decode to
-            beyond ``text`` (empty under ``token``; the documented mismatch under ``text``; the
-            trimmed bytes under ``span``).
-        token_spans: ``(start, end)`` byte span of each returned token in the output bytes.
-        visible_end: End of the visible bytes (``len(text.encode())`` unless the text ends in an
-            incomplete UTF-8 sequence), or ``None``.
-        stop_match: ``(stop string, start byte, end byte)`` of the stop match that fired, or ``None``.
-        structured_end: Byte offset where the JSON value completed, or ``None``.
-        chunks: The stream chunks delivered (:class:`~decodespec.spec.stop.Chunk`).
-        stream: The stream report (``chunks``, ``delivered_bytes``, ``delivered_tokens``,
-            ``failed``, ``error``) of a streamed request, else ``None``.
-        prompt_logprobs: The requested prompt logprobs
-            (:class:`~decodespec.spec.prompt_logprobs.PromptLogprob` each, M3.10 0x02), or ``None``
-            when not requested.
-        timeline: When each model call launched and completed and each emission was published
-            (:class:`decodespec.spec.latency.Timeline`, ns since admission; M3.10 0x0BA "Latency
-            semantics"); ``None`` from a path that keeps no record.  Not part of equality.
-    """
-
-    prompt_ids: tuple[int, ...]
-    output_ids: tuple[int, ...]
-    text: str
-    logprobs: tuple[float, ...]
-    finish_reason: FinishReason | None
-    triggers: tuple[FinishReason, ...] = ()
-    frontier: dict[str, Any] = attrs.field(factory=dict)
-    receipts: tuple[DecisionReceipt, ...] = ()
-    rng_counter: int = 0
-    num_committed: int | None = None
-    alignment: str | None = None
-    overhang: bytes = b""
-    token_spans: tuple[tuple[int, int], ...] = ()
-    visible_end: int | None = None
-    stop_match: tuple[str, int, int] | None = None
-    structured_end: int | None = None
-    chunks: tuple[Any, ...] = ()
-    stream: dict[str, Any] | None = None
-    prompt_logprobs: tuple[Any, ...] | None = None
-    #: The request's recorded call and emission times (:class:`decodespec.spec.latency.Timeline`); not compared.
-    timeline: Any = attrs.field(default=None, eq=False, repr=False)
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-ready dict (``finish_reason`` and ``triggers`` as their string values, ``overhang`` as hex).
-
-        ``stop_match`` is ``{"stop", "start", "end"}``; ``token_spans`` a list of ``[start, end]``;
-        the chunks themselves are not included (``decodespec generate --stream --json`` prints
-        them as lines), only the ``stream`` report; ``prompt_logprobs`` (a list of
-        :meth:`~decodespec.spec.prompt_logprobs.PromptLogprob.to_json`) only when requested.
-        """
-        match = self.stop_match
-        extra = {} if self.prompt_logprobs is None else {"prompt_logprobs": [e.to_json() for e in self.prompt_logprobs]}
-        return {
-            "prompt_ids": list(self.prompt_ids),
-            "output_ids": list(self.output_ids),
-            "text": self.text,
-            "logprobs": list(self.logprobs),
-            "finish_reason": None if self.finish_reason is None else self.finish_reason.value,
-            "triggers": [t.value for t in self.triggers],
-            "frontier": dict(self.frontier),
-            "receipts": [r.to_json() for r in self.receipts],
-            "rng_counter": self.rng_counter,
-            "num_committed": self.num_committed,
-            "alignment": self.alignment,
-            "overhang": self.overhang.hex(),
-            "token_spans": [list(span) for span in self.token_spans],
-            "visible_end": self.visible_end,
-            "stop_match": None if match is None else {"stop": match[0], "start": match[1], "end": match[2]},
-            "structured_end": self.structured_end,
-            "stream": None if self.stream is None else dict(self.stream),
-            **extra,
-        }
 
 
 def select_greedy(logits_row: torch.Tensor) -> tuple[int, float]:

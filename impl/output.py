@@ -50,10 +50,12 @@ from typing import Any
 from decodespec.spec.actions import TEXT_TRIGGERS
 from decodespec.spec.enums import EXTERNAL_FINISH_REASONS, FinishReason
 from decodespec.spec.errors import Rejection, quote
+from decodespec.spec.request import INVALID_REQUEST
 from decodespec.spec.snapshot import SNAPSHOT_LEDGER_INVALID, SNAPSHOT_MALFORMED
 from decodespec.spec.stop import AlignedOutput, Chunk, StopConfig
 from decodespec.spec.structured import DEFAULT_MAX_JSON_DEPTH
 
+from .observers import CommitObservation
 from .stream import Streamer
 
 __all__ = ["OUTPUT_STATE_FORMAT", "OutputObserver", "output_header", "stop_config"]
@@ -224,14 +226,12 @@ class OutputObserver:
         """Steps 3, 4 and 7 for committed token ``output_index``: text triggers, failure, chunks published.
 
         Returns:
-            A :class:`~decodespec.impl.runtime.CommitObservation`.
+            A :class:`~decodespec.impl.observers.CommitObservation`.
 
         Raises:
             Rejection: ``stop.after_finish`` once closed; ``stop.token_out_of_range``; and
                 ``runtime.invalid_request`` when ``output_index`` is not the next index.
         """
-        from .runtime import INVALID_REQUEST, CommitObservation
-
         if output_index != self.streamer.num_committed:
             raise Rejection(INVALID_REQUEST, f"output index {output_index} observed after {self.streamer.num_committed} tokens", "$.output_index")
         try:

@@ -19,6 +19,9 @@ scatter), HF ``NoRepeatNGramLogitsProcessor`` (``unfold`` windows), HF ``TopPLog
 (``bincount`` counts), llama.cpp ``top_n_sigma`` (population std of finite logits).
 Differences from those peers are the spec's declared choices: exact-k top-k with lowest-id
 ties, stable sorts, the crossing token kept by top-p and typical.
+
+Size: the torch twin of every M3.8 transform and selector, one function each in the spec's order
+(spec/policy/transforms.py, selectors.py), over shared row helpers.
 """
 
 from __future__ import annotations
@@ -234,7 +237,12 @@ def _min_p(z, spec, views, states):
 
 @_register("typical")
 def _typical(z, spec, views, states):
-    logp = torch.log_softmax(z, dim=-1)
+    # In float64: the kept set is decided by the ranked mass reaching p, and with p near 1 the
+    # crossing id's probability (~1e-5 on SmolLM2's tail) is below the drift of a float32 entropy,
+    # ranking and mass over ~600 tail ids (impl.typical_crossing_float32).  One [V] row in float64
+    # costs nothing next to the forward; the mask then bans on the row's own dtype.
+    z64 = z.double()
+    logp = torch.log_softmax(z64, dim=-1)
     probs = logp.exp()
     entropy = -(torch.where(probs > 0, probs * logp, torch.zeros_like(logp))).sum(dim=-1, keepdim=True)
     shifted = torch.where(torch.isfinite(logp), (-logp - entropy).abs(), torch.full_like(logp, math.inf))

@@ -70,6 +70,10 @@ bounded cached profile and branch table, 0x03, 0x06 "Finish reason and RNG prece
 frontiers", 0x09, 0x0A "Logical recovery sockets" and "Asynchronous completion and error
 boundaries"; HF ``GenerationMixin._sample`` (last row in float32), gpt-fast (explicit
 ``input_pos``), Meta Llama ``generate`` (``prev_pos:cur_pos``).
+
+Size: the controller: one method per spec action (the table above) over one request's state; its
+records are in impl/values.py, the observer protocol in impl/observers.py, snapshots in
+impl/snapshot.py.
 """
 
 from __future__ import annotations
@@ -78,34 +82,37 @@ import contextlib
 import numbers
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import torch
 
 from decodespec.spec.actions import TEXT_TRIGGERS
 from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason, PendingTag, Selection, canonical_finish_reason, published_finish_reason
-from decodespec.spec.envelope import MAX_TIMEOUT_MS, ZERO_NEW_TOKENS_REJECTED, AdmittedRequest
+from decodespec.spec.envelope import MAX_TIMEOUT_MS, ZERO_NEW_TOKENS_REJECTED
 from decodespec.spec.errors import NOT_ENABLED, DecodeSpecError, Rejection, ResourceLimit, quote, register_code
 from decodespec.spec.policy.codes import FAMILY_MISMATCH, TERMINAL_DECISION_CODES
-from decodespec.spec.policy.config import Family, PolicyConfig
+from decodespec.spec.policy.config import Family
 from decodespec.spec.policy.receipt import DecisionReceipt
-from decodespec.spec.policy.state import PolicyState, RequestView, initial_policy_state
+from decodespec.spec.policy.state import RequestView, initial_policy_state
 from decodespec.spec.positions import CACHE_CAPACITY_EXCEEDED
-from decodespec.spec.prompt_logprobs import PromptLogprob, PromptLogprobsSpec
+from decodespec.spec.prompt_logprobs import PromptLogprob
 from decodespec.spec.request import INVALID_REQUEST as SPEC_INVALID_REQUEST
 from decodespec.spec.request import context_cap, default_static_capacity, policy_with_min_new_tokens, prompt_room
-from decodespec.spec.state import InterruptPoint, Phase, call_interrupt_point, next_call, repair_owed
+from decodespec.spec.state import ControllerAction, InterruptPoint, Phase, call_interrupt_point, controller_action, next_call, repair_owed
 
 from .cache import DynamicCache, StaticCache, check_static_reservation, make_cache
 from .events import EVENTS_FORMAT, EventSink
 from .faults import FaultPlan, InjectedDeviceFault, ParticipantFailure
 from .latency import LatencyRecorder
 from .model import CONTEXT_WINDOW_EXCEEDED, TRAINING_MODE, LlamaForCausalLM, StageObserver
+from .observers import CommitObservation, CommitObserver, NullObserver
 from .output import OutputObserver, output_header, stop_config
 from .policy import decide as policy_decide
 from .prompt_logprobs import first_entries, score_rows
 from .rng import RequestRng
+from .snapshot import restore_runner, take_runtime_snapshot
+from .values import CallRecord, Decision, GenerationResult, RunnerState, RuntimeRequest, Score
 
 __all__ = [
     "ARTIFACT_MISMATCH",
@@ -131,242 +138,6 @@ ARTIFACT_MISMATCH = register_code(
 )
 
 _LANE = "self_kv"
-
-
-# --------------------------------------------------------------------------------------------
-# The request the runner executes.
-# --------------------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class RuntimeRequest:
-    """Everything the runner needs from an admitted request (immutable).
-
-    Build it with :meth:`from_admitted` (an admitted ``numinens.request.v1`` envelope: its identity
-    keys the RNG and heads the trace) or directly (tests; ``identity`` is then whatever the
-    caller declares).
-
-    Attributes:
-        identity: Request identity (``"sha256:<hex>"`` for an admitted envelope).
-        prompt_ids: The L decoder input ids.
-        max_new_tokens: G.
-        policy: The M3.8 policy (greedy or multinomial family).
-        eos_ids: The termination EOS set.
-        min_new_tokens: EOS (and stop strings) are suppressed while O < this.
-        seed: Request seed (keys the RNG with the identity) or ``None``.
-        rng_counter_start: The envelope's initial RNG counter.
-        cache: ``"none"``, ``"dynamic"`` or ``"static"``.
-        static_capacity: S for the static cache (default: L + G + 1, at most the model window).
-        prefill_chunk: Largest prefill chunk, or ``None`` for one-shot prefill.
-        zero_new_tokens: The G = 0 branch (``reject`` / ``no_call`` / ``prefill_only``).
-        final_cache: ``none`` / ``processed_inputs_only`` / ``all_outputs`` (repair call at finish).
-        max_retries: Failed calls retried after recovery before ``device_error``.
-        context_cap: Envelope bound on L + O (``None``: only the model window and capacity).
-        stream: Whether the output streams (a streamer failure is possible).
-        stop_strings: Declared stop strings (the observer matches them).
-        structured: ``"none"`` or ``"json"``.
-        include_stop_str: Whether a matched stop string is part of the returned text.
-        alignment: The output contract after a cut: ``"token"`` (the envelope's default),
-            ``"text"`` or ``"span"`` (M3.10 "Token-aligned and text-aligned outputs can diverge").
-        vocab_hash: Ordered vocabulary hash recorded in receipts.
-        timeout_ms: The wall-clock budget in milliseconds (the envelope's
-            ``termination.timeout_ms``), or ``None`` for no budget: once the runner's monotonic
-            clock has advanced this much since :meth:`RequestRunner.admit`, the request finishes
-            ``timeout`` at the next call boundary.
-        envelope: Canonical bytes of the admitted envelope (snapshots carry them), or ``None``.
-        prompt_logprobs: The requested prompt logprobs (the envelope's ``output.prompt_logprobs``),
-            or ``None`` (not requested): every prefill call then scores its rows
-            (M3.10 0x02, :mod:`decodespec.impl.prompt_logprobs`).
-    """
-
-    identity: str
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int
-    policy: PolicyConfig = attrs.field(factory=PolicyConfig.greedy)
-    eos_ids: frozenset[int] = frozenset()
-    min_new_tokens: int = 0
-    seed: int | None = None
-    rng_counter_start: int = 0
-    cache: str = "dynamic"
-    static_capacity: int | None = None
-    prefill_chunk: int | None = None
-    zero_new_tokens: str = "no_call"
-    final_cache: str = "processed_inputs_only"
-    max_retries: int = 0
-    context_cap: int | None = None
-    stream: bool = False
-    stop_strings: tuple[str, ...] = ()
-    structured: str = "none"
-    include_stop_str: bool = False
-    alignment: str = "token"
-    vocab_hash: str = ""
-    timeout_ms: int | None = None
-    envelope: bytes | None = attrs.field(default=None, repr=False)
-    prompt_logprobs: PromptLogprobsSpec | None = None
-
-    @classmethod
-    def from_admitted(cls, request: AdmittedRequest) -> RuntimeRequest:
-        """The runtime request of an admitted envelope (``decodespec.spec.envelope.validate_request_envelope``).
-
-        Raises:
-            Rejection: ``policy.family_mismatch`` for a beam policy (beams have their own loop);
-                ``runtime.invalid_request`` for an architecture other than ``decoder_only``.
-        """
-        if request.artifact.architecture != "decoder_only":
-            raise Rejection(INVALID_REQUEST, f"the reference runtime runs decoder_only requests, not {request.artifact.architecture}",
-                            "$.artifact.architecture")
-        term, rt, pv = request.termination, request.runtime, request.position_visibility
-        return cls(
-            identity=request.identity,
-            prompt_ids=request.decoder_input_ids,
-            max_new_tokens=term.max_new_tokens,
-            policy=request.policy,
-            eos_ids=frozenset(term.eos_ids),
-            min_new_tokens=term.min_new_tokens,
-            seed=request.rng.seed,
-            rng_counter_start=request.rng.counter,
-            cache=rt.cache_family,
-            static_capacity=rt.static_capacity,
-            prefill_chunk=rt.prefill_chunk,
-            zero_new_tokens=term.zero_new_tokens,
-            final_cache=request.output.final_cache,
-            max_retries=rt.max_retries,
-            context_cap=context_cap(pv.max_context, term.max_total_tokens),
-            stream=request.output.stream,
-            stop_strings=term.stop_strings,
-            structured=term.structured,
-            include_stop_str=request.output.include_stop_str,
-            alignment=request.output.alignment,
-            vocab_hash=request.text_interface.tokenizer_sha256,
-            timeout_ms=term.timeout_ms,
-            envelope=request.canonical,
-            prompt_logprobs=request.output.prompt_logprobs,
-        )
-
-    @property
-    def prompt_len(self) -> int:
-        """L."""
-        return len(self.prompt_ids)
-
-    @property
-    def cached(self) -> bool:
-        """Whether calls reuse retained state."""
-        return self.cache != "none"
-
-    def max_draws(self) -> int:
-        """Most RNG draws one decision consumes (1 for the multinomial family, else 0)."""
-        return 1 if self.policy.family is Family.MULTINOMIAL else 0
-
-
-def _with_min_new_tokens(policy: PolicyConfig, min_new_tokens: int) -> PolicyConfig:
-    """``policy`` with the ``min_new_tokens`` legality transform (:func:`decodespec.spec.request.policy_with_min_new_tokens`)."""
-    return policy_with_min_new_tokens(policy, min_new_tokens)
-
-
-# --------------------------------------------------------------------------------------------
-# Values the runner hands out.
-# --------------------------------------------------------------------------------------------
-
-
-@attrs.frozen(eq=False)
-class CallRecord:
-    """The launched model call (M3.10 0x08 PREPARE).
-
-    Attributes:
-        call_id: 0-based call number of the request.
-        kind: prefill / decode / repair.
-        start: ``cache_position`` of row 0 (P cached, 0 without a cache).
-        length: Rows (T).
-        generation: Generation the call reads and its lanes must report.
-        decision_row: Input position whose output row owns the next decision, or ``None``.
-        input_ids: The T input ids.
-    """
-
-    call_id: int
-    kind: CallKind
-    start: int
-    length: int
-    generation: int
-    decision_row: int | None
-    input_ids: tuple[int, ...]
-
-    @property
-    def end(self) -> int:
-        """P after an ALL_NEW selection."""
-        return self.start + self.length
-
-
-@attrs.frozen(eq=False)
-class Score:
-    """A consumable score row exposed by an ALL_NEW completion.
-
-    Attributes:
-        score_id: ``"score-<generation>"``.
-        generation: The generation the completion selected.
-        processed: P when exposed (the row belongs to input position ``processed - 1``).
-        output_count: O when exposed (the row predicts output number O).
-        logits: ``[V]`` raw logits of the decision row (model dtype, model device).
-    """
-
-    score_id: str
-    generation: int
-    processed: int
-    output_count: int
-    logits: torch.Tensor = attrs.field(repr=False)
-
-
-@attrs.frozen(eq=False)
-class Decision:
-    """An issued decision receipt, not yet consumed.
-
-    Attributes:
-        receipt_id: ``"receipt-<n>"`` (the request's ledger id).
-        score_id: The score row decided on.
-        token_id: The selected id.
-        logprob: ``log_softmax(raw row)[token_id]`` (natural log, float32 row).
-        draws: RNG draws consumed by the decision.
-        rng_counter_before: The request RNG counter the decision read.
-        receipt: The full M3.8 :class:`DecisionReceipt`.
-        policy_state: The policy state the commit adopts.
-    """
-
-    receipt_id: str
-    score_id: str
-    token_id: int
-    logprob: float
-    draws: int
-    rng_counter_before: int
-    receipt: DecisionReceipt = attrs.field(repr=False)
-    policy_state: PolicyState = attrs.field(repr=False)
-
-
-@attrs.frozen
-class CommitObservation:
-    """What the stop/stream components report for one committed token.
-
-    Attributes:
-        text_triggers: Subset of ``{stop_string, structured, structured_error}``.
-        stream_failed: This commit's delivery failed (``stream_error`` becomes one of the commit's
-            triggers; needs a streamed request).
-        chunks: The stream chunks this commit published (written to the trace as ``stream``
-            events after the ``commit`` event).
-    """
-
-    text_triggers: frozenset[FinishReason] = frozenset()
-    stream_failed: bool = False
-    chunks: tuple[Any, ...] = ()
-
-
-class CommitObserver(Protocol):
-    """Hook called by :meth:`RequestRunner.commit` with each committed token (before finish is decided).
-
-    Optional methods the runner uses when present: ``close(reason) -> chunks`` (the request
-    finished outside a commit), ``snapshot_state()`` / ``restore_state(state)`` (carried in
-    snapshots), ``output`` and ``stream_report()`` (read by :meth:`RequestRunner.result`).
-    """
-
-    def observe(self, token_id: int, logprob: float, output_index: int) -> CommitObservation:  # pragma: no cover
-        ...
 
 
 @attrs.frozen
@@ -446,7 +217,7 @@ class RequestRunner:
     ):
         self.model = model
         self.request = request = _validated(model, request)
-        self.policy = _with_min_new_tokens(request.policy, request.min_new_tokens)
+        self.policy = policy_with_min_new_tokens(request.policy, request.min_new_tokens)
         self.sink = sink
         self.faults = faults or FaultPlan()
         self.faults.check(num_layers=model.config.num_hidden_layers, cached=request.cached, stream=request.stream)
@@ -468,7 +239,8 @@ class RequestRunner:
             observer = OutputObserver(tokenizer, self.stop_config, on_chunk=on_chunk)
         elif on_chunk is not None:
             raise Rejection(INVALID_REQUEST, "a chunk consumer needs the runner's output observer (a tokenizer with token_bytes)", "$.on_chunk")
-        self.observer = observer
+        #: The commit observer (every protocol method is called; :class:`NullObserver` when there is none).
+        self.observer: CommitObserver = observer if observer is not None else NullObserver()
         self._stream_chunks: list[Any] = []  # published chunks whose trace events are not yet written
         if cache is None and hasattr(model, "make_request_cache"):  # a model whose ranks keep the K/V shards (impl/tp.py)
             cache = model.make_request_cache(request.cache, capacity=self.capacity)
@@ -519,6 +291,30 @@ class RequestRunner:
         self.clock = clock
         #: Clock reading at admission (the budget's origin), ``None`` before :meth:`admit` or without a budget.
         self.admitted_at: float | None = None
+
+    # ---------------------------------------------------------------------------------------
+    # The state as one record.
+    # ---------------------------------------------------------------------------------------
+    #: The :class:`RunnerState` fields, each an attribute of the runner (lists for the growing ledgers, a set for the triggers).
+    STATE_FIELDS = tuple(f.name for f in attrs.fields(RunnerState))
+
+    def state(self) -> RunnerState:
+        """The request state as one frozen :class:`~decodespec.impl.values.RunnerState` (the spec's field names)."""
+        values = {name: getattr(self, name) for name in self.STATE_FIELDS}
+        for name in ("output_ids", "logprobs", "receipts", "consumed", "issued", "scores"):
+            values[name] = tuple(values[name])
+        values["triggers"] = frozenset(values["triggers"])
+        return RunnerState(**values)
+
+    def adopt_state(self, state: RunnerState) -> None:
+        """Make ``state`` the runner's request state (a restored runner; the caller validated it)."""
+        for name in self.STATE_FIELDS:
+            value = getattr(state, name)
+            if name in ("output_ids", "logprobs", "receipts", "consumed", "issued", "scores"):
+                value = list(value)
+            elif name == "triggers":
+                value = set(value)
+            setattr(self, name, value)
 
     # ---------------------------------------------------------------------------------------
     # Views.
@@ -951,16 +747,14 @@ class RequestRunner:
         token = pending.token_id
         index = self.output_count
         injected = self.faults.stream_fails_after(index)
-        observation = CommitObservation()
-        if self.observer is not None:
-            if injected and hasattr(self.observer, "inject_delivery_failure"):
-                self.observer.inject_delivery_failure()  # the first chunk this commit publishes fails
-            observation = self.observer.observe(token, pending.logprob, index)
-            if not observation.text_triggers <= TEXT_TRIGGERS:
-                raise Rejection(NOT_ENABLED, f"the observer reported {sorted(t.value for t in observation.text_triggers)}; only "
-                                "stop_string / structured / structured_error are text triggers", "$.observer")
-            self._require(self.request.stream or not observation.stream_failed, "transition.commit",
-                          "a stream failure at commit needs a stream")
+        if injected:
+            self.observer.inject_delivery_failure()  # the first chunk this commit publishes fails
+        observation: CommitObservation = self.observer.observe(token, pending.logprob, index)
+        if not observation.text_triggers <= TEXT_TRIGGERS:
+            raise Rejection(NOT_ENABLED, f"the observer reported {sorted(t.value for t in observation.text_triggers)}; only "
+                            "stop_string / structured / structured_error are text triggers", "$.observer")
+        self._require(self.request.stream or not observation.stream_failed, "transition.commit",
+                      "a stream failure at commit needs a stream")
         self.output_ids.append(token)
         self.logprobs.append(pending.logprob)
         self.receipts.append(pending.receipt)
@@ -1064,13 +858,11 @@ class RequestRunner:
         self.finish_reason = published_finish_reason(self.triggers)
         self.phase = Phase.FINISHED
         self.pending_tag = PendingTag.CLOSED_UNPROCESSED if self.pending_ids else PendingTag.EMPTY
-        close = getattr(self.observer, "close", None)
-        if close is not None:
-            # The output closes outside a commit: the observer flushes its held-back bytes.
-            flushed = close(self.finish_reason)
-            self._stream_chunks.extend(flushed)
-            if self.request.stream and flushed:
-                self._emitted_at = self.latency.emit(flushed[-1].token_end)
+        # The output closes outside a commit: the observer flushes its held-back bytes.
+        flushed = self.observer.close(self.finish_reason)
+        self._stream_chunks.extend(flushed)
+        if self.request.stream and flushed:
+            self._emitted_at = self.latency.emit(flushed[-1].token_end)
         if emit:
             self._emit_finish()
 
@@ -1099,10 +891,10 @@ class RequestRunner:
         the flush of an external close, which outranks ``stream_error``).  ``None`` when the
         observer keeps no stream (a custom observer).
         """
-        report = getattr(self.observer, "stream_report", None)
+        report = self.observer.stream_report()
         if report is None:
             return None
-        out = dict(report())
+        out = dict(report)
         out["failed"] = bool(out["failed"]) or FinishReason.STREAM_ERROR in self.triggers
         return out
 
@@ -1121,22 +913,13 @@ class RequestRunner:
             return "admit"
         if self._plan_interrupt() or self._budget_interrupt():
             return "cancel"
-        if self.in_flight is not None:
-            self.complete()
-            return "complete"
-        if self.quarantined and (self.phase is Phase.READY or self.repair_owed()):
-            self.recover()
-            return "recover"
-        if self.phase is Phase.SCORED:
-            self.decide()
-            return "decide"
-        if self.phase is Phase.DECIDED:
-            self.commit()
-            return "commit"
-        if self.next_call() is not None:
-            self.launch()
-            return "launch"
-        return None
+        action = controller_action(phase=self.phase, call_in_flight=self.in_flight is not None, quarantined=self.quarantined,
+                                   repair_owed=self.repair_owed(), call_due=self.next_call() is not None)
+        if action is None:
+            return None
+        {ControllerAction.COMPLETE: self.complete, ControllerAction.RECOVER: self.recover, ControllerAction.DECIDE: self.decide,
+         ControllerAction.COMMIT: self.commit, ControllerAction.LAUNCH: self.launch}[action]()
+        return action.value
 
     def _plan_interrupt(self) -> bool:
         at = self.interrupt_point()
@@ -1200,28 +983,25 @@ class RequestRunner:
         returns every committed id and the decode of every committed byte.  Without an observer
         the text is ``tokenizer.decode`` of the ids without a final EOS.
         """
-        from .generate import GenerationResult
-
         common = {"prompt_ids": self.request.prompt_ids, "finish_reason": self.finish_reason, "triggers": self.ordered_triggers(),
                       "frontier": self.frontier(), "receipts": tuple(self.receipts), "rng_counter": self.policy_state.rng_counter,
                       "num_committed": self.output_count, "stream": self.stream_report() if self.request.stream else None,
                       "prompt_logprobs": self.prompt_logprobs(), "timeline": self.latency.timeline()}
-        out = getattr(self.observer, "output", None) if self.phase is Phase.FINISHED else None
+        out = self.observer.output if self.phase is Phase.FINISHED else None
         if out is not None:
             match = out.stop_match
             return GenerationResult(
                 output_ids=out.output_ids, text=out.text, logprobs=tuple(out.logprobs or ()), alignment=out.alignment.value,
                 overhang=out.overhang, token_spans=out.token_spans, visible_end=out.visible_end, structured_end=out.structured_end,
                 stop_match=None if match is None else (self.request.stop_strings[match.pattern_idx], match.start, match.end),
-                chunks=tuple(getattr(self.observer, "chunks", ())), **common)
+                chunks=tuple(self.observer.chunks), **common)
         ids = self.output_ids
-        if hasattr(self.observer, "text_so_far"):
-            text = self.observer.text_so_far()
-        else:
+        text = self.observer.text_so_far()
+        if text is None:
             eos = self.request.eos_ids
             text_ids = ids[:-1] if ids and ids[-1] in eos else ids
             text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else ""
-        chunks = tuple(getattr(self.observer, "chunks", ()))
+        chunks = tuple(self.observer.chunks)
         return GenerationResult(output_ids=tuple(ids), text=text, logprobs=tuple(self.logprobs), chunks=chunks, **common)
 
     def prompt_logprobs(self) -> tuple[PromptLogprob, ...] | None:
@@ -1253,8 +1033,6 @@ class RequestRunner:
             Rejection: ``snapshot.form_unavailable`` (call in flight, pending decision,
                 quarantined handle, a repaired form whose append call is not allowed).
         """
-        from .snapshot import take_runtime_snapshot
-
         return take_runtime_snapshot(self, form)
 
     @classmethod
@@ -1271,8 +1049,6 @@ class RequestRunner:
         Raises:
             Rejection: ``snapshot.*`` (see :mod:`decodespec.impl.snapshot`).
         """
-        from .snapshot import restore_runner
-
         runner = restore_runner(cls, model, snapshot, request, **kwargs)
         if runner.request.timeout_ms is not None:
             runner.admitted_at = runner.clock()  # declared: a resumed run starts a fresh budget at restore

@@ -47,6 +47,9 @@ gives the same tokens and logprobs as never stopping (tests/test_snapshot*.py).
 Source: M3.10 0x0BA "A completed output is not automatically a resumable snapshot", "Immutable
 identity versus mutable request state" (restoring token ids while resetting RNG, parser, stream
 suffix, finish state or positions is a different continuation).
+
+Size: one format: both snapshot forms, their JSON + safetensors files and every typed restore check
+(identity, ledger, lanes, cache ABI, observer state) of the same record.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ from decodespec.spec.passport import CONTENT, passport_from_json, snapshot_passp
 from decodespec.spec.policy.config import policy_config_from_json
 from decodespec.spec.policy.receipt import content_id, receipt_policy_mismatch
 from decodespec.spec.policy.state import PolicyState
-from decodespec.spec.request import context_cap
+from decodespec.spec.request import context_cap, policy_with_min_new_tokens
 from decodespec.spec.snapshot import (
     PENDING_SUFFIX,
     REPAIRED,
@@ -93,6 +96,7 @@ from decodespec.spec.state import Score as SpecScore
 
 from .cache import CacheABI
 from .output import OUTPUT_STATE_FORMAT
+from .values import Decision, RunnerState, RuntimeRequest, Score
 
 __all__ = [
     "SNAPSHOT_FORMAT",
@@ -191,46 +195,44 @@ def take_runtime_snapshot(runner, form: str) -> RuntimeSnapshot:
         if runner.complete() is not Selection.ALL_NEW:
             raise refuse("the append call selected ALL_OLD; the state keeps its pending token")
     request = runner.request
-    processed = runner.processed
+    st = runner.state()
+    processed = st.processed
     record = SnapshotRecord(
         identity=request.identity,
         form=form,
-        phase=runner.phase,
+        phase=st.phase,
         processed=processed,
-        output_ids=tuple(runner.output_ids),
-        pending_ids=tuple(runner.pending_ids),
-        pending_tag=runner.pending_tag,
+        output_ids=st.output_ids,
+        pending_ids=st.pending_ids,
+        pending_tag=st.pending_tag,
         lanes=((_LANE, processed if processed > 0 else None),) if request.cached else (),
-        generation=runner.generation,
-        score=None if runner.score is None else SpecScore(runner.score.score_id, runner.score.generation, runner.score.processed,
-                                                          runner.score.output_count),
-        issued=tuple(runner.issued),
-        consumed=tuple(Receipt(d.receipt_id, d.score_id, d.token_id, d.draws, d.rng_counter_before) for d in runner.consumed),
-        scores=tuple(SpecScore(*s) for s in runner.scores),
-        rng_counter=runner.policy_state.rng_counter,
-        finish_reason=runner.finish_reason,
-        triggers=frozenset(runner.triggers),
-        num_calls=runner.num_calls,
-        num_retries=runner.num_retries,
+        generation=st.generation,
+        score=None if st.score is None else SpecScore(st.score.score_id, st.score.generation, st.score.processed, st.score.output_count),
+        issued=st.issued,
+        consumed=tuple(Receipt(d.receipt_id, d.score_id, d.token_id, d.draws, d.rng_counter_before) for d in st.consumed),
+        scores=tuple(SpecScore(*sc) for sc in st.scores),
+        rng_counter=st.policy_state.rng_counter,
+        finish_reason=st.finish_reason,
+        triggers=st.triggers,
+        num_calls=st.num_calls,
+        num_retries=st.num_retries,
     )
     tensors = None
     if runner.cache is not None and processed > 0:
         tensors = [(k.detach().to("cpu").contiguous().clone(), v.detach().to("cpu").contiguous().clone())
                    for k, v in runner.cache.committed_tensors()]
-    observer_state = None
-    if runner.observer is not None and hasattr(runner.observer, "snapshot_state"):
-        observer_state = runner.observer.snapshot_state()
+    observer_state = runner.observer.snapshot_state()
     snapshot = RuntimeSnapshot(
         record=record,
-        logprobs=tuple(runner.logprobs),
-        policy_state=runner.policy_state,
-        receipts=tuple(r.to_json() for r in runner.receipts),
+        logprobs=st.logprobs,
+        policy_state=st.policy_state,
+        receipts=tuple(r.to_json() for r in st.receipts),
         request=request,
         cache_family=request.cache,
         cache_abi=None if runner.cache is None else runner.cache.abi,
         capacity=runner.capacity,
         tensors=tensors,
-        score_logits=None if runner.score is None else runner.score.logits.detach().to("cpu").clone(),
+        score_logits=None if st.score is None else st.score.logits.detach().to("cpu").clone(),
         observer_state=observer_state,
     )
     if runner.sink is not None:
@@ -265,7 +267,6 @@ def request_from_json(obj: dict[str, Any]):
     """
     from decodespec.spec.envelope import validate_request_envelope
 
-    from .runtime import RuntimeRequest
 
     if not isinstance(obj, dict):
         raise Rejection(SNAPSHOT_MALFORMED, f"the request must be an object, got {type(obj).__name__}", "$.request")
@@ -767,11 +768,10 @@ def _check_receipts(snapshot: RuntimeSnapshot) -> None:
 
     Source: M3.8 0x0B decision receipts; M3.10 0x06 "One selection is an output-state transaction".
     """
-    from .runtime import _with_min_new_tokens
 
     rec = snapshot.record
     receipts, outputs = snapshot.receipts, rec.output_ids
-    policy = _with_min_new_tokens(snapshot.request.policy, snapshot.request.min_new_tokens)
+    policy = policy_with_min_new_tokens(snapshot.request.policy, snapshot.request.min_new_tokens)
     if len(receipts) > len(outputs):
         raise _refuse(SNAPSHOT_LEDGER_INVALID, f"{len(receipts)} decision receipts for {len(outputs)} outputs", "$.receipts")
     offset = len(outputs) - len(receipts)
@@ -845,7 +845,6 @@ def restore_runner(cls, model, snapshot: RuntimeSnapshot, request=None, **kwargs
     Raises:
         Rejection: ``snapshot.*`` (see the module docstring).
     """
-    from .runtime import Decision, Score
 
     request = snapshot.request if request is None else request
     _check(snapshot, model, request)
@@ -856,26 +855,34 @@ def restore_runner(cls, model, snapshot: RuntimeSnapshot, request=None, **kwargs
         runner.cache.load_committed([(k.to(device), v.to(device)) for k, v in snapshot.tensors], generation=rec.generation)
     elif runner.cache is not None:
         runner.cache.generation = rec.generation
-    runner.phase = rec.phase
-    runner.processed = rec.processed
-    runner.output_ids = list(rec.output_ids)
-    runner.logprobs = list(snapshot.logprobs)
-    runner.consumed = [Decision(c.receipt_id, c.score_id, c.token_id, lp, c.draws, c.rng_counter_before, None, None)
-                       for c, lp in zip(rec.consumed, snapshot.logprobs)]
-    runner.pending_ids = tuple(rec.pending_ids)
-    runner.pending_tag = rec.pending_tag
-    runner.generation = rec.generation
-    runner.issued = list(rec.issued)
-    runner.scores = [(s.score_id, s.generation, s.processed, s.output_count) for s in rec.scores]
-    runner.policy_state = snapshot.policy_state
-    runner.finish_reason = rec.finish_reason
-    runner.triggers = set(rec.triggers)
-    runner.num_calls = rec.num_calls
-    runner.num_retries = rec.num_retries
+    score = None
     if rec.score is not None:
         logits = snapshot.score_logits.to(model.device)
-        runner.score = Score(rec.score.score_id, rec.score.generation, rec.score.processed, rec.score.output_count, logits)
-    if runner.observer is not None and snapshot.observer_state is not None and hasattr(runner.observer, "restore_state"):
+        score = Score(rec.score.score_id, rec.score.generation, rec.score.processed, rec.score.output_count, logits)
+    runner.adopt_state(RunnerState(
+        phase=rec.phase,
+        processed=rec.processed,
+        output_ids=tuple(rec.output_ids),
+        logprobs=tuple(snapshot.logprobs),
+        receipts=(),
+        consumed=tuple(Decision(c.receipt_id, c.score_id, c.token_id, lp, c.draws, c.rng_counter_before, None, None)
+                       for c, lp in zip(rec.consumed, snapshot.logprobs)),
+        pending_ids=tuple(rec.pending_ids),
+        pending_tag=rec.pending_tag,
+        generation=rec.generation,
+        in_flight=None,
+        score=score,
+        decision=None,
+        issued=tuple(rec.issued),
+        scores=tuple((s.score_id, s.generation, s.processed, s.output_count) for s in rec.scores),
+        policy_state=snapshot.policy_state,
+        finish_reason=rec.finish_reason,
+        triggers=frozenset(rec.triggers),
+        quarantined=False,
+        num_calls=rec.num_calls,
+        num_retries=rec.num_retries,
+    ))
+    if snapshot.observer_state is not None:
         runner.observer.restore_state(snapshot.observer_state)
     if runner.sink is not None:
         runner._emit_request()

@@ -56,6 +56,9 @@ Source: M3.10 0x0A "One request can still be model-parallel" and "Asynchronous c
 error boundaries"; M3.8 0x0A "Vocabulary-parallel projection"; Megatron-LM
 ``ColumnParallelLinear`` / ``RowParallelLinear`` / ``VocabParallelEmbedding`` (the split);
 PyTorch ``torch.distributed`` (gloo, ``all_reduce``, ``gather``, ``timeout``).
+
+Size: one protocol: the coordinator and the rank processes exchange the same messages
+(torch.distributed over gloo); both sides of each exchange are kept together.
 """
 
 from __future__ import annotations

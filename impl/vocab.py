@@ -31,7 +31,8 @@ import attrs
 import torch
 
 from decodespec.spec.errors import Rejection
-from decodespec.spec.vocab import INVALID_MAP, NEW_ROW_INITS
+from decodespec.spec.vocab import INVALID_MAP
+from decodespec.spec.vocab_migration import NEW_ROW_INITS
 
 __all__ = ["migrate_vocabulary"]
 

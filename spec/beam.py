@@ -55,6 +55,9 @@ token", "Active and completed sets have different lifetimes", "Search procedures
 runtime state"), M3.10 0x0B "Beam bookkeeping bugs", M3.8 0x0F "Beam search: joint parent/token
 candidates", M3.8 0x12 items 43-47; peer: transformers 5.24 ``generation/utils.py``
 ``_beam_search`` and helpers.
+
+Size: one machine: the beam parameters, the coupled branch state, one step with its invariants and
+the reference search (M3.10 0x05 / M3.8 0x0F) are read together.
 """
 
 from __future__ import annotations

@@ -63,6 +63,9 @@ message that quotes at most a short prefix of the offending value
 Source: M3.10 "Immutable request envelope and canonical identity" (planes, closed byte-level
 contract, ``validate_request_envelope``), "Immutable identity versus mutable request state",
 0x06 "Bound parsers, matchers, traces, and sensitive data".
+
+Size: the numinens.request.v1 envelope: every plane's validation with its typed refusal and the
+canonical identity over all of them.
 """
 
 from __future__ import annotations

@@ -86,6 +86,7 @@ __all__ = [
     "blocked",
     "collective_complete",
     "declared_ranks",
+    "expected_lanes",
     "expected_rank_report",
     "initial_progress",
     "no_collective_after_leave",
@@ -234,6 +235,23 @@ def roster_closed(call: InFlightCall) -> bool:
     return all(not active(p) for p in call.ranks)
 
 
+def expected_lanes(params: RequestParams, call: InFlightCall) -> tuple[tuple[str, int], ...]:
+    """The roster report that selects ALL_NEW: advancing lanes at the call's end, fixed lanes at S.
+
+    The lane roster rule of the single-process machine (:func:`decodespec.spec.transitions.expected_report`)
+    and of every rank's report (:func:`expected_rank_report`).
+
+    Source: M3.10 0x08 "advancing-state-lane roster" (select ALL_NEW only when every item agrees).
+    """
+    out = []
+    for lane in params.profile.lanes:
+        if lane.name not in call.roster:
+            continue
+        frontier = call.end if lane.advancing else params.source_len
+        out.append((lane.name, frontier if frontier is not None else 0))
+    return tuple(out)
+
+
 def expected_rank_report(params: RequestParams, call: InFlightCall, rank: int) -> RankReport:
     """The report under which rank ``rank`` agrees with the call (what ALL_NEW needs from it).
 
@@ -241,8 +259,6 @@ def expected_rank_report(params: RequestParams, call: InFlightCall, rank: int) -
     its expected frontier (advancing lanes at the call's end, fixed lanes at S), every stage
     completed, the call's decision row.
     """
-    from .transitions import expected_lanes  # the lane roster rule of the single-process machine
-
     return RankReport(
         rank=rank,
         identity=params.identity,

@@ -51,7 +51,7 @@ from .policy.scores import log_softmax
 from .positions import CACHE_CAPACITY_EXCEEDED
 from .request import CONTEXT_WINDOW_EXCEEDED, INVALID_REQUEST, context_cap, policy_with_min_new_tokens, prompt_room
 from .snapshot import REPAIRED, SnapshotRecord, take_snapshot
-from .state import Phase, RequestParams, RequestState, due_call, initial_state, params_from_request, repair_outstanding
+from .state import Phase, RequestParams, RequestState, controller_action, due_call, initial_state, params_from_request, repair_outstanding
 from .stop import Chunk, StopConfig, align_output, reference_stream, step_triggers
 from .transitions import MACHINE, Machine, expected_report, expected_start
 
@@ -463,29 +463,16 @@ def apply(request: Request, state: ComposedState, action: Action, *, machine: Ma
     return stepped
 
 
-#: The controller's actions, in :func:`next_action`'s order.
-CONTROLLER_ACTIONS = ("complete", "recover", "decide", "commit", "launch")
-
-
 def next_action(request: Request, state: ComposedState) -> str | None:
-    """The controller's next action: ``complete`` the call in flight, ``recover`` a quarantined request that needs a call,
-    ``decide`` a scored row, ``commit`` a decision, ``launch`` the due call; ``None`` when nothing is due.
+    """The controller's next action (:func:`decodespec.spec.state.controller_action`'s value: ``complete``, ``recover``,
+    ``decide``, ``commit``, ``launch``), or ``None`` when nothing is due.
 
-    Source: M3.10 0x00 "One request as a transition system" (the controller's schedule); 0x05
-    (a decision is committed before the next call).
+    Source: M3.10 0x00 "One request as a transition system" (the controller's schedule).
     """
     m = state.machine
-    if m.in_flight is not None:
-        return "complete"
-    if m.quarantined and (m.phase is Phase.READY or repair_outstanding(request.params, m)):
-        return "recover"
-    if m.phase is Phase.SCORED:
-        return "decide"
-    if m.phase is Phase.DECIDED:
-        return "commit"
-    if due_call(request.params, m) is not None:
-        return "launch"
-    return None
+    action = controller_action(phase=m.phase, call_in_flight=m.in_flight is not None, quarantined=m.quarantined,
+                               repair_owed=repair_outstanding(request.params, m), call_due=due_call(request.params, m) is not None)
+    return None if action is None else action.value
 
 
 @attrs.frozen(eq=False)

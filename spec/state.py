@@ -49,6 +49,7 @@ __all__ = [
     "ZERO_NEW_TOKENS_BRANCHES",
     "CacheFamily",
     "Completion",
+    "ControllerAction",
     "InFlightCall",
     "InterruptPoint",
     "Phase",
@@ -57,6 +58,7 @@ __all__ = [
     "RequestState",
     "Score",
     "call_interrupt_point",
+    "controller_action",
     "due_call",
     "initial_state",
     "interrupt_point",
@@ -418,6 +420,42 @@ def next_call(*, phase: Phase, processed: int, prompt_len: int, output_count: in
         return CallKind.DECODE, start, length
     if repair_owed:
         return CallKind.REPAIR, start, length
+    return None
+
+
+class ControllerAction(enum.StrEnum):
+    """The controller's actions, in the order :func:`controller_action` considers them."""
+
+    COMPLETE = "complete"
+    RECOVER = "recover"
+    DECIDE = "decide"
+    COMMIT = "commit"
+    LAUNCH = "launch"
+
+
+def controller_action(*, phase: Phase, call_in_flight: bool, quarantined: bool, repair_owed: bool, call_due: bool) -> ControllerAction | None:
+    """The one action the controller takes next, or ``None`` when the request needs none (terminal or waiting).
+
+    Complete the call in flight; recover a quarantined handle that needs another call (READY, or
+    a repair call owed); decide a scored row; commit a decision; launch the due call
+    (:func:`next_call`).  Over plain fields, so that every controller -- the spec's composed
+    request (:func:`decodespec.spec.request_machine.next_action`), the reference runtime's
+    ``RequestRunner.step`` and the peer adapters' controller -- asks this one rule.
+
+    Source: M3.10 0x00 "One request as a transition system" (the controller's schedule); 0x05
+    (a decision is committed before the next call); 0x0A "Logical recovery sockets" (recover before
+    the next call).
+    """
+    if call_in_flight:
+        return ControllerAction.COMPLETE
+    if quarantined and (phase is Phase.READY or repair_owed):
+        return ControllerAction.RECOVER
+    if phase is Phase.SCORED:
+        return ControllerAction.DECIDE
+    if phase is Phase.DECIDED:
+        return ControllerAction.COMMIT
+    if call_due:
+        return ControllerAction.LAUNCH
     return None
 
 

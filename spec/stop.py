@@ -62,6 +62,10 @@ Declared choices where the seed leaves one open (each is tested):
 Source: M3.10 0x06 "Stop criteria and active rows" through "Finish reason and RNG precedence";
 peers: vLLM ``v1/engine/detokenizer.py`` (holds back ``max(len(stop)) - 1`` characters, truncates
 text but not ids), HF ``StopStringCriteria`` (stops on overlap with the last token, never trims).
+
+Size: one reference: the stream's commit horizon is defined by the stop matcher's holdback and the
+incremental decoder, and the output alignment by the stop match; they are checked against each
+other.
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ Source: M3.10 "Authoritative phase and commit spine", "The first-output off-by-o
 branch table, 0x06 "One selection is an output-state transaction" and "Finish reason and RNG
 precedence", 0x08, 0x0A "Logical recovery sockets" and "Asynchronous completion and error
 boundaries".
+
+Size: the transition table: every M3.10 transition with its guard clauses beside its effect (issue
+17 item 6), one table read top to bottom.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ from .participation import (
     active,
     anyone_left,
     blocked,
+    expected_lanes,
     initial_progress,
     participation_failure,
     rank_enter,
@@ -172,17 +176,6 @@ def _receipt(state: RequestState) -> Receipt:
 def expected_start(params: RequestParams, state: RequestState) -> int:
     """Input position of the next call's first row: P when cached, 0 (full recomputation) without a cache."""
     return state.processed if params.cached else 0
-
-
-def expected_lanes(params: RequestParams, call: InFlightCall) -> tuple[tuple[str, int], ...]:
-    """The roster report that selects ALL_NEW: advancing lanes at the call's end, fixed lanes at S."""
-    out = []
-    for lane in params.profile.lanes:
-        if lane.name not in call.roster:
-            continue
-        frontier = call.end if lane.advancing else params.source_len
-        out.append((lane.name, frontier if frontier is not None else 0))
-    return tuple(out)
 
 
 def expected_report(params: RequestParams, state: RequestState) -> Complete:

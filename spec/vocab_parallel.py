@@ -55,8 +55,9 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from decodespec.spec.head_loss import Smoothing
+
 from .errors import Rejection, register_code
-from .head import Smoothing
 from .policy.transforms import _prefix_keep, stable_order
 from .rules import rule
 

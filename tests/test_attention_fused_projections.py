@@ -1,4 +1,4 @@
-"""Fused q/k/v and gate/up projections (impl/model.py ``FusedWeight``): same state dict, same bits.
+"""Fused q/k/v and gate/up projections (impl/fastpath.py ``FusedWeight``): same state dict, same bits.
 
 The decode speed work fuses ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj`` into
 one matrix each whose row blocks *are* the modules' weights (views), and rotates query and key
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from decodespec.checks.testing import requires_smollm2
-from decodespec.impl.model import FusedWeight
+from decodespec.impl.fastpath import FusedWeight
 from decodespec.impl.tiny import load_tiny
 
 PROMPT = [5, 60, 70, 80, 90, 100, 110]

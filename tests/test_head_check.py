@@ -147,7 +147,7 @@ def _batch(seed=1):
 def test_tiny_is_tied_by_identity_and_accumulates_both_gradients(tiny_model):
     import torch
 
-    from decodespec.spec.head import tying_violations
+    from decodespec.spec.head_tying import tying_violations
 
     obs = hc.observe_tying(tiny_model, torch.optim.SGD(tiny_model.parameters(), lr=0.1))
     assert obs.same_parameter and obs.same_storage and obs.optimizer_entries == 1 and tying_violations(obs) == ()
@@ -165,7 +165,7 @@ def test_a_loader_that_copies_the_embedding_is_caught():
     import torch
 
     from decodespec.impl.tiny import load_tiny
-    from decodespec.spec.head import tying_violations
+    from decodespec.spec.head_tying import tying_violations
 
     tied, copied = load_tiny(seed=0, device="cpu"), hc.TYING_MUTANTS["head_copy_not_tie"](load_tiny(seed=0, device="cpu"))
     ids, labels = _batch(2)
@@ -193,7 +193,7 @@ def test_a_loader_that_copies_the_embedding_is_caught():
 def test_smollm2_is_tied_in_our_loader(smollm2_model):
     import torch
 
-    from decodespec.spec.head import tying_violations
+    from decodespec.spec.head_tying import tying_violations
 
     assert smollm2_model.config.tie_word_embeddings
     embed, head = smollm2_model.model.embed_tokens.weight, smollm2_model.lm_head.weight

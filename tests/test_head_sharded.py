@@ -11,7 +11,7 @@ import torch
 
 from decodespec.checks.testing import requires_smollm2
 from decodespec.spec.errors import Rejection
-from decodespec.spec.head import ShardedTieObservation, adam_first_update, sharded_tie_violations
+from decodespec.spec.head_tying import ShardedTieObservation, adam_first_update, sharded_tie_violations
 
 
 def _obs(**kw):

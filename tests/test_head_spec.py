@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from decodespec.spec import head as H
+from decodespec.spec import head_loss as HL
+from decodespec.spec import head_tying as HT
 from decodespec.spec.errors import Rejection
 from decodespec.spec.policy.scores import ScoreKind
 from decodespec.spec.rules import RULES
@@ -66,8 +68,8 @@ def test_translation_invariance(shift):
     assert H.translation_gap(z, shift) < 1e-12
     # and the cross entropy does not move either
     y = np.array([0, 3, 10, 5])
-    base = H.row_losses(z, y).row_losses
-    moved = H.row_losses(z + shift, y).row_losses
+    base = HL.row_losses(z, y).row_losses
+    moved = HL.row_losses(z + shift, y).row_losses
     assert np.allclose(base, moved, atol=1e-9, rtol=0)
 
 
@@ -163,7 +165,7 @@ def _torch_rows(z, y, eps=0.0):
 def test_row_loss_is_m_plus_log_s_minus_target_on_supervised_rows_only():
     h, e, b, y = _training_case()
     z = H.head_logits(h, e, b)
-    res = H.row_losses(z, y)
+    res = HL.row_losses(z, y)
     r = 5
     m = z[r].max()
     s = np.exp(z[r] - m).sum()
@@ -174,15 +176,15 @@ def test_row_loss_is_m_plus_log_s_minus_target_on_supervised_rows_only():
     # An ignored row may be degenerate; a supervised one may not.
     z2 = z.copy()
     z2[0] = -np.inf
-    assert H.row_losses(z2, y).valid_count == 9
+    assert HL.row_losses(z2, y).valid_count == 9
     z2[3] = -np.inf
     with pytest.raises(Rejection) as err:
-        H.row_losses(z2, y)
+        HL.row_losses(z2, y)
     assert err.value.code == "head.degenerate_row" and err.value.path == "$.logits[3]"
     bad = y.copy()
     bad[4] = 17
     with pytest.raises(Rejection) as err:
-        H.row_losses(z, bad)
+        HL.row_losses(z, bad)
     assert err.value.code == "head.invalid_input" and err.value.path == "$.labels[4]"
 
 
@@ -190,34 +192,34 @@ def test_label_smoothing_conventions_are_named_and_differ():
     h, e, b, y = _training_case()
     z = H.head_logits(h, e, b)
     eps = 0.1
-    all_cls = H.LossSpec(label_smoothing=eps)
-    non_tgt = H.LossSpec(label_smoothing=eps, smoothing="non_target")
-    q = H.target_distribution(y, 17, all_cls)
+    all_cls = HL.LossSpec(label_smoothing=eps)
+    non_tgt = HL.LossSpec(label_smoothing=eps, smoothing="non_target")
+    q = HL.target_distribution(y, 17, all_cls)
     assert np.allclose(q[~(y == H.IGNORE_INDEX)].sum(axis=1), 1.0) and (q[0] == 0).all()
     assert q[4, y[4]] == pytest.approx(1 - eps + eps / 17) and q[4, (y[4] + 1) % 17] == pytest.approx(eps / 17)
-    qn = H.target_distribution(y, 17, non_tgt)
+    qn = HL.target_distribution(y, 17, non_tgt)
     assert qn[4, y[4]] == pytest.approx(1 - eps) and qn[4, (y[4] + 1) % 17] == pytest.approx(eps / 16)
     # ALL_CLASSES is PyTorch's label_smoothing; NON_TARGET is another loss for the same eps.
-    ours = H.row_losses(z, y, all_cls).row_losses
+    ours = HL.row_losses(z, y, all_cls).row_losses
     assert np.allclose(ours, _torch_rows(z, y, eps), atol=1e-12, rtol=0)
-    other = H.row_losses(z, y, non_tgt).row_losses
+    other = HL.row_losses(z, y, non_tgt).row_losses
     assert np.abs(other - ours).max() > 1e-3
     # the closed form (1 - eps)(-log p_y) + eps * (-(1/V) sum_v log p_v)
     logp = z[4] - np.log(np.exp(z[4] - z[4].max()).sum()) - z[4].max()
     assert ours[4] == pytest.approx((1 - eps) * -logp[y[4]] + eps * -logp.mean(), abs=1e-12)
     for bad in (-0.1, 1.5, "x", True):
         with pytest.raises(Rejection):
-            H.LossSpec(label_smoothing=bad)
+            HL.LossSpec(label_smoothing=bad)
 
 
-@pytest.mark.parametrize("spec", [H.LossSpec(), H.LossSpec(label_smoothing=0.2), H.LossSpec(label_smoothing=0.2, smoothing="non_target")])
+@pytest.mark.parametrize("spec", [HL.LossSpec(), HL.LossSpec(label_smoothing=0.2), HL.LossSpec(label_smoothing=0.2, smoothing="non_target")])
 @pytest.mark.parametrize("chunks", [1, 4, [1, 5, 2, 5], 13])
 @pytest.mark.parametrize("vocab_tile", [1, 5, 17])
 def test_schedules_agree_row_by_row(spec, chunks, vocab_tile):
     h, e, b, y = _training_case()
-    full = H.materialized_loss(h, e, b, y, spec)
-    chunked = H.chunked_loss(h, e, b, y, spec, chunks)
-    tiled = H.tiled_loss(h, e, b, y, spec, chunks, vocab_tile)
+    full = HL.materialized_loss(h, e, b, y, spec)
+    chunked = HL.chunked_loss(h, e, b, y, spec, chunks)
+    tiled = HL.tiled_loss(h, e, b, y, spec, chunks, vocab_tile)
     for other in (chunked, tiled):
         assert np.allclose(other.row_losses, full.row_losses, atol=1e-12, rtol=1e-12)
         assert other.valid_count == full.valid_count == 9
@@ -228,14 +230,14 @@ def test_schedules_agree_row_by_row(spec, chunks, vocab_tile):
 
 def test_a_mean_of_chunk_means_is_another_number():
     h, e, b, y = _training_case()
-    full = H.materialized_loss(h, e, b, y)
-    means = [r.mean for r in (H.materialized_loss(h[a:z], e, b, y[a:z]) for a, z in H.chunk_bounds(13, [1, 5, 2, 5]))
+    full = HL.materialized_loss(h, e, b, y)
+    means = [r.mean for r in (HL.materialized_loss(h[a:z], e, b, y[a:z]) for a, z in HL.chunk_bounds(13, [1, 5, 2, 5]))
              if r.valid_count]
     assert abs(float(np.mean(means)) - full.mean) > 1e-3
-    assert H.chunked_loss(h, e, b, y, chunks=[1, 5, 2, 5]).mean == pytest.approx(full.mean, abs=1e-12)
+    assert HL.chunked_loss(h, e, b, y, chunks=[1, 5, 2, 5]).mean == pytest.approx(full.mean, abs=1e-12)
     for bad in (0, [3, 3], [13, 0]):
         with pytest.raises(Rejection) as err:
-            H.chunk_bounds(13, bad)
+            HL.chunk_bounds(13, bad)
         assert err.value.code == "head.invalid_input"
 
 
@@ -246,36 +248,36 @@ def test_extreme_logits_and_inf_masks():
     y = np.where(np.isin(y, [3, 8]), 4, y)
     z = H.head_logits(h, e, b)
     assert np.abs(z[np.isfinite(z)]).max() > 5e3
-    full = H.materialized_loss(h, e, b, y)
+    full = HL.materialized_loss(h, e, b, y)
     assert np.isfinite(full.row_losses).all()
     assert np.allclose(full.row_losses, _torch_rows(z, y), atol=1e-9, rtol=1e-12)
-    for spec in (H.LossSpec(), H.LossSpec(label_smoothing=0.0)):
-        tiled = H.tiled_loss(h, e, b, y, spec, chunks=[3, 10], vocab_tile=4)
+    for spec in (HL.LossSpec(), HL.LossSpec(label_smoothing=0.0)):
+        tiled = HL.tiled_loss(h, e, b, y, spec, chunks=[3, 10], vocab_tile=4)
         assert np.allclose(tiled.row_losses, full.row_losses, atol=1e-9, rtol=1e-12)
     # Explicit +-1e4 rows: stable, no overflow.
     zz = np.array([[1e4, -1e4, 0.0], [1e4, 1e4, -np.inf]])
-    res = H.row_losses(zz, np.array([0, 1]))
+    res = HL.row_losses(zz, np.array([0, 1]))
     assert res.row_losses[0] == pytest.approx(0.0, abs=1e-12) and res.row_losses[1] == pytest.approx(np.log(2), abs=1e-12)
     # A masked target has probability 0: loss +inf (as PyTorch), in every schedule; smoothing over a masked class too.
-    inf_case = H.row_losses(zz, np.array([0, 2]))
+    inf_case = HL.row_losses(zz, np.array([0, 2]))
     assert np.isposinf(inf_case.row_losses[1])
-    assert np.isposinf(H.row_losses(zz, np.array([0, 0]), H.LossSpec(label_smoothing=0.1)).row_losses[1])
+    assert np.isposinf(HL.row_losses(zz, np.array([0, 0]), HL.LossSpec(label_smoothing=0.1)).row_losses[1])
     hh, ee, bb = np.eye(3), np.eye(3), np.array([0.0, 0.0, -np.inf])
-    assert np.isposinf(H.tiled_loss(hh, ee, bb, np.array([0, 1, 2]), vocab_tile=2).row_losses[2])
+    assert np.isposinf(HL.tiled_loss(hh, ee, bb, np.array([0, 1, 2]), vocab_tile=2).row_losses[2])
     with pytest.raises(Rejection) as err:
-        H.row_losses(np.array([[np.nan, 0.0]]), np.array([0]))
+        HL.row_losses(np.array([[np.nan, 0.0]]), np.array([0]))
     assert err.value.code == "head.nan_logits"
 
 
 def _loss_of(hidden, weight, bias, y, spec):
-    return H.materialized_loss(hidden, weight, bias, y, spec).mean
+    return HL.materialized_loss(hidden, weight, bias, y, spec).mean
 
 
-@pytest.mark.parametrize("spec", [H.LossSpec(), H.LossSpec(label_smoothing=0.1), H.LossSpec(label_smoothing=0.1, smoothing="non_target")])
+@pytest.mark.parametrize("spec", [HL.LossSpec(), HL.LossSpec(label_smoothing=0.1), HL.LossSpec(label_smoothing=0.1, smoothing="non_target")])
 def test_gradients_against_finite_differences(spec):
     h, e, b, y = _training_case(r=6, v=7, d=3)
     y[[0, 1, 2]] = [1, H.IGNORE_INDEX, 5]
-    g = H.head_gradients(h, e, b, y, spec)
+    g = HL.head_gradients(h, e, b, y, spec)
     assert np.allclose(g.hidden, g.logits @ e) and np.allclose(g.weight, g.logits.T @ h) and np.allclose(g.bias, g.logits.sum(axis=0))
     assert (g.logits[~(y != H.IGNORE_INDEX)] == 0).all() and (g.hidden[1] == 0).all()
     step = 1e-6
@@ -301,32 +303,32 @@ def test_gradients_against_torch_autograd_float64():
         th, te, tb = (torch.tensor(x, requires_grad=True) for x in (h, e, b))
         loss = F.cross_entropy(F.linear(th, te, tb), torch.tensor(y), ignore_index=H.IGNORE_INDEX, label_smoothing=eps)
         loss.backward()
-        g = H.head_gradients(h, e, b, y, H.LossSpec(label_smoothing=eps))
-        assert loss.item() == pytest.approx(H.materialized_loss(h, e, b, y, H.LossSpec(label_smoothing=eps)).mean, abs=1e-12)
+        g = HL.head_gradients(h, e, b, y, HL.LossSpec(label_smoothing=eps))
+        assert loss.item() == pytest.approx(HL.materialized_loss(h, e, b, y, HL.LossSpec(label_smoothing=eps)).mean, abs=1e-12)
         for ours, theirs in ((g.hidden, th.grad), (g.weight, te.grad), (g.bias, tb.grad)):
             assert np.allclose(ours, theirs.numpy(), atol=1e-13, rtol=1e-10)
-    g_sum = H.head_gradients(h, e, b, y, reduction="sum")
-    assert np.allclose(g_sum.logits, H.head_gradients(h, e, b, y).logits * 9)
-    assert H.head_gradients(h, e, None, y).bias is None
+    g_sum = HL.head_gradients(h, e, b, y, reduction="sum")
+    assert np.allclose(g_sum.logits, HL.head_gradients(h, e, b, y).logits * 9)
+    assert HL.head_gradients(h, e, None, y).bias is None
     with pytest.raises(Rejection):
-        H.head_gradients(h, e, b, y, reduction="max")
+        HL.head_gradients(h, e, b, y, reduction="max")
 
 
 # -- 0x09: weight tying (pure) ------------------------------------------------------------------------
 # Rules checked: invariant.head_tied_one_parameter, invariant.head_tied_gradient_accumulates.
 
 def test_tying_violations_name_each_way_to_break_the_declaration():
-    T = H.TyingObservation
-    assert H.tying_violations(T(True, True, True, True, 1, 1)) == ()
-    assert H.tying_violations(T(False, False, False, False, 2, 2)) == ()
-    assert H.tying_violations(T(True, False, False, True)) == ("copied_not_tied",)
-    assert H.tying_violations(T(True, False, False, False)) == ("not_tied",)
-    assert H.tying_violations(T(True, True, False, True)) == ("storage_split",)
-    assert H.tying_violations(T(False, True, True, True)) == ("tied_but_declared_untied",)
-    assert H.tying_violations(T(True, False, False, True, 2, 2)) == ("copied_not_tied", "optimizer_duplicate")
-    assert H.tying_violations(T(True, True, True, True, 0)) == ("optimizer_missing",)
-    assert H.tying_violations(T(True, True, True, True, 1, 2)) == ("optimizer_duplicate",)
-    assert set(H.TIED_VIOLATIONS) >= {"copied_not_tied", "optimizer_duplicate"}
+    T = HT.TyingObservation
+    assert HT.tying_violations(T(True, True, True, True, 1, 1)) == ()
+    assert HT.tying_violations(T(False, False, False, False, 2, 2)) == ()
+    assert HT.tying_violations(T(True, False, False, True)) == ("copied_not_tied",)
+    assert HT.tying_violations(T(True, False, False, False)) == ("not_tied",)
+    assert HT.tying_violations(T(True, True, False, True)) == ("storage_split",)
+    assert HT.tying_violations(T(False, True, True, True)) == ("tied_but_declared_untied",)
+    assert HT.tying_violations(T(True, False, False, True, 2, 2)) == ("copied_not_tied", "optimizer_duplicate")
+    assert HT.tying_violations(T(True, True, True, True, 0)) == ("optimizer_missing",)
+    assert HT.tying_violations(T(True, True, True, True, 1, 2)) == ("optimizer_duplicate",)
+    assert set(HT.TIED_VIOLATIONS) >= {"copied_not_tied", "optimizer_duplicate"}
 
 
 def test_tied_gradient_is_a_sparse_scatter_plus_a_dense_classifier_term():
@@ -335,12 +337,12 @@ def test_tied_gradient_is_a_sparse_scatter_plus_a_dense_classifier_term():
     ids = np.array([4, 1, 4, 4])  # a repeated id accumulates
     gin = rng.normal(size=(4, d))
     g, h = rng.normal(size=(2, v)), rng.normal(size=(2, d))
-    inp, out = H.tied_gradient(ids, gin, g, h, v)
+    inp, out = HT.tied_gradient(ids, gin, g, h, v)
     assert np.allclose(inp[4], gin[[0, 2, 3]].sum(axis=0)) and np.allclose(inp[1], gin[1])
     assert (inp[[0, 2, 3, 5]] == 0).all()  # sparse in token rows
     assert np.allclose(out, g.T @ h) and (np.abs(out).sum(axis=1) > 0).all()  # dense over the vocabulary
     with pytest.raises(Rejection) as err:
-        H.tied_gradient(np.array([6, 0, 0, 0]), gin, g, h, v)
+        HT.tied_gradient(np.array([6, 0, 0, 0]), gin, g, h, v)
     assert err.value.code == "head.invalid_input"
 
 
@@ -355,16 +357,16 @@ def test_tiled_schedule_matches_on_drawn_cases_with_masks_and_both_conventions()
             b[rng.integers(0, v, size=2)] = -np.inf
         y = rng.integers(0, v, size=r)
         y[rng.random(r) < 0.3] = H.IGNORE_INDEX
-        spec = H.LossSpec(label_smoothing=float(rng.choice([0.0, 0.1, 1.0])), smoothing=str(rng.choice(["all_classes", "non_target"])))
+        spec = HL.LossSpec(label_smoothing=float(rng.choice([0.0, 0.1, 1.0])), smoothing=str(rng.choice(["all_classes", "non_target"])))
         chunks, tile = int(rng.integers(1, 5)), int(rng.integers(1, 6))
         try:
-            full = H.materialized_loss(h, e, b, y, spec)
+            full = HL.materialized_loss(h, e, b, y, spec)
         except Rejection as err:  # every column of a supervised row masked: both schedules refuse it the same way
             with pytest.raises(Rejection) as other:
-                H.tiled_loss(h, e, b, y, spec, chunks=chunks, vocab_tile=tile)
+                HL.tiled_loss(h, e, b, y, spec, chunks=chunks, vocab_tile=tile)
             assert (other.value.code, other.value.path) == (err.code, err.path) == ("head.degenerate_row", err.path)
             continue
-        tiled = H.tiled_loss(h, e, b, y, spec, chunks=chunks, vocab_tile=tile)
+        tiled = HL.tiled_loss(h, e, b, y, spec, chunks=chunks, vocab_tile=tile)
         assert np.allclose(tiled.row_losses, full.row_losses, rtol=1e-10, atol=1e-8), (spec, y, b)
         assert tiled.valid_count == full.valid_count
         compared += int(np.isposinf(full.row_losses).any())

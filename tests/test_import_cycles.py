@@ -1,22 +1,13 @@
-"""No import cycle among a package's own modules, function-local imports counted (issue 17 item 4).
+"""No import cycle inside a package, and no function-local import that hides one (issue 17 items 4 and 5).
 
-A function-local import of one of the package's own modules still makes the importing module
-depend on it: importing it late only hides a cycle from the interpreter (the "dodge" issue 17
-names).  So the graph here has an edge for every ``import`` / ``from ... import`` of an own
-module anywhere in a file -- at the top, under ``if``, in a function or method -- and the test
-fails on any strongly connected component of more than one module, naming each edge with its line.
+Checked for ``spec/``, ``impl/`` and ``checks/`` (docs/design.md 1a: the module map of ``checks/``).
 
-Two edges are not dependencies and are left out: a module importing its own parent package
-(``from . import X`` inside ``pkg/sub.py``: the parent is already initialising) and a module
-importing itself.  Imports of other packages (``torch``, ``transformers``, ``decodespec.spec``
-from ``checks/``) are not in the graph: a heavy optional dependency imported inside a function
-is fine.
-
-``checks/`` is checked; ``spec/`` and ``impl/`` are expected to fail until their cycles are
-broken (strict: the mark must go when they pass).
-
-Source: issue 17 item 4 ("no import cycle and no function-local import used to dodge one");
-/work/notes/cycles.py (the same graph).
+The graph is read from the source with :mod:`ast`: an edge ``a -> b`` for every import in module
+``a`` of a module ``b`` of the same package, at the top level *and* inside functions (a function-
+local import of a module that imports the importer back is a cycle postponed, not removed).
+Imports under ``if TYPE_CHECKING:`` never run and are left out, as is a submodule importing its own
+parent package (the parent is already initialising).  A function-local import of a heavy optional
+dependency (torch, transformers, ...) is not an edge: only the package's own modules count.
 """
 
 from __future__ import annotations
@@ -27,126 +18,97 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-#: Top folder -> the package it is installed as (pyproject's package-dir).
-PACKAGES = {"spec": "decodespec.spec", "impl": "decodespec.impl", "checks": "decodespec.checks"}
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("spec", "impl", "checks")
 
 
-def module_name(path: Path, root: Path, package: str) -> str:
-    """The dotted name of ``path`` (a ``.py`` file under ``root``) when ``root`` is installed as ``package``."""
-    parts = list(path.relative_to(root).with_suffix("").parts)
+def _module_name(folder: str, path: Path, base: Path) -> str:
+    parts = list(path.relative_to(base).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
-    return ".".join([package, *parts])
+    return ".".join(["decodespec", folder, *parts])
 
 
-def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, modules: set[str]) -> list[str]:
-    """The own modules an import statement of ``module`` names (a ``from M import name`` of a submodule names it)."""
-    if isinstance(node, ast.Import):
-        return [alias.name for alias in node.names if alias.name in modules]
-    if node.level:
-        base = module.split(".") if is_package else module.split(".")[:-1]
-        base = base[:len(base) - (node.level - 1)]
-        full = ".".join(base + ([node.module] if node.module else []))
-    else:
-        full = node.module or ""
-    out = []
-    for alias in node.names:
-        if f"{full}.{alias.name}" in modules:
-            out.append(f"{full}.{alias.name}")
-        elif full in modules:
-            out.append(full)
-    return out
-
-
-def import_graph(root: Path, package: str) -> nx.DiGraph:
-    """Edges ``importer -> imported`` between the modules of ``root``; each edge's ``where`` lists its ``(line, local)`` statements.
-
-    ``local`` is True for an import inside a function.  A module importing its parent package, or
-    itself, adds no edge.
-    """
-    files = {module_name(p, root, package): p for p in sorted(root.rglob("*.py"))}
-    modules = set(files)
+def import_graph(files: dict[str, str], folder: str) -> nx.DiGraph:
+    """The import graph of ``files`` (module name -> source; ``__init__`` modules named by their package) of package ``folder``."""
     graph = nx.DiGraph()
-    graph.add_nodes_from(modules)
-    for module, path in files.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        local = {id(sub) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
-                 for sub in ast.walk(fn) if isinstance(sub, (ast.Import, ast.ImportFrom))}
+    graph.add_nodes_from(files)
+    packages = {name for name in files if any(other.startswith(name + ".") for other in files)}
+    for name, source in files.items():
+        tree = ast.parse(source)
+        typing_only = {id(sub) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                       for sub in ast.walk(node)}
+        here = name.split(".") if name in packages else name.split(".")[:-1]
         for node in ast.walk(tree):
-            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            if id(node) in typing_only:
                 continue
-            for target in _targets(node, module, path.name == "__init__.py", modules):
-                if target == module or module.startswith(target + "."):
-                    continue
-                if not graph.has_edge(module, target):
-                    graph.add_edge(module, target, where=[])
-                where = (node.lineno, id(node) in local)
-                if where not in graph.edges[module, target]["where"]:
-                    graph.edges[module, target]["where"].append(where)
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join((here[:len(here) - (node.level - 1)] if node.level else []) + ([node.module] if node.module else []))
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in files:
+                        targets.append(f"{base}.{alias.name}")
+                    elif base in files:
+                        targets.append(base)
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name in files]
+            for target in targets:
+                if target != name and not name.startswith(target + "."):
+                    graph.add_edge(name, target)
     return graph
 
 
-def cycle_report(graph: nx.DiGraph) -> list[str]:
-    """One line per strongly connected component of more than one module: its modules and the edges inside it."""
-    out = []
-    for component in sorted(sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1):
-        inside = set(component)
-        edges = [f"{a} -> {b} (line {', '.join(f'{n}' + (' in a function' if lo else '') for n, lo in graph.edges[a, b]['where'])})"
-                 for a, b in sorted(graph.edges) if a in inside and b in inside]
-        out.append(f"cycle of {len(component)} modules: " + "; ".join(edges))
-    return out
+def package_files(folder: str) -> dict[str, str]:
+    base = ROOT / folder
+    return {_module_name(folder, p, base): p.read_text(encoding="utf-8") for p in sorted(base.rglob("*.py"))}
 
 
-@pytest.mark.parametrize("folder", [
-    "checks",
-    pytest.param("spec", marks=pytest.mark.xfail(strict=True, reason="spec/ still has a cycle through a function-local import")),
-    pytest.param("impl", marks=pytest.mark.xfail(strict=True, reason="impl/ still has a cycle through function-local imports (issue 17 item 5)")),
-])
-def test_no_import_cycle(folder: str) -> None:
-    report = cycle_report(import_graph(REPO / folder, PACKAGES[folder]))
-    assert not report, "\n".join(report)
+def cycles(graph: nx.DiGraph) -> list[list[str]]:
+    return [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
 
 
-def _write(root: Path, files: dict[str, str]) -> Path:
-    for rel, text in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return root
+@pytest.mark.parametrize("folder", PACKAGES)
+def test_no_import_cycle(folder):
+    found = cycles(import_graph(package_files(folder), folder))
+    assert not found, f"import cycles in {folder}/ (counting function-local imports): {found}"
 
 
-def test_a_planted_cycle_through_a_function_local_import_is_caught(tmp_path: Path) -> None:
-    root = _write(tmp_path / "pkg", {
-        "__init__.py": "",
-        "a.py": "from .sub import b\n\nVALUE = 1\n",
-        "sub/__init__.py": "",
-        "sub/b.py": "def late():\n    from ..a import VALUE  # the dodge\n\n    return VALUE\n",
-        "c.py": "import pkg.a\n",
-    })
-    graph = import_graph(root, "pkg")
-    report = cycle_report(graph)
-    assert report == ["cycle of 2 modules: pkg.a -> pkg.sub.b (line 1); pkg.sub.b -> pkg.a (line 2 in a function)"]
-    assert graph.has_edge("pkg.c", "pkg.a") and not graph.has_edge("pkg.a", "pkg.c")
+def test_a_cycle_hidden_in_a_function_is_found():
+    files = {
+        "decodespec.x.a": "from .b import f\n",
+        "decodespec.x.b": "def f():\n    from .a import g\n    return g\n",
+        "decodespec.x.c": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import g\n",
+        "decodespec.x.d": "import torch\nfrom decodespec.x.c import h\n",
+    }
+    graph = import_graph(files, "x")
+    assert cycles(graph) == [["decodespec.x.a", "decodespec.x.b"]]
+    assert not graph.has_edge("decodespec.x.c", "decodespec.x.a") and graph.has_edge("decodespec.x.d", "decodespec.x.c")
+    files["decodespec.x.b"] = "def f():\n    return 1\n"
+    assert cycles(import_graph(files, "x")) == []
 
 
-def test_a_top_level_cycle_and_a_from_import_of_a_submodule_are_caught(tmp_path: Path) -> None:
-    root = _write(tmp_path / "pkg", {
-        "__init__.py": "",
-        "x.py": "from . import y\n",
-        "y.py": "from pkg.x import thing\n",
-    })
-    assert cycle_report(import_graph(root, "pkg")) == ["cycle of 2 modules: pkg.x -> pkg.y (line 1); pkg.y -> pkg.x (line 1)"]
+def test_a_cycle_through_a_subpackage_and_a_from_import_of_a_module_is_found():
+    # checks/ is split into subpackages: a relative import two levels up, and ``from . import y``
+    # naming a module, are edges too.
+    files = {
+        "decodespec.x": "",
+        "decodespec.x.a": "from .sub import b\n",
+        "decodespec.x.sub": "",
+        "decodespec.x.sub.b": "def late():\n    from ..a import VALUE\n    return VALUE\n",
+        "decodespec.x.y": "from . import z\n",
+        "decodespec.x.z": "from decodespec.x.y import thing\n",
+    }
+    assert cycles(import_graph(files, "x")) == [["decodespec.x.a", "decodespec.x.sub.b"], ["decodespec.x.y", "decodespec.x.z"]]
 
 
-def test_a_parent_package_importing_its_children_is_no_cycle(tmp_path: Path) -> None:
-    # The package's __init__ imports its submodules (registration), and each submodule imports
-    # names from the package: the parent is already initialising, so that is not a dependency.
-    root = _write(tmp_path / "pkg", {
-        "__init__.py": "REGISTRY = {}\n\nfrom . import one, two  # noqa\n",
-        "one.py": "from . import REGISTRY\n",
-        "two.py": "from pkg import REGISTRY\nfrom .one import REGISTRY as R\n",
-    })
-    graph = import_graph(root, "pkg")
-    assert cycle_report(graph) == []
-    assert set(graph.edges) == {("pkg", "pkg.one"), ("pkg", "pkg.two"), ("pkg.two", "pkg.one")}
+def test_a_package_importing_its_own_children_is_no_cycle():
+    # A package's __init__ imports its submodules (registration) and they import names from it
+    # (the mutants catalogue): the parent is already initialising, so that is no dependency.
+    files = {
+        "decodespec.x": "REGISTRY = {}\n\nfrom . import one, two\n",
+        "decodespec.x.one": "from . import REGISTRY\n",
+        "decodespec.x.two": "from decodespec.x import REGISTRY\nfrom .one import REGISTRY as R\n",
+    }
+    graph = import_graph(files, "x")
+    assert cycles(graph) == []
+    assert set(graph.edges) == {("decodespec.x", "decodespec.x.one"), ("decodespec.x", "decodespec.x.two"), ("decodespec.x.two", "decodespec.x.one")}

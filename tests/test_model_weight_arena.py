@@ -1,4 +1,4 @@
-"""The CPU weight arena (impl/model.py ``weight_arena``, ``LlamaForCausalLM.rebuild_fused_projections``).
+"""The CPU weight arena (impl/fastpath.py ``weight_arena``, ``LlamaForCausalLM.rebuild_fused_projections``).
 
 On the CPU every weight a decode step reads lives in one buffer, in the order the step reads it,
 each slice on a 64-byte boundary (and the buffer on 2 MiB transparent huge pages where Linux
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decodespec.impl.model import FusedWeight, weight_arena
+from decodespec.impl.fastpath import FusedWeight, weight_arena
 from decodespec.impl.tiny import load_tiny
 
 PROMPT = [5, 60, 70, 80, 90]

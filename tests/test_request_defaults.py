@@ -6,11 +6,13 @@ The declared defaults and the controller's schedule live in ``spec/`` once:
   :func:`decodespec.spec.request.default_static_capacity`;
 * the context cap C, the least of the declared bounds: :func:`decodespec.spec.request.context_cap`;
 * the call due next: :func:`decodespec.spec.state.next_call`;
-* the interrupt-point map (phase -> where a cancel lands): :func:`decodespec.spec.state.call_interrupt_point`.
+* the interrupt-point map (phase -> where a cancel lands): :func:`decodespec.spec.state.call_interrupt_point`;
+* the policy a request decides with (``min_new_tokens`` as its first legality transform):
+  :func:`decodespec.spec.request.policy_with_min_new_tokens`.
 
 An AST scan of ``spec/``, ``impl/`` and ``checks/`` fails when one of them is computed anywhere else
 (the shapes: an ``L + G + 1`` sum, a ``min`` over two kinds of length bound, a dict mapping phases to
-``InterruptPoint`` members, a ``return`` of a prefill call tuple).  The scan is shown to catch a planted
+``InterruptPoint`` members, a ``return`` of a prefill call tuple, a ``min_new_tokens`` transform prepended to a list).  The scan is shown to catch a planted
 copy of each shape, and the homes' values are checked against the defaults they replace.
 """
 
@@ -89,6 +91,11 @@ def findings(source: str, where: str = "<planted>") -> list[str]:
             head = node.value.elts[0]
             if (isinstance(head, ast.Attribute) and head.attr == "PREFILL") or (isinstance(head, ast.Constant) and head.value == "prefill"):
                 out.append(f"{where}:{line}: due prefill call (next_call)")
+        # [{"name": "min_new_tokens"}] + transforms: the policy a request decides with.
+        if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and isinstance(node.left, ast.List)
+                and any(isinstance(e, ast.Dict) and any(isinstance(v, ast.Constant) and v.value == "min_new_tokens" for v in e.values)
+                        for e in node.left.elts)):
+            out.append(f"{where}:{line}: min_new_tokens transform prepended (policy_with_min_new_tokens)")
     return out
 
 
@@ -112,6 +119,7 @@ def test_no_default_or_schedule_rule_is_computed_outside_its_home():
     "at = {Phase.READY: InterruptPoint.BEFORE_LAUNCH, Phase.SCORED: InterruptPoint.AFTER_COMPLETION}.get(phase)",
     "def due():\n    return CallKind.PREFILL, 0, prompt_len",
     "def due():\n    return 'prefill', processed, 1",
+    "transforms = [{'name': 'min_new_tokens'}] + obj['transforms']",
 ])
 def test_the_scan_catches_a_planted_copy(planted):
     assert findings(planted), planted
@@ -157,3 +165,18 @@ def test_the_schedule_home():
     assert call_interrupt_point(Phase.FINISHED, True) is InterruptPoint.IN_FLIGHT
     assert call_interrupt_point(Phase.FINISHED, False) is None
     assert call_interrupt_point(Phase.SCORED, False) is InterruptPoint.AFTER_COMPLETION
+
+
+def test_the_controller_order_home():
+    """One order of the controller's actions (spec/state.py controller_action), asked by the spec, impl and the peers."""
+    from decodespec.spec.state import ControllerAction, controller_action
+
+    base = {"phase": Phase.READY, "call_in_flight": False, "quarantined": False, "repair_owed": False, "call_due": True}
+    assert controller_action(**base) is ControllerAction.LAUNCH
+    assert controller_action(**{**base, "call_in_flight": True, "quarantined": True}) is ControllerAction.COMPLETE
+    assert controller_action(**{**base, "quarantined": True}) is ControllerAction.RECOVER
+    assert controller_action(**{**base, "phase": Phase.FINISHED, "quarantined": True, "call_due": False}) is None
+    assert controller_action(**{**base, "phase": Phase.FINISHED, "quarantined": True, "repair_owed": True}) is ControllerAction.RECOVER
+    assert controller_action(**{**base, "phase": Phase.SCORED}) is ControllerAction.DECIDE
+    assert controller_action(**{**base, "phase": Phase.DECIDED}) is ControllerAction.COMMIT
+    assert controller_action(**{**base, "call_due": False}) is None

@@ -16,7 +16,8 @@ import attrs
 import pytest
 from runtime_helpers import drive, request  # tests/ is on sys.path
 
-from decodespec.impl.runtime import CommitObservation, RequestRunner
+from decodespec.impl.observers import CommitObservation, NullObserver
+from decodespec.impl.runtime import RequestRunner
 from decodespec.spec import transitions as T
 from decodespec.spec.actions import Admit, Commit, Decide, Launch, Recover
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag
@@ -167,8 +168,9 @@ def test_min_new_tokens_keeps_eos_out_of_the_support(tiny_model, byte_tokenizer)
 
 
 @attrs.define
-class Observer:
-    """A stand-in for the stop/stream components: reports a fixed observation at one output index."""
+class Observer(NullObserver):
+    """A stand-in for the stop/stream components: reports a fixed observation at one output index (the rest of the
+    observer protocol is :class:`~decodespec.impl.observers.NullObserver`'s)."""
 
     at: int
     observation: CommitObservation

@@ -18,7 +18,8 @@ from decodespec.checks.commands.cli import main
 from decodespec.checks.modelcheck.trace_validation import validate_trace
 from decodespec.impl.events import ListSink
 from decodespec.impl.faults import DeviceFault, FaultPlan, Interrupt, MissingLane
-from decodespec.impl.runtime import CommitObservation, RequestRunner
+from decodespec.impl.observers import CommitObservation, NullObserver
+from decodespec.impl.runtime import RequestRunner
 from decodespec.spec.enums import FinishReason
 from decodespec.spec.state import InterruptPoint
 
@@ -63,7 +64,7 @@ def test_every_runtime_trace_is_accepted(tiny_model, prompt, name):
 
 
 def test_a_stop_string_trace_is_accepted(tiny_model, prompt):
-    class Stop:
+    class Stop(NullObserver):
         def observe(self, token_id, logprob, output_index):
             return CommitObservation(frozenset({FinishReason.STOP_STRING}) if output_index == 1 else frozenset())
 

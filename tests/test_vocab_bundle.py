@@ -13,18 +13,16 @@ import pytest
 
 from decodespec.checks.testing import requires_smollm2
 from decodespec.spec.errors import Rejection
-from decodespec.spec.vocab import (
+from decodespec.spec.vocab import AddedToken, AddedTokenObservation, added_token_violations
+from decodespec.spec.vocab_migration import VocabMap
+from decodespec.spec.vocab_release import (
     BUNDLE_PARTS,
     MANIFEST_VIOLATIONS,
-    AddedToken,
-    AddedTokenObservation,
     OptimizerManifest,
     OptimizerParam,
     PolicyManifest,
     ReleaseBundle,
     ShardManifest,
-    VocabMap,
-    added_token_violations,
     bundle_violations,
     manifest_violations,
     map_digest,

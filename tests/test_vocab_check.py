@@ -28,7 +28,8 @@ from decodespec.checks.gate.ladder import Expected, check_state
 from decodespec.checks.gate.tolerance import Tolerance
 from decodespec.checks.lab.mutants.harness import KILLED, Calibration, GateCheck, run_gate
 from decodespec.spec.errors import Rejection
-from decodespec.spec.vocab import NewRowInit, VocabMap, audit_violations
+from decodespec.spec.vocab import audit_violations
+from decodespec.spec.vocab_migration import NewRowInit, VocabMap
 
 
 def test_tiny_audit_agrees_with_the_checkpoint(tiny_model, byte_tokenizer):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from decodespec.spec import vocab as SV
+from decodespec.spec import vocab_migration as SVM
 from decodespec.spec.rules import RULES
 
 torch = pytest.importorskip("torch")
@@ -30,7 +30,7 @@ def test_rules_registered():
 def _obs(**kw):
     base = {"source_hash": "a", "target_hash": "b", "source_size": 5, "target_size": 7, "source_rows": 5, "target_rows": 7, "output_rows": 7,
                 "source_table": "S", "target_table": "T", "output_weight": "O"}
-    return SV.EncDecVocab(**{**base, **kw})
+    return SVM.EncDecVocab(**{**base, **kw})
 
 
 @pytest.mark.parametrize("kw, want", [
@@ -43,35 +43,35 @@ def _obs(**kw):
     ({"target_table": "S", "output_weight": "S", "target_hash": "a", "target_size": 5, "target_rows": 5, "output_rows": 5}, ()),
 ])
 def test_encdec_identity_values(kw, want):
-    assert SV.encdec_violations(_obs(**kw)) == want
+    assert SVM.encdec_violations(_obs(**kw)) == want
 
 
 def test_encdec_identity_read_from_torch():
     ed = make_model(len(SRC), len(TGT), 1, d_model=16, d_ff=32, h=2)
-    assert SV.encdec_violations(vc.observe_encdec(ed, SRC, TGT)) == ()
+    assert SVM.encdec_violations(vc.observe_encdec(ed, SRC, TGT)) == ()
     # Equal sizes prove nothing: a target head over the source table is refused by identity, not by shape.
     ed.generator.proj.weight = ed.src_embed[0].lut.weight
-    assert SV.encdec_violations(vc.observe_encdec(ed, SRC, TGT)) == ("output_over_source",)
+    assert SVM.encdec_violations(vc.observe_encdec(ed, SRC, TGT)) == ("output_over_source",)
     # One shared ordered vocabulary makes the same sharing legal.
-    assert SV.encdec_violations(vc.observe_encdec(ed, SRC, SRC)) == ()
+    assert SVM.encdec_violations(vc.observe_encdec(ed, SRC, SRC)) == ()
     # A head of the source's size over a larger target vocabulary.
     ed2 = make_model(len(SRC), len(TGT) + 2, 1, d_model=16, d_ff=32, h=2)
-    assert SV.encdec_violations(vc.observe_encdec(ed2, SRC, TGT + ["t11", "t12"])) == ()
+    assert SVM.encdec_violations(vc.observe_encdec(ed2, SRC, TGT + ["t11", "t12"])) == ()
     ed2.generator.proj = torch.nn.Linear(16, len(SRC))
-    assert SV.encdec_violations(vc.observe_encdec(ed2, SRC, TGT + ["t11", "t12"])) == ("output_rows",)
+    assert SVM.encdec_violations(vc.observe_encdec(ed2, SRC, TGT + ["t11", "t12"])) == ("output_rows",)
 
 
 def test_transaction_rule_on_values():
-    before = SV.MigrationSnapshot((("embed", "k", "h"),), True, 512, ("k",), "s")
-    assert SV.transaction_violations(before, before) == ()
-    after = SV.MigrationSnapshot((("embed", "k2", "h2"),), False, 520, ("k",), "s2")
-    assert SV.transaction_violations(before, after) == ("model_changed", "tie_changed", "config_changed", "optimizer_changed")
+    before = SVM.MigrationSnapshot((("embed", "k", "h"),), True, 512, ("k",), "s")
+    assert SVM.transaction_violations(before, before) == ()
+    after = SVM.MigrationSnapshot((("embed", "k2", "h2"),), False, 520, ("k",), "s2")
+    assert SVM.transaction_violations(before, after) == ("model_changed", "tie_changed", "config_changed", "optimizer_changed")
 
 
 def _plan():
     pairs = {v: v for v in range(511)}
     pairs[40], pairs[41] = 41, 40
-    return SV.VocabMap.create(512, 520, pairs), SV.NewRowInit("mean", {512: (40, 41)})
+    return SVM.VocabMap.create(512, 520, pairs), SVM.NewRowInit("mean", {512: (40, 41)})
 
 
 def _biased(tied=True):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from decodespec.spec import head as H
+from decodespec.spec import head_loss as HL
 from decodespec.spec import vocab_parallel as VP
 from decodespec.spec.errors import Rejection
 from decodespec.spec.rules import RULES
@@ -23,11 +23,11 @@ def _case(v, n=6, d=5, seed=0):
 
 
 def _single(z, y, eps, conv):
-    spec = H.LossSpec(label_smoothing=eps, smoothing=conv)
-    loss = H.row_losses(z, y, spec).row_losses
+    spec = HL.LossSpec(label_smoothing=eps, smoothing=conv)
+    loss = HL.row_losses(z, y, spec).row_losses
     p = np.exp(z - z.max(axis=1, keepdims=True))
     p /= p.sum(axis=1, keepdims=True)
-    return loss, p - H.target_distribution(y, z.shape[1], spec)
+    return loss, p - HL.target_distribution(y, z.shape[1], spec)
 
 
 def test_rules_registered_on_their_reference_functions():
@@ -40,7 +40,7 @@ def test_rules_registered_on_their_reference_functions():
         assert r.obj is fn and r.section.startswith("M3.8 0x0A"), rid
 
 
-@pytest.mark.parametrize("conv", list(H.Smoothing))
+@pytest.mark.parametrize("conv", list(HL.Smoothing))
 @pytest.mark.parametrize("v, ranks", [(13, 1), (13, 2), (13, 3), (10, 4), (7, 7)])
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.37])
 def test_sharded_smoothing_equals_single_rank(conv, v, ranks, eps):
@@ -65,8 +65,8 @@ def test_conventions_differ_and_mixed_ranks_are_caught():
     ranges = VP.shard_ranges(v, ranks)
     shards = VP.shard_logits(h, e, ranges)
     z = h @ e.T
-    all_cls, _ = _single(z, y, eps, H.Smoothing.ALL_CLASSES)
-    non_tgt, _ = _single(z, y, eps, H.Smoothing.NON_TARGET)
+    all_cls, _ = _single(z, y, eps, HL.Smoothing.ALL_CLASSES)
+    non_tgt, _ = _single(z, y, eps, HL.Smoothing.NON_TARGET)
     assert np.abs(all_cls - non_tgt).max() > 1e-3
     # Planted: rank 0 uses ALL_CLASSES, the others NON_TARGET.
     a = VP.smoothing_contributions(shards, ranges, y, eps, "all_classes")
@@ -89,7 +89,7 @@ def test_masked_columns_and_refusals():
     y = np.where(y == 4, 0, y)
     shards = VP.shard(z, ranges)
     # With eps > 0 a masked class holds target mass: +inf on one rank and on three.
-    want, _ = _single(z, y, 0.1, H.Smoothing.ALL_CLASSES)
+    want, _ = _single(z, y, 0.1, HL.Smoothing.ALL_CLASSES)
     got = VP.smoothed_cross_entropy(shards, ranges, y, 0.1)
     assert np.array_equal(np.isposinf(got), np.isposinf(want)) and np.isposinf(got).all()
     np.testing.assert_allclose(VP.smoothed_cross_entropy(shards, ranges, y, 0.0), _single(z, y, 0.0, "all_classes")[0], rtol=1e-13)

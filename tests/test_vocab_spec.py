@@ -17,20 +17,17 @@ import pytest
 
 from decodespec.spec.errors import Rejection
 from decodespec.spec.rules import RULES
-from decodespec.spec.vocab import (
-    AUDIT_VIOLATIONS,
+from decodespec.spec.vocab import AUDIT_VIOLATIONS, VocabAudit, audit_violations, vocab_table_hash
+from decodespec.spec.vocab_migration import (
     MIGRATION_VIOLATIONS,
     MigrationObservation,
     NewRowInit,
-    VocabAudit,
     VocabMap,
     append_drift,
-    audit_violations,
     mapped_logit_gap,
     migrate_rows,
     migrate_state,
     migration_violations,
-    vocab_table_hash,
 )
 
 EPS = float(np.finfo(np.float64).eps)

@@ -11,7 +11,7 @@ runtime's hash and rows with the checkpoint's as the gate reads it, independentl
 (:func:`decodespec.checks.gate.vocab_check.reference_vocab`; ``invariant.vocab_ordered_identity``).
 ``--json`` prints one JSON object.
 
-``--write-bundle`` writes the release bundle (:class:`decodespec.spec.vocab.ReleaseBundle`) of
+``--write-bundle`` writes the release bundle (:class:`decodespec.spec.vocab_release.ReleaseBundle`) of
 the loaded artifacts with the ledger's manifests: the optimizer manifest declared absent (an
 inference-only release), the shard manifest (``--shards N`` contiguous ranges and owners) and
 the local-policy manifest (the ordered hash, special and EOS ids the policy addresses, and the
@@ -134,7 +134,7 @@ def _bundle(args: argparse.Namespace, model, tokenizer, *, ok: bool) -> dict:
 
     from decodespec.checks.gate.vocab_check import INFERENCE_ONLY, loaded_bundle, loaded_policy
     from decodespec.spec.errors import Rejection
-    from decodespec.spec.vocab import ReleaseBundle, ShardManifest, bundle_violations
+    from decodespec.spec.vocab_release import ReleaseBundle, ShardManifest, bundle_violations
 
     if args.write_bundle:
         version = args.release_version or f"{args.model}@1"

@@ -15,8 +15,8 @@ Three checks, each against the pure float64 reference in :mod:`decodespec.spec.h
   (:data:`LOSS_TOLERANCES`, absolute plus relative to the largest reference magnitude);
 * :func:`observe_tying` and :func:`tied_gradient_check` -- weight tying (0x09) read from torch:
   Parameter identity and storage, equal values, optimizer entries and moment slots, judged by
-  :func:`~decodespec.spec.head.tying_violations`; and the shared table's ``.grad`` against the
-  sparse input scatter plus the dense classifier term (:func:`~decodespec.spec.head.tied_gradient`).
+  :func:`~decodespec.spec.head_tying.tying_violations`; and the shared table's ``.grad`` against the
+  sparse input scatter plus the dense classifier term (:func:`~decodespec.spec.head_tying.tied_gradient`).
   :func:`untie_by_copy` is the loader bug it must catch (``mutant.head_copy_not_tie``);
 * :data:`LOSS_MUTANTS` -- broken loss implementations from the failure lab (chunk-mean
   averaging, a valid count over all rows, the non-target smoothing convention, trained ignored
@@ -52,25 +52,20 @@ import attrs
 import numpy as np
 
 from decodespec.spec.errors import Rejection, register_code
-from decodespec.spec.head import (
+from decodespec.spec.head import IGNORE_INDEX, HeadLedger, HeadShape, head_ledger
+from decodespec.spec.head_loss import (
     HALF_DTYPES,
-    IGNORE_INDEX,
     UNIT_ROUNDOFF,
-    HeadLedger,
-    HeadShape,
     LossSpec,
     PrecisionPolicy,
-    TyingLayout,
-    TyingObservation,
     accumulation_violations,
     gamma,
     head_gradients,
-    head_ledger,
     loss_error_bound,
     materialized_loss,
     rng_violations,
-    tied_gradient,
 )
+from decodespec.spec.head_tying import TyingLayout, TyingObservation, tied_gradient
 from decodespec.spec.rules import Rule, register
 
 __all__ = [
@@ -370,7 +365,7 @@ def _rounded(case: LossCase, dtype: str) -> LossCase:
 
 
 def derived_tolerances(case: LossCase, policy: PrecisionPolicy) -> dict[str, LossTolerance]:
-    """Per-check tolerances of a 16-bit candidate, derived from :func:`~decodespec.spec.head.loss_error_bound`.
+    """Per-check tolerances of a 16-bit candidate, derived from :func:`~decodespec.spec.head_loss.loss_error_bound`.
 
     Keys ``row_losses``, ``loss_sum``, ``loss``, ``grad.hidden``, ``grad.weight``, ``grad.bias``;
     each is absolute (``rtol = 0``).  With ``N`` supervised rows and a logit-gradient entry error
@@ -678,7 +673,7 @@ for _name, _fn, _title, _section, _statement in (
 # -- 0x09: weight tying read from torch ------------------------------------------------------------
 
 def observe_tying_layout(model: Any, *, source_vocab_hash: str | None = None, target_vocab_hash: str | None = None) -> TyingLayout:
-    """The storage layout (:class:`~decodespec.spec.head.TyingLayout`) of a ``LlamaForCausalLM`` or an encoder-decoder.
+    """The storage layout (:class:`~decodespec.spec.head_tying.TyingLayout`) of a ``LlamaForCausalLM`` or an encoder-decoder.
 
     Identity keys are ``data_ptr`` plus the Python object id of each Parameter: two Parameters
     with equal values get different keys.  A decoder-only model has no source table; the
@@ -715,8 +710,8 @@ def observe_tying(model: Any, optimizer: Any = None, *, declared_tied: bool | No
             ``tie_word_embeddings``).
 
     Returns:
-        :class:`~decodespec.spec.head.TyingObservation`; judge it with
-        :func:`~decodespec.spec.head.tying_violations`.
+        :class:`~decodespec.spec.head_tying.TyingObservation`; judge it with
+        :func:`~decodespec.spec.head_tying.tying_violations`.
 
     Source: M3.8 0x09 (``lm_head.weight is embed_tokens.weight``, ``data_ptr`` equality), 0x08
     step 6 (one optimizer state per shared Parameter).

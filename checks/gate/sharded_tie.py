@@ -8,9 +8,9 @@ spawned: :func:`decodespec.checks.gate.ranks.start_ranks`).  Each rank loads the
 scatter accumulates), records what its local shard holds, the pieces of the gradient (the
 upstream gradient at the embedding output, the logits' gradient, the projected hidden rows) and
 the table before and after one step.  The parent judges: the table's observed gradient against
-:func:`~decodespec.spec.head.tied_gradient` (input scatter + classifier term, float64), the step
-against :func:`~decodespec.spec.head.adam_first_update`, the shards' ownership and the replicas,
-with :func:`~decodespec.spec.head.sharded_tie_violations`.
+:func:`~decodespec.spec.head_tying.tied_gradient` (input scatter + classifier term, float64), the step
+against :func:`~decodespec.spec.head_tying.adam_first_update`, the shards' ownership and the replicas,
+with :func:`~decodespec.spec.head_tying.sharded_tie_violations`.
 
 Bounds (never typed in): the gradient, float32 sums of ``N`` scatter rows and ``R``-long dot
 products plus their one addition, ``gamma(N + R + 1, u32)`` times the sum of the terms'
@@ -34,14 +34,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from decodespec.spec.head import (
-    UNIT_ROUNDOFF,
-    ShardedTieObservation,
-    adam_first_update,
-    gamma,
-    sharded_tie_violations,
-    tied_gradient,
-)
+from decodespec.spec.head_loss import UNIT_ROUNDOFF, gamma
+from decodespec.spec.head_tying import ShardedTieObservation, adam_first_update, sharded_tie_violations, tied_gradient
 from decodespec.spec.rules import Rule, register
 
 from .ranks import read_rank_results, start_ranks
@@ -163,7 +157,7 @@ class ShardedTieReport:
 
 
 def observe_sharded_tie(results: list[dict[str, np.ndarray]]) -> ShardedTieObservation:
-    """The :class:`~decodespec.spec.head.ShardedTieObservation` of the ranks' results (see the module docstring)."""
+    """The :class:`~decodespec.spec.head_tying.ShardedTieObservation` of the ranks' results (see the module docstring)."""
     u = UNIT_ROUNDOFF["float32"]
     grad_error = update_error = 0.0
     for res in results:

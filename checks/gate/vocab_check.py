@@ -17,8 +17,8 @@
   :func:`~decodespec.spec.vocab.audit_violations`;
 * :func:`check_migration` -- run a torch migration (default :func:`decodespec.impl.vocab.migrate_vocabulary`)
   on a model that has taken one Adam step and judge it: rows and moments against
-  :func:`~decodespec.spec.vocab.migrate_state`, alias and optimizer ownership
-  (:func:`~decodespec.spec.vocab.migration_violations`), the mapped raw-logit oracle and the
+  :func:`~decodespec.spec.vocab_migration.migrate_state`, alias and optimizer ownership
+  (:func:`~decodespec.spec.vocab_migration.migration_violations`), the mapped raw-logit oracle and the
   appended rows' probability drift; :data:`MIGRATION_MUTANTS` are migrations from the failure
   lab it must catch.
 
@@ -36,30 +36,20 @@ from typing import Any
 import attrs
 import numpy as np
 
-from decodespec.spec.vocab import (
-    AddedToken,
-    AddedTokenObservation,
+from decodespec.spec.vocab import AddedToken, AddedTokenObservation, VocabAudit, added_token_violations, vocab_table_hash
+from decodespec.spec.vocab_migration import (
     EncDecVocab,
     MigrationObservation,
     MigrationSnapshot,
     NewRowInit,
-    OptimizerManifest,
-    OptimizerParam,
-    PolicyManifest,
-    ReleaseBundle,
-    ShardManifest,
-    VocabAudit,
     VocabMap,
-    added_token_violations,
     append_drift,
-    bundle_violations,
-    map_digest,
     mapped_logit_gap,
     migrate_state,
     migration_violations,
     transaction_violations,
-    vocab_table_hash,
 )
+from decodespec.spec.vocab_release import OptimizerManifest, OptimizerParam, PolicyManifest, ReleaseBundle, ShardManifest, bundle_violations, map_digest
 
 __all__ = [
     "ADDED_TOKEN_MUTANTS",
@@ -379,7 +369,7 @@ ADDED_TOKEN_MUTANTS: dict[str, tuple[Callable[[Any], Any], str, str, str]] = {
 
 def loaded_bundle(name: str, model: Any, tokenizer: Any, version: str, *, migration: Any = None,
                   parent: str | None = None) -> ReleaseBundle:
-    """The :class:`~decodespec.spec.vocab.ReleaseBundle` of the artifacts loaded now.
+    """The :class:`~decodespec.spec.vocab_release.ReleaseBundle` of the artifacts loaded now.
 
     Parts: the checkpoint file's SHA-256 (the GGUF the model was loaded from), the tokenizer's
     program hash (``program_sha256``) and ordered vocabulary hash (``vocab_hash``), its table size
@@ -425,7 +415,7 @@ def optimizer_manifest(model: Any, optimizer: Any, migration: VocabMap | None = 
     Parameter identity with ``embed_tokens.weight``, ``lm_head.weight`` and ``lm_head.bias``;
     ``states`` the SHA-256 of each row-addressed state tensor's bytes; ``new_rows`` the map's
     new rows and whether every state tensor is zero there; ``map_digest`` the map's
-    (:func:`~decodespec.spec.vocab.map_digest`).
+    (:func:`~decodespec.spec.vocab_release.map_digest`).
 
     Source: M3.8 0x08 "Release and rollback ledger" (optimizer/master state).
     """
@@ -460,7 +450,7 @@ def check_release_after_migration(model: Any, vmap: VocabMap, init: NewRowInit, 
     byte table grown to the new rows).  Judged by ``invariant.vocab_release_manifests``.
 
     Returns:
-        The ``(part, reason)`` pairs of :func:`~decodespec.spec.vocab.bundle_violations`.
+        The ``(part, reason)`` pairs of :func:`~decodespec.spec.vocab_release.bundle_violations`.
 
     Source: M3.8 0x08 "Tied alias and optimizer restoration order" (steps 1 and 9), "Release and rollback ledger".
     """
@@ -512,11 +502,11 @@ class MigrationReport:
     """A torch migration judged against the float64 spec.
 
     Attributes:
-        violations: :func:`~decodespec.spec.vocab.migration_violations` names (empty: conforms).
+        violations: :func:`~decodespec.spec.vocab_migration.migration_violations` names (empty: conforms).
         logit_gap: Mapped raw-logit oracle gap (logits) and the worst old id.
         logit_bound: The bound it is held to (rounding of one float32 dot product, derived).
         new_mass: Probability mass the new rows take, per hidden row.
-        drift_error: ``max |log_shift - expected_shift|`` (0 up to rounding; :class:`~decodespec.spec.vocab.AppendDrift`).
+        drift_error: ``max |log_shift - expected_shift|`` (0 up to rounding; :class:`~decodespec.spec.vocab_migration.AppendDrift`).
         shift_spread: Largest spread of ``log p_new - log p_old`` over kept ids (0: rescaled, not reshaped).
         max_abs_prob_change: Largest change of an old token's probability.
     """
@@ -587,7 +577,7 @@ def check_migration(model: Any, vmap: VocabMap, init: NewRowInit, *, migrate: Ca
 
     Args:
         model: A loaded ``LlamaForCausalLM`` (float32); it is changed in place.
-        vmap: The map (:class:`~decodespec.spec.vocab.VocabMap`).
+        vmap: The map (:class:`~decodespec.spec.vocab_migration.VocabMap`).
         init: The declared initialization of new rows (``zeros``, ``mean``, ``copy``, ``values``).
         migrate: ``migrate(model, old_to_new, new_size, init=, sources=, values=, optimizer=)``;
             default :func:`decodespec.impl.vocab.migrate_vocabulary`.
@@ -705,7 +695,7 @@ def _bias_not_migrated(model: Any, old_to_new: Mapping[int, int], new_size: int,
 # -- encoder-decoder vocabularies (M3.8 0x08) ---------------------------------------------------------
 
 def observe_encdec(model: Any, source_tokens: Sequence[Any], target_tokens: Sequence[Any]) -> EncDecVocab:
-    """The :class:`~decodespec.spec.vocab.EncDecVocab` of an Annotated-Transformer encoder-decoder and its two token tables.
+    """The :class:`~decodespec.spec.vocab_migration.EncDecVocab` of an Annotated-Transformer encoder-decoder and its two token tables.
 
     Args:
         model: :class:`~decodespec.impl.encdec.EncoderDecoder` (``src_embed[0].lut``,
@@ -770,7 +760,7 @@ class RollbackReport:
     Attributes:
         fault_raised: The injected fault reached the caller (a migration that swallows it, or
             never touches the optimizer, cannot be judged and does not pass).
-        violations: :func:`~decodespec.spec.vocab.transaction_violations` names.
+        violations: :func:`~decodespec.spec.vocab_migration.transaction_violations` names.
     """
 
     fault_raised: bool

@@ -31,6 +31,9 @@ A preset has no place for a transform its peer lacks (``policy.transform_not_in_
 Source: M3.8 0x0B, 0x0C-0x0F; HF ``generation/logits_process.py``; vLLM
 ``vllm/v1/sample/{sampler.py,ops/topk_topp_sampler.py,ops/penalties.py}``; llama.cpp
 ``src/llama-sampler.cpp``, ``common/sampling.cpp``.
+
+Size: the policy configuration is a catalog: one entry per M3.8 transform with its parameter ranges
+and the presets' orders, a table read top to bottom.
 """
 
 from __future__ import annotations

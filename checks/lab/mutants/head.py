@@ -74,7 +74,7 @@ def _tying_checker(name: str) -> Callable[[bool], dict | None]:
     def check(mutated: bool) -> dict | None:
         import torch
 
-        from decodespec.spec.head import tying_violations
+        from decodespec.spec.head_tying import tying_violations
 
         from ...gate.head_check import TYING_MUTANTS, observe_tying
 
@@ -92,7 +92,7 @@ def _tying_checker(name: str) -> Callable[[bool], dict | None]:
 
 
 def _migration_plan():
-    from decodespec.spec.vocab import NewRowInit, VocabMap
+    from decodespec.spec.vocab_migration import NewRowInit, VocabMap
 
     pairs = {v: v for v in range(511)}  # id 511 dropped
     pairs[40], pairs[41] = 41, 40  # two ids swapped

@@ -59,5 +59,5 @@ def _greedy_consumes_draws():
 )
 def _rng_counter_not_restored():
     return [Patch("decodespec.impl.snapshot:restore_runner", edits=[(
-        "runner.policy_state = snapshot.policy_state",
-        "runner.policy_state = attrs.evolve(snapshot.policy_state, rng_counter=runner.request.rng_counter_start)")])]
+        "policy_state=snapshot.policy_state,",
+        "policy_state=attrs.evolve(snapshot.policy_state, rng_counter=runner.request.rng_counter_start),")])]

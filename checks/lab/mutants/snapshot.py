@@ -38,4 +38,4 @@ def _resume_resets_stop_matcher():
 )
 def _resume_drops_pending_token():
     return [Patch("decodespec.impl.snapshot:restore_runner", edits=[(
-        "runner.pending_tag = rec.pending_tag", "runner.pending_ids, runner.pending_tag = (), PendingTag.EMPTY")])]
+        "pending_ids=tuple(rec.pending_ids),\n        pending_tag=rec.pending_tag,", "pending_ids=(),\n        pending_tag=PendingTag.EMPTY,")])]
