@@ -2,6 +2,6 @@
 
 import sys
 
-from decodespec.checks.cli import main
+from decodespec.checks.commands.cli import main
 
 sys.exit(main())

@@ -5,7 +5,7 @@ Options:
 * ``--runtime {impl,hf,llamacpp,vllm,stdio:CMD,engine:CMD}`` (default ``impl``): the runtime under test; a peer
   that is not installed skips its cases with the reason.  The name is checked, and a
   ``stdio:CMD`` server's ``start`` handshake (an ``engine:CMD``'s ``hello``) tried, before any test runs
-  (:func:`~decodespec.checks.traces.check_runtime`): an unknown name, an empty command or a
+  (:func:`~decodespec.checks.modelcheck.traces.check_runtime`): an unknown name, an empty command or a
   failed handshake is a ``pytest.UsageError`` (one message, exit 4).
 * ``--model {tiny,smollm2}``: default ``smollm2`` when the GGUF file is installed, else ``tiny``
   (the report header says so).
@@ -17,7 +17,7 @@ Options:
   ``$DECODESPEC_TRACE_DIR`` or ``traces/failures/``).
 * ``--profile {fast,full,ci}``: the Hypothesis settings profile (default ``fast``; ``CI=true``
   selects Hypothesis' built-in ``ci`` profile: derandomized, no example database).
-* ``--coverage-report FILE``: write the session's envelope coverage (:mod:`decodespec.checks.coverage`)
+* ``--coverage-report FILE``: write the session's envelope coverage (:mod:`decodespec.checks.gate.coverage`)
   as JSON: per declared item (request field, enum value, transform, transform under each order,
   parameter edge, finish reason, trigger, held-back close, contract action, stop / EOS shape,
   padding side, beam width) the number of runs that exercised it.  The summary table is printed
@@ -27,7 +27,7 @@ Options:
   *full* gate run of ``impl`` (:func:`full_gate_run`: every test of ``checks/`` collected, no
   ``-k`` / ``-m`` / ``--deselect`` / ``--lf`` / ``--ff``, no failure-lab mutant, no test failed or
   stopped the session); a partial run prints the table and fails nothing.
-* ``--mutant NAME``: install a failure-lab mutant (:mod:`decodespec.checks.mutants`) for the
+* ``--mutant NAME``: install a failure-lab mutant (:mod:`decodespec.checks.lab.mutants`) for the
   whole session, the gate's reference computations on the oracle side: the gate must fail
   (``decodespec mutants`` runs every mutant and records which check killed it).  Failure
   traces written under it record the mutant (``#meta.mutant``) and ``decodespec replay``
@@ -77,7 +77,7 @@ def _model(config: pytest.Config) -> str:
 
 
 def _check_runtime(config: pytest.Config) -> None:
-    from decodespec.checks.traces import RUNTIME_CHECKED_ENV, check_runtime
+    from decodespec.checks.modelcheck.traces import RUNTIME_CHECKED_ENV, check_runtime
     from decodespec.spec.errors import DecodeSpecError
 
     runtime = config.getoption("--runtime")
@@ -106,8 +106,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if mutant:
         import contextlib
 
-        from decodespec.checks.mutants import get
-        from decodespec.checks.mutants.harness import spec_side
+        from decodespec.checks.lab.mutants import get
+        from decodespec.checks.lab.mutants.seams import spec_side
 
         try:
             chosen = get(mutant)
@@ -136,7 +136,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 class Report:
-    """Collects :class:`~decodespec.checks.cases.CaseResult` lines and writes them at the end of the session."""
+    """Collects :class:`~decodespec.checks.gate.cases.CaseResult` lines and writes them at the end of the session."""
 
     def __init__(self, path: str | None):
         self.path = path
@@ -149,7 +149,7 @@ class Report:
 
     def lines(self) -> list[dict[str, Any]]:
         """Every report line (case results, then unused expectations)."""
-        from decodespec.checks.cases import report_line
+        from decodespec.checks.gate.cases import report_line
         from decodespec.spec.passport import SYNTHETIC_PASSPORT
 
         # Every line declares its passport: the gate generated every input (M3.10 0x06; spec/passport.py).
@@ -177,8 +177,8 @@ def gate_model(pytestconfig: pytest.Config) -> str:
 
 @pytest.fixture(scope="session")
 def gate_expectations(gate_runtime: str):
-    """The runtime's documented deviations (``checks/expectations/<runtime>.toml``)."""
-    from decodespec.checks.cases import load_expectations
+    """The runtime's documented deviations (``checks/gate/expectations/<runtime>.toml``)."""
+    from decodespec.checks.gate.cases import load_expectations
 
     return load_expectations(gate_runtime)
 
@@ -220,7 +220,7 @@ def full_gate_run(session: pytest.Session) -> bool:
 
 def _coverage_outcome(session: pytest.Session, exitstatus: int) -> dict[str, Any] | None:
     """Build the coverage summary; set ``session.exitstatus`` to 1 when enforcement finds a missing item."""
-    from decodespec.checks.coverage import enforced_items, session_coverage
+    from decodespec.checks.gate.coverage import enforced_items, session_coverage
 
     coverage = session_coverage()
     if not coverage.runs:
@@ -232,7 +232,7 @@ def _coverage_outcome(session: pytest.Session, exitstatus: int) -> dict[str, Any
     full = bool(getattr(config, "_decodespec_full", False))
     caps: frozenset[str] = frozenset()
     try:
-        from decodespec.checks.traces import open_runtime
+        from decodespec.checks.modelcheck.traces import open_runtime
 
         adapter = open_runtime(runtime, model)
         caps = adapter.capabilities()
@@ -260,14 +260,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if report is None:
         return
     if report.results:
-        from decodespec.checks.cases import load_expectations, unused_expectations
+        from decodespec.checks.gate.cases import load_expectations, unused_expectations
 
         runtime = session.config.getoption("--runtime")
         for expectation in unused_expectations(load_expectations(runtime), report.results):
             report.extra.append({"case": expectation.case, "runtime": runtime, "model": _model(session.config),
                                  "result": "expectation_unused", "deviation": expectation.id,
                                  "message": f"documented deviation {expectation.id} did not occur: remove it from "
-                                            f"checks/expectations/{runtime}.toml"})
+                                            f"checks/gate/expectations/{runtime}.toml"})
     report.write()
 
 

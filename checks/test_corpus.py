@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from decodespec.checks.adapters import AdapterUnavailable, CaseConfig, config_capabilities, required_capabilities
+from decodespec.checks.modelcheck.traces import load_trace, open_runtime, replay
 from decodespec.checks.testing import SMOLLM2_SKIP_REASON
-from decodespec.checks.traces import load_trace, open_runtime, replay
 from decodespec.impl.gguf import smollm2_available
 
 CORPUS = sorted((Path(__file__).resolve().parent.parent / "traces").glob("*.json"))
@@ -28,7 +28,7 @@ def test_corpus_trace(path: Path, gate_runtime: str, gate_expectations) -> None:
     A passed trace replayed on another runtime skips when its actions or its config need a capability
     the runtime does not declare; any replay skips when the runtime refuses the config as unsupported
     at the reset (e.g. the tiny model or a static cache on llama.cpp); a failure names the documented deviation
-    (``checks/expectations``) that explains its failure there (the file name is the case id:
+    (``checks/gate/expectations``) that explains its failure there (the file name is the case id:
     ``boundary-stop-string-x`` is ``boundary.stop_string_x``).
     """
     trace = load_trace(path)

@@ -15,7 +15,7 @@ import itertools
 
 import pytest
 
-from decodespec.checks.explore import ExploreBounds, explore, params_for_bounds
+from decodespec.checks.modelcheck.explore import ExploreBounds, explore, params_for_bounds
 from decodespec.spec.transitions import MACHINE
 
 RICH = ExploreBounds(max_draws=1, stop_strings=True, structured=True)

@@ -1,10 +1,10 @@
-"""Gate: every case of the table (:mod:`decodespec.checks.cases`) on the runtime under test.
+"""Gate: every case of the table (:mod:`decodespec.checks.gate.cases`) on the runtime under test.
 
 The correctness matrix (``matrix.*``), the seed's boundary cases (``boundary.*``) and the
 adversarial interleavings (``adversarial.*``) run in lock step with the spec and are judged by
 the ladder (``ladder.STATE`` .. ``ladder.RESUME``).  A failure writes its replayable trace
 (``decodespec replay FILE``) and names the layer, rule and check; a documented deviation
-(``checks/expectations/<runtime>.toml``) passes and is reported as ``deviation``; an undecided
+(``checks/gate/expectations/<runtime>.toml``) passes and is reported as ``deviation``; an undecided
 margin passes with a warning and is reported as ``undecided``.
 
 Source: M3.10 "Correctness matrix", "Boundary cases".
@@ -16,8 +16,8 @@ import warnings
 
 import pytest
 
-from decodespec.checks.cases import cases_for, run_case
-from decodespec.checks.traces import write_trace
+from decodespec.checks.gate.cases import cases_for, run_case
+from decodespec.checks.modelcheck.traces import write_trace
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -34,7 +34,7 @@ def test_case(case, gate_runtime, gate_expectations, gate_report) -> None:
 
 
 def judge_case(case, gate_runtime, gate_expectations, gate_report) -> None:
-    """Run ``case`` (:func:`~decodespec.checks.cases.run_case`), report it, and skip / fail / warn as its result says."""
+    """Run ``case`` (:func:`~decodespec.checks.gate.cases.run_case`), report it, and skip / fail / warn as its result says."""
     result = run_case(case, gate_runtime, expectations=gate_expectations)
     gate_report.add(result)
     if result.result == "skip":

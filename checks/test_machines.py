@@ -16,10 +16,10 @@ from __future__ import annotations
 import pytest
 
 from decodespec.checks.adapters import AdapterUnavailable
-from decodespec.checks.cases import CaseResult
-from decodespec.checks.ladder import Verdict
-from decodespec.checks.machines import machine_failure, run_beam_machine, run_machine
-from decodespec.checks.traces import open_runtime
+from decodespec.checks.gate.cases import CaseResult
+from decodespec.checks.gate.ladder import Verdict
+from decodespec.checks.gate.machines import machine_failure, run_beam_machine, run_machine
+from decodespec.checks.modelcheck.traces import open_runtime
 
 
 @pytest.mark.parametrize("model", ["tiny", "gate"])

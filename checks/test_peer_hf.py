@@ -1,9 +1,9 @@
 """Peer gate: HF transformers (runs with ``pytest checks/ --runtime hf``; skipped for other runtimes).
 
 The shared case table runs in checks/test_gate.py; this module adds HF's procedures for the
-table's custom cases (padded batches, beam width one: :func:`decodespec.checks.adapters.hf.register_custom_cases`),
+table's custom cases (padded batches, beam width one: HF's entries of :data:`decodespec.checks.gate.procedures.CUSTOM`),
 the HF-specific cases (:func:`peer_cases`, judged and reported like the table's), the evidence
-behind the documented deviations in ``checks/expectations/hf.toml``.  The committed HF traces
+behind the documented deviations in ``checks/gate/expectations/hf.toml``.  The committed HF traces
 (``traces/hf-*.itf.json``) replay in checks/test_corpus.py and tests/test_traces_corpus.py.
 
 Findings verified here rather than assumed (research/peers-survey.md): HF's sampling uses the
@@ -24,17 +24,11 @@ import numpy as np
 import pytest
 
 from decodespec.checks.adapters import CaseConfig
-from decodespec.checks.cases import Case, prompt_ids, run_case
-from decodespec.checks.traces import write_trace
+from decodespec.checks.gate.cases import Case, run_case
+from decodespec.checks.gate.prompts import prompt_ids
+from decodespec.checks.modelcheck.traces import write_trace
 
 RUNTIME = "hf"
-
-try:  # the table's custom cases need HF's procedures before the gate looks them up
-    from decodespec.checks.adapters.hf import register_custom_cases
-
-    register_custom_cases()
-except ImportError:  # pragma: no cover - transformers absent: the gate skips the hf runtime anyway
-    pass
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,7 @@
 
 Each transform under each order that has a place for it, each parameter edge and ``history``
 choice, each schema enum value and scalar field, each EOS shape, each stop-match shape the
-model's tokens allow (:func:`decodespec.checks.drawing.sweep_cases`) runs in lock step with the
+model's tokens allow (:func:`decodespec.checks.gate.drawing.sweep_cases`) runs in lock step with the
 spec on the runtime under test, judged like the table's cases (``sweep.*`` report lines).  The
 machines draw the same items and their combinations at random; the sweep makes a full gate
 run's coverage report (``--coverage-report``) independent of the draw.
@@ -20,7 +20,7 @@ from decodespec.checks.test_gate import judge_case
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "sweep_case" in metafunc.fixturenames:
         from decodespec.checks.conftest import _model
-        from decodespec.checks.drawing import sweep_cases
+        from decodespec.checks.gate.drawing import sweep_cases
 
         cases = sweep_cases(_model(metafunc.config))
         metafunc.parametrize("sweep_case", cases, ids=[c.id for c in cases])

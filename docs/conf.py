@@ -3,7 +3,7 @@
 Build with ``decodespec docs --out DIR``: it stages this file, the hand-written pages of
 ``docs/`` and the pages generated from the spec registries into a build folder and runs Sphinx
 with warnings as errors.  Running ``sphinx-build docs/ ...`` directly lacks the generated pages.
-The ``decodespec.checks.docs`` extension renders the generated pages' directives and the
+The ``decodespec.checks.docs.extension`` extension renders the generated pages' directives and the
 ``{rule}`` / ``{error}`` roles, and fails the build on undocumented or unknown ids.
 """
 
@@ -11,7 +11,7 @@ project = "decodespec"
 author = "decodespec contributors"
 copyright = "decodespec contributors"
 
-extensions = ["myst_parser", "decodespec.checks.docs"]
+extensions = ["myst_parser", "decodespec.checks.docs.extension"]
 source_suffix = {".md": "markdown"}
 root_doc = "index"
 exclude_patterns = ["_build", "results", "examples"]

@@ -4,7 +4,7 @@
 consistent boundary.  Every line has ``"v": 1``, ``"seq"`` (0-based, consecutive) and
 ``"event"``; a *frontier* object is ``{"prompt_len", "output_count", "pending", "processed",
 "pending_tag"}`` (L, O, |U|, P, tag).  How each event maps to a spec action of
-the spec (the mapping lives in :mod:`decodespec.checks.trace_validation`, which replays it; this
+the spec (the mapping lives in :mod:`decodespec.checks.modelcheck.trace_validation`, which replays it; this
 module never imports the spec's transitions):
 
 ==================  =====================================================================
@@ -58,7 +58,7 @@ Times (issue 19; M3.10 0x0BA "Latency semantics"): ``call_launched``, ``call_com
 host monotonic clock, read after the completion boundary (:mod:`decodespec.impl.latency`); absent
 past ``spec.latency.MAX_TIMED_EVENTS`` timed calls or emissions, and in traces written before
 issue 19 (which still validate).  What they mean -- TTFT, ITL, E2E, per-phase times -- is
-:mod:`decodespec.spec.latency`; :func:`decodespec.checks.latency.timeline_from_trace` reads them.
+:mod:`decodespec.spec.latency`; :func:`decodespec.checks.gate.latency.timeline_from_trace` reads them.
 Timings are not user content: the redactor keeps them.
 
 Every file is written through a :class:`decodespec.spec.passport.Redactor` unless the caller asks

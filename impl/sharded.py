@@ -7,7 +7,7 @@ in exactly one rank's shard with one optimizer state; after each step ZeRO broad
 that owner.  Autograd already accumulates the lookup's scatter and the classifier's dense term
 into that one Parameter's ``.grad``.  It needs an initialized process group (gloo on CPU).
 
-The gate judges it (``checks/sharded_tie.py``) against ``invariant.head_tied_sharded_owner``;
+The gate judges it (``checks/gate/sharded_tie.py``) against ``invariant.head_tied_sharded_owner``;
 this module never imports the spec's rule.
 
 Source: M3.8 0x09 ("Distributed and sharded optimizers must preserve that identity"), 0x08

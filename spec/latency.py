@@ -2,7 +2,7 @@
 
 Pure functions over a :class:`Timeline` of recorded times (no torch, no clock is read here): the
 runtime (:mod:`decodespec.impl.latency`), a peer's instrumented run or a trace
-(``decodespec.checks.latency.timeline_from_trace``) records the times, and this module alone says
+(``decodespec.checks.gate.latency.timeline_from_trace``) records the times, and this module alone says
 what they mean.
 
 Definitions (M3.10 0x0BA "Latency semantics", for an isolated single request):

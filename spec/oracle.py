@@ -25,7 +25,7 @@ check                            the runtime ...
 
 The comparison is exact: it says what the contract requires of these rows.  Rows computed in float32
 can put two ids within rounding of each other; the gate's tolerance-aware judge
-(``decodespec judge``, ``checks/judge.py``) adds M3.10's margin rule on top of this replay.  Beam
+(``decodespec judge``, ``checks/modelcheck/judge.py``) adds M3.10's margin rule on top of this replay.  Beam
 requests are a different machine (:mod:`decodespec.spec.beam`).
 
 Pure: no torch, no I/O; the request and the rows are not modified.

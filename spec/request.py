@@ -2,7 +2,7 @@
 
 One home for the two length defaults every side of the project needs -- the spec's parameters
 (:func:`decodespec.spec.state.params_from_request`), the reference runtime (``impl/``), the gate's
-spec side (``checks/lockstep.py``), the peer adapters, the explorer and the CLI.  They are pure
+spec side (``checks/gate/lockstep.py``), the peer adapters, the explorer and the CLI.  They are pure
 functions over integers (no torch, no spec state), so ``impl/`` may call them without consulting
 the spec's transitions (tests/test_layout.py); tests/test_request_defaults.py fails when one of
 these defaults is computed anywhere else.

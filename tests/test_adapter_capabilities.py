@@ -21,9 +21,9 @@ import pytest
 from decodespec.checks.adapters import ADAPTER_UNSUPPORTED, CAPABILITIES, CaseConfig, config_capabilities, features
 from decodespec.checks.adapters.impl import IMPL_CAPABILITIES, ImplAdapter
 from decodespec.checks.adapters.wire import start_response
-from decodespec.checks.cases import Case, cases_for, run_case
-from decodespec.checks.coverage import SCHEMA_ENUMS, schema_enum
-from decodespec.checks.traces import open_runtime, record, replay
+from decodespec.checks.gate.cases import Case, cases_for, run_case
+from decodespec.checks.gate.coverage import SCHEMA_ENUMS, schema_enum
+from decodespec.checks.modelcheck.traces import open_runtime, record, replay
 from decodespec.spec.envelope import request_schema
 from decodespec.spec.errors import Rejection
 from decodespec.spec.policy.config import CATALOG, Order
@@ -157,7 +157,7 @@ def test_a_replay_of_a_refused_config_reports_the_refusal(tiny_model) -> None:
 
 def test_machines_never_send_an_undeclared_config() -> None:
     """A runtime without stream, logit bias, text alignment, min_new_tokens or the vllm order gets none of them."""
-    from decodespec.checks.machines import run_machine
+    from decodespec.checks.gate.machines import run_machine
 
     without = {"stream", "transform:logit_bias", "transform:constraint", "output.alignment:text", "termination.min_new_tokens",
                "policy.order:vllm", "runtime.max_retries", "termination.max_total_tokens"}
@@ -177,7 +177,7 @@ def test_machines_never_send_an_undeclared_config() -> None:
 
 def test_a_machine_example_refused_as_unsupported_is_a_skip() -> None:
     """The runtime declares everything but refuses every sampled config: the machine passes (each such example a skip)."""
-    from decodespec.checks.machines import run_machine
+    from decodespec.checks.gate.machines import run_machine
 
     limited: list[_Limited] = []
 
@@ -191,7 +191,7 @@ def test_a_machine_example_refused_as_unsupported_is_a_skip() -> None:
 
 SERVER = """
     import sys
-    from decodespec.checks import stdio_server
+    from decodespec.checks.adapters import stdio_server
     from decodespec.checks.adapters import impl
 
     without = set(sys.argv[1].split(","))
@@ -231,7 +231,7 @@ def test_an_adapter_refuses_an_undeclared_feature_at_its_field() -> None:
 
 def test_coverage_enforces_only_declared_features() -> None:
     """A runtime without ``transform:logit_bias`` or ``output.alignment:text`` is not asked to exercise them."""
-    from decodespec.checks.coverage import enforced_items
+    from decodespec.checks.gate.coverage import enforced_items
 
     full = enforced_items(IMPL_CAPABILITIES, cuda=False)
     less = enforced_items(IMPL_CAPABILITIES - {"transform:logit_bias", "output.alignment:text", "policy.order:vllm"}, cuda=False)

@@ -29,8 +29,8 @@ import pytest
 from decodespec.checks.adapters import ADAPTER_PROTOCOL, CaseConfig, parse_runtime
 from decodespec.checks.adapters import engine as engine_module
 from decodespec.checks.adapters.engine import StdioEngine, _check
-from decodespec.checks.cases import cases_for, run_case
-from decodespec.checks.traces import check_replay_runtime, open_runtime
+from decodespec.checks.gate.cases import cases_for, run_case
+from decodespec.checks.modelcheck.traces import check_replay_runtime, open_runtime
 from decodespec.spec.errors import DecodeSpecError, Rejection
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +40,7 @@ EXAMPLE = ROOT / "docs" / "examples" / "engine_tiny.py"
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("engine") / "tiny"
-    proc = subprocess.run([sys.executable, "-m", "decodespec.checks.cli", "export-tiny", "--out-dir", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "decodespec.checks.commands.cli", "export-tiny", "--out-dir", str(out)],
                           check=False, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     return out
@@ -227,7 +227,7 @@ def test_a_planted_cache_bug_fails_at_tensor_and_replays(model_dir: Path, tmp_pa
     traces = sorted((tmp_path / "traces").glob("engine_python*.itf.json"))
     assert len(traces) == 2 and all(" " not in t.name for t in traces)
     command = f"python docs/examples/engine_tiny.py --model-dir {model_dir}"
-    replay = [sys.executable, "-m", "decodespec.checks.cli", "replay", str(traces[0])]
+    replay = [sys.executable, "-m", "decodespec.checks.commands.cli", "replay", str(traces[0])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ENGINE_TINY_BUG": "cache_position"}
     refused = subprocess.run(replay, cwd=ROOT, check=False, capture_output=True, text=True, timeout=120, env=env)
     assert refused.returncode == 2 and "trace.runtime_not_allowed" in refused.stdout + refused.stderr

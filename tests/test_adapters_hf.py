@@ -268,7 +268,7 @@ def test_step_wise_greedy_on_another_static_capacity_is_hfs_generate_within_the_
     count) the blocking of that reduction and so the float32 rounding differ.  What is provably true then: the same ids
     (every step's greedy margin is far above the difference) and rows within the declared HF tiny logit tolerance."""
     from decodespec.checks.adapters.hf import generate_sequence
-    from decodespec.checks.ladder import tolerance_for
+    from decodespec.checks.gate.tolerance import tolerance_for
 
     config = tiny(cache="static", max_new_tokens=6)
     want = generate_sequence(config)
@@ -313,7 +313,7 @@ def test_a_forced_constraint_is_hfs_prefix_allowed_tokens_fn(adapter):
     an id without a transition leaves HF an empty allowed list, which is the spec's policy.empty_support: the decision
     finishes the request with constraint_error (M3.10 0x02 branch table), keeping the committed id."""
     from decodespec.checks.adapters.hf import constraint_fn, generate_sequence
-    from decodespec.checks.cases import forced
+    from decodespec.checks.gate.cases import forced
 
     config = tiny(policy=forced([77, 78, 79]), max_new_tokens=3)
     allowed = constraint_fn(config)

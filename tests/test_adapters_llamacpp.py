@@ -4,7 +4,7 @@
 test drives it over a stand-in ``Llama`` (no llama.cpp needed) whose rows are built so that each position's answer
 is known; the others run the real llama-cpp-python 0.3.36 (skipped with the setup command when it is absent): our
 reading of its rows agrees with the float64 reference, and its own echo API is one row late -- the reason the
-adapter does not use it (``checks/expectations/llamacpp.toml`` ``[prompt_logprobs]``).
+adapter does not use it (``checks/gate/expectations/llamacpp.toml`` ``[prompt_logprobs]``).
 """
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ needs_llamacpp = pytest.mark.skipif(llamacpp.available() is not None, reason=lla
 def test_the_rows_agree_with_the_reference_and_the_echo_api_is_one_row_late():
     """Our reading of llama.cpp's rows is within its declared tolerance of the float64 reference; llama-cpp-python's
     echo API, on a prompt without a leading BOS, reports for x_i the value of row i (one late), not row i - 1."""
-    from decodespec.checks.cases import cases_for
-    from decodespec.checks.ladder import tolerance_for
-    from decodespec.checks.prompt_logprobs import reference_rows
+    from decodespec.checks.gate.cases import cases_for
+    from decodespec.checks.gate.prompt_logprobs import reference_rows
+    from decodespec.checks.gate.tolerance import tolerance_for
 
     config = next(c for c in cases_for("smollm2") if c.id == "matrix.prompt_logprobs").config
     prompt = list(config.prompt_ids)

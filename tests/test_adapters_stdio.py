@@ -1,12 +1,12 @@
-"""The JSON-lines stdio form: our runtime behind ``python -m decodespec.checks.stdio_server`` is judged exactly
-as the in-process impl adapter (checks/adapters/stdio.py, checks/stdio_server.py).
+"""The JSON-lines stdio form: our runtime behind ``python -m decodespec.checks.adapters.stdio_server`` is judged exactly
+as the in-process impl adapter (checks/adapters/stdio.py, checks/adapters/stdio_server.py).
 
 Every lock-step case of the tiny table that exercises a distinct part of the contract (sampled
 draws, chunked prefill, decide / commit with stale receipts, launch / fault / recover, cancels,
 snapshots with corrupted restores, static reuse, streaming, stop strings, structured output, a
 refused G = 0 request) runs through one server process and in process: every step's runtime
 result, spec result, observation summary and verdict are equal, and so are the case results of
-:func:`~decodespec.checks.cases.run_case`.
+:func:`~decodespec.checks.gate.cases.run_case`.
 
 Source: research/formal-anchors-survey.md 4.4 and 5.4 (Bowtie: one harness, any process); docs/design.md section 11.
 """
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import pytest
 
-from decodespec.checks.cases import cases_for, run_case
-from decodespec.checks.lockstep import LockStep
-from decodespec.checks.traces import open_runtime
+from decodespec.checks.gate.cases import cases_for, run_case
+from decodespec.checks.gate.lockstep import LockStep
+from decodespec.checks.modelcheck.traces import open_runtime
 
-SERVER = "stdio:python -m decodespec.checks.stdio_server"
+SERVER = "stdio:python -m decodespec.checks.adapters.stdio_server"
 CASES = ("matrix.sampled_lockstep", "matrix.static_chunked_prefill", "adversarial.duplicate_stale_receipt",
          "adversarial.device_fault_retry", "adversarial.cancel_in_flight", "adversarial.corrupt_restore",
          "adversarial.static_reuse_shorter", "boundary.stop_patterns_shared_prefix", "boundary.structured_nested_json",

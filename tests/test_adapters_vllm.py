@@ -66,7 +66,7 @@ def test_a_policy_the_schema_refuses_keeps_its_code() -> None:
 
 
 def test_without_the_vllm_environment_the_runtime_is_a_skip(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from decodespec.checks.traces import check_runtime, open_runtime
+    from decodespec.checks.modelcheck.traces import check_runtime, open_runtime
 
     monkeypatch.setenv("DECODESPEC_VLLM_PYTHON", str(tmp_path / "no-such-python"))
     reason = vllm.available()
@@ -85,7 +85,7 @@ def test_server_keeps_stdout_for_the_protocol(tmp_path: Path) -> None:
               "    os.write(1, b'native log line\\n')\n"
               "    stdout.write('PROTOCOL\\n')\n"
               "    return 0\n"
-              "import decodespec.checks.stdio_server as s\n"
+              "import decodespec.checks.adapters.stdio_server as s\n"
               "s.serve = fake_serve\n"
               f"sys.exit(vllm_engine.main(['--model-dir', {str(tmp_path)!r}, '--cache-dir', {str(tmp_path / 'c')!r}]))\n")
     proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120)
@@ -163,7 +163,7 @@ def test_server_command_names_mode_and_threads_only_when_not_the_defaults() -> N
 
 _FAKE_SERVER = '''
 import json, sys
-from decodespec.checks.stdio_server import serve
+from decodespec.checks.adapters.stdio_server import serve
 from decodespec.checks.adapters.vllm_engine import bench_command
 from decodespec.spec.errors import Rejection
 from decodespec.spec.latency import CallTiming, Emission, Timeline
@@ -284,11 +284,11 @@ def test_wire_refuses_a_malformed_prompt_logprobs_answer(answer, where: str) -> 
 
 
 def test_expectations_declare_vllm_first_token_policy_as_the_adapter_returns_it() -> None:
-    """``[prompt_logprobs]`` of checks/expectations/vllm.toml names vLLM's own policy: its list starts with ``None``."""
+    """``[prompt_logprobs]`` of checks/gate/expectations/vllm.toml names vLLM's own policy: its list starts with ``None``."""
     import tomllib
 
     from decodespec.checks.adapters.vllm_engine import prompt_entries
-    from decodespec.checks.cases import EXPECTATIONS_DIR
+    from decodespec.checks.gate.cases import EXPECTATIONS_DIR
     from decodespec.spec.prompt_logprobs import FirstTokenPolicy, PromptLogprobsSpec
 
     declared = tomllib.loads((EXPECTATIONS_DIR / "vllm.toml").read_text(encoding="utf-8"))["prompt_logprobs"]
@@ -338,8 +338,9 @@ def test_vllm_reports_the_ordered_vocabulary_hash_of_its_tokenizer_and_a_permute
     from decodespec.checks.adapters.peer import peer_vocab_hash
     from decodespec.checks.adapters.vllm_engine import VllmEngine
     from decodespec.checks.adapters.wire import observation_from_json, observation_to_json
-    from decodespec.checks.ladder import Expected, Tolerance, check_state
-    from decodespec.checks.vocab_check import reference_vocab
+    from decodespec.checks.gate.ladder import Expected, check_state
+    from decodespec.checks.gate.tolerance import Tolerance
+    from decodespec.checks.gate.vocab_check import reference_vocab
 
     ref = reference_vocab("smollm2")
     config = CaseConfig(model="smollm2", prompt_ids=(1, 504, 3), max_new_tokens=1, eos_ids=(2,))

@@ -7,7 +7,7 @@ num_return_sequences=K, output_scores=True, return_dict_in_generate=True)``'s se
 ``beam_indices`` (our ancestry), for three prompts and K in {2, 4}, across HF's three
 ``early_stopping`` settings and several length penalties; every run is also replayed by the spec
 with the branch hash of every child.  Where HF differs from the spec, the difference is an entry
-of ``checks/expectations/hf.toml`` (its ``test`` names the test below that shows it), and the
+of ``checks/gate/expectations/hf.toml`` (its ``test`` names the test below that shows it), and the
 spec's answer is what our runtime returns under the normative parameters.
 """
 
@@ -26,7 +26,7 @@ from decodespec.spec import beam as B
 from decodespec.spec.rules import RULES
 
 ROOT = Path(__file__).resolve().parents[1]
-EXPECTATIONS = ROOT / "checks" / "expectations" / "hf.toml"
+EXPECTATIONS = ROOT / "checks" / "gate" / "expectations" / "hf.toml"
 #: Declared float32 tolerance on HF's sequences_scores (HF sums in float32, we in float64).
 SCORE_TOL = 1e-4
 G = 12
@@ -140,8 +140,8 @@ def test_cli_beams_are_hfs_sequences_and_sequence_scores(smollm2_model, smollm2_
     output (the loaded models are the session's, so only the command path runs here)."""
     import json
 
-    from decodespec.checks.cli import main
     from decodespec.checks.commands import generate as command
+    from decodespec.checks.commands.cli import main
 
     monkeypatch.setattr(command, "_load", lambda *a, **k: (smollm2_model, smollm2_tokenizer))
     assert main(["generate", "--chat", "--prompt", QUESTIONS[2], "--device", "cpu", "--num-beams", "4", "--max-new-tokens",
@@ -163,11 +163,11 @@ def test_cli_beams_are_hfs_sequences_and_sequence_scores(smollm2_model, smollm2_
 
 
 def test_every_beam_expectation_names_a_rule_a_doc_row_and_an_existing_test():
-    """checks/expectations/hf.toml: each beam deviation has an id, a registered rule id, the HF
+    """checks/gate/expectations/hf.toml: each beam deviation has an id, a registered rule id, the HF
     source, the spec's answer, the reason, the docs/beam-expectations.md row it refines, and a test
     in this repository that shows it."""
-    from decodespec.checks.cases import load_expectations
-    from decodespec.checks.ladder import Verdict
+    from decodespec.checks.gate.cases import load_expectations
+    from decodespec.checks.gate.ladder import Verdict
 
     data = tomllib.loads(EXPECTATIONS.read_text(encoding="utf-8"))
     entries = [e for e in data["deviation"] if e["id"].startswith("hf.beam_")]

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from decodespec.checks.cli import main
+from decodespec.checks.commands.cli import main
 from decodespec.impl.beam import beam_generate
 from decodespec.impl.events import read_events
 from decodespec.spec import beam as B

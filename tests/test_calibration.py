@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from decodespec.checks.calibrate import ABS_FLOOR, HEADROOM, calibration_configs, derive, load_calibration, measure, summarize
-from decodespec.checks.ladder import TOLERANCES, Tolerance, tolerance_for
+from decodespec.checks.gate.calibrate import calibration_configs, measure, summarize
+from decodespec.checks.gate.tolerance import ABS_FLOOR, HEADROOM, TOLERANCES, Tolerance, derive, load_calibration, tolerance_for
 
 
 def _entries() -> list[dict]:
@@ -18,7 +18,7 @@ def _entries() -> list[dict]:
 
 def test_every_declared_tolerance_is_derived_from_the_shipped_measurement() -> None:
     entries = _entries()
-    assert entries, "checks/calibration.json holds no measurement"
+    assert entries, "checks/gate/calibration.json holds no measurement"
     for entry in entries:
         key = (entry["runtime"], entry["model"], entry["dtype"])
         assert TOLERANCES[key] == derive(entry["variants"]), key
@@ -98,7 +98,7 @@ def test_merge_takes_the_entries_of_an_out_file_and_refuses_anything_else(tmp_pa
     a file of another shape is ``cli.invalid_argument`` (exit 2)."""
     import json
 
-    from decodespec.checks.cli import main
+    from decodespec.checks.commands.cli import main
 
     entry = next(e for e in _entries() if (e["runtime"], e["model"], e["dtype"]) == ("impl", "tiny", "float32"))
     good = tmp_path / "good.json"
@@ -129,8 +129,8 @@ def test_a_large_logit_bias_before_a_renormalising_truncation_is_judged_with_its
 
 def _assert_lockstep_passes(config) -> None:
     """Run ``config`` on our runtime in lock step (one ``run``) and assert the verdict passed."""
-    from decodespec.checks.lockstep import LockStep
-    from decodespec.checks.traces import open_runtime
+    from decodespec.checks.gate.lockstep import LockStep
+    from decodespec.checks.modelcheck.traces import open_runtime
 
     adapter = open_runtime("impl", "tiny")
     try:

@@ -119,12 +119,12 @@ def section_problems(section: str) -> list[str]:
 
 
 def _registered_sections() -> list[tuple[str, str]]:
-    import decodespec.checks.mutants.harness  # registers every mutant
-    import decodespec.checks.trace_validation
+    import decodespec.checks.lab.mutants.harness  # registers every mutant
+    import decodespec.checks.modelcheck.trace_validation
     import decodespec.impl.runtime
     import decodespec.spec.invariants
     import decodespec.spec.transitions  # noqa: F401 - registers the transition rules
-    from decodespec.checks.mutants import MUTANTS
+    from decodespec.checks.lab.mutants import MUTANTS
     from decodespec.spec.errors import ERROR_CODES
     from decodespec.spec.rules import RULES
 

@@ -1,4 +1,4 @@
-"""``decodespec generate`` (and ``decodespec bench --help``) through ``decodespec.checks.cli.main``.
+"""``decodespec generate`` (and ``decodespec bench --help``) through ``decodespec.checks.commands.cli.main``.
 
 Source: docs/design.md section 8 (runtime outputs: ``--json`` prints at least prompt_ids,
 output_ids, text, logprobs, finish_reason, triggers, frontier).
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from decodespec.checks.cli import main
+from decodespec.checks.commands.cli import main
 from decodespec.checks.testing import requires_smollm2
 from decodespec.impl.generate import greedy_generate
 

@@ -3,7 +3,7 @@
 Every refusal is exit 2 with a JSON error (registered code, path, message), comes before any
 generation, and leaves no output file, partial or orphan.  Generation runs on the tiny model.
 
-Source: docs/design.md section 8 (runtime outputs), ``decodespec.checks.cli`` (exit codes).
+Source: docs/design.md section 8 (runtime outputs), ``decodespec.checks.commands.cli`` (exit codes).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from decodespec.checks.cli import main
+from decodespec.checks.commands.cli import main
 from decodespec.checks.testing import requires_smollm2
 from decodespec.spec.errors import ERROR_CODES, Rejection
 
@@ -139,7 +139,7 @@ def test_validate_errors_are_json_with_namespaced_codes(capsys, tmp_path):
 
 def test_validate_reads_at_most_one_byte_past_the_limit():
     """``validate /dev/zero`` returns envelope.too_large instead of reading forever."""
-    done = subprocess.run([sys.executable, "-m", "decodespec.checks.cli", "validate", "/dev/zero"], check=False, capture_output=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "decodespec.checks.commands.cli", "validate", "/dev/zero"], check=False, capture_output=True, timeout=120)
     assert done.returncode == 2
     assert json.loads(done.stdout)["error"]["code"] == "envelope.too_large"
 
@@ -155,7 +155,7 @@ def test_a_closed_pipe_exits_without_a_traceback():
     read, write = os.pipe()
     os.close(read)
     try:
-        done = subprocess.run([sys.executable, "-m", "decodespec.checks.cli", "validate", str(TINY_REQUEST)],
+        done = subprocess.run([sys.executable, "-m", "decodespec.checks.commands.cli", "validate", str(TINY_REQUEST)],
                               check=False, stdout=write, stderr=subprocess.PIPE, timeout=120)
     finally:
         os.close(write)

@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from decodespec.checks.cli import main
+from decodespec.checks.commands.cli import main
 from decodespec.checks.testing import requires_smollm2
 
 CHUNK_KEYS = ["chunk_idx", "text", "byte_start", "byte_end", "token_start", "token_end"]

@@ -18,8 +18,8 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-from decodespec.checks import docs
-from decodespec.checks.docs import (
+from decodespec.checks.docs import pages as docs
+from decodespec.checks.docs.pages import (
     FRONTIER_BOUNDARIES,
     DocsError,
     build_site,
@@ -106,7 +106,7 @@ def test_rule_sections_show_section_statement_and_implementation(site: docs.Buil
         block = page[start:end if end != -1 else len(page)]
         assert rule.title.split()[0] in block
         assert rule.section.split()[0] in block
-        implemented_by = docs._implemented_by(rule.obj)
+        implemented_by = docs.implemented_by(rule.obj)
         if implemented_by is not None:
             assert implemented_by in block
         text = " ".join(html.unescape(re.sub(r"<[^>]+>", " ", block)).split())
@@ -149,7 +149,7 @@ def test_state_machine_page_has_the_commit_spine_svg(site: docs.BuildResult) -> 
 def test_phase_diagram_is_drawn_from_the_explorer(site: docs.BuildResult) -> None:
     page = _html(site, "generated/state-machine.html")
     try:
-        import decodespec.checks.explore  # noqa: F401 - is the explorer importable?
+        import decodespec.checks.modelcheck.explore  # noqa: F401 - is the explorer importable?
     except ImportError:
         assert "Phase diagram not drawn" in page
         return
@@ -170,7 +170,7 @@ def test_phase_diagram_is_drawn_from_the_explorer(site: docs.BuildResult) -> Non
 
 
 def test_phase_graph_reports_refused_configurations() -> None:
-    pytest.importorskip("decodespec.checks.explore")
+    pytest.importorskip("decodespec.checks.modelcheck.explore")
     graph, source = docs.phase_graph([{"no_such_bound": 1}, {}])
     assert graph is not None and "refused" in source and "no_such_bound" in source
     with pytest.raises(DocsError, match="refused every"):
@@ -223,7 +223,7 @@ def test_policy_presets_side_by_side(site: docs.BuildResult) -> None:
 
 
 def test_cli_page_lists_registered_commands(site: docs.BuildResult) -> None:
-    from decodespec.checks.cli import COMMANDS
+    from decodespec.checks.commands.cli import COMMANDS
 
     page = _html(site, "generated/cli.html")
     for name in COMMANDS:
@@ -413,7 +413,7 @@ def test_build_refuses_to_replace_a_foreign_source_folder(tmp_path: Path) -> Non
 
 
 def test_cli_exit_codes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from decodespec.checks.cli import main
+    from decodespec.checks.commands.cli import main
 
     monkeypatch.setattr(docs.shutil, "which", lambda _name: None)
     assert main(["docs", "--out", str(tmp_path / "html")]) == 3  # a missing component

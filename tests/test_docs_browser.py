@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from decodespec.checks import docs
+from decodespec.checks.docs import pages as docs
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
@@ -136,7 +136,7 @@ def test_diagram_svg_is_rendered_and_visible(site: docs.BuildResult, tmp_path: P
 def test_conformance_matrix_renders_with_colored_cells(site: docs.BuildResult, tmp_path: Path) -> None:
     """The matrix page (docs/matrix.md, issue 18): its table lays out one row per case and one column per runtime, and
     its screenshot shows the table's text and the colored results."""
-    from decodespec.checks.matrix import build_matrix
+    from decodespec.checks.gate.matrix import build_matrix
 
     expected = build_matrix()
     page = site.out_dir / "matrix.html"

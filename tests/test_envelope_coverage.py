@@ -1,4 +1,4 @@
-"""The gate's envelope coverage (checks/coverage.py) and strategies (checks/drawing.py): derived declared items, per-run
+"""The gate's envelope coverage (checks/gate/coverage.py) and strategies (checks/gate/drawing.py): derived declared items, per-run
 items, capability-respecting draws, and the full-run rule that decides enforcement.
 
 Rules: the coverage report of issue 15 item 4 (declared items from the request schema, the M3.8
@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from decodespec.checks.adapters import OPS, CaseConfig
 from decodespec.checks.adapters.impl import IMPL_CAPABILITIES
 from decodespec.checks.conftest import full_gate_run
-from decodespec.checks.coverage import Coverage, config_items, declared_items, edge_items, enforced_items, run_items, transform_orders, unsupported_values
-from decodespec.checks.drawing import case_configs, sweep_cases
+from decodespec.checks.gate.coverage import Coverage, config_items, declared_items, edge_items, enforced_items, run_items, transform_orders, unsupported_values
+from decodespec.checks.gate.drawing import case_configs, sweep_cases
 from decodespec.spec.enums import FinishReason
 from decodespec.spec.policy.config import CATALOG, PRESET_ORDERS, Order
 

@@ -28,9 +28,9 @@ import pytest
 from envelope_bugs import BUGS
 from hypothesis import Phase
 
-from decodespec.checks.cases import run_case
-from decodespec.checks.drawing import sweep_cases
-from decodespec.checks.machines import run_machine
+from decodespec.checks.gate.cases import run_case
+from decodespec.checks.gate.drawing import sweep_cases
+from decodespec.checks.gate.machines import run_machine
 
 #: bug -> (the sweep case that kills it, the ladder layer and check of its failed verdict).
 SWEEP_KILLS = {

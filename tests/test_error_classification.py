@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from decodespec.checks.cli import main
+from decodespec.checks.commands.cli import main
 from decodespec.impl.tiny import TINY_VOCAB_SIZE
 from decodespec.impl.tokenizer import ByteTokenizer
 

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from decodespec.checks import itf
-from decodespec.checks.explore import DEADLOCK, UNTYPED_REJECTION, ExploreBounds, explore, params_for_bounds
+from decodespec.checks.modelcheck import itf
+from decodespec.checks.modelcheck.explore import DEADLOCK, UNTYPED_REJECTION, ExploreBounds, explore, params_for_bounds
 from decodespec.spec import transitions as T
 from decodespec.spec.actions import Admit, Decide, Launch
 from decodespec.spec.enums import PendingTag

@@ -20,7 +20,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from decodespec.checks.explore import ExploreBounds, candidate_actions, explore, params_for_bounds
+from decodespec.checks.modelcheck.explore import ExploreBounds, candidate_actions, explore, params_for_bounds
 from decodespec.spec import transitions as T
 from decodespec.spec.actions import Admit, Commit, Complete, Decide, Launch
 from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason

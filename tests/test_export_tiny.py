@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from decodespec.checks import cli
-from decodespec.checks.reference import files as ref_files
+from decodespec.checks.commands import cli
+from decodespec.checks.gate.reference import files as ref_files
 from decodespec.impl.tiny import load_tiny
 from decodespec.impl.tokenizer import ByteTokenizer
 
@@ -28,7 +28,7 @@ SEED = 0
 
 
 def _export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "decodespec.checks.cli", "export-tiny", *args], check=False, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "decodespec.checks.commands.cli", "export-tiny", *args], check=False, capture_output=True,
                           text=True, timeout=300)
 
 

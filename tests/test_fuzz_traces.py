@@ -46,8 +46,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from trace_oracle import classify_acceptance  # tests/ is on sys.path
 
-from decodespec.checks.cli import main
-from decodespec.checks.traces import check_replay_runtime, load_trace
+from decodespec.checks.commands.cli import main
+from decodespec.checks.modelcheck.traces import check_replay_runtime, load_trace
 from decodespec.spec.errors import ERROR_CODES, DecodeSpecError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -308,13 +308,13 @@ def test_long_trace_fuzz_loop(event_traces, tmp_path_factory) -> None:
 @FUZZ
 @given(data=st.data())
 def test_the_fast_schema_check_never_accepts_what_the_python_validator_refuses(data, event_traces) -> None:
-    """checks/fastschema.py: the Rust validator's acceptance is trusted, so it must imply the Python validator's,
+    """checks/modelcheck/fastschema.py: the Rust validator's acceptance is trusted, so it must imply the Python validator's,
     for the ITF schema (mutated conformance traces) and the events schema (mutated event lines)."""
     import jsonschema
 
-    from decodespec.checks.fastschema import FastAccept
-    from decodespec.checks.itf import ITF_SCHEMA
-    from decodespec.checks.trace_validation import EVENTS_SCHEMA_PATH
+    from decodespec.checks.modelcheck.fastschema import FastAccept
+    from decodespec.checks.modelcheck.itf import ITF_SCHEMA
+    from decodespec.checks.modelcheck.trace_validation import EVENTS_SCHEMA_PATH
 
     c = Chooser(data)
     events_schema = json.loads(EVENTS_SCHEMA_PATH.read_text(encoding="utf-8"))

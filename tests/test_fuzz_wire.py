@@ -1,7 +1,7 @@
 """Fuzzing the stdio wire from the runtime's side: a foreign runtime that answers with mutated lines.
 
 The harness speaks to a runtime over JSON lines (checks/adapters/stdio.py, wire.py).  Here the
-server is our own runtime served in process by :func:`decodespec.checks.stdio_server.serve` on a
+server is our own runtime served in process by :func:`decodespec.checks.adapters.stdio_server.serve` on a
 pair of pipes, and one of its response lines is mutated on the way back (a JSON-level mutation of
 the message -- mostly inside the observation or the result -- or a byte-level one), then read by
 the real :class:`~decodespec.checks.adapters.stdio.StdioAdapter` transport and judged by the lock
@@ -33,9 +33,9 @@ from hypothesis import strategies as st
 
 from decodespec.checks.adapters import CaseConfig
 from decodespec.checks.adapters.stdio import StdioAdapter
+from decodespec.checks.adapters.stdio_server import serve
 from decodespec.checks.adapters.wire import PROTOCOL_VERSION, request
-from decodespec.checks.lockstep import LockStep
-from decodespec.checks.stdio_server import serve
+from decodespec.checks.gate.lockstep import LockStep
 from decodespec.spec.errors import ERROR_CODES, DecodeSpecError
 
 EXAMPLES = int(os.environ.get("DECODESPEC_FUZZ_EXAMPLES", "60"))

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from decodespec.checks.cli import main
-from decodespec.checks.traces import load_trace, replay
+from decodespec.checks.commands.cli import main
+from decodespec.checks.modelcheck.traces import load_trace, replay
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,7 +53,7 @@ def test_a_mutant_failure_trace_records_the_mutant_and_replays(mutant_trace, cap
     assert result["reproduced"] is True and result["mutant"] == "mutant.logprob_next_step"
     assert "installing failure-lab mutant mutant.logprob_next_step" in captured.err
     # The mutant is removed again after the replay: the same actions now pass.
-    from decodespec.checks.traces import installed_mutant
+    from decodespec.checks.modelcheck.traces import installed_mutant
 
     assert installed_mutant() is None
 
@@ -120,7 +120,7 @@ def test_explore_bounds_at_the_edge_are_explored(tmp_path, monkeypatch, capsys) 
 
 def test_explore_prefix_lm_default_chunk_holds_the_prefix() -> None:
     """Without --prefill-chunk a prefix_lm profile gets a chunk that holds its prefix (rule: explore bounds)."""
-    from decodespec.checks.cli import build_parser
+    from decodespec.checks.commands.cli import build_parser
     from decodespec.checks.commands.explore import _prefill_chunk
 
     parser = build_parser()
@@ -159,17 +159,17 @@ def test_check_refuses_a_runtime_it_cannot_run_with_exit_2(runtime, code, tmp_pa
 
 
 def test_check_runtime_accepts_what_the_gate_can_run() -> None:
-    from decodespec.checks.traces import check_runtime
+    from decodespec.checks.modelcheck.traces import check_runtime
 
     for runtime in ("impl", "hf", "llamacpp", "impl.broken.frozen_rng"):  # a missing peer is the gate's skip, not an error
         check_runtime(runtime, "tiny")
-    check_runtime("stdio:python -m decodespec.checks.stdio_server", "tiny", timeout=120)
+    check_runtime("stdio:python -m decodespec.checks.adapters.stdio_server", "tiny", timeout=120)
 
 
 def test_check_runtime_gives_up_on_a_silent_server() -> None:
     import time
 
-    from decodespec.checks.traces import check_runtime
+    from decodespec.checks.modelcheck.traces import check_runtime
     from decodespec.spec.errors import Rejection
 
     started = time.monotonic()
@@ -193,7 +193,7 @@ def test_a_trace_records_torch_threads_and_replay_sets_them_for_the_replay(mutan
     """``#meta.threads``: written by the trace writer, set by replay for the replay only, restored after."""
     import torch
 
-    from decodespec.checks import traces
+    from decodespec.checks.modelcheck import traces
 
     trace = load_trace(mutant_trace)
     assert trace["#meta"]["threads"] == 1  # the gate subprocess ran with OMP_NUM_THREADS=1

@@ -1,4 +1,4 @@
-"""checks/head_check.py and ``decodespec head-check``: a user's loss/head implementation against M3.8 0x05.
+"""checks/gate/head_check.py and ``decodespec head-check``: a user's loss/head implementation against M3.8 0x05.
 
 Rules checked: invariant.head_loss_row, invariant.head_mean_from_sum_and_count, invariant.head_gradients
 (the checker's layers ROWS, REDUCTION, GRADIENT); mutants killed: mutant.head_chunk_mean,
@@ -13,8 +13,8 @@ import textwrap
 
 import pytest
 
-from decodespec.checks import head_check as hc
-from decodespec.checks.cli import main
+from decodespec.checks.commands.cli import main
+from decodespec.checks.gate import head_check as hc
 from decodespec.spec.errors import Rejection
 from decodespec.spec.rules import RULES
 
@@ -90,8 +90,8 @@ def test_interface_failures_are_verdicts():
 
 
 def test_load_callable_errors():
-    assert hc.load_callable("decodespec.checks.head_check:torch_reference") is hc.torch_reference
-    for bad in ("nocolon", "decodespec_nosuch_mod:f", "decodespec.checks.head_check:nosuch", "decodespec.checks.head_check:PASSED"):
+    assert hc.load_callable("decodespec.checks.gate.head_check:torch_reference") is hc.torch_reference
+    for bad in ("nocolon", "decodespec_nosuch_mod:f", "decodespec.checks.gate.head_check:nosuch", "decodespec.checks.gate.head_check:PASSED"):
         with pytest.raises(Rejection) as err:
             hc.load_callable(bad)
         assert err.value.code == "head.invalid_callable" and err.value.path == "$.implementation"

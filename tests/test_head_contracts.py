@@ -16,7 +16,7 @@ from decodespec.spec.rules import RULES
 
 torch = pytest.importorskip("torch")
 
-from decodespec.checks import head_check as hc
+from decodespec.checks.gate import head_check as hc
 
 
 def test_rules_registered_with_sections():

@@ -72,7 +72,7 @@ def _one_thread():
 
 
 def test_zero_over_two_gloo_ranks_keeps_one_owner_one_state_one_gradient():
-    from decodespec.checks.sharded_tie import run_sharded_tie
+    from decodespec.checks.gate.sharded_tie import run_sharded_tie
 
     report = run_sharded_tie(2)
     obs = report.observation
@@ -87,13 +87,13 @@ def test_zero_over_two_gloo_ranks_keeps_one_owner_one_state_one_gradient():
     ("head_shard_alias_split", ("alias_lost", "split_owners", "duplicate_state", "gradient_not_once")),
 ])
 def test_a_sharder_that_duplicates_the_tie_is_caught(name, expected):
-    from decodespec.checks.sharded_tie import run_sharded_tie
+    from decodespec.checks.gate.sharded_tie import run_sharded_tie
 
     assert run_sharded_tie(2, mutant=name).violations == expected
 
 
 def test_one_rank_holding_the_table_twice_steps_it_twice():
-    from decodespec.checks.sharded_tie import run_sharded_tie
+    from decodespec.checks.gate.sharded_tie import run_sharded_tie
 
     report = run_sharded_tie(1, mutant="head_shard_duplicate_tie")
     assert report.observation.entries == (2,)
@@ -102,7 +102,7 @@ def test_one_rank_holding_the_table_twice_steps_it_twice():
 
 
 def test_the_mutants_are_in_the_failure_lab_and_killed():
-    from decodespec.checks.mutants import MUTANTS
+    from decodespec.checks.lab.mutants import MUTANTS
 
     for name in ("head_shard_duplicate_tie", "head_shard_alias_split"):
         m = MUTANTS[name]
@@ -114,7 +114,7 @@ def test_the_mutants_are_in_the_failure_lab_and_killed():
 @requires_smollm2
 @pytest.mark.smollm2
 def test_smollm2_sharded_over_two_ranks_keeps_its_tie():
-    from decodespec.checks.sharded_tie import run_sharded_tie
+    from decodespec.checks.gate.sharded_tie import run_sharded_tie
 
     report = run_sharded_tie(2, model="smollm2", deadline_s=300)
     assert report.passed, report.violations

@@ -112,7 +112,7 @@ def test_ledger_formulas_and_the_worked_example():
 def test_our_models_head_ledger_for_each_row_scope(tiny_model):
     import torch
 
-    from decodespec.checks.head_check import measure_head
+    from decodespec.checks.gate.head_check import measure_head
 
     ids = torch.randint(3, 500, (2, 7), generator=torch.Generator().manual_seed(0))
     expected_rows = {0: 14, 1: 2, 3: 6}
@@ -132,7 +132,7 @@ def test_our_models_head_ledger_for_each_row_scope(tiny_model):
 def test_smollm2_head_ledger(smollm2_model):
     import torch
 
-    from decodespec.checks.head_check import measure_head
+    from decodespec.checks.gate.head_check import measure_head
 
     ids = torch.tensor([[1, 4093, 314, 253, 1789]])
     last = measure_head(smollm2_model, ids, 1, expected_rows=1)

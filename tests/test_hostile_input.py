@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 from runtime_helpers import request, sampled_policy  # tests/ is on sys.path
 
-from decodespec.checks.cli import main
+from decodespec.checks.commands.cli import main
 from decodespec.checks.testing import requires_smollm2
 from decodespec.impl.cache import CacheABI, StaticCache, check_static_reservation
 from decodespec.impl.runtime import RequestRunner

@@ -1,5 +1,7 @@
 """No import cycle inside a package, and no function-local import that hides one (issue 17 items 4 and 5).
 
+Checked for ``spec/``, ``impl/`` and ``checks/`` (docs/design.md 1a: the module map of ``checks/``).
+
 The graph is read from the source with :mod:`ast`: an edge ``a -> b`` for every import in module
 ``a`` of a module ``b`` of the same package, at the top level *and* inside functions (a function-
 local import of a module that imports the importer back is a cycle postponed, not removed).
@@ -17,7 +19,7 @@ import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("spec", "impl")
+PACKAGES = ("spec", "impl", "checks")
 
 
 def _module_name(folder: str, path: Path, base: Path) -> str:
@@ -83,3 +85,30 @@ def test_a_cycle_hidden_in_a_function_is_found():
     assert not graph.has_edge("decodespec.x.c", "decodespec.x.a") and graph.has_edge("decodespec.x.d", "decodespec.x.c")
     files["decodespec.x.b"] = "def f():\n    return 1\n"
     assert cycles(import_graph(files, "x")) == []
+
+
+def test_a_cycle_through_a_subpackage_and_a_from_import_of_a_module_is_found():
+    # checks/ is split into subpackages: a relative import two levels up, and ``from . import y``
+    # naming a module, are edges too.
+    files = {
+        "decodespec.x": "",
+        "decodespec.x.a": "from .sub import b\n",
+        "decodespec.x.sub": "",
+        "decodespec.x.sub.b": "def late():\n    from ..a import VALUE\n    return VALUE\n",
+        "decodespec.x.y": "from . import z\n",
+        "decodespec.x.z": "from decodespec.x.y import thing\n",
+    }
+    assert cycles(import_graph(files, "x")) == [["decodespec.x.a", "decodespec.x.sub.b"], ["decodespec.x.y", "decodespec.x.z"]]
+
+
+def test_a_package_importing_its_own_children_is_no_cycle():
+    # A package's __init__ imports its submodules (registration) and they import names from it
+    # (the mutants catalogue): the parent is already initialising, so that is no dependency.
+    files = {
+        "decodespec.x": "REGISTRY = {}\n\nfrom . import one, two\n",
+        "decodespec.x.one": "from . import REGISTRY\n",
+        "decodespec.x.two": "from decodespec.x import REGISTRY\nfrom .one import REGISTRY as R\n",
+    }
+    graph = import_graph(files, "x")
+    assert cycles(graph) == []
+    assert set(graph.edges) == {("decodespec.x", "decodespec.x.one"), ("decodespec.x", "decodespec.x.two"), ("decodespec.x.two", "decodespec.x.one")}

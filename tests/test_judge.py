@@ -1,11 +1,11 @@
 """The rows-in oracle (issue 22 item 5): a recording of the tiny model is accepted; each planted bug is caught at its ladder layer.
 
-:func:`decodespec.checks.judge.judge_rows` judges a ``decodespec.rows.v1`` recording (request
+:func:`decodespec.checks.modelcheck.judge.judge_rows` judges a ``decodespec.rows.v1`` recording (request
 envelope, score rows, decisions, frontiers) against the spec machine (STATE), the float64
 reference (TENSOR, with a reference), the spec policy's draws (POLICY), the spec policy on the
 observed row under the margin rule and the logprob bound (DECISION) and the finish
 (SEQUENCE).  Every recording here is our runtime's real rows on the tiny model
-(:func:`~decodespec.checks.judge.record_rows`); the bugs are edits of single lines.
+(:func:`~decodespec.checks.modelcheck.judge.record_rows`); the bugs are edits of single lines.
 """
 
 from __future__ import annotations
@@ -18,11 +18,20 @@ from typing import Any
 import numpy as np
 import pytest
 
-from decodespec.checks.cli import main
-from decodespec.checks.judge import JUDGE_SCHEMA, JUDGE_UNREADABLE, JUDGE_UNSUPPORTED, ROWS_SCHEMA_PATH, judge_rows, read_rows, record_rows, write_rows
-from decodespec.checks.ladder import tolerance_for
-from decodespec.checks.lockstep import reference_for
-from decodespec.checks.trace_validation import token_bytes_of
+from decodespec.checks.commands.cli import main
+from decodespec.checks.gate.lockstep import reference_for
+from decodespec.checks.gate.tolerance import tolerance_for
+from decodespec.checks.modelcheck.judge import (
+    JUDGE_SCHEMA,
+    JUDGE_UNREADABLE,
+    JUDGE_UNSUPPORTED,
+    ROWS_SCHEMA_PATH,
+    judge_rows,
+    read_rows,
+    record_rows,
+    write_rows,
+)
+from decodespec.checks.modelcheck.trace_validation import token_bytes_of
 from decodespec.impl.runtime import RequestRunner, RuntimeRequest
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag
 from decodespec.spec.envelope import validate_request_envelope
@@ -309,7 +318,7 @@ def test_zero_new_tokens_and_bounds(tiny_model, byte_tokenizer, tmp_path, monkey
     assert judge(rows).verdict.result == "passed"
     rows[-1]["finish_reason"] = "eos"
     assert (judge(rows).verdict.layer, judge(rows).verdict.check) == ("SEQUENCE", "finish_reason")
-    import decodespec.checks.judge as J
+    import decodespec.checks.modelcheck.judge as J
 
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps(rows[0]) + "\n")
@@ -380,7 +389,7 @@ def test_the_worked_example_of_docs_adapters_runs_as_written(tmp_path, capsys):
 
 def test_the_stated_ordered_vocabulary_hash_is_judged_at_state(greedy_rows, byte_tokenizer, tmp_path, capsys):
     """M3.8 0x08: a recording may state its runtime's ordered vocabulary hash; a wrong one fails STATE vocab.hash at line 1."""
-    from decodespec.checks.vocab_check import reference_vocab
+    from decodespec.checks.gate.vocab_check import reference_vocab
     from decodespec.spec.vocab import vocab_table_hash
 
     model_hash = reference_vocab("tiny").vocab_hash

@@ -1,4 +1,4 @@
-"""The ladder comparator (checks/ladder.py): layer order, each layer's checks, the greedy comparator, undecided margins.
+"""The ladder comparator (checks/gate/ladder.py): layer order, each layer's checks, the greedy comparator, undecided margins.
 
 Rules: ``ladder.STATE``, ``ladder.TENSOR``, ``ladder.POLICY``, ``ladder.DECISION``,
 ``ladder.SEQUENCE``, ``ladder.RESUME``.  Source: M3.10 "A logit tolerance is not a
@@ -12,23 +12,9 @@ import numpy as np
 import pytest
 
 from decodespec.checks.adapters import Observation
-from decodespec.checks.ladder import (
-    FAILED,
-    LAYERS,
-    PASSED,
-    TOLERANCES,
-    UNDECIDED,
-    DecisionCheck,
-    Expected,
-    Tolerance,
-    Verdict,
-    combine,
-    compare,
-    compare_rows,
-    greedy_comparator,
-    tolerance_for,
-)
-from decodespec.checks.lockstep import judge_decision
+from decodespec.checks.gate.ladder import FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, Verdict, combine, compare, compare_rows, greedy_comparator
+from decodespec.checks.gate.lockstep import judge_decision
+from decodespec.checks.gate.tolerance import TOLERANCES, Tolerance, tolerance_for
 from decodespec.spec.policy import policy_config_from_json
 from decodespec.spec.rules import RULES
 

@@ -1,4 +1,4 @@
-"""Failure diagnostics of the ladder (checks/ladder.py) and of failure traces (checks/traces.py).
+"""Failure diagnostics of the ladder (checks/gate/ladder.py) and of failure traces (checks/modelcheck/traces.py).
 
 A TENSOR or DECISION failure names its worst coordinate -- the vocabulary id, or the layer, K or
 V, head and position of a committed K/V row -- with both values and the bound, and keeps a
@@ -18,20 +18,10 @@ import numpy as np
 import pytest
 
 from decodespec.checks.adapters import CaseConfig, Observation
-from decodespec.checks.ladder import (
-    FAILED,
-    PROBE_ENTRIES,
-    PROBE_POSITIONS,
-    UNDECIDED,
-    Expected,
-    Tolerance,
-    Verdict,
-    compare,
-    greedy_comparator,
-    score_row_probe,
-)
-from decodespec.checks.lockstep import judge_decision
-from decodespec.checks.traces import MAX_TRACE_NAME, load_trace, make_trace, trace_file_name, write_trace
+from decodespec.checks.gate.ladder import FAILED, PROBE_ENTRIES, PROBE_POSITIONS, UNDECIDED, Expected, Verdict, compare, greedy_comparator, score_row_probe
+from decodespec.checks.gate.lockstep import judge_decision
+from decodespec.checks.gate.tolerance import Tolerance
+from decodespec.checks.modelcheck.traces import MAX_TRACE_NAME, load_trace, make_trace, trace_file_name, write_trace
 from decodespec.spec.policy import policy_config_from_json
 
 TOL = Tolerance.from_logit(1e-3, 1e-3)
@@ -216,7 +206,7 @@ def test_impl_trace_names_keep_their_form() -> None:
 
 def test_a_failure_lab_mutant_is_localized_to_its_chunk(tiny_model) -> None:
     """mutant.chunked_prefill_position_reset: the second prefill chunk's K rows (positions 2, 3) are named (ladder.TENSOR)."""
-    from decodespec.checks.traces import mutant_installed, record
+    from decodespec.checks.modelcheck.traces import mutant_installed, record
 
     config = CaseConfig(model="tiny", prompt_ids=(72, 105, 33, 40, 50, 60), max_new_tokens=2, prefill_chunk=2)
     with mutant_installed("mutant.chunked_prefill_position_reset"):
@@ -228,8 +218,8 @@ def test_a_failure_lab_mutant_is_localized_to_its_chunk(tiny_model) -> None:
 
 
 def test_an_undecided_pair_names_the_ids_and_their_reference_scores() -> None:
-    from decodespec.checks.cases import pair_divergence_verdict
-    from decodespec.checks.lockstep import ReferenceDecision
+    from decodespec.checks.gate.divergence import pair_divergence_verdict
+    from decodespec.checks.gate.lockstep import ReferenceDecision
 
     greedy = policy_config_from_json({"family": "greedy"})
     ref = ReferenceDecision(2, 0, np.array([2.0, 1.9995, 0.0]), np.array([0.5, 0.5, 0.0]), None, True, greedy, 1e-3)

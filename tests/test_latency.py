@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from decodespec.checks.latency import LATENCY_UNTIMED_TRACE, timeline_from_trace
+from decodespec.checks.gate.latency import LATENCY_UNTIMED_TRACE, timeline_from_trace
 from decodespec.spec.errors import Rejection
 from decodespec.spec.latency import (
     LATENCY_TIMELINE_INVALID,
@@ -163,7 +163,7 @@ def test_runtime_record_matches_its_trace_and_the_call_count(tiny_model, byte_to
 
 def test_untimed_trace_still_validates_but_has_no_latency(tmp_path, tiny_model, byte_tokenizer):
     """A trace written before the t_ns fields (simulated by stripping them) is still accepted by validate-trace."""
-    from decodespec.checks.cli import main
+    from decodespec.checks.commands.cli import main
     from decodespec.impl.events import FileSink
     from decodespec.impl.generate import generate
 

@@ -106,7 +106,7 @@ def test_built_wheel_holds_only_the_namespace_and_imports_from_it(tmp_path):
     code = (
         "import sys; sys.path.insert(0, sys.argv[1])\n"
         "import importlib.util\n"
-        "import decodespec.spec, decodespec.impl, decodespec.checks, decodespec.checks.cli\n"
+        "import decodespec.spec, decodespec.impl, decodespec.checks, decodespec.checks.commands.cli\n"
         "for m in (decodespec.spec, decodespec.impl, decodespec.checks):\n"
         "    assert m.__file__.startswith(sys.argv[1]), m.__file__\n"
         "for bare in ('spec', 'impl', 'checks', 'traces'):\n"

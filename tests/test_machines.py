@@ -1,4 +1,4 @@
-"""The Hypothesis lock-step machines (checks/machines.py) on the tiny model, and that they catch broken runtimes.
+"""The Hypothesis lock-step machines (checks/gate/machines.py) on the tiny model, and that they catch broken runtimes.
 
 Rules exercised: every ``transition.*`` action of the request machine through the contract's
 ops, ``invariant.*`` after every step, and the ladder (``ladder.STATE``, ``ladder.TENSOR``,
@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import Phase
 
-from decodespec.checks.machines import BUDGETS, machine_settings, prompts_for, run_beam_machine, run_machine
-from decodespec.checks.traces import load_trace, replay
+from decodespec.checks.gate.machines import BUDGETS, machine_settings, run_beam_machine, run_machine
+from decodespec.checks.gate.prompts import prompts_for
+from decodespec.checks.modelcheck.traces import load_trace, replay
 
 
 @pytest.mark.parametrize("cache", ["none", "dynamic", "static"])
@@ -22,7 +23,7 @@ def test_tiny_lockstep_machine_passes_on_our_runtime(cache: str) -> None:
 
 def test_beam_machine_duplicated_parents_and_early_eos() -> None:
     """``transition.beam_step`` / ``selector.beam_topk``: the runtime's joint top-K equals the spec's, invariants hold."""
-    from decodespec.checks.machines import BeamMachine
+    from decodespec.checks.gate.machines import BeamMachine
 
     before = BeamMachine.duplicated_with_eos
     run_beam_machine()
@@ -43,7 +44,7 @@ def test_a_machine_on_a_refused_config_reports_the_documented_deviation() -> Non
 def test_a_machine_crash_becomes_an_error_line_and_a_verdict_a_fail_line() -> None:
     """The gate's report: an exception of the adapter or the harness is result 'error' (check harness, its code);
     a failed ladder verdict is 'fail' at its layer (checks/test_machines.py writes both to --report)."""
-    from decodespec.checks.machines import machine_failure
+    from decodespec.checks.gate.machines import machine_failure
     from decodespec.spec.errors import Rejection
 
     result, verdict = machine_failure(Rejection("adapter.protocol", "reset(config) must come before observe()", "$"))

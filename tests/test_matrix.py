@@ -1,6 +1,6 @@
 """The conformance matrix (``decodespec matrix``, docs/matrix.md): built from the gate's report files, and never stale.
 
-Source: issue 18 item 3; :mod:`decodespec.checks.matrix`.
+Source: issue 18 item 3; :mod:`decodespec.checks.gate.matrix`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from decodespec.checks import matrix as m
-from decodespec.checks.cli import main
+from decodespec.checks.commands.cli import main
+from decodespec.checks.gate import matrix as m
 
 REPO = Path(__file__).resolve().parent.parent
 GATE = ("matrix.a", "boundary.b", "adversarial.c", "machine.none", "machine.dynamic", "machine.static", "machine.beam")

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from decodespec.checks.reference.files import llama_gguf_tensors
-from decodespec.checks.reference.files import write_llama_gguf as write_gguf
+from decodespec.checks.gate.reference.files import llama_gguf_tensors
+from decodespec.checks.gate.reference.files import write_llama_gguf as write_gguf
 from decodespec.checks.testing import requires_smollm2
 from decodespec.impl.config import LlamaConfig, RopeScaling
 from decodespec.impl.tiny import load_tiny, tiny_config

@@ -1,4 +1,4 @@
-"""The failure lab (checks/mutants): catalogue, seams, the untouched normal path, and a CI-sized kill subset.
+"""The failure lab (checks/lab/mutants): catalogue, seams, the untouched normal path, and a CI-sized kill subset.
 
 A mutant is a named, documented, shape-correct bug of the runtime (``mutant.*`` rules) installed
 only inside its context manager.  These tests prove that every seam still resolves and every
@@ -26,11 +26,11 @@ import pathlib
 import pytest
 import torch
 
-from decodespec.checks import mutants as M
-from decodespec.checks.cli import main
-from decodespec.checks.mutants import GROUPS, MUTANTS, Mutant, Patch
-from decodespec.checks.mutants.harness import CRASHED, KILLED, Calibration, GateCheck, run_gate
-from decodespec.checks.mutants.seams import SeamMoved, is_oracle_side, leaked, oracle_side
+from decodespec.checks.commands.cli import main
+from decodespec.checks.lab import mutants as M
+from decodespec.checks.lab.mutants import GROUPS, MUTANTS, Mutant, Patch
+from decodespec.checks.lab.mutants.harness import CRASHED, KILLED, Calibration, GateCheck, run_gate
+from decodespec.checks.lab.mutants.seams import SeamMoved, is_oracle_side, leaked, oracle_side
 from decodespec.impl.runtime import RequestRunner, RuntimeRequest
 from decodespec.spec.policy import policy_config_from_json
 from decodespec.spec.rules import RULES
@@ -167,7 +167,7 @@ def test_decodespec_mutants_command(capsys, tmp_path):
     assert main(["mutants", "--only", "mutant.logprob_wrong_axis", "--json", "--report", str(report)]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert lines[-1]["summary"]["kill_rate"] == 1.0 and lines[0]["killed_by"].startswith("tiny: ") and "ladder.DECISION" in lines[0]["killed_by"]
-    from decodespec.checks.docs import load_results
+    from decodespec.checks.docs.pages import load_results
 
     _, lab = load_results(tmp_path)
     assert [x["mutant"] for x in lab] == ["mutant.logprob_wrong_axis"] and lab[0]["killed"] is True

@@ -171,7 +171,7 @@ def test_a_missing_compiler_is_a_reason_not_a_crash(tmp_path):
 
 
 def test_the_gate_kills_a_kernel_that_scales_attention_wrongly(monkeypatch):
-    from decodespec.checks.cases import cases_for, run_case
+    from decodespec.checks.gate.cases import cases_for, run_case
 
     case = next(c for c in cases_for("tiny") if c.id == "matrix.torch_vs_native_kernel")
     assert run_case(case, "impl").result == "pass"

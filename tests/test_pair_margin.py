@@ -7,8 +7,8 @@ reference row of the shared prefix: ``undecided`` when the reference margin is a
 2 epsilon (``ladder.DECISION``, check ``pair.margin``), ``failed`` only when the margin rules one
 of the ids out.  Synthetic rows, no model.
 
-Source: M3.10 "A logit tolerance is not a token-equality proof"; checks/cases.py
-``_pair_verdict`` / ``pair_divergence_verdict``.
+Source: M3.10 "A logit tolerance is not a token-equality proof"; checks/gate/cases.py
+``pair_verdict`` / ``pair_divergence_verdict``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from types import SimpleNamespace
 import numpy as np
 
 from decodespec.checks.adapters import CaseConfig, Observation
-from decodespec.checks.cases import _pair_verdict, pair_divergence_verdict
-from decodespec.checks.ladder import FAILED, PASSED, UNDECIDED, Tolerance
-from decodespec.checks.lockstep import ReferenceDecision
+from decodespec.checks.gate.divergence import pair_divergence_verdict, pair_verdict
+from decodespec.checks.gate.ladder import FAILED, PASSED, UNDECIDED
+from decodespec.checks.gate.lockstep import ReferenceDecision
+from decodespec.checks.gate.tolerance import Tolerance
 from decodespec.spec.policy import policy_config_from_json
 
 V = 16
@@ -64,7 +65,7 @@ def _pair(gap: float, *, row_b_shift: float = 0.0):
 def test_divergence_at_a_near_tie_is_undecided() -> None:
     """ladder.DECISION: ids diverge where the reference margin 0.05 <= 2 epsilon = 0.2: undecided, not failed."""
     a, b = _pair(0.05)
-    verdict = _pair_verdict(a, b, ("ids", "logits"), TOL)
+    verdict = pair_verdict(a, b, ("ids", "logits"), TOL)
     assert verdict.result == UNDECIDED, verdict
     assert (verdict.layer, verdict.check, verdict.expected, verdict.actual) == ("DECISION", "pair.margin", 5, 7)
     assert "output 1" in verdict.message and "2 epsilon" in verdict.message
@@ -73,7 +74,7 @@ def test_divergence_at_a_near_tie_is_undecided() -> None:
 def test_divergence_at_a_wide_margin_fails() -> None:
     """ladder.DECISION: the reference margin 1.0 > 2 epsilon guarantees id 5; path B's 7 fails the pair."""
     a, b = _pair(1.0)
-    verdict = _pair_verdict(a, b, ("ids", "logits"), TOL)
+    verdict = pair_verdict(a, b, ("ids", "logits"), TOL)
     assert verdict.result == FAILED
     assert (verdict.layer, verdict.check, verdict.expected, verdict.actual) == ("DECISION", "decision.selected_id", 5, 7)
     assert "path B" in verdict.message
@@ -82,7 +83,7 @@ def test_divergence_at_a_wide_margin_fails() -> None:
 def test_rows_of_the_shared_prefix_are_still_compared() -> None:
     """ladder.TENSOR: a near tie does not excuse rows of the shared prefix more than 2 epsilon apart."""
     a, b = _pair(0.05, row_b_shift=0.5)
-    verdict = _pair_verdict(a, b, ("ids", "logits"), TOL)
+    verdict = pair_verdict(a, b, ("ids", "logits"), TOL)
     assert verdict.result == FAILED and verdict.layer == "TENSOR", verdict
     assert verdict.step == 1  # the first row (output 0), before the divergence
 
@@ -90,10 +91,10 @@ def test_rows_of_the_shared_prefix_are_still_compared() -> None:
 def test_identical_paths_pass_and_rows_after_a_divergence_are_not_compared() -> None:
     """Same ids: passed.  After a divergence the rows condition on different prefixes (here 11 vs 12 rows): ignored."""
     a, _ = _pair(0.05)
-    assert _pair_verdict(a, a, ("ids", "logits"), TOL).result == PASSED
+    assert pair_verdict(a, a, ("ids", "logits"), TOL).result == PASSED
     a, b = _pair(0.05)
     b.observations[-1] = Observation(phase="ready", output_ids=(3, 7, 12), score_row=np.full(V, 50.0, np.float32), score_output_count=2)
-    assert _pair_verdict(a, b, ("ids", "logits"), TOL).result == UNDECIDED
+    assert pair_verdict(a, b, ("ids", "logits"), TOL).result == UNDECIDED
 
 
 def test_a_path_outside_two_epsilon_fails_even_when_the_top_two_are_tied() -> None:
@@ -124,7 +125,7 @@ def test_sampled_divergence_uses_the_draw_margin() -> None:
 
 def test_a_batch_row_diverging_at_a_near_tie_is_undecided_not_failed() -> None:
     """``path_divergence_verdict``: the batch row's id at the divergence lies within 2 eps of the reference maximum."""
-    from decodespec.checks.cases import path_divergence_verdict
+    from decodespec.checks.gate.divergence import path_divergence_verdict
 
     run = _pair(0.05)[0]  # reference margin 0.05 <= 2 eps = 0.2 at output 1
     verdict = path_divergence_verdict(run, (3, 5, 11), (3, 7, 12), TOL, layer="STATE", check="batch.output_ids",
@@ -134,7 +135,7 @@ def test_a_batch_row_diverging_at_a_near_tie_is_undecided_not_failed() -> None:
 
 
 def test_a_batch_row_diverging_at_a_wide_margin_fails_on_its_id() -> None:
-    from decodespec.checks.cases import path_divergence_verdict
+    from decodespec.checks.gate.divergence import path_divergence_verdict
 
     run = _pair(1.0)[0]  # margin 1.0 > 2 eps: id 7 is ruled out
     verdict = path_divergence_verdict(run, (3, 5, 11), (3, 7, 12), TOL, layer="DECISION", check="beam.tokens",
@@ -144,7 +145,7 @@ def test_a_batch_row_diverging_at_a_wide_margin_fails_on_its_id() -> None:
 
 def test_equal_paths_pass_and_a_path_running_past_the_other_fails_at_the_named_check() -> None:
     """A row that goes on after the other stopped (rows expanding after EOS) is no near tie: it fails."""
-    from decodespec.checks.cases import path_divergence_verdict
+    from decodespec.checks.gate.divergence import path_divergence_verdict
 
     run = _pair(0.05)[0]
     assert path_divergence_verdict(run, (3, 5), (3, 5), TOL, layer="STATE", check="batch.output_ids", what="x").result == PASSED
@@ -152,13 +153,13 @@ def test_equal_paths_pass_and_a_path_running_past_the_other_fails_at_the_named_c
     assert (verdict.result, verdict.layer, verdict.check) == (FAILED, "STATE", "batch.output_ids")
 
 
-# ---- an expectation tied to one model (checks/expectations/*.toml ``model``) -----------------------------------
+# ---- an expectation tied to one model (checks/gate/expectations/*.toml ``model``) -----------------------------------
 
 
 def test_an_expectation_with_a_model_explains_and_is_missed_only_on_that_model(tmp_path) -> None:
     """``hf.stop_strings_need_a_tokenizer`` is tiny-only: on SmolLM2 it neither explains a failure nor is reported unused."""
-    from decodespec.checks.cases import CaseResult, load_expectations, unused_expectations
-    from decodespec.checks.ladder import Verdict
+    from decodespec.checks.gate.cases import CaseResult, load_expectations, unused_expectations
+    from decodespec.checks.gate.ladder import Verdict
 
     (tmp_path / "peer.toml").write_text('[[deviation]]\nid = "peer.x"\ncase = "boundary.stop_*"\nmodel = "tiny"\nreason = "r"\n')
     (e,) = load_expectations("peer", tmp_path)

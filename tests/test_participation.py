@@ -16,7 +16,7 @@ import sys
 import attrs
 import pytest
 
-from decodespec.checks.explore import DEADLOCK, ExploreBounds, explore, params_for_bounds
+from decodespec.checks.modelcheck.explore import DEADLOCK, ExploreBounds, explore, params_for_bounds
 from decodespec.spec import invariants as inv
 from decodespec.spec import transitions as T
 from decodespec.spec.actions import Admit, Complete, Launch

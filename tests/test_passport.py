@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from decodespec.checks.cli import main
-from decodespec.checks.trace_validation import TRACE_MISMATCH, TRACE_RECEIPT, TRACE_SCHEMA, validate_trace
+from decodespec.checks.commands.cli import main
+from decodespec.checks.modelcheck.trace_validation import TRACE_MISMATCH, TRACE_RECEIPT, TRACE_SCHEMA, validate_trace
 from decodespec.impl.tiny import TINY_VOCAB_SIZE
 from decodespec.impl.tokenizer import ByteTokenizer
 from decodespec.spec.errors import DecodeSpecError, Rejection
@@ -303,9 +303,9 @@ def test_every_corpus_trace_is_synthetic_and_a_redacted_or_unknown_one_is_refuse
 
 
 def test_gate_report_lines_are_synthetic_and_checked_when_read(tmp_path):
-    from decodespec.checks.cases import CaseResult, report_line
-    from decodespec.checks.docs import DocsError, load_results
-    from decodespec.checks.ladder import Verdict
+    from decodespec.checks.docs.pages import DocsError, load_results
+    from decodespec.checks.gate.cases import CaseResult, report_line
+    from decodespec.checks.gate.ladder import Verdict
 
     verdict = Verdict.from_json({"result": "passed"})
     line = report_line(CaseResult(case="c", runtime="impl", model="tiny", result="pass", verdict=verdict))

@@ -18,7 +18,7 @@ import json
 import numpy as np
 import pytest
 
-from decodespec.checks.cli import main
+from decodespec.checks.commands.cli import main
 from decodespec.checks.testing import requires_smollm2
 from decodespec.impl import generate as gen
 from decodespec.impl import runtime as rt  # the controller calls the policy twin

@@ -138,9 +138,9 @@ import attrs
 
 from decodespec.checks.adapters import CaseConfig
 from decodespec.checks.adapters.impl import ImplAdapter, load_model
-from decodespec.checks.cases import prompt_ids
-from decodespec.checks.ladder import tolerance_for
-from decodespec.checks.prompt_logprobs import judge, reference_rows, variants
+from decodespec.checks.gate.prompt_logprobs import judge, reference_rows, variants
+from decodespec.checks.gate.prompts import prompt_ids
+from decodespec.checks.gate.tolerance import tolerance_for
 from decodespec.checks.testing import requires_hf, requires_smollm2
 from decodespec.impl.faults import DeviceFault, FaultPlan
 from decodespec.impl.runtime import RequestRunner, RuntimeRequest
@@ -265,7 +265,7 @@ def test_snapshot_of_a_request_with_prompt_logprobs_is_refused():
 
 
 def test_generate_json_prints_prompt_logprobs(capsys):
-    from decodespec.checks.cli import main
+    from decodespec.checks.commands.cli import main
 
     args = ["generate", "--model", "tiny", "--prompt", "Hi you", "--max-new-tokens", "1", "--device", "cpu", "--json"]
     assert main(args + ["--prompt-logprobs", "omitted", "--prompt-logprobs-top-k", "2", "--prefill-chunk", "2"]) == 0

@@ -22,8 +22,8 @@ import attrs
 import pytest
 from runtime_helpers import renumber, request  # tests/ is on sys.path
 
-from decodespec.checks.cli import main
-from decodespec.checks.trace_validation import TRACE_RECEIPT, validate_trace
+from decodespec.checks.commands.cli import main
+from decodespec.checks.modelcheck.trace_validation import TRACE_RECEIPT, validate_trace
 from decodespec.impl.events import ListSink
 from decodespec.impl.runtime import RequestRunner
 from decodespec.spec.errors import Rejection

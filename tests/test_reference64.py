@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from decodespec.checks.reference import Reference64, dequantize64, load_gguf64
-from decodespec.checks.reference.files import gguf_path
+from decodespec.checks.gate.reference import Reference64, dequantize64, load_gguf64
+from decodespec.checks.gate.reference.files import gguf_path
 from decodespec.checks.testing import SMOLLM2_SKIP_REASON
 from decodespec.impl.gguf import smollm2_available
 
@@ -26,11 +26,11 @@ PROMPTS = {"tiny": [(1, 87, 104, 97, 116, 32, 105, 115), (5,)], "smollm2": [(504
 
 
 def test_the_reference_module_imports_neither_torch_nor_impl() -> None:
-    tree = ast.parse((ROOT / "checks/reference/llama64.py").read_text())
+    tree = ast.parse((ROOT / "checks/gate/reference/llama64.py").read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [n for n in names if n.startswith(("torch", "decodespec", "impl")) or n == "."], names
-    code = ("import sys; import decodespec.checks.reference.llama64 as m; "
+    code = ("import sys; import decodespec.checks.gate.reference.llama64 as m; "
             "bad = [k for k in sys.modules if k.startswith(('torch', 'decodespec.impl'))]; print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -173,7 +173,7 @@ def test_a_model_math_bug_on_every_path_fails_the_gate_at_tensor(monkeypatch: py
     The bug is patched plainly (no failure-lab dispatcher, no oracle side): the float64 reference
     never runs impl/ code, so it cannot carry it.
     """
-    from decodespec.checks import cases
+    from decodespec.checks.gate import cases
     from decodespec.impl import model as impl_model
 
     def broken(self, hidden_states):
@@ -194,7 +194,7 @@ def test_a_model_math_bug_on_every_path_fails_the_gate_at_tensor(monkeypatch: py
 
 def test_export_tiny_writes_the_file_the_reference_reads(tmp_path: Path) -> None:
     out = tmp_path / "tiny.gguf"
-    proc = subprocess.run([sys.executable, "-m", "decodespec.checks.cli", "export-tiny", "--out", str(out)], check=False, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "decodespec.checks.commands.cli", "export-tiny", "--out", str(out)], check=False, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr
     exported = Reference64(load_gguf64(out))
@@ -202,7 +202,7 @@ def test_export_tiny_writes_the_file_the_reference_reads(tmp_path: Path) -> None
     prompt = PROMPTS["tiny"][0]
     assert np.array_equal(exported.row(prompt), shipped.row(prompt))
     assert not list(tmp_path.glob(".*.part"))
-    bad = subprocess.run([sys.executable, "-m", "decodespec.checks.cli", "export-tiny", "--out", str(tmp_path / "no" / "x.gguf")],
+    bad = subprocess.run([sys.executable, "-m", "decodespec.checks.commands.cli", "export-tiny", "--out", str(tmp_path / "no" / "x.gguf")],
                          check=False, capture_output=True, text=True)
     assert bad.returncode == 2 and '"cli.io_error"' in bad.stdout
     assert not (tmp_path / "no").exists()

@@ -3,7 +3,7 @@
 :mod:`decodespec.spec.request_machine` composes M3.10's machine, M3.8's policy state and the stop/stream
 reference; :mod:`decodespec.spec.oracle` replays a runtime's score rows and decisions through it.  The
 rows here are our runtime's real rows on the tiny model (``impl`` never calls the spec: the oracle
-judges it from outside), recorded by :func:`decodespec.checks.judge.record_rows`; each bug is one edit
+judges it from outside), recorded by :func:`decodespec.checks.modelcheck.judge.record_rows`; each bug is one edit
 of a recorded decision, and the oracle must name the first broken step and the check.
 """
 
@@ -20,8 +20,8 @@ import attrs
 import numpy as np
 import pytest
 
-from decodespec.checks.judge import record_rows
-from decodespec.checks.trace_validation import token_bytes_of
+from decodespec.checks.modelcheck.judge import record_rows
+from decodespec.checks.modelcheck.trace_validation import token_bytes_of
 from decodespec.impl.runtime import RequestRunner, RuntimeRequest
 from decodespec.spec import request_machine as rm
 from decodespec.spec.actions import Cancel

@@ -67,7 +67,7 @@ def test_frontier_table_at_every_boundary(tiny_model, byte_tokenizer):
 
 def _params(runner: RequestRunner) -> RequestParams:
     p = runner.spec_params()
-    from decodespec.checks.trace_validation import params_from_header
+    from decodespec.checks.modelcheck.trace_validation import params_from_header
 
     return params_from_header({"params": p, "identity": p["identity"], "prompt_ids": list(runner.request.prompt_ids)})
 
@@ -258,7 +258,7 @@ def test_empty_support_finishes_with_constraint_error_and_keeps_the_output(tiny_
     M3.8 hard constraints: the third decision's legal set is empty, so the request finishes with constraint_error
     keeping both committed tokens and their logprobs; no receipt, no draw, no further call (not even a repair);
     the trace (empty_support, then finish) replays against the spec."""
-    from decodespec.checks.trace_validation import validate_trace
+    from decodespec.checks.modelcheck.trace_validation import validate_trace
     from decodespec.impl.events import ListSink
 
     sink = ListSink()

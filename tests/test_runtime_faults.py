@@ -6,7 +6,7 @@ logprobs), the right finish reason, and nothing partial (no score, no pending de
 of the failed call; P at the last selected ALL_NEW state, a cached handle quarantined after an
 ALL_OLD completion).  With retries declared, a failed call is recovered (cropped back to P under
 a new generation) and retried, and the run equals the clean run.  Every trace is accepted by
-the spec (``decodespec.checks.trace_validation``).
+the spec (``decodespec.checks.modelcheck.trace_validation``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 from runtime_helpers import request  # tests/ is on sys.path
 
-from decodespec.checks.trace_validation import validate_trace
+from decodespec.checks.modelcheck.trace_validation import validate_trace
 from decodespec.impl.events import ListSink
 from decodespec.impl.faults import DeviceFault, FaultPlan, Interrupt, MissingLane, StreamFailureAt
 from decodespec.impl.runtime import RequestRunner

@@ -4,7 +4,7 @@ The runner's output transaction (M3.10 0x06 "One selection is an output-state tr
 ``impl/output.py`` wired into ``RequestRunner.commit``) is compared with the spec's oracle
 (``decodespec.spec.stop.reference_stream`` over the tokens the runner committed): returned ids,
 logprobs, text, overhang and every published chunk.  Every trace is replayed by trace validation
-with the tokenizer's bytes (``checks/trace_validation.py``), and hand-broken stream traces are
+with the tokenizer's bytes (``checks/modelcheck/trace_validation.py``), and hand-broken stream traces are
 rejected at the right line.  Rules: ``transition.commit`` (``Commit.stream_failed``),
 ``invariant.stop_triggers``, ``invariant.stream_frontier``, ``invariant.stream_prefix``,
 ``invariant.stream_final``, ``invariant.stream_no_stop_bytes``, ``invariant.chunk_metadata``,
@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from runtime_helpers import renumber, request  # tests/ is on sys.path
 
-from decodespec.checks.trace_validation import token_bytes_of, validate_trace
+from decodespec.checks.modelcheck.trace_validation import token_bytes_of, validate_trace
 from decodespec.impl.events import ListSink
 from decodespec.impl.faults import FaultPlan, Interrupt, StreamFailureAt
 from decodespec.impl.generate import generate

@@ -21,8 +21,8 @@ import json
 import pytest
 from runtime_helpers import renumber, request  # tests/ is on sys.path
 
+from decodespec.checks.modelcheck.trace_validation import token_bytes_of, validate_trace
 from decodespec.checks.testing import requires_smollm2
-from decodespec.checks.trace_validation import token_bytes_of, validate_trace
 from decodespec.impl.events import ListSink
 from decodespec.impl.runtime import RequestRunner
 from decodespec.spec.enums import FinishReason as FR

@@ -20,7 +20,7 @@ import pytest
 import torch
 from runtime_helpers import request  # tests/ is on sys.path
 
-from decodespec.checks.trace_validation import params_from_header
+from decodespec.checks.modelcheck.trace_validation import params_from_header
 from decodespec.impl.events import ListSink
 from decodespec.impl.runtime import RequestRunner
 from decodespec.spec.enums import FinishReason

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import attrs
 import pytest
 
-from decodespec.checks.explore import ExploreBounds, explore, params_for_bounds
+from decodespec.checks.modelcheck.explore import ExploreBounds, explore, params_for_bounds
 from decodespec.spec import invariants as inv
 from decodespec.spec.actions import Admit, Commit, Decide, Launch
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decodespec.checks.explore import ExploreBounds, candidate_actions, frontier_label, params_for_bounds
+from decodespec.checks.modelcheck.explore import ExploreBounds, candidate_actions, frontier_label, params_for_bounds
 from decodespec.spec import invariants as inv
 from decodespec.spec.actions import Admit, Cancel, Commit, Decide, Fault, Launch, Recover, StreamFailure, SupportEmpty
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection

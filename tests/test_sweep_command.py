@@ -13,8 +13,8 @@ import json
 import attrs
 import pytest
 
-from decodespec.checks.cli import main
-from decodespec.checks.sweep import SWEEP_TWO_VARIABLES, Manifest, check_one_variable, parse_values, sweep
+from decodespec.checks.commands.cli import main
+from decodespec.checks.gate.sweep import SWEEP_TWO_VARIABLES, Manifest, check_one_variable, parse_values, sweep
 from decodespec.spec.errors import Rejection
 
 FAST = Manifest(model="tiny", prompt_len=12, new_tokens=4, repetitions=1)

@@ -18,8 +18,8 @@ import pytest
 from runtime_helpers import renumber, request  # tests/ is on sys.path
 from test_envelope import dumps, edit, tiny
 
-from decodespec.checks.cli import main
-from decodespec.checks.trace_validation import validate_trace
+from decodespec.checks.commands.cli import main
+from decodespec.checks.modelcheck.trace_validation import validate_trace
 from decodespec.impl.beam import BeamRunner
 from decodespec.impl.events import ListSink
 from decodespec.impl.runtime import INVALID_REQUEST, RequestRunner, RuntimeRequest
@@ -263,10 +263,10 @@ def test_a_resumed_request_starts_a_fresh_budget_at_restore(tiny_model, prompt, 
 def _lockstep(runner_cls, actions):
     from decodespec.checks.adapters import CaseConfig
     from decodespec.checks.adapters.impl import ImplAdapter
-    from decodespec.checks.cases import _drive  # the gate's own driver (reset, then each action until a failure)
+    from decodespec.checks.gate.divergence import drive  # the gate's own driver (reset, then each action until a failure)
 
     config = CaseConfig(model="tiny", prompt_ids=(1, 40, 41, 42), max_new_tokens=6, seed=0)
-    return _drive(ImplAdapter(runner_cls=runner_cls), config, actions, "impl")
+    return drive(ImplAdapter(runner_cls=runner_cls), config, actions, "impl")
 
 
 class _OwnBudget(RequestRunner):

@@ -11,7 +11,7 @@ import time
 import attrs
 import pytest
 
-from decodespec.checks.ladder import tolerance_for
+from decodespec.checks.gate.tolerance import tolerance_for
 from decodespec.impl.config import LlamaConfig
 from decodespec.impl.faults import ParticipantFailure
 from decodespec.impl.runtime import RequestRunner, RuntimeRequest
@@ -130,7 +130,7 @@ def test_a_rank_failing_mid_call_gives_all_old_and_a_typed_reason_without_a_hang
 def test_the_gate_adapter_declares_what_the_ranks_cannot_do(monkeypatch):
     """impl-tp declares no prompt logprobs, no native kernel, no dtype it was not calibrated in; it declares rank faults."""
     from decodespec.checks.adapters.impl_tp import TP_CAPABILITIES, TP_CORE_CAPABILITIES
-    from decodespec.checks.traces import open_runtime
+    from decodespec.checks.modelcheck.traces import open_runtime
 
     adapter = open_runtime("impl-tp", "tiny")
     try:
@@ -146,9 +146,9 @@ def test_the_gate_adapter_declares_what_the_ranks_cannot_do(monkeypatch):
 
 @pytest.mark.parametrize("name", ["tp_rank_skips_collective", "tp_rank_frontier_lags", "tp_wrong_kv_head_owner"])
 def test_tensor_parallel_mutant_is_killed_by_the_impl_tp_gate(name):
-    """Each tensor-parallel mutant (checks/mutants/tp.py) is killed by a gate check of --runtime impl-tp on tiny that passes
+    """Each tensor-parallel mutant (checks/lab/mutants/tp.py) is killed by a gate check of --runtime impl-tp on tiny that passes
     without it; the skipped collective ends by the bounded gloo wait (no hang), and no rank process is left."""
-    from decodespec.checks.mutants.harness import KILLED, Calibration, run_gate
+    from decodespec.checks.lab.mutants.harness import KILLED, Calibration, run_gate
 
     calibration = Calibration()
     began = time.monotonic()
@@ -187,7 +187,7 @@ def test_smollm2_tp_decode_equals_single_process(smollm2_model, world_size):
 def test_impl_tp_tolerance_is_calibrated_not_typed(model):
     """The impl-tp tolerance is derived from its own measurement (R = 2, one thread per rank) under default and AVX2 at
     least (tiny also AVX-512), never borrowed from impl's."""
-    from decodespec.checks.calibrate import derive, load_calibration
+    from decodespec.checks.gate.tolerance import derive, load_calibration
 
     entry = next(e for e in load_calibration()["entries"] if (e["runtime"], e["model"], e["dtype"]) == ("impl-tp", model, "float32"))
     seen = {(v["capability"], v["threads"]) for v in entry["variants"]}

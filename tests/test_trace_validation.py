@@ -1,6 +1,6 @@
 """Trace validation: every trace the runtime writes is accepted; hand-broken traces are rejected at the right line.
 
-docs/design.md section 6 (``decodespec.events.v1``): :func:`decodespec.checks.trace_validation.validate_trace`
+docs/design.md section 6 (``decodespec.events.v1``): :func:`decodespec.checks.modelcheck.trace_validation.validate_trace`
 replays each event as a spec action (rules ``transition.launch_*``, ``transition.complete_all_new`` /
 ``transition.complete_all_old``, ``transition.decide``, ``transition.commit``,
 ``transition.interrupt_*``, ``transition.recover``, ``transition.snapshot``, ``transition.restore``)
@@ -14,8 +14,8 @@ import json
 import pytest
 from runtime_helpers import renumber, request, sampled_policy  # tests/ is on sys.path
 
-from decodespec.checks.cli import main
-from decodespec.checks.trace_validation import validate_trace
+from decodespec.checks.commands.cli import main
+from decodespec.checks.modelcheck.trace_validation import validate_trace
 from decodespec.impl.events import ListSink
 from decodespec.impl.faults import DeviceFault, FaultPlan, Interrupt, MissingLane
 from decodespec.impl.observers import CommitObservation, NullObserver

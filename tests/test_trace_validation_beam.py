@@ -17,8 +17,8 @@ import json
 
 import pytest
 
-from decodespec.checks.cli import main
-from decodespec.checks.trace_validation import TRACE_UNSUPPORTED, unsupported_trace, validate_trace
+from decodespec.checks.commands.cli import main
+from decodespec.checks.modelcheck.trace_validation import TRACE_UNSUPPORTED, unsupported_trace, validate_trace
 from decodespec.impl.events import read_events
 from decodespec.spec.errors import Rejection
 

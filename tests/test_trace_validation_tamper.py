@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from decodespec.checks.cli import main
-from decodespec.checks.trace_validation import EVENTS_SCHEMA_PATH, TRACE_INCOMPLETE, TRACE_RECEIPT, TRACE_SCHEMA, validate_trace
+from decodespec.checks.commands.cli import main
+from decodespec.checks.modelcheck.trace_validation import EVENTS_SCHEMA_PATH, TRACE_INCOMPLETE, TRACE_RECEIPT, TRACE_SCHEMA, validate_trace
 from decodespec.spec.enums import CallKind, FinishReason, PendingTag, Selection
 from decodespec.spec.errors import quote_content
 from decodespec.spec.state import InterruptPoint

@@ -1,4 +1,4 @@
-"""Conformance traces (checks/traces.py): the ``decodespec.trace`` ITF format, replay and the CLI.
+"""Conformance traces (checks/modelcheck/traces.py): the ``decodespec.trace`` ITF format, replay and the CLI.
 
 Source: traces/README.md; research/formal-anchors-survey.md 5.1 (ITF).
 """
@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from decodespec.checks import itf
 from decodespec.checks.adapters import CaseConfig
-from decodespec.checks.cli import main
-from decodespec.checks.traces import TRACE_FORMAT, TRACE_FORMAT_VERSION, load_trace, record, replay, write_trace
+from decodespec.checks.commands.cli import main
+from decodespec.checks.modelcheck import itf
+from decodespec.checks.modelcheck.traces import TRACE_FORMAT, TRACE_FORMAT_VERSION, load_trace, record, replay, write_trace
 from decodespec.spec.errors import Rejection
 
 CONFIG = CaseConfig(model="tiny", prompt_ids=[1, 75, 105], max_new_tokens=4, eos_ids=[2], stream=True)

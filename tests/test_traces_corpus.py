@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from decodespec.checks.adapters import AdapterUnavailable
+from decodespec.checks.modelcheck.traces import load_trace, replay
 from decodespec.checks.testing import SMOLLM2_SKIP_REASON
-from decodespec.checks.traces import load_trace, replay
 from decodespec.impl.gguf import smollm2_available
 
 CORPUS = sorted((Path(__file__).resolve().parent.parent / "traces").glob("*.json"))

@@ -1,4 +1,4 @@
-"""Hostile conformance-trace files (checks/traces.py ``load_trace`` / ``replay``, ``decodespec replay``).
+"""Hostile conformance-trace files (checks/modelcheck/traces.py ``load_trace`` / ``replay``, ``decodespec replay``).
 
 Replay never starts a process a file names (a ``stdio:CMD`` runtime needs the user's
 ``--runtime`` or ``--allow-runtime``), and every malformed file is a typed refusal with its code
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from decodespec.checks.cli import main
-from decodespec.checks.traces import load_trace, replay
+from decodespec.checks.commands.cli import main
+from decodespec.checks.modelcheck.traces import load_trace, replay
 from decodespec.spec.errors import DecodeSpecError, Rejection
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +37,7 @@ def _write(tmp_path: Path, trace: dict, name: str = "t.itf.json") -> Path:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "decodespec.checks.cli", *args], check=False, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "decodespec.checks.commands.cli", *args], check=False, capture_output=True, text=True, timeout=300)
 
 
 def test_a_stdio_runtime_named_by_the_file_is_never_started(good, tmp_path) -> None:

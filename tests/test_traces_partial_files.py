@@ -37,7 +37,7 @@ def _age(path: Path, seconds: float = 10 * STALE_AFTER_S) -> None:
 
 def test_a_sigkilled_generate_leaves_a_temporary_and_the_next_run_removes_it(tmp_path) -> None:
     target = tmp_path / "t.trace"
-    cmd = [sys.executable, "-m", "decodespec.checks.cli", "generate", "--model", "tiny", "--prompt", "hi", "--trace", str(target)]
+    cmd = [sys.executable, "-m", "decodespec.checks.commands.cli", "generate", "--model", "tiny", "--prompt", "hi", "--trace", str(target)]
     proc = subprocess.Popen([*cmd, "--max-new-tokens", "1000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 240
@@ -118,7 +118,7 @@ def dying(state, path, **options):
     doc, tensors = real(state, path, **options)  # both files written into the staging folder, not yet moved out
     os.kill(os.getpid(), signal.SIGKILL)
 snapshot.save_snapshot = dying
-from decodespec.checks.cli import main
+from decodespec.checks.commands.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -138,7 +138,7 @@ def test_a_kill_while_a_snapshot_is_written_leaves_a_staging_folder_that_the_nex
     assert len(leftover) == 1 and sorted(p.name for p in leftover[0].iterdir()) == ["s.json", "s.json.safetensors"]
     assert not target.exists() and not target.with_name("s.json.safetensors").exists()  # nothing half-published
     _age(leftover[0])
-    done = subprocess.run([sys.executable, "-m", "decodespec.checks.cli", *args], check=False, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "decodespec.checks.commands.cli", *args], check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "s.json.safetensors"]
 

@@ -189,7 +189,7 @@ def test_the_loaded_policy_is_compared_but_not_its_masks_and_unobserved_manifest
 
 
 def test_the_stale_optimizer_manifest_mutant_is_killed():
-    from decodespec.checks.mutants import MUTANTS
+    from decodespec.checks.lab.mutants import MUTANTS
 
     m = MUTANTS["vocab_release_stale_optimizer_manifest"]
     assert m.checker(False) is None
@@ -221,8 +221,8 @@ def test_added_tokens_are_judged_on_identity_not_counts():
 
 def test_the_tiny_runtimes_added_tokens_and_the_reinitialized_rows_mutant():
     from decodespec.checks.adapters.impl import load_tokenizer
-    from decodespec.checks.mutants import MUTANTS
-    from decodespec.checks.vocab_check import audit_added_tokens
+    from decodespec.checks.gate.vocab_check import audit_added_tokens
+    from decodespec.checks.lab.mutants import MUTANTS
     from decodespec.impl.tiny import load_tiny
 
     report = audit_added_tokens(load_tiny(seed=0), load_tokenizer("tiny"), "tiny")
@@ -234,7 +234,7 @@ def test_the_tiny_runtimes_added_tokens_and_the_reinitialized_rows_mutant():
 
 
 def _audit(capsys, *argv):
-    from decodespec.checks.cli import main
+    from decodespec.checks.commands.cli import main
 
     rc = main(["vocab-audit", *argv, "--json"])
     return rc, json.loads(capsys.readouterr().out)
@@ -296,8 +296,8 @@ def test_vocab_audit_writes_and_checks_the_bundle(model, tmp_path, capsys):
 
 def test_the_optimizer_manifest_read_from_torch_names_one_owner_and_catches_a_duplicate_slot():
     """checks.vocab_check.optimizer_manifest on the tiny model (tied, [V] bias) after one Adam step and a migration."""
-    from decodespec.checks.mutants.head import _migration_plan, _tiny
-    from decodespec.checks.vocab_check import MIGRATION_MUTANTS, _trained, optimizer_manifest
+    from decodespec.checks.gate.vocab_check import MIGRATION_MUTANTS, _trained, optimizer_manifest
+    from decodespec.checks.lab.mutants.head import _migration_plan, _tiny
     from decodespec.impl.vocab import migrate_vocabulary
 
     vmap, init = _migration_plan()

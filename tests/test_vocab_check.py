@@ -1,4 +1,4 @@
-"""checks/vocab_check.py, impl/vocab.py, the STATE vocabulary check and the row scope: M3.8 0x06, 0x08, 0x0A in torch.
+"""checks/gate/vocab_check.py, impl/vocab.py, the STATE vocabulary check and the row scope: M3.8 0x06, 0x08, 0x0A in torch.
 
 * the audit of tiny and SmolLM2 (V = 49152) and the runtime's ordered table hash against the
   gate's independent reading of the checkpoint;
@@ -22,10 +22,11 @@ import numpy as np
 import pytest
 import torch
 
-from decodespec.checks import vocab_check as vc
 from decodespec.checks.adapters import Observation
-from decodespec.checks.ladder import Expected, Tolerance, check_state
-from decodespec.checks.mutants.harness import KILLED, Calibration, GateCheck, run_gate
+from decodespec.checks.gate import vocab_check as vc
+from decodespec.checks.gate.ladder import Expected, check_state
+from decodespec.checks.gate.tolerance import Tolerance
+from decodespec.checks.lab.mutants.harness import KILLED, Calibration, GateCheck, run_gate
 from decodespec.spec.errors import Rejection
 from decodespec.spec.vocab import audit_violations
 from decodespec.spec.vocab_migration import NewRowInit, VocabMap
@@ -85,7 +86,7 @@ PLAN = VocabMap.create(512, 520, {**{v: v for v in range(511)}, 40: 41, 41: 40})
 
 
 def _untied(model):
-    from decodespec.checks.head_check import untie_by_copy
+    from decodespec.checks.gate.head_check import untie_by_copy
 
     model = untie_by_copy(model)
     model.config = attrs.evolve(model.config, tie_word_embeddings=False)
@@ -161,7 +162,7 @@ def test_row_scope_bench_reports_the_tensor_not_produced(tiny_model):
 
 
 def test_vocab_audit_command(capsys):
-    from decodespec.checks.cli import main
+    from decodespec.checks.commands.cli import main
 
     assert main(["vocab-audit", "--model", "tiny", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -169,7 +170,7 @@ def test_vocab_audit_command(capsys):
 
 
 def test_the_new_mutants_are_in_the_failure_lab():
-    from decodespec.checks.mutants import MUTANTS
+    from decodespec.checks.lab.mutants import MUTANTS
     from decodespec.spec.rules import RULES
 
     groups = {"mutant.vocab_table_permuted": "vocabulary", "mutant.vocab_head_resized": "vocabulary",

@@ -13,8 +13,8 @@ from decodespec.spec.rules import RULES
 
 torch = pytest.importorskip("torch")
 
-from decodespec.checks import vocab_check as vc
-from decodespec.checks.mutants import MUTANTS
+from decodespec.checks.gate import vocab_check as vc
+from decodespec.checks.lab.mutants import MUTANTS
 from decodespec.impl.encdec import make_model
 from decodespec.impl.tiny import load_tiny
 

@@ -6,7 +6,7 @@
   ``selector.multinomial``) for R = 1 .. 5, bit for bit where the seed's algorithm permits
   (maxima, ids, masks, the chained CDF) and within the float64 summation bound elsewhere;
 * impl side: ``impl/vocab_parallel.py`` on R = 2 and 4 gloo processes (and the SmolLM2-sized
-  head V = 49152, d = 576 on 2) equals the reference (``checks/vocab_parallel.py``), every run
+  head V = 49152, d = 576 on 2) equals the reference (``checks/gate/vocab_parallel.py``), every run
   bounded by a deadline; a rank that skips a collective ends in a bounded failure, not a hang;
 * the failure lab's vocabulary-parallel mutants are killed by the gate's distributed check.
 """
@@ -19,10 +19,10 @@ import attrs
 import numpy as np
 import pytest
 
-from decodespec.checks import vocab_parallel as check
-from decodespec.checks.mutants import MUTANTS, Mutant, Patch
-from decodespec.checks.mutants.harness import KILLED, Calibration, gate_checks, run_gate
-from decodespec.checks.mutants.seams import leaked
+from decodespec.checks.gate import vocab_parallel as check
+from decodespec.checks.lab.mutants import MUTANTS, Mutant, Patch
+from decodespec.checks.lab.mutants.harness import KILLED, Calibration, gate_checks, run_gate
+from decodespec.checks.lab.mutants.seams import leaked
 from decodespec.spec import vocab_parallel as vp
 from decodespec.spec.errors import Rejection
 from decodespec.spec.policy import selectors

@@ -17,9 +17,10 @@ import pytest
 from decodespec.checks.adapters import CaseConfig, Observation
 from decodespec.checks.adapters.llamacpp import LLAMACPP_SKIP_REASON, llamacpp_vocab_table
 from decodespec.checks.adapters.peer import PeerAdapter, peer_vocab_hash
-from decodespec.checks.ladder import Expected, Tolerance, check_state
+from decodespec.checks.gate.ladder import Expected, check_state
+from decodespec.checks.gate.tolerance import Tolerance
+from decodespec.checks.gate.vocab_check import reference_vocab
 from decodespec.checks.testing import requires_hf, requires_smollm2
-from decodespec.checks.vocab_check import reference_vocab
 from decodespec.spec.vocab import vocab_table_hash
 
 
@@ -190,7 +191,7 @@ def test_hf_added_tokens_keep_their_identity_against_the_gguf():
     import torch
 
     from decodespec.checks.adapters import hf
-    from decodespec.checks.vocab_check import audit_hf_added_tokens, declared_added_tokens
+    from decodespec.checks.gate.vocab_check import audit_hf_added_tokens, declared_added_tokens
 
     report = audit_hf_added_tokens("smollm2")
     declared = declared_added_tokens("smollm2")

@@ -70,13 +70,13 @@ def test_the_scan_sees_a_second_definition(tmp_path):
 def test_envelope_path_and_gate_path_state_one_hash(model):
     from decodespec.checks.adapters.impl import load_model, load_tokenizer, runtime_request
     from decodespec.checks.commands.generate import envelope_from_flags
-    from decodespec.checks.vocab_check import reference_vocab, runtime_vocab_hash
+    from decodespec.checks.gate.vocab_check import reference_vocab, runtime_vocab_hash
 
     tok = load_tokenizer(model)
     digest = vocab_table_hash(*tok.vocab_table())
     assert tok.vocab_hash == tok.sha256 == runtime_vocab_hash(tok) == reference_vocab(model).vocab_hash == digest
     assert tok.program_sha256 != digest  # the older value hashes merges / a format tag, not the table
-    from decodespec.checks.cli import build_parser
+    from decodespec.checks.commands.cli import build_parser
 
     args = build_parser().parse_args(["generate", "--model", model, "--prompt", "hi"])
     env = envelope_from_flags(args, load_model(model), tok)
@@ -95,7 +95,7 @@ def _example_with(value: str, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("older", [False, True])
 def test_generate_receipts_carry_the_ordered_hash_also_for_the_older_value(older, tmp_path, capsys):
-    from decodespec.checks.cli import main
+    from decodespec.checks.commands.cli import main
     from decodespec.impl.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer(512)
@@ -106,7 +106,7 @@ def test_generate_receipts_carry_the_ordered_hash_also_for_the_older_value(older
 
 
 def test_generate_refuses_another_vocabulary_hash(tmp_path, capsys):
-    from decodespec.checks.cli import main
+    from decodespec.checks.commands.cli import main
 
     path = _example_with("sha256:" + "3" * 64, tmp_path)
     assert main(["generate", "--model", "tiny", "--request", str(path), "--json"]) != 0

@@ -4,7 +4,7 @@ The gate (``pytest checks/``, ``decodespec check``, ``decodespec replay``) drive
 runtime in lock step.  A runtime takes part through an **adapter** that only *translates*: it
 builds a request from a :class:`CaseConfig`, applies one JSON action at a time and reports an
 :class:`Observation` (the observable projection of its state).  The harness does every
-comparison (the ladder, :mod:`decodespec.checks.ladder`); an adapter never judges.
+comparison (the ladder, :mod:`decodespec.checks.gate.ladder`); an adapter never judges.
 
 Two forms share this contract: an in-process Python class implementing :class:`Adapter`
 (our runtime: :mod:`decodespec.checks.adapters.impl`; HF transformers, llama.cpp), and a
@@ -728,7 +728,7 @@ def corrupt_record(record: SnapshotRecord, corruption: str) -> SnapshotRecord:
         Rejection: ``adapter.invalid_action`` for an unknown corruption.
 
     Source: M3.10 0x0B ("never ... increment a length field, or relabel a cache slot"),
-    checks/explore.py ``corrupted_records``.
+    checks/modelcheck/explore.py ``corrupted_records``.
     """
     if corruption not in CORRUPTIONS:
         raise Rejection(ADAPTER_INVALID_ACTION, f"unknown corruption {corruption!r}; expected one of {list(CORRUPTIONS)}", "$.corrupt")

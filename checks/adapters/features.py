@@ -4,7 +4,7 @@ A runtime declares what it can run (an in-process adapter's ``capabilities()``, 
 server's ``start`` handshake).  The gate sends it no case config that needs a capability it did
 not declare (:func:`config_capabilities`): a table case, a sweep entry or a corpus trace is then
 a skip with the missing names, and the machines draw only declared features
-(:func:`decodespec.checks.drawing.case_configs`).  A config the runtime still refuses with
+(:func:`decodespec.checks.gate.drawing.case_configs`).  A config the runtime still refuses with
 ``adapter.unsupported`` is a skip with the runtime's reason, never a failure.
 
 The feature names are derived from the schemas, not listed by hand:

@@ -84,7 +84,6 @@ __all__ = [
     "hf_tiny",
     "hf_tokenizer",
     "hf_vocab_table",
-    "register_custom_cases",
 ]
 
 #: What the step-wise HF adapter declares.
@@ -114,9 +113,9 @@ def available() -> str | None:
 def create(**options: Any) -> PeerAdapter:
     """The step-wise HF adapter (``options`` are ignored: the case config names model, dtype, device).
 
-    Also registers HF's procedures for the table's custom cases (:func:`register_custom_cases`).
+    HF's procedures for the table's custom cases (padded batches, beam width one) are in
+    :data:`decodespec.checks.gate.procedures.CUSTOM`.
     """
-    register_custom_cases()
     return PeerAdapter(HFEngine(), "hf")
 
 
@@ -313,7 +312,7 @@ def hf_vocab_table(name: str) -> tuple[tuple[bytes, ...], dict[str, int | None],
 
 
 class HFTokenizerView:
-    """HF's tokenizer seen through the calls :func:`decodespec.checks.vocab_check.audit_added_tokens` makes of one of ours.
+    """HF's tokenizer seen through the calls :func:`decodespec.checks.gate.vocab_check.audit_added_tokens` makes of one of ours.
 
     ``vocab_size`` is ``len(tok)`` (base table plus added tokens); ``special_ids`` the ids HF's
     ``added_tokens_decoder`` marks ``special``; ``id_to_token`` the added token's ``content``
@@ -459,7 +458,7 @@ class HFEngine:
         chunks of ``prefill_chunk`` rows) with every row kept, row ``i`` log-softmaxed (float32) at ``x_{i+1}``.
 
         HF has no prompt-logprob API; the usual recipe (``logits[:, :-1]`` scored at ``input_ids[:, 1:]``) has no entry
-        for ``x_0`` (first-token policy ``omitted``, ``checks/expectations/hf.toml`` ``[prompt_logprobs]``); under
+        for ``x_0`` (first-token policy ``omitted``, ``checks/gate/expectations/hf.toml`` ``[prompt_logprobs]``); under
         ``none`` the unscored first entry is added here.  Ranks and top-k follow the spec's order
         (:func:`decodespec.impl.prompt_logprobs.entries_from_logits`, a formatter of HF's rows).
         """
@@ -639,7 +638,7 @@ def generate_sequence(config: CaseConfig, *, num_beams: int = 1, length_penalty:
 
 
 # --------------------------------------------------------------------------------------------
-# Custom gate procedures (checks/cases.py CUSTOM): HF's batched and width-one generate paths.
+# HF's batched and width-one generate paths (the custom cases' procedures: checks/gate/procedures.py).
 # --------------------------------------------------------------------------------------------
 
 
@@ -674,60 +673,3 @@ def batch_generate(config: CaseConfig, prompts: list[tuple[int, ...]], padding_s
         end = next((i + 1 for i, t in enumerate(new) if t in config.eos_ids), len(new))
         rows.append((new[:end], logits[b, :end]))
     return rows
-
-
-def _padded_batch(case: Any, runtime: str) -> Any:
-    """``matrix.padded_batch_*``: every row of HF's padded batch against the reference path and HF's batch-size-one run."""
-    import attrs
-
-    from decodespec.checks.cases import _drive, _row_path_verdict, path_divergence_verdict, prompt_ids
-    from decodespec.checks.ladder import FAILED, PASSED, Verdict, tolerance_for
-    from decodespec.checks.traces import open_runtime
-
-    config = case.config
-    side = "left" if "left" in case.id else "right"
-    tol = tolerance_for(runtime, config.model, config.dtype)
-    prompts = [config.prompt_ids, prompt_ids(config.model, "Hi"), prompt_ids(config.model, "héllo ✓ 日本")]
-    for b, (prompt, (ids, rows)) in enumerate(zip(prompts, batch_generate(config, prompts, side))):
-        verdict = _row_path_verdict(config.model, prompt, ids, rows, tol)
-        if not verdict.passed:
-            return attrs.evolve(verdict, message=f"HF batch row {b} ({side} padding): {verdict.message}")
-        single = _drive(open_runtime(runtime, config.model), config.evolve(prompt_ids=prompt), [{"op": "run"}], runtime)
-        if single.verdict.result == FAILED:
-            return single.verdict
-        verdict = path_divergence_verdict(single, single.observation.output_ids, ids, tol, layer="STATE", check="batch.output_ids",
-                                          what=f"HF batch row {b} ({side} padding) and HF's batch-size-one run")
-        if not verdict.passed:
-            return verdict
-    return Verdict(PASSED)
-
-
-def _beam_width_one(case: Any, runtime: str) -> Any:
-    """``matrix.greedy_vs_beam1``: ``generate(num_beams=1)`` (HF dispatches it to greedy search) equals the lock-step greedy run."""
-    from decodespec.checks.cases import _drive, path_divergence_verdict
-    from decodespec.checks.ladder import FAILED, PASSED, Verdict, tolerance_for
-    from decodespec.checks.traces import open_runtime
-
-    config = case.config
-    greedy = _drive(open_runtime(runtime, config.model), config, [{"op": "run"}], runtime)
-    if greedy.verdict.result == FAILED:
-        return greedy.verdict
-    beam = generate_sequence(config, num_beams=1, text=False)
-    ids = beam["output_ids"][0]
-    verdict = path_divergence_verdict(greedy, greedy.observation.output_ids, ids, tolerance_for(runtime, config.model, config.dtype),
-                                      layer="DECISION", check="beam.tokens", what="HF's step-wise greedy run and generate(num_beams=1)")
-    if not verdict.passed:
-        return verdict
-    if not np.array_equal(beam["logits"][-1], greedy.observation.score_row):
-        return Verdict(FAILED, "TENSOR", "ladder.TENSOR", "beam.score_row", "equal rows", "different rows",
-                       "HF generate(num_beams=1) decided its last token on another row than the step-wise run")
-    return Verdict(PASSED)
-
-
-def register_custom_cases() -> None:
-    """Register HF's procedures for the table's ``custom`` cases (padded batches, beam width one)."""
-    from decodespec.checks.cases import CUSTOM
-
-    for side in ("left", "right"):
-        CUSTOM[(f"matrix.padded_batch_{side}", "hf")] = _padded_batch
-    CUSTOM[("matrix.greedy_vs_beam1", "hf")] = _beam_width_one

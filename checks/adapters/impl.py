@@ -46,7 +46,7 @@ from decodespec.spec.policy import RequestView, policy_config_from_json
 from decodespec.spec.state import Phase
 from decodespec.spec.transitions import NOT_ENABLED
 
-from ..vocab_check import runtime_vocab_hash
+from ..gate.vocab_check import runtime_vocab_hash
 from . import (
     ADAPTER_INVALID_ACTION,
     ADAPTER_PROTOCOL,
@@ -71,7 +71,7 @@ IMPL_CAPABILITIES = frozenset({
 }) | (sendable_features() - names_at("policy.family", "policy.num_beams", "policy.length_penalty", "policy.early_stopping")) \
     | {"sampling"}
 """Every op and probe but the native kernel, and every envelope feature, policy field and transform the gate can send,
-except beams (the request runner decodes one sequence; :mod:`decodespec.checks.families` runs beams)."""
+except beams (the request runner decodes one sequence; :mod:`decodespec.checks.gate.procedures` runs beams)."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -129,7 +129,7 @@ def runtime_request(config: CaseConfig, vocab_hash: str = "") -> RuntimeRequest:
     """The runner's request for ``config`` (identity :meth:`CaseConfig.identity`).
 
     ``vocab_hash`` is the ordered vocabulary hash of the runtime's tokenizer
-    (:func:`decodespec.checks.vocab_check.runtime_vocab_hash`), which every receipt carries.
+    (:func:`decodespec.checks.gate.vocab_check.runtime_vocab_hash`), which every receipt carries.
 
     Raises:
         Rejection: ``policy.*`` for a policy object the M3.8 schema refuses.

@@ -2,7 +2,7 @@
 
 llama.cpp runs the SmolLM2 Q4_1 weights natively (quantized matmuls against Q8-quantized
 activations), so its logits legitimately differ from the dequantized float32 reference; the
-runtime's tolerance is declared in ``checks/expectations/llamacpp.toml`` from a measured
+runtime's tolerance is declared in ``checks/gate/expectations/llamacpp.toml`` from a measured
 distribution, and the ladder's margin rule decides token equality (undecided when the reference
 margin is at most 2 epsilon).
 
@@ -124,7 +124,7 @@ def available() -> str | None:
 def create(**options: Any) -> PeerAdapter:
     """The llama.cpp adapter (``options`` are ignored: the case config names the model).
 
-    Its declared tolerances (``checks/expectations/llamacpp.toml``, ``[tolerance.smollm2.float32]``)
+    Its declared tolerances (``checks/gate/expectations/llamacpp.toml``, ``[tolerance.smollm2.float32]``)
     are registered with the ladder first.
     """
     register_tolerances("llamacpp")
@@ -171,7 +171,7 @@ def logit_drift(prompts: list[list[int]], steps: int, *, cache: str = "dynamic")
 
     Both runtimes are teacher-forced with the reference's greedy id (lowest id on ties), so every
     row conditions on the same prefix.  Reference rows are the lock-step driver's no-cache
-    float64 forward (:class:`decodespec.checks.reference.Reference64`).
+    float64 forward (:class:`decodespec.checks.gate.reference.Reference64`).
 
     Args:
         prompts: Token-id prompts.
@@ -186,7 +186,7 @@ def logit_drift(prompts: list[list[int]], steps: int, *, cache: str = "dynamic")
 
     Units: logits.
     """
-    from decodespec.checks.lockstep import reference_for
+    from decodespec.checks.gate.lockstep import reference_for
 
     reference = reference_for("smollm2")
     llm = llama()
@@ -423,7 +423,7 @@ class LlamaCppEngine:
 
         llama-cpp-python's own echo API (``create_completion(echo=True, logprobs=k)``) is not used: it pairs token
         ``i`` with row ``i`` after dropping a leading BOS, so it reports ``x_1`` as ``None`` for a BOS-led prompt and
-        every later token one row late otherwise (``checks/expectations/llamacpp.toml`` ``[prompt_logprobs]``,
+        every later token one row late otherwise (``checks/gate/expectations/llamacpp.toml`` ``[prompt_logprobs]``,
         abetlen/llama-cpp-python#1983; ``tests/test_adapters_llamacpp.py`` shows it).  First-token policy: the rows
         have no entry for ``x_0`` (``omitted``); under ``none`` the unscored first entry is added here.  Ranks and
         top-k follow the spec's order (:func:`decodespec.impl.prompt_logprobs.entries_from_logits`, a formatter).

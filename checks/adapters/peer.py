@@ -74,9 +74,9 @@ def register_tolerances(runtime: str) -> dict[tuple[str, str, str], Any]:
     """Declare ``runtime``'s tolerances to the ladder from its expectations file.
 
     Reads the ``[tolerance.<model>.<dtype>]`` tables (``logit``, ``kv``: epsilon on raw logits and
-    on committed K/V rows) of ``checks/expectations/<runtime>.toml`` into
-    :data:`decodespec.checks.ladder.TOLERANCES` under ``(runtime, model, dtype)``; the derived
-    probability and logprob tolerances follow :meth:`~decodespec.checks.ladder.Tolerance.from_logit`.
+    on committed K/V rows) of ``checks/gate/expectations/<runtime>.toml`` into
+    :data:`decodespec.checks.gate.tolerance.TOLERANCES` under ``(runtime, model, dtype)``; the derived
+    probability and logprob tolerances follow :meth:`~decodespec.checks.gate.tolerance.Tolerance.from_logit`.
 
     Returns:
         The entries registered.
@@ -84,9 +84,9 @@ def register_tolerances(runtime: str) -> dict[tuple[str, str, str], Any]:
     import tomllib
     from pathlib import Path
 
-    from decodespec.checks.ladder import TOLERANCES, Tolerance
+    from decodespec.checks.gate.tolerance import TOLERANCES, Tolerance
 
-    path = Path(__file__).resolve().parent.parent / "expectations" / f"{runtime}.toml"
+    path = Path(__file__).resolve().parent.parent / "gate" / "expectations" / f"{runtime}.toml"
     if not path.is_file():
         return {}
     tables = tomllib.loads(path.read_text(encoding="utf-8")).get("tolerance", {})

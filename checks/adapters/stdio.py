@@ -57,7 +57,7 @@ class StdioAdapter:
     """A runtime in another process, spoken to over JSON lines (see the module docstring).
 
     Args:
-        command: The server's command line, e.g. ``"python -m decodespec.checks.stdio_server"``
+        command: The server's command line, e.g. ``"python -m decodespec.checks.adapters.stdio_server"``
             (a leading ``python`` means this interpreter).
         timeout: Seconds to wait for each response.
 

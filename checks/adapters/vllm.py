@@ -8,7 +8,7 @@ extras), and ``--runtime vllm`` starts one long-lived server in it
 ``LLMEngine``, ``add_request`` / ``step`` / ``abort_request``), spoken to with the JSON-lines
 protocol of :mod:`decodespec.checks.adapters.wire`.  This module is the gate's side: where the
 environment and the model directory are, the server's command and environment, and the
-tolerance declared in ``checks/expectations/vllm.toml``.
+tolerance declared in ``checks/gate/expectations/vllm.toml``.
 
 **Model.** vLLM reads an HF directory, not a GGUF file.  :func:`model_dir` converts the same
 SmolLM2 Q4_1 GGUF once with the project's transformers (``from_pretrained(..., gguf_file=)``,
@@ -29,7 +29,7 @@ the server's process, so one ``step()`` is one model call the gate sees),
 ``_get_prompt_logprobs_dict``).  :meth:`VllmAdapter.prompt_logprobs` therefore asks a second
 server whose engine runs vLLM's default ``raw_logprobs`` (started on first use, kept for the
 process): vLLM's own float32 log-softmax of the raw prefill rows, first entry ``None`` (policy
-``none``, ``checks/expectations/vllm.toml`` ``[prompt_logprobs]``).
+``none``, ``checks/gate/expectations/vllm.toml`` ``[prompt_logprobs]``).
 
 **Bench** (``decodespec bench``, :func:`bench_runner`): a server of its own (vLLM's default
 ``raw_logprobs`` engine, ``--threads`` as the bench's) times each greedy run inside its process
@@ -232,7 +232,7 @@ def _stop_all() -> None:
 def create(**options: Any) -> Adapter:
     """The ``vllm`` runtime: the converted model (made once), then an idle server or a new one (its handshake answered).
 
-    The declared tolerances (``checks/expectations/vllm.toml``) are registered with the ladder.
+    The declared tolerances (``checks/gate/expectations/vllm.toml``) are registered with the ladder.
 
     Raises:
         Rejection: ``adapter.protocol`` when the server does not start or answer its handshake.

@@ -624,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     protocol = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
     os.dup2(2, 1)  # every library write to fd 1 (vLLM's log handlers, C++ prints) goes to stderr
     sys.stdout = sys.stderr
-    from decodespec.checks.stdio_server import serve
+    from decodespec.checks.adapters.stdio_server import serve
 
     try:
         return serve("vllm", sys.stdin, protocol, factory=lambda: create(Path(args.model_dir), args.logprobs_mode),

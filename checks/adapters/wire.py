@@ -217,7 +217,7 @@ def prompt_logprobs_from_json(obj: Any) -> tuple[PromptLogprob, ...]:
 
     Only the JSON types are checked here; whether the entries have the shape
     ``invariant.prompt_logprobs_aligned`` requires is the judge's question
-    (:func:`decodespec.checks.prompt_logprobs.judge`).
+    (:func:`decodespec.checks.gate.prompt_logprobs.judge`).
 
     Raises:
         Rejection: ``adapter.protocol`` for a non-list, a malformed entry, or a ``top`` list whose

@@ -1,1 +1,1 @@
-"""Subcommands of the ``decodespec`` CLI, one module each (see :mod:`decodespec.checks.cli`)."""
+"""Subcommands of the ``decodespec`` CLI, one module each (see :mod:`decodespec.checks.commands.cli`)."""

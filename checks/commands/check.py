@@ -7,7 +7,7 @@ one row per case from the report (result, ladder layer, rule, check, message) an
 ``--report docs/results/<runtime>.jsonl`` is how the docs' conformance page gets its table.
 
 Before pytest starts, the runtime name is checked and a ``stdio:CMD`` server's ``start``
-handshake (an ``engine:CMD`` engine's ``hello``) is tried (:func:`~decodespec.checks.traces.check_runtime`): an unknown name, an empty
+handshake (an ``engine:CMD`` engine's ``hello``) is tried (:func:`~decodespec.checks.modelcheck.traces.check_runtime`): an unknown name, an empty
 command, a command that cannot start or exits, or a bad handshake prints
 ``{"error": {"code", "path", "message"}}`` on stderr and exits 2 without running anything.
 
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
     import pytest
 
-    from decodespec.checks.traces import RUNTIME_CHECKED_ENV, check_runtime
+    from decodespec.checks.modelcheck.traces import RUNTIME_CHECKED_ENV, check_runtime
     from decodespec.spec.errors import DecodeSpecError
 
     try:

@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison; returns the exit code."""
-    from decodespec.checks.sweep import SWEEP_VALUE_INVALID, VARIABLES, compare, parse_values
+    from decodespec.checks.gate.sweep import SWEEP_VALUE_INVALID, VARIABLES, compare, parse_values
     from decodespec.impl.gguf import MODEL_FILE_MISSING
     from decodespec.spec.errors import DecodeSpecError, Rejection
 

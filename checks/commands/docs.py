@@ -1,10 +1,10 @@
 """``decodespec docs --out DIR``: build the reviewer docs site (HTML) from the spec registries.
 
-Exit codes (see :mod:`decodespec.checks.cli`): 0 built with no warning and complete coverage;
+Exit codes (see :mod:`decodespec.checks.commands.cli`): 0 built with no warning and complete coverage;
 1 Sphinx warned (warnings are errors) or a rule / code is undocumented, documented twice or
 unknown; 3 Sphinx, MyST or Graphviz ``dot`` is missing, or the hand-written pages are absent.
 
-Source: issue 10; :mod:`decodespec.checks.docs`.
+Source: issue 10; :mod:`decodespec.checks.docs.pages`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Build the site; print where it is and any problem."""
-    from decodespec.checks.docs import DocsError, build_site
+    from decodespec.checks.docs.pages import DocsError, build_site
 
     try:
         result = build_site(args.out, results_dir=args.results, source_dir=args.keep_source)

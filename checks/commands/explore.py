@@ -1,6 +1,6 @@
 """``decodespec explore``: exhaustive small-scope check of the request state machine.
 
-Enumerates every reachable state for the given bounds (:mod:`decodespec.checks.explore`),
+Enumerates every reachable state for the given bounds (:mod:`decodespec.checks.modelcheck.explore`),
 checks every invariant on every state and that the controller never deadlocks, and prints a
 JSON report: state and transition counts, states per second, rule and phase-edge coverage,
 rejected attempts, unexercised transitions and violations.  A violation is written as an ITF
@@ -8,7 +8,7 @@ trace (``--itf-out``, default ``counterexample.itf.json`` in the current directo
 command exits 1.
 
 Bounds are checked before anything is explored
-(:func:`~decodespec.checks.explore.params_for_bounds`): bounds that describe no admissible
+(:func:`~decodespec.checks.modelcheck.explore.params_for_bounds`): bounds that describe no admissible
 request (a non-positive prefill chunk, vocabulary, capacity or context cap, negative draws or
 retries, ``min_new_tokens > max_new_tokens``, a prefix-LM prefix the prefill chunk cannot hold)
 print ``{"ok": false, "error": {"code": "explore.invalid_bounds", "path", "message"}}`` and exit
@@ -46,8 +46,8 @@ def _prefill_chunk(args: argparse.Namespace, default: int | None) -> int | None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``explore`` subcommand (defaults are :class:`~decodespec.checks.explore.ExploreBounds`')."""
-    from decodespec.checks.explore import ExploreBounds
+    """Add the ``explore`` subcommand (defaults are :class:`~decodespec.checks.modelcheck.explore.ExploreBounds`')."""
+    from decodespec.checks.modelcheck.explore import ExploreBounds
 
     d = ExploreBounds()
     p = subparsers.add_parser(
@@ -96,8 +96,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Explore; print the JSON report; write an ITF counterexample on violation."""
-    from decodespec.checks import itf
-    from decodespec.checks.explore import ExploreBounds, explore, params_for_bounds
+    from decodespec.checks.modelcheck import itf
+    from decodespec.checks.modelcheck.explore import ExploreBounds, explore, params_for_bounds
     from decodespec.spec.errors import DecodeSpecError
 
     bounds = ExploreBounds(

@@ -2,9 +2,9 @@
 
 ``--out FILE`` writes one GGUF file: the seed's float32 weights with llama.cpp's tensor names and
 Q/K row permutation and the ``llama.*`` metadata keys
-(:func:`decodespec.checks.reference.files.write_tiny_gguf`); the gate's float64 reference reads
+(:func:`decodespec.checks.gate.reference.files.write_tiny_gguf`); the gate's float64 reference reads
 the same file.  ``--out-dir DIR`` writes a model folder
-(:func:`decodespec.checks.reference.files.write_tiny_files`): ``tiny.gguf``; ``model.safetensors``
+(:func:`decodespec.checks.gate.reference.files.write_tiny_files`): ``tiny.gguf``; ``model.safetensors``
 with HF transformers' tensor names (tied head: no ``lm_head.weight``); HF's ``config.json``
 (``transformers.LlamaForCausalLM.from_pretrained(DIR)`` loads the folder); ``tokenizer_table.json``
 (every id with its bytes in hex and the special ids) and ``README.txt``.  The tokenizer is the
@@ -48,7 +48,7 @@ def _seed(text: str) -> int:
 
 
 def _refuse(json_path: str, message: str) -> int:
-    from decodespec.checks.cli import IO_ERROR
+    from decodespec.checks.commands.cli import IO_ERROR
 
     print(json.dumps({"ok": False, "error": {"code": IO_ERROR, "path": json_path, "message": message[:300]}}))
     return 2
@@ -60,7 +60,7 @@ def _writable_parent(path: Path) -> bool:
 
 
 def _run_file(out: Path, seed: int) -> int:
-    from decodespec.checks.reference.files import write_tiny_gguf
+    from decodespec.checks.gate.reference.files import write_tiny_gguf
 
     if out.is_dir() or not _writable_parent(out):
         return _refuse("$.out", f"cannot write {str(out)[:200]}")
@@ -77,7 +77,7 @@ def _run_file(out: Path, seed: int) -> int:
 
 
 def _run_dir(out: Path, seed: int) -> int:
-    from decodespec.checks.reference.files import TINY_FILES, write_tiny_files
+    from decodespec.checks.gate.reference.files import TINY_FILES, write_tiny_files
 
     if out.exists() and not out.is_dir():
         return _refuse("$.out_dir", f"{str(out)[:200]} exists and is not a folder")

@@ -320,7 +320,7 @@ class _Outputs:
         """Raises ``Rejection`` (``cli.io_error``) for an output path that cannot be written."""
         import os
 
-        from decodespec.checks.cli import IO_ERROR
+        from decodespec.checks.commands.cli import IO_ERROR
         from decodespec.spec.errors import Rejection
 
         paths = [("--trace", self.trace)]

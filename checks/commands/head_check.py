@@ -1,8 +1,8 @@
 """``decodespec head-check``: check a loss/head implementation against the float64 reference of M3.8 0x05.
 
 ``decodespec head-check MODULE:FUNCTION`` imports the callable (the current folder is
-importable) and runs :func:`decodespec.checks.head_check.check_loss` on it: the cases of
-:func:`~decodespec.checks.head_check.loss_cases`, each through the layers INTERFACE, ROWS,
+importable) and runs :func:`decodespec.checks.gate.head_check.check_loss` on it: the cases of
+:func:`~decodespec.checks.gate.head_check.loss_cases`, each through the layers INTERFACE, ROWS,
 REDUCTION and GRADIENT in that order, stopping at the first failure, under the declared
 tolerance of ``--dtype``.  ``--mutants`` runs the built-in failure-lab mutants instead and
 reports which layer killed each; ``--reference`` runs the built-in correct schedules.
@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from decodespec.checks import head_check as hc
+    from decodespec.checks.gate import head_check as hc
     from decodespec.spec.errors import DecodeSpecError, Rejection
 
     try:

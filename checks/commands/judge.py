@@ -2,7 +2,7 @@
 
 Reads a ``decodespec.rows.v1`` recording (schema ``spec/schemas/rows.v1.json``; written by any
 runtime, or by ours with ``decodespec judge --record ENVELOPE --model tiny FILE``), runs
-:func:`decodespec.checks.judge.judge_rows` and prints one JSON object: ``result`` (``passed``,
+:func:`decodespec.checks.modelcheck.judge.judge_rows` and prints one JSON object: ``result`` (``passed``,
 ``failed`` or ``undecided``), and for a non-passing run its ladder ``layer``, ``rule``
 (``ladder.<LAYER>``), ``check``, the 1-based ``line`` and its ``event``, the ``output_index``,
 ``expected`` / ``actual`` and the ``message`` (and the bounded ``probe`` of the rows).
@@ -10,9 +10,9 @@ runtime, or by ours with ``decodespec judge --record ENVELOPE --model tiny FILE`
 ``--reference`` also compares every row with the float64 reference of the same committed prefix
 (the header's ``runtime.model``: ``tiny`` or ``smollm2``).  A header that states the runtime's
 ordered vocabulary hash (``runtime.vocab_hash``) of a known model is compared with the model's
-as the gate reads it (:func:`~decodespec.checks.vocab_check.reference_vocab`): a different one
+as the gate reads it (:func:`~decodespec.checks.gate.vocab_check.reference_vocab`): a different one
 fails STATE ``vocab.hash`` at line 1; ``--record`` writes our tokenizer's.  The tolerance is the declared one of
-the header's ``(runtime.name, runtime.model, runtime.dtype)`` (:func:`~decodespec.checks.ladder.tolerance_for`,
+the header's ``(runtime.name, runtime.model, runtime.dtype)`` (:func:`~decodespec.checks.gate.tolerance.tolerance_for`,
 our runtime's bound for an unknown runtime name); ``--epsilon E`` states it instead (logit epsilon
 E, logprob bound ``2 E + 1e-5``).  ``--tokenizer`` gives the token bytes of stop strings /
 structured completion (``auto``: the header's model).
@@ -62,8 +62,8 @@ def _error(exc) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Judge (or record) and print; returns the exit code."""
-    from decodespec.checks.judge import JUDGE_NO_TOLERANCE, JUDGE_SCHEMA, judge_rows, parse_line, read_rows
-    from decodespec.checks.ladder import Tolerance, tolerance_for
+    from decodespec.checks.gate.tolerance import Tolerance, tolerance_for
+    from decodespec.checks.modelcheck.judge import JUDGE_NO_TOLERANCE, JUDGE_SCHEMA, judge_rows, parse_line, read_rows
     from decodespec.spec.errors import DecodeSpecError, Rejection
 
     if args.record is not None:
@@ -90,12 +90,12 @@ def run(args: argparse.Namespace) -> int:
             if model not in ("tiny", "smollm2"):
                 raise Rejection(JUDGE_NO_TOLERANCE, f"--reference needs runtime.model tiny or smollm2 in the header, not {model!r}",
                                 "$[0].runtime.model")
-            from decodespec.checks.lockstep import reference_for
+            from decodespec.checks.gate.lockstep import reference_for
 
             reference = reference_for(model)
         model_hash = None
         if info.get("vocab_hash") is not None and model in ("tiny", "smollm2"):  # stated: compared at STATE with the model's
-            from decodespec.checks.vocab_check import reference_vocab
+            from decodespec.checks.gate.vocab_check import reference_vocab
 
             model_hash = reference_vocab(str(model)).vocab_hash
         judgement = judge_rows(lines, tolerance=tolerance, reference=reference, token_bytes=_token_bytes(args.tokenizer, model),
@@ -119,7 +119,7 @@ def _token_bytes(choice: str, model):
     def token_bytes(token_id: int) -> bytes:
         if not loaded:
             from decodespec.checks.adapters.impl import load_tokenizer
-            from decodespec.checks.trace_validation import token_bytes_of
+            from decodespec.checks.modelcheck.trace_validation import token_bytes_of
 
             loaded.append(token_bytes_of(load_tokenizer(choice)))
         return loaded[0](token_id)
@@ -131,8 +131,8 @@ def _record(args: argparse.Namespace) -> int:
     """``--record ENVELOPE FILE``: run our runtime (CPU, float32) on the envelope and write its recording."""
     from pathlib import Path
 
-    from decodespec.checks.cli import IO_ERROR
-    from decodespec.checks.judge import record_rows, write_rows
+    from decodespec.checks.commands.cli import IO_ERROR
+    from decodespec.checks.modelcheck.judge import record_rows, write_rows
     from decodespec.impl.runtime import RequestRunner, RuntimeRequest
     from decodespec.spec.envelope import validate_request_envelope
     from decodespec.spec.errors import DecodeSpecError, Rejection

@@ -1,7 +1,7 @@
 """``decodespec matrix``: the conformance matrix (cases and machines x runtimes) from the gate's report files.
 
 Prints the text table and the summaries per runtime and per ladder layer
-(:mod:`decodespec.checks.matrix`); ``--format json`` prints the data; ``--write FILE`` writes the
+(:mod:`decodespec.checks.gate.matrix`); ``--format json`` prints the data; ``--write FILE`` writes the
 docs page (``docs/matrix.md``); ``--check FILE`` compares FILE with the page the report files
 give now.
 
@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Build the matrix; print, write or check it."""
-    from decodespec.checks.matrix import build_matrix, render_markdown, render_text
+    from decodespec.checks.gate.matrix import build_matrix, render_markdown, render_text
 
     try:
         matrix = build_matrix(args.results)

@@ -1,9 +1,9 @@
 """``decodespec mutants``: run the conformance gate against every failure-lab mutant and print who killed it.
 
-For each mutant (:mod:`decodespec.checks.mutants`) the gate -- the case table, then the
+For each mutant (:mod:`decodespec.checks.lab.mutants`) the gate -- the case table, then the
 lock-step machines of every cache family, under the active Hypothesis profile (``fast`` by
 default) -- runs with the mutant installed until its first failed check
-(:func:`decodespec.checks.mutants.harness.run_gate`).  The table lists the mutant, its seed
+(:func:`decodespec.checks.lab.mutants.harness.run_gate`).  The table lists the mutant, its seed
 section, the outcome (``killed`` / ``SURVIVED`` / ``CRASHED`` / ``SEAM MOVED``), the first check
 that killed it with its ladder layer and check, and the time to kill; the summary gives the kill
 rate and the median time to kill.  A check that fails under a mutant is re-run once without it
@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _selected(args: argparse.Namespace):
-    from decodespec.checks.mutants import GROUPS, MUTANTS, get
+    from decodespec.checks.lab.mutants import GROUPS, MUTANTS, get
 
     if args.group is not None and args.group not in GROUPS:
         raise KeyError(f"unknown group {args.group!r}; groups: {', '.join(GROUPS)}")
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
             print(f"decodespec mutants: {SMOLLM2_SKIP_REASON}", file=sys.stderr)
             return 3
-    from decodespec.checks.mutants.harness import Calibration, gate_checks, run_gate
+    from decodespec.checks.lab.mutants.harness import Calibration, gate_checks, run_gate
 
     overrides = {} if args.max_examples is None else {"max_examples": args.max_examples}
     checks = {runtime: gate_checks(args.model, runtime=runtime) for runtime in sorted({m.runtime for m in chosen})}  # impl-tp: its own gate

@@ -1,6 +1,6 @@
 """``decodespec replay FILE``: re-run a conformance trace against the spec and a runtime; exit 0 iff its verdict reproduces.
 
-Reads a ``decodespec.trace`` ITF file (:mod:`decodespec.checks.traces`: a shrunk Hypothesis
+Reads a ``decodespec.trace`` ITF file (:mod:`decodespec.checks.modelcheck.traces`: a shrunk Hypothesis
 counterexample from ``traces/failures/``, a failing gate case, or a corpus file under
 ``traces/``), replays its actions in lock step against the spec and the recorded runtime (or
 ``--runtime``), and prints ``{"reproduced", "runtime", "steps", "expected", "actual"}`` as JSON.
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     """Replay every file; print one JSON object per file; return the worst exit code."""
     from decodespec.checks.adapters import AdapterUnavailable
     from decodespec.checks.commands.validate_trace import printable_json
-    from decodespec.checks.traces import load_trace, replay
+    from decodespec.checks.modelcheck.traces import load_trace, replay
     from decodespec.spec.errors import DecodeSpecError
 
     worst = 0

@@ -5,7 +5,7 @@ runs our runtime at each value (cost: TTFT / ITL quantiles, E2E, prefill and dec
 calls, K/V bytes; contract: the equivalence the seed names for that variable, against the float64
 reference and the runtime's own base run with the calibrated tolerance) and writes
 ``DIR/sweep-<VARIABLE>.jsonl`` (one JSON line per value) and ``DIR/sweep-<VARIABLE>.png``; a
-progress bar (tqdm) runs on stderr.  See :mod:`decodespec.checks.sweep`.
+progress bar (tqdm) runs on stderr.  See :mod:`decodespec.checks.gate.sweep`.
 
 Every manifest option takes one value; a comma list on any option but VARIABLE's moves a second
 variable and is refused (``sweep.two_variables``, exit 2): that is a configuration comparison,
@@ -59,8 +59,8 @@ def moving_fields(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def manifest_from_args(args: argparse.Namespace, skip: str | None = None):
-    """The :class:`~decodespec.checks.sweep.Manifest` of the options (one value each; ``skip`` left at its default)."""
-    from decodespec.checks.sweep import Manifest, parse_values
+    """The :class:`~decodespec.checks.gate.sweep.Manifest` of the options (one value each; ``skip`` left at its default)."""
+    from decodespec.checks.gate.sweep import Manifest, parse_values
 
     fields: dict[str, Any] = {}
     for field, values in moving_fields(args).items():
@@ -98,8 +98,8 @@ def _refuse(exc) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the sweep; print one JSON summary line per point; returns the exit code."""
-    from decodespec.checks.cli import IO_ERROR
-    from decodespec.checks.sweep import check_one_variable, parse_values, sweep
+    from decodespec.checks.commands.cli import IO_ERROR
+    from decodespec.checks.gate.sweep import check_one_variable, parse_values, sweep
     from decodespec.impl.gguf import MODEL_FILE_MISSING
     from decodespec.spec.errors import DecodeSpecError
 

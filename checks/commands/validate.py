@@ -2,7 +2,7 @@
 
 Prints ``{"ok": true, "identity": "sha256:<hex>"}`` and exits 0, or prints
 ``{"ok": false, "error": {"code", "path", "message"}}`` and exits 2 (a typed rejection or
-resource limit; ``cli.io_error`` for a file that cannot be read; see :mod:`decodespec.checks.cli`).
+resource limit; ``cli.io_error`` for a file that cannot be read; see :mod:`decodespec.checks.commands.cli`).
 At most ``MAX_ENVELOPE_BYTES + 1`` bytes are read from the file or stdin.  ``--print-schema`` prints the published
 JSON Schema; ``--write-schema`` regenerates ``spec/schemas/request.v1.json`` from the Python
 definition (which embeds the M3.8 policy schema).
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         SCHEMA_PATH.write_text(schema_text(), encoding="utf-8")
         print(json.dumps({"ok": True, "written": str(SCHEMA_PATH)}))
         return 0
-    from decodespec.checks.cli import IO_ERROR
+    from decodespec.checks.commands.cli import IO_ERROR
     from decodespec.spec.envelope import MAX_ENVELOPE_BYTES
 
     if args.file is None:

@@ -1,8 +1,8 @@
 """``decodespec validate-trace FILE``: replay a runtime event trace against the spec and print the verdict.
 
 Reads a ``decodespec.events.v1`` trace (``decodespec generate --trace FILE``), runs
-:func:`decodespec.checks.trace_validation.validate_trace` and prints the
-:class:`~decodespec.checks.trace_validation.TraceVerdict` as one JSON object: ``accepted``,
+:func:`decodespec.checks.modelcheck.trace_validation.validate_trace` and prints the
+:class:`~decodespec.checks.modelcheck.trace_validation.TraceVerdict` as one JSON object: ``accepted``,
 ``num_lines``, ``consumed``, and for a rejected trace the first unmatched ``line`` (1-based),
 its ``seq`` and ``event``, the refusal ``code`` and the ``reason`` (the failing guard, the
 schema error with its JSON path, or the disagreeing field).  Refusal codes: ``trace.schema`` (a
@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Validate the trace and print the verdict; returns the exit code."""
-    from decodespec.checks.trace_validation import TRACE_UNREADABLE, validate_trace
+    from decodespec.checks.modelcheck.trace_validation import TRACE_UNREADABLE, validate_trace
     from decodespec.impl.events import read_events
 
     try:
@@ -95,7 +95,7 @@ def printable_json(obj) -> str:
 
 def _token_bytes(choice: str, lines: list[str]):
     """The token-bytes function for ``choice`` (``auto``: the header's ``runtime.model``), or ``None``."""
-    from decodespec.checks.trace_validation import token_bytes_of
+    from decodespec.checks.modelcheck.trace_validation import token_bytes_of
 
     auto = choice == "auto"
     try:

@@ -1,14 +1,14 @@
 """``decodespec vocab-audit``: print and check every vocabulary count of a model and its tokenizer (M3.8 0x08).
 
 Loads the model (``--model tiny|smollm2``) and its tokenizer as the runtime does, and prints the
-audit side by side (:func:`decodespec.checks.vocab_check.audit_model`): the tokenizer's base
+audit side by side (:func:`decodespec.checks.gate.vocab_check.audit_model`): the tokenizer's base
 size and its length with added tokens, the added and special ids (tokenizer and model
 configuration), embedding rows, output rows, the configuration's ``vocab_size``, whether the
 head is tied (Parameter identity) and the ordered vocabulary hash
 (:func:`decodespec.spec.vocab.vocab_table_hash`).  It checks them with
 :func:`decodespec.spec.vocab.audit_violations` (``invariant.vocab_audit``) and compares the
 runtime's hash and rows with the checkpoint's as the gate reads it, independently
-(:func:`decodespec.checks.vocab_check.reference_vocab`; ``invariant.vocab_ordered_identity``).
+(:func:`decodespec.checks.gate.vocab_check.reference_vocab`; ``invariant.vocab_ordered_identity``).
 ``--json`` prints one JSON object.
 
 ``--write-bundle`` writes the release bundle (:class:`decodespec.spec.vocab_release.ReleaseBundle`) of
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"decodespec vocab-audit: {SMOLLM2_SKIP_REASON}", file=sys.stderr)
             return 3
     from decodespec.checks.adapters.impl import load_model, load_tokenizer
-    from decodespec.checks.vocab_check import audit_added_tokens, audit_model, reference_vocab
+    from decodespec.checks.gate.vocab_check import audit_added_tokens, audit_model, reference_vocab
     from decodespec.spec.vocab import ADDED_TOKEN_VIOLATIONS, AUDIT_VIOLATIONS, audit_violations
 
     model, tokenizer = load_model(args.model), load_tokenizer(args.model)
@@ -132,7 +132,7 @@ def _bundle(args: argparse.Namespace, model, tokenizer, *, ok: bool) -> dict:
 
     import attrs
 
-    from decodespec.checks.vocab_check import INFERENCE_ONLY, loaded_bundle, loaded_policy
+    from decodespec.checks.gate.vocab_check import INFERENCE_ONLY, loaded_bundle, loaded_policy
     from decodespec.spec.errors import Rejection
     from decodespec.spec.vocab_release import ReleaseBundle, ShardManifest, bundle_violations
 

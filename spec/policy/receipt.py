@@ -14,7 +14,7 @@ policy by digest instead of embedding it, so a receipt's size does not grow with
 tables (a 4,096-state automaton, 4,096 bias entries).  Every output that carries receipts writes
 the full policy once (the trace header's ``policy``, ``generate --json``'s ``policy``, the
 snapshot's request), and every reader checks each receipt's ``policy_digest`` against it
-(``checks/trace_validation.py``, :mod:`decodespec.impl.snapshot`).  The binding is as strong as
+(``checks/modelcheck/trace_validation.py``, :mod:`decodespec.impl.snapshot`).  The binding is as strong as
 embedding: the digest is a SHA-256 over the policy's canonical JSON (every transform with every
 parameter, the order, the family, tie rule and empty-support policy).
 
