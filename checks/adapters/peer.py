@@ -45,7 +45,7 @@ from decodespec.spec.errors import DecodeSpecError, Rejection, ResourceLimit
 from decodespec.spec.policy.codes import TERMINAL_DECISION_CODES
 from decodespec.spec.request import context_cap, default_static_capacity, static_capacity
 from decodespec.spec.snapshot import SNAPSHOT_FORM_UNAVAILABLE
-from decodespec.spec.state import InterruptPoint, Phase, call_interrupt_point, next_call, repair_owed
+from decodespec.spec.state import ControllerAction, InterruptPoint, Phase, call_interrupt_point, controller_action, next_call, repair_owed
 from decodespec.spec.transitions import NOT_ENABLED
 from decodespec.spec.vocab import vocab_table_hash
 
@@ -618,19 +618,20 @@ class PeerAdapter:
         return {"receipt_id": pending.receipt_id, "token_id": token, "triggers": ordered}
 
     def _step_once(self) -> str | None:
-        if self.in_flight is not None:
+        """The one controller action the spec's schedule calls for (:func:`decodespec.spec.state.controller_action`)."""
+        action = controller_action(phase=self.phase, call_in_flight=self.in_flight is not None, quarantined=self.quarantined,
+                                   repair_owed=self._repair_owed(), call_due=self._next_call() is not None)
+        if action is ControllerAction.COMPLETE:
             self._complete()
-            return "complete"
-        if self.phase is Phase.SCORED:
+        elif action is ControllerAction.RECOVER:  # a peer quarantines only when an interrupt finished the request
+            self._op_recover({})
+        elif action is ControllerAction.DECIDE:
             self._op_decide({})
-            return "decide"
-        if self.phase is Phase.DECIDED:
+        elif action is ControllerAction.COMMIT:
             self._op_commit({"receipt": None})
-            return "commit"
-        if self._next_call() is not None:
+        elif action is ControllerAction.LAUNCH:
             self._launch(None, None)
-            return "launch"
-        return None
+        return None if action is None else action.value
 
     def _steps(self, until_commit: bool) -> list[str]:
         names = []
