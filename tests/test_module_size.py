@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 600
-FOLDERS = ("spec", "impl")
+FOLDERS = ("spec", "impl", "checks")
 
 
 def unexplained(source: str) -> bool:

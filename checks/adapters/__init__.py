@@ -106,6 +106,9 @@ apply -> ok | rejected, observe a projection; comparison in the harness), 5.4 (B
 /work/shared/DESIGN.md "Other runtimes"; M3.10 "Correctness matrix" (what is compared),
 0x0BA (the observable fields: positions, frontiers, selected id, logprob, RNG counter, finish
 reason, stream chunks with offsets, cache lengths).
+
+Size: the adapter contract: case config, actions, results, observation and the Adapter protocol,
+which every adapter and the gate import together.
 """
 
 from __future__ import annotations

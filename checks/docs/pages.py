@@ -40,6 +40,9 @@ JavaScript, no CDN); the build fails with :class:`DocsError` when ``dot`` is abs
 Source: research/formal-anchors-survey.md section 6 (rendered spec docs); aesthetics-survey.md
 8.4 (splice rules by id, fail on unknown ids); M3.10 0x08 (boundary table); Bowtie and test262
 reports (research/formal-anchors-survey.md 4.3, 4.4) for the results table.
+
+Size: the docs generator: every generated page (rules, transitions, errors, schemas, matrix,
+diagrams) from the spec registries and the build with its coverage check.
 """
 
 from __future__ import annotations

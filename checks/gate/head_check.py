@@ -36,6 +36,9 @@ The user callable's interface (:data:`LOSS_INTERFACE`)::
 Source: M3.8 0x02 "Parameter and logical-work ledger", 0x05 "Exact conformance checks", 0x0A
 (row scope), 0x11 "Evaluation ladder" (head unit, normalization, training schedule), 0x12 items
 20, 51, 52.
+
+Size: one check of a model's output head and a user's loss against spec/head*.py: reading the head
+from each runtime, the loss schedules, tying and the report.
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ docs/design.md section 11b gives the method and headroom.
 Source: M3.10 "A logit tolerance is not a token-equality proof" (the comparator order and the
 [10,0] vs [100,0] example), "Correctness matrix" (the ladder stops at the first failed layer;
 final-text equality cannot waive a state or tensor failure), 0x0BA (observable fields).
+
+Size: the ladder: the STATE..RESUME layers and their checks, compared in order over one Expected
+record.
 """
 
 from __future__ import annotations

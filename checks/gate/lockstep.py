@@ -36,6 +36,9 @@ that cannot hold the prompt (``L + 1`` slots when G >= 1).
 Source: M3.10 "A logit tolerance is not a token-equality proof", "Correctness matrix",
 "Boundary cases" (adversarial transitions); research/formal-anchors-survey.md 0 and 7
 (quint-connect style lock step; comparison in the harness); docs/design.md section 11.
+
+Size: the lock step: the translation of each contract action into the composed request's steps, the
+judging of each decision against the reference, and the expected projection the ladder compares.
 """
 
 from __future__ import annotations

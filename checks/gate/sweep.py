@@ -52,6 +52,9 @@ variables move together, call the result a configuration comparison") and "Laten
 "Correctness matrix" (one-shot versus chunked prefill: last-row logits and cache tensors;
 no-cache versus cached); "A logit tolerance is not a token-equality proof" (greedy comparator,
 margin > 2 epsilon).
+
+Size: one sweep runner: the manifest, its variables, the per-point runs and the report, sharing the
+point record.
 """
 
 from __future__ import annotations

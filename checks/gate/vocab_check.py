@@ -24,6 +24,9 @@
 
 Source: M3.8 0x08 (the audit, the ordered identity, migration, append drift, the restoration
 order), 0x09 (tied alias), 0x12 items 25-27, 31, 53-56.
+
+Size: one check of a runtime's vocabulary: reading its identity from each runtime, the audit,
+migration and the release bundle against spec/vocab*.py.
 """
 
 from __future__ import annotations

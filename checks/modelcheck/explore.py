@@ -27,6 +27,9 @@ Deliberately broken transitions are plugged in with
 
 Source: research/formal-anchors-survey.md 3.1 (TLC: exhaustive BFS gives shortest
 counterexamples; coverage reveals never-enabled actions; deadlock check), 5.1 (ITF).
+
+Size: one checker: the bounded state space, the breadth-first search, its invariants and the
+counterexample output read together (TLC-style).
 """
 
 from __future__ import annotations

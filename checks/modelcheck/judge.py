@@ -56,6 +56,9 @@ in the file (``$[3].row[5]``: line 4, the row's sixth entry); reading is bounded
 
 Source: M3.10 "A logit tolerance is not a token-equality proof", "Correctness matrix", "One
 request as a transition system"; M3.8 0x0B; issue 22 item 5 (the rows-in oracle).
+
+Size: one file format and its judgement: the rows.v1 parser with its bounded, typed refusals, the
+line-by-line judge over the composed request, and the recorder of our runtime.
 """
 
 from __future__ import annotations

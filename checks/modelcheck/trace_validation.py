@@ -79,6 +79,9 @@ a chunk's ``text_redacted.bytes`` must be its byte range; and the checks that ne
 Source: docs/design.md section 6 (the trace format); M3.10 0x0BA "Requirements for
 observability"; research/formal-anchors-survey.md (trace validation as membership of a
 runtime trace in the spec's behaviours, as in TLA+ trace validation).
+
+Size: one validator: every event of the runtime trace mapped to its spec action with its typed
+refusal, the data passport and the stream and stop checks of the same replay.
 """
 
 from __future__ import annotations

@@ -43,6 +43,9 @@ bumps :data:`TRACE_FORMAT_VERSION`; a replay refuses another version.
 
 Source: research/formal-anchors-survey.md 2.6 (export the shrunk example when ``is_final``),
 4.3 (test262 versioning), 5.1 (ITF and project conventions); docs/design.md section 11.
+
+Size: one format: ITF trace writing, loading with its typed refusals, and replay against a named
+runtime.
 """
 
 from __future__ import annotations
