@@ -1,0 +1,406 @@
+"""Fixed-row checks of the torch policy twin (impl/policy.py) that kill Cosmic Ray's survivors.
+
+The property tests of ``tests/test_policy_twin.py`` compare the twin with the spec policy on
+drawn rows; a mutant of ``impl/policy.py`` that survived them (docs/results/mutation.md, the
+``impl/policy.py`` section) lives in a branch those draws rarely reach or leaves a value they do
+not compare.  Each check here runs the twin and the spec (``decodespec.spec.policy``, the
+independent float64 reference) on fixed rows with wide decision margins, or asserts a value
+derived by hand, and its docstring names the mutants it kills (line, operator, occurrence).
+
+Rules: every ``transform.*``, ``selector.greedy``, ``selector.multinomial``, ``selector.beam``,
+``policy.empty_support``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from decodespec.impl import policy as twin
+from decodespec.spec.policy import (
+    PolicyState,
+    RequestView,
+    ScoreRow,
+    decide,
+    initial_policy_state,
+    policy_config_from_json,
+    processed_row,
+)
+
+# Distinct logits in no particular id order, and a row with ties, a -inf and negative values.
+Z = np.array([0.3, 2.0, -0.9, 1.2, -4.0, 1.5, -0.2, 0.7, -2.5, -1.5], dtype=np.float32)
+Z_TIES = np.array([1.0, 2.0, 2.0, -0.5, 2.0, -1.0, 0.5, -np.inf, 0.0, 1.0], dtype=np.float32)
+ROWS = {"distinct": Z, "ties": Z_TIES}
+VIEW = RequestView(prompt_ids=(0, 3), output_ids=(3, 5, 3, 1, 3), eos_ids=(9,), min_new_tokens=7, identity="mutants", seed=5)
+AUTOMATON = {"initial": "s0", "transitions": {"s0": {"1": "s1", "3": "s0", "5": "s1", "6": "s0"}, "s1": {"0": "s0", "2": "s1"}}}
+
+TRANSFORMS = {
+    "constraint": [{"name": "constraint", "automaton": AUTOMATON}],
+    "min_new_tokens": [{"name": "min_new_tokens"}],
+    "bad_words": [{"name": "bad_words", "sequences": [[3, 1, 2], [5, 7], [4], [1, 3, 8]], "history": "prompt_and_output"}],
+    "bad_words_output": [{"name": "bad_words", "sequences": [[0, 3, 6], [3, 9]], "history": "output"}],
+    "no_repeat_ngram_2": [{"name": "no_repeat_ngram", "n": 2, "history": "prompt_and_output"}],
+    "no_repeat_ngram_3": [{"name": "no_repeat_ngram", "n": 3, "history": "output"}],
+    "repetition_penalty": [{"name": "repetition_penalty", "penalty": 1.7, "history": "prompt_and_output"}],
+    "repetition_penalty_below_one": [{"name": "repetition_penalty", "penalty": 0.6, "history": "output"}],
+    "frequency_penalty": [{"name": "frequency_penalty", "penalty": 0.4}],
+    "presence_penalty": [{"name": "presence_penalty", "penalty": -0.6}],
+    "logit_bias": [{"name": "logit_bias", "bias": {"2": 1.5, "7": -3.0, "0": 0.25}}],
+    "temperature": [{"name": "temperature", "temperature": 0.7}],
+    "top_k": [{"name": "top_k", "k": 3}],
+    "top_k_all": [{"name": "top_k", "k": 10}],
+    "top_k_ties": [{"name": "top_k", "k": 4}],
+    "top_p": [{"name": "top_p", "p": 0.6}],
+    "min_p": [{"name": "min_p", "p": 0.15}],
+    "typical": [{"name": "typical", "p": 0.5}],
+    "epsilon": [{"name": "epsilon", "epsilon": 0.05}],
+    "eta": [{"name": "eta", "epsilon": 0.08}],
+    "top_n_sigma": [{"name": "top_n_sigma", "n": 1.0}],
+    "mirostat_v2": [{"name": "mirostat_v2", "tau": 2.0, "eta": 0.3}],
+    "chain": [{"name": "repetition_penalty", "penalty": 1.3, "history": "output"}, {"name": "temperature", "temperature": 1.4},
+              {"name": "top_k", "k": 6}, {"name": "top_p", "p": 0.9}, {"name": "min_p", "p": 0.05}],
+}
+
+
+def _config(name: str, family: str = "multinomial", **extra):
+    return policy_config_from_json({"family": family, "order": "explicit", "transforms": TRANSFORMS[name], **extra})
+
+
+def _spec_row(z: np.ndarray) -> ScoreRow:
+    return ScoreRow.create(z.astype(np.float64))
+
+
+def _same_processed(spec_pr, twin_pr, b: int = 0) -> None:
+    assert spec_pr.margin > 1e-3, "the fixture must stay clear of float32 decision boundaries"
+    assert np.array_equal(spec_pr.support_mask, twin_pr.support_mask[b].numpy())
+    np.testing.assert_allclose(twin_pr.probs[b].double().numpy(), spec_pr.probs, atol=1e-6, rtol=0)
+    finite = np.isfinite(spec_pr.values)
+    assert np.array_equal(finite, torch.isfinite(twin_pr.values[b]).numpy())
+    np.testing.assert_allclose(twin_pr.values[b].double().numpy()[finite], spec_pr.values[finite], atol=1e-5, rtol=1e-5)
+    assert (twin_pr.kind, twin_pr.applied, twin_pr.normalization, twin_pr.selector, twin_pr.greedy_reason) == (
+        spec_pr.kind, spec_pr.applied, spec_pr.normalization, spec_pr.selector, spec_pr.greedy_reason)
+    assert twin_pr.fallback_rows[b] is spec_pr.fallback_used is False
+
+
+@pytest.mark.parametrize("row", ROWS)
+@pytest.mark.parametrize("name", TRANSFORMS)
+def test_each_transform_on_fixed_rows_equals_the_spec(name, row):
+    """Every transform on two fixed rows: support, probabilities and values equal the spec's.
+
+    Kills mutants of the transforms whose effect the drawn rows rarely show (the 25-example
+    screen), listed in docs/results/mutation.md.
+    """
+    config = _config(name)
+    state = initial_policy_state(config)
+    spec_pr = processed_row(_spec_row(ROWS[row]), config, state, VIEW)
+    twin_pr = twin.process_scores(torch.tensor(ROWS[row]), config, state, VIEW)
+    _same_processed(spec_pr, twin_pr)
+
+
+@pytest.mark.parametrize("name", TRANSFORMS)
+def test_each_transform_on_a_batch_equals_the_spec_row_by_row(name):
+    """The ``[B, V]`` path (whole-vocabulary sorts, per-row masks) equals the spec on each row."""
+    config = _config(name)
+    state = initial_policy_state(config)
+    views = [VIEW, RequestView(prompt_ids=(2,), output_ids=(6, 6, 0), eos_ids=(4,), identity="other", seed=1), VIEW]
+    batch = np.stack([Z, Z_TIES, Z[::-1].copy()])
+    twin_pr = twin.process_scores(torch.tensor(batch), config, [state] * 3, views)
+    for b in range(3):
+        _same_processed(processed_row(_spec_row(batch[b]), config, state, views[b]), twin_pr, b)
+
+
+@pytest.mark.parametrize("row", ROWS)
+@pytest.mark.parametrize("name", TRANSFORMS)
+def test_each_transform_decides_as_the_spec(name, row):
+    """decide: the selected id, raw and processed log-probabilities, draws and next state equal the spec's."""
+    config = _config(name)
+    state = initial_policy_state(config)
+    r_spec, s_spec = decide(_spec_row(ROWS[row]), config, state, VIEW)
+    r_twin, s_twin = twin.decide(torch.tensor(ROWS[row]), config, state, VIEW)
+    assert (r_twin.selected_id, r_twin.draws, r_twin.rng, r_twin.support_size) == (r_spec.selected_id, r_spec.draws, r_spec.rng, r_spec.support_size)
+    assert (r_twin.selector, r_twin.greedy_reason, r_twin.normalization, r_twin.fallback_used) == (
+        r_spec.selector, r_spec.greedy_reason, r_spec.normalization, r_spec.fallback_used)
+    assert r_twin.raw_logprob == pytest.approx(r_spec.raw_logprob, abs=1e-5)
+    assert r_twin.processed_logprob == pytest.approx(r_spec.processed_logprob, abs=1e-5)
+    assert (s_twin.rng_counter, s_twin.constraint_state) == (s_spec.rng_counter, s_spec.constraint_state)
+    if s_spec.mirostat_mu is None:
+        assert s_twin.mirostat_mu is None
+    else:
+        assert s_twin.mirostat_mu == pytest.approx(s_spec.mirostat_mu, abs=1e-5)
+
+
+@pytest.mark.parametrize("output", [(5,), (2, 5), (5, 7, 5)])
+def test_bad_words_bans_after_a_history_as_short_as_the_prefix(output):
+    """A sequence of even length n bans its last id once the history holds its n - 1 prefix ids.
+
+    Kills line 137 ``len(seq) - 1 <= len(h)`` -> ``len(seq) ^ 1 <= len(h)`` (for even n,
+    ``n ^ 1 = n + 1``: the ban would wait for n + 1 history ids).
+    """
+    config = policy_config_from_json({"family": "greedy", "transforms": [{"name": "bad_words", "sequences": [[5, 7], [0, 2, 5, 1]], "history": "output"}]})
+    view = RequestView(prompt_ids=(), output_ids=output)
+    pr = twin.process_scores(torch.tensor(Z), config, PolicyState(), view)
+    assert pr.support_mask[0].tolist() == [i != 7 for i in range(10)]
+    assert processed_row(_spec_row(Z), config, PolicyState(), view).support_mask.tolist() == pr.support_mask[0].tolist()
+
+
+def test_top_k_keeps_the_lowest_ids_among_ties_at_the_kth_value():
+    """k = 4 on [1, 2, 2, -0.5, 2, -1, 0.5, -inf, 0, 1]: the three 2s are above, one of the two 1s is kept (id 0, not id 9).
+
+    Kills line 213 ``room = k - above`` -> ``k | above`` (room 7 keeps both 1s) and the other
+    replacements of that ``-`` that enlarge the room.
+    """
+    config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": "top_k", "k": 4}]})
+    pr = twin.process_scores(torch.tensor(Z_TIES), config, PolicyState(), VIEW)
+    assert pr.support_mask[0].nonzero().squeeze(-1).tolist() == [0, 1, 2, 4]
+
+
+def test_temperature_zero_skips_warpers_but_runs_the_transforms_after_them():
+    """Explicit order [temperature 0, top_k 1, logit_bias, min_p]: the greedy branch skips the warpers and still applies the bias.
+
+    Kills line 406 ``continue`` -> ``break`` (the bias after a skipped warper would be dropped).
+    """
+    config = policy_config_from_json({"family": "multinomial", "order": "explicit", "transforms": [
+        {"name": "temperature", "temperature": 0.0}, {"name": "top_k", "k": 1}, {"name": "logit_bias", "bias": {"4": 9.0}}, {"name": "min_p", "p": 0.5}]})
+    pr = twin.process_scores(torch.tensor(Z), config, PolicyState(), VIEW)
+    assert [t.name for t in pr.applied] == ["logit_bias"] and pr.greedy_reason == "temperature_zero"
+    receipt, _ = twin.decide(torch.tensor(Z), config, PolicyState(), VIEW)
+    assert receipt.selected_id == 4 and receipt.draws == 0 and receipt.support_size == 10
+
+
+def test_decide_takes_one_row_as_v_or_1_by_v_and_refuses_a_batch():
+    """decide on ``[1, V]`` equals decide on ``[V]``; ``[2, V]`` is ``policy.invalid_row``.
+
+    Kills line 535 ``scores.shape[0] == 1`` -> ``!= 1`` (refuses ``[1, V]``, flattens ``[2, V]``
+    into one row of 2V).
+    """
+    from decodespec.spec.errors import Rejection
+
+    config = policy_config_from_json({"family": "multinomial"})
+    flat, _ = twin.decide(torch.tensor(Z), config, PolicyState(), VIEW)
+    one, _ = twin.decide(torch.tensor(Z).unsqueeze(0), config, PolicyState(), VIEW)
+    assert (one.selected_id, one.vocab_size, one.rng) == (flat.selected_id, 10, flat.rng)
+    with pytest.raises(Rejection) as info:
+        twin.decide(torch.tensor(np.stack([Z, Z])), config, PolicyState(), VIEW)
+    assert info.value.code == "policy.invalid_row"
+
+
+def test_a_probability_row_must_sum_to_one():
+    """kind probs: a row of probabilities in [0, 1] summing to 2 is ``policy.invalid_row``; one summing to 1 - 5e-5 is accepted.
+
+    Kills line 332 ``(sum - 1).abs() > 1e-4`` -> ``(sum % 1)`` (a sum of 2 passes, a sum just
+    under 1 fails) and the other replacements of that ``-``.
+    """
+    from decodespec.spec.errors import Rejection
+
+    config = policy_config_from_json({"family": "greedy"})
+    with pytest.raises(Rejection) as info:
+        twin.process_scores(torch.tensor([0.5, 0.5, 0.5, 0.5]), config, PolicyState(), RequestView(prompt_ids=()), kind="probs")
+    assert info.value.code == "policy.invalid_row"
+    under = twin.process_scores(torch.tensor([0.25, 0.25, 0.25, 0.25 - 5e-5]), config, PolicyState(), RequestView(prompt_ids=()), kind="probs")
+    assert under.support_mask[0].tolist() == [True] * 4
+
+
+def test_decide_refuses_a_scalar():
+    """A 0-d score tensor is not a row: ``policy.invalid_row``.
+
+    Kills line 535 ``scores.ndim == 1`` -> ``scores.ndim <= 1`` (the scalar would be decided as a
+    one-token vocabulary).
+    """
+    from decodespec.spec.errors import Rejection
+
+    with pytest.raises(Rejection) as info:
+        twin.decide(torch.tensor(1.5), policy_config_from_json({"family": "greedy"}), PolicyState(), RequestView(prompt_ids=()))
+    assert info.value.code == "policy.invalid_row"
+
+
+def test_a_token_exactly_at_the_epsilon_floor_is_kept():
+    """epsilon keeps ``p >= epsilon``: a token whose float32 log-probability equals ``log epsilon`` stays.
+
+    The row is [log 2, 0, 0, -3]: p ~ [0.49, 0.25, 0.25, 0.012].  epsilon is ``exp(logp[1])``,
+    so that ``float32(log epsilon)`` is exactly the twin's ``logp[1]`` (asserted).  Kills line 246
+    ``logp >= log_floor`` -> ``logp > log_floor`` (ids 1 and 2 would be dropped).
+    """
+    z = torch.tensor([[math.log(2.0), 0.0, 0.0, -3.0]])
+    logp = torch.log_softmax(z, dim=-1)[0]
+    eps = math.exp(float(logp[1]))
+    assert torch.tensor(math.log(eps), dtype=torch.float32) == logp[1] == logp[2]
+    config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": "epsilon", "epsilon": eps}]})
+    pr = twin.process_scores(z, config, PolicyState(), RequestView(prompt_ids=()))
+    assert pr.support_mask[0].tolist() == [True, True, True, False]
+
+
+def test_processed_rows_compare_by_identity():
+    """TorchProcessed holds tensors, which have no single truth value: results compare by identity, never elementwise.
+
+    Kills line 289 ``attrs.frozen(eq=False)`` -> ``eq=True`` (comparing two results would raise
+    ``RuntimeError: Boolean value of Tensor ... is ambiguous``).
+    """
+    config = policy_config_from_json({"family": "multinomial"})
+    a = twin.process_scores(torch.tensor(Z), config, PolicyState(), VIEW)
+    b = twin.process_scores(torch.tensor(Z), config, PolicyState(), VIEW)
+    assert a != b and (a == b) is False and len({a, b}) == 2
+
+
+def test_the_support_of_a_probability_row_leaves_out_zero_probabilities():
+    """kind probs, greedy: the receipt's support size counts the positive probabilities only (3 of 5).
+
+    Kills line 422 ``z > 0`` -> ``z > -1`` (every id of a probability row would be in the support).
+    """
+    receipt, _ = twin.decide(torch.tensor([0.0, 0.5, 0.0, 0.25, 0.25]), policy_config_from_json({"family": "greedy"}), PolicyState(),
+                             RequestView(prompt_ids=()), kind="probs")
+    assert (receipt.support_size, receipt.selected_id) == (3, 1)
+
+
+def test_fallback_eos_forces_the_lowest_legal_eos_id():
+    """Explicit [top_k 1, bad_words [[1]]] empties the row (top_k keeps only id 1, bad_words bans it); EOS ids {9, 4} are legal, 4 is forced.
+
+    Kills line 445 ``out[b, eos[0]]`` -> ``eos[1]`` (id 9) and ``eos[-1]``.
+    """
+    config = policy_config_from_json({"family": "multinomial", "order": "explicit", "empty_support": "fallback_eos",
+                                      "transforms": [{"name": "top_k", "k": 1}, {"name": "bad_words", "sequences": [[1]], "history": "output"}]})
+    view = RequestView(prompt_ids=(), eos_ids=(9, 4))
+    receipt, _ = twin.decide(torch.tensor(Z), config, PolicyState(), view)
+    spec_receipt, _ = decide(_spec_row(Z), config, PolicyState(), view)
+    assert (receipt.selected_id, receipt.fallback_used, receipt.draws) == (spec_receipt.selected_id, True, 0) == (4, True, 0)
+
+
+def test_multinomial_select_scales_the_uniform_by_the_total_mass():
+    """Unnormalized probabilities [1, 1, 2] (total 4): u = 0.3 targets 1.2 (id 1), u = 0.6 targets 2.4 (id 2), u = 0.1 id 0.
+
+    Kills line 476 ``u * cdf[:, -1]`` -> ``u / cdf[:, -1]`` (targets 0.075, 0.15, 0.025: id 0 for all)
+    and the other replacements of that ``*``.
+    """
+    probs = torch.tensor([[1.0, 1.0, 2.0]]).expand(3, -1)
+    assert twin.multinomial_select(probs, torch.tensor([0.3, 0.6, 0.1], dtype=torch.float64)).tolist() == [1, 2, 0]
+
+
+def test_top_p_one_keeps_a_tail_that_float32_mass_rounds_away():
+    """top_p p = 1 is the identity: [0, -30, -40, -inf] keeps ids 0, 1, 2 although float32 ``softmax`` puts 1.0 on id 0.
+
+    Kills line 221 ``if p >= 1.0`` -> ``p > 1.0`` (the prefix rule ``mass before < 1`` would drop ids
+    1 and 2, whose mass before is 1.0 in float32).
+    """
+    config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": "top_p", "p": 1.0}]})
+    pr = twin.process_scores(torch.tensor([0.0, -30.0, -40.0, -math.inf]), config, PolicyState(), RequestView(prompt_ids=()))
+    assert pr.support_mask[0].tolist() == [True, True, True, False]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("name", ["top_p", "typical"])
+def test_ranked_truncation_breaks_ties_by_lowest_id_past_16_ties(name, rows):
+    """24 equal logits: top_p / typical with p = 0.3 keep the 8 lowest ids (8 * 1/24 = 0.33 is the crossing mass).
+
+    torch's CPU sort is stable only up to 16 elements unless asked to be.  Kills line 102 (one
+    row, support-only sort) and line 103 (several rows) ``stable=True`` -> ``stable=False``.
+    """
+    config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": name, "p": 0.3}]})
+    z = torch.zeros(rows, 24)
+    pr = twin.process_scores(z, config, [PolicyState()] * rows, [RequestView(prompt_ids=())] * rows)
+    for b in range(rows):
+        assert pr.support_mask[b].nonzero().squeeze(-1).tolist() == list(range(8))
+
+
+def test_beam_candidates_break_ties_by_lowest_flat_index_past_16_ties():
+    """A [1, 2, 12] grid of equal log-probabilities: the 6 best candidates are flat indices 0..5 (parent 0, tokens 0..5).
+
+    Kills line 81 ``stable=True`` -> ``stable=False`` in ``_stable_desc`` (torch's CPU sort is
+    stable only up to 16 elements unless asked to be).
+    """
+    scores, parents, tokens = twin.select_beam_candidates(torch.zeros(1, 2, 12), torch.zeros(1, 2), 6)
+    assert (parents[0].tolist(), tokens[0].tolist(), scores[0].tolist()) == ([0] * 6, list(range(6)), [0.0] * 6)
+
+
+def test_beam_candidates_default_to_twice_the_beam_count():
+    """num_beams = 3, K = 2 parents, V = 10: 2 * 3 = 6 candidates by default (HF), capped at K * V = 20.
+
+    Kills line 631 ``2 * config.num_beams`` -> ``2 + config.num_beams`` (5) and the other
+    replacements of that ``*``.
+    """
+    config = policy_config_from_json({"family": "beam", "num_beams": 3})
+    cand, parents, tokens, logprobs = twin.beam_candidates(torch.tensor(np.stack([Z, Z[::-1].copy()])), torch.tensor([0.0, -1.0]), config,
+                                                            [PolicyState()] * 2, [VIEW] * 2)
+    assert len(cand) == len(parents) == len(tokens) == 6 and logprobs.shape == (2, 10)
+
+
+def test_min_p_keeps_a_token_exactly_at_alpha_times_the_top_probability():
+    """min_p bans ``p < alpha p_max`` only: with alpha = 1/4 the logit ``float32(log 1/4)`` against a top logit 0 stays.
+
+    Kills line 232 ``z < z_max + log(alpha)`` -> ``<=`` (the token at the bound would be banned).
+    """
+    at = float(np.float32(math.log(0.25)))
+    config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": "min_p", "p": 0.25}]})
+    pr = twin.process_scores(torch.tensor([0.0, at, at - 1e-3, -5.0]), config, PolicyState(), RequestView(prompt_ids=()))
+    assert pr.support_mask[0].tolist() == [True, True, False, False]
+
+
+def test_fallback_in_a_batch_leaves_the_other_rows_as_the_spec_processes_them():
+    """Two rows under explicit [top_k 1, bad_words [[1]]] with fallback_eos: row 0's top id is 1 (emptied, forced to EOS 4), row 1's is not.
+
+    Row 1 must equal the spec's processed row.  Kills line 437 ``kind is not ScoreKind.PROBS`` ->
+    ``is`` (row 1 would be the log of its logits: NaN).
+    """
+    config = policy_config_from_json({"family": "multinomial", "order": "explicit", "empty_support": "fallback_eos",
+                                      "transforms": [{"name": "top_k", "k": 1}, {"name": "bad_words", "sequences": [[1]], "history": "output"}]})
+    view = RequestView(prompt_ids=(), eos_ids=(9, 4))
+    rows = np.stack([Z, Z[::-1].copy()])
+    pr = twin.process_scores(torch.tensor(rows), config, [PolicyState()] * 2, [view] * 2)
+    assert pr.fallback_rows == (True, False)
+    assert twin.greedy_select(pr.values).tolist() == [4, 8]
+    spec_pr = processed_row(_spec_row(rows[1]), config, PolicyState(), view)
+    np.testing.assert_allclose(pr.probs[1].double().numpy(), spec_pr.probs, atol=1e-6)
+
+
+@pytest.mark.parametrize("counter", [0, 1, 6])
+def test_a_draw_advances_the_counter_by_one_from_any_counter(counter):
+    """A multinomial decision at counter c draws once at (step, 0) and leaves counter c + 1 (the spec's child state).
+
+    Kills line 499 ``state.rng_counter + draws`` -> ``^ draws`` (odd counters would go back by one)
+    and the other replacements of that ``+``.
+    """
+    config = policy_config_from_json({"family": "multinomial"})
+    receipt, after = twin.decide(torch.tensor(Z), config, PolicyState(rng_counter=counter), VIEW)
+    assert (receipt.draws, after.rng_counter, receipt.rng.counter_before, receipt.rng.counter_after) == (1, counter + 1, counter, counter + 1)
+    assert decide(_spec_row(Z), config, PolicyState(rng_counter=counter), VIEW)[1].rng_counter == counter + 1
+
+
+def test_next_state_takes_draws_and_selected_prob_by_keyword_only():
+    """``next_state(config, state, token_id, *, draws, selected_prob)``: the counts cannot be passed by position.
+
+    Kills line 483 ``*`` -> ``/`` (``draws`` and ``selected_prob`` would bind by position).
+    """
+    config = policy_config_from_json({"family": "multinomial"})
+    with pytest.raises(TypeError):
+        twin.next_state(config, PolicyState(), 3, 1, None)  # type: ignore[misc]
+    assert twin.next_state(config, PolicyState(), 3, draws=1, selected_prob=None) == PolicyState(rng_counter=1)
+
+
+@pytest.mark.parametrize("shape", [(0,), (1, 0), (1, 2, 5), (1, 1, 5)])
+def test_an_empty_or_three_dimensional_score_tensor_is_not_a_row(shape):
+    """``[0]`` and ``[1, 0]`` (no vocabulary), ``[1, 2, 5]`` and ``[1, 1, 5]`` (not a row) are ``policy.invalid_row`` for decide.
+
+    Kills line 328 ``scores.shape[-1] == 0`` -> ``< 0`` (an empty vocabulary would reach the
+    pipeline) and line 535 ``scores.ndim == 2`` -> ``>= 2`` (a ``[1, ...]`` tensor of any rank
+    would be flattened into one row).
+    """
+    from decodespec.spec.errors import Rejection
+
+    with pytest.raises(Rejection) as info:
+        twin.decide(torch.zeros(shape), policy_config_from_json({"family": "greedy"}), PolicyState(), RequestView(prompt_ids=()))
+    assert info.value.code == "policy.invalid_row"
+
+
+@pytest.mark.parametrize("state", [PolicyState(constraint_state="s0"), PolicyState(mirostat_mu=3.0), PolicyState(rng_counter=-1)])
+def test_process_scores_checks_every_state_against_the_config(state):
+    """A state that does not fit a plain multinomial config (a constraint state, a Mirostat mu, a negative counter) is ``policy.invalid_state``, in any row.
+
+    Kills line 389 ``for s in states: s.check(config)`` -> ``for s in []`` (states unchecked).
+    """
+    from decodespec.spec.errors import Rejection
+
+    config = policy_config_from_json({"family": "multinomial"})
+    with pytest.raises(Rejection) as info:
+        twin.process_scores(torch.tensor(np.stack([Z, Z])), config, [PolicyState(), state], [VIEW, VIEW])
+    assert info.value.code == "policy.invalid_state"
