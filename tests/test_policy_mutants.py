@@ -24,6 +24,7 @@ from decodespec.spec.policy import (
     PolicyState,
     RequestView,
     ScoreRow,
+    beam_candidates,
     decide,
     initial_policy_state,
     policy_config_from_json,
@@ -404,3 +405,32 @@ def test_process_scores_checks_every_state_against_the_config(state):
     with pytest.raises(Rejection) as info:
         twin.process_scores(torch.tensor(np.stack([Z, Z])), config, [PolicyState(), state], [VIEW, VIEW])
     assert info.value.code == "policy.invalid_state"
+
+
+def test_epsilon_above_the_top_probability_keeps_the_top_token():
+    """epsilon = 0.45 on Z (p_max ~ 0.33): every probability is under the floor, and the top token (id 1) is kept anyway.
+
+    Kills line 246 ``z == z.amax(...)`` -> ``z is z.amax(...)`` (always False: the row would be
+    emptied, ``policy.empty_support``).
+    """
+    config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": "epsilon", "epsilon": 0.45}]})
+    assert float(torch.softmax(torch.tensor(Z), -1).max()) < 0.45
+    pr = twin.process_scores(torch.tensor(Z), config, PolicyState(), VIEW)
+    assert pr.support_mask[0].nonzero().squeeze(-1).tolist() == [1]
+
+
+def test_beam_refuses_a_probability_row():
+    """selector.beam takes log-probabilities: a row of kind probs is ``policy.score_kind_mismatch``, as in the spec.
+
+    Kills line 428 ``kind is not ScoreKind.LOGPROBS`` -> ``kind < ScoreKind.LOGPROBS``
+    (``"probs" < "logprobs"`` is False, so the row would be ranked as if it were log-probabilities).
+    """
+    from decodespec.spec.errors import Rejection
+
+    probs = np.exp(Z) / np.exp(Z).sum()
+    config = policy_config_from_json({"family": "beam", "num_beams": 2})
+    with pytest.raises(Rejection) as info:
+        twin.beam_candidates(torch.tensor(probs[None, :]), torch.zeros(1), config, [PolicyState()], [VIEW], kind="probs")
+    with pytest.raises(Rejection) as spec_info:
+        beam_candidates([ScoreRow.create(probs.astype(np.float64), kind="probs")], [0.0], config, [PolicyState()], [VIEW])
+    assert info.value.code == spec_info.value.code == "policy.score_kind_mismatch"
