@@ -434,3 +434,34 @@ def test_beam_refuses_a_probability_row():
     with pytest.raises(Rejection) as spec_info:
         beam_candidates([ScoreRow.create(probs.astype(np.float64), kind="probs")], [0.0], config, [PolicyState()], [VIEW])
     assert info.value.code == spec_info.value.code == "policy.score_kind_mismatch"
+
+
+def test_a_probability_above_one_is_refused_even_when_the_row_sums_to_one_within_tolerance():
+    """kind probs: [1.00005, 0] sums to 1 within 1e-4 but holds a probability above 1: ``policy.invalid_row``, as in the spec.
+
+    Kills line 332 ``(scores > 1).any()`` -> ``(scores > 2).any()``.
+    """
+    from decodespec.spec.errors import Rejection
+
+    with pytest.raises(Rejection) as info:
+        twin.process_scores(torch.tensor([1.00005, 0.0]), policy_config_from_json({"family": "greedy"}), PolicyState(), RequestView(prompt_ids=()), kind="probs")
+    with pytest.raises(Rejection) as spec_info:
+        ScoreRow.create(np.array([1.00005, 0.0]), kind="probs")
+    assert info.value.code == spec_info.value.code == "policy.invalid_row"
+
+
+def test_token_ids_past_the_vocabulary_are_refused_in_the_view_and_in_the_transforms():
+    """V = 10: a view naming id 10 (a plain policy) or a logit_bias on id 12 is ``policy.token_out_of_range``, never an IndexError or a silent pass.
+
+    Kills line 391 ``for view in views`` and line 394 ``for i, t in enumerate(config.transforms)``
+    -> zero iterations.
+    """
+    from decodespec.spec.errors import Rejection
+
+    with pytest.raises(Rejection) as info:
+        twin.process_scores(torch.tensor(Z), policy_config_from_json({"family": "multinomial"}), PolicyState(), RequestView(prompt_ids=(10,)))
+    assert info.value.code == "policy.token_out_of_range" and info.value.path == "$.view"
+    config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": "logit_bias", "bias": {"12": 1.0}}]})
+    with pytest.raises(Rejection) as info:
+        twin.process_scores(torch.tensor(Z), config, PolicyState(), RequestView(prompt_ids=()))
+    assert info.value.code == "policy.token_out_of_range" and info.value.path == "$.policy.transforms[0]"
