@@ -53,6 +53,7 @@ TRANSFORMS = {
     "temperature": [{"name": "temperature", "temperature": 0.7}],
     "top_k": [{"name": "top_k", "k": 3}],
     "top_k_all": [{"name": "top_k", "k": 10}],
+    "top_k_past_v": [{"name": "top_k", "k": 12}],
     "top_k_ties": [{"name": "top_k", "k": 4}],
     "top_p": [{"name": "top_p", "p": 0.6}],
     "min_p": [{"name": "min_p", "p": 0.15}],
@@ -465,3 +466,18 @@ def test_token_ids_past_the_vocabulary_are_refused_in_the_view_and_in_the_transf
     with pytest.raises(Rejection) as info:
         twin.process_scores(torch.tensor(Z), config, PolicyState(), RequestView(prompt_ids=()))
     assert info.value.code == "policy.token_out_of_range" and info.value.path == "$.policy.transforms[0]"
+
+
+def test_mirostat_keeps_a_token_whose_surprise_equals_mu():
+    """mirostat_v2 keeps surprise <= mu (bits): with mu set to the float32 surprise of the third-best token, the three best stay.
+
+    Kills line 278 ``surprise <= mu`` -> ``surprise < mu`` (the token at mu would be dropped).
+    """
+    z = torch.tensor(Z).unsqueeze(0)
+    surprise = -torch.log_softmax(z, dim=-1)[0] / math.log(2.0)
+    third = int(torch.argsort(surprise)[2])
+    mu = float(surprise[third])
+    assert torch.tensor([mu], dtype=torch.float32)[0] == surprise[third]
+    config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": "mirostat_v2", "tau": 2.0, "eta": 0.3}]})
+    pr = twin.process_scores(z, config, PolicyState(mirostat_mu=mu), VIEW)
+    assert pr.support_mask[0].nonzero().squeeze(-1).tolist() == sorted(torch.argsort(surprise)[:3].tolist()) == [1, 3, 5]
