@@ -481,3 +481,17 @@ def test_mirostat_keeps_a_token_whose_surprise_equals_mu():
     config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": "mirostat_v2", "tau": 2.0, "eta": 0.3}]})
     pr = twin.process_scores(z, config, PolicyState(mirostat_mu=mu), VIEW)
     assert pr.support_mask[0].nonzero().squeeze(-1).tolist() == sorted(torch.argsort(surprise)[:3].tolist()) == [1, 3, 5]
+
+
+@pytest.mark.parametrize("family", ["greedy", "multinomial"])
+def test_beam_candidates_refuse_a_non_beam_family(family):
+    """beam_candidates needs the beam family: greedy and multinomial configs are ``policy.family_mismatch``.
+
+    Kills line 627 ``config.family is not Family.BEAM`` -> ``config.family < Family.BEAM``
+    (``"greedy" < "beam"`` and ``"multinomial" < "beam"`` are False: nothing would be refused).
+    """
+    from decodespec.spec.errors import Rejection
+
+    with pytest.raises(Rejection) as info:
+        twin.beam_candidates(torch.tensor(Z).unsqueeze(0), torch.zeros(1), policy_config_from_json({"family": family}), [PolicyState()], [VIEW])
+    assert info.value.code == "policy.family_mismatch"
