@@ -30,6 +30,7 @@ from decodespec.spec.policy import (
     policy_config_from_json,
     processed_row,
 )
+from decodespec.spec.policy.selectors import multinomial
 
 # Distinct logits in no particular id order, and a row with ties, a -inf and negative values.
 Z = np.array([0.3, 2.0, -0.9, 1.2, -4.0, 1.5, -0.2, 0.7, -2.5, -1.5], dtype=np.float32)
@@ -495,3 +496,58 @@ def test_beam_candidates_refuse_a_non_beam_family(family):
     with pytest.raises(Rejection) as info:
         twin.beam_candidates(torch.tensor(Z).unsqueeze(0), torch.zeros(1), policy_config_from_json({"family": family}), [PolicyState()], [VIEW])
     assert info.value.code == "policy.family_mismatch"
+
+
+def test_the_multinomial_selector_takes_the_first_id_whose_mass_exceeds_the_target():
+    """Inverse CDF with ``right=True``: a target on a CDF step goes past it, never to a zero-probability id.
+
+    [0, 0.5, 0.5] with u = 0 (target 0): id 1, not the zero-mass id 0; [0.5, 0.5] with u = 0.5
+    (target 0.5 = cdf[0]): id 1, as the spec's selector.  Kills line 477 ``right=True`` ->
+    ``right=False``.
+    """
+    assert twin.multinomial_select(torch.tensor([[0.0, 0.5, 0.5]]), torch.tensor([0.0], dtype=torch.float64)).tolist() == [1]
+    assert twin.multinomial_select(torch.tensor([[0.5, 0.5]]), torch.tensor([0.5], dtype=torch.float64)).tolist() == [1]
+    assert multinomial(np.array([0.0, 0.5, 0.5]), 0.0)[0] == multinomial(np.array([0.5, 0.5]), 0.5)[0] == 1
+
+
+def test_a_log_probability_row_must_be_normalized():
+    """kind logprobs: a row whose logsumexp is 0.5 is ``policy.invalid_row`` (tolerance 1e-4), as in the spec.
+
+    Kills line 334 ``logsumexp.abs() > 1e-4`` -> ``== 1e-4``.
+    """
+    from decodespec.spec.errors import Rejection
+
+    row = np.log(np.array([0.5, 0.3, 0.2])) + 0.5
+    with pytest.raises(Rejection) as info:
+        twin.process_scores(torch.tensor(row, dtype=torch.float32), policy_config_from_json({"family": "greedy"}), PolicyState(), RequestView(prompt_ids=()), kind="logprobs")
+    with pytest.raises(Rejection) as spec_info:
+        ScoreRow.create(row, kind="logprobs")
+    assert info.value.code == spec_info.value.code == "policy.invalid_row"
+
+
+def test_the_beam_family_has_no_greedy_reason():
+    """A beam config's processed rows carry selector ``beam``, normalization ``log_softmax`` and no greedy reason, as the spec's.
+
+    Kills line 399 ``config.family is Family.GREEDY`` -> ``<=`` (``"beam" <= "greedy"``: the beam
+    family would report greedy reason ``family``).
+    """
+    config = policy_config_from_json({"family": "beam", "num_beams": 2})
+    pr = twin.process_scores(torch.tensor(Z), config, PolicyState(), VIEW)
+    spec_pr = processed_row(_spec_row(Z), config, PolicyState(), VIEW)
+    assert (pr.selector, pr.normalization, pr.greedy_reason) == (spec_pr.selector, spec_pr.normalization, spec_pr.greedy_reason) == ("beam", "log_softmax", None)
+
+
+def test_a_forced_row_is_logit_zero_at_eos_and_minus_infinity_elsewhere():
+    """Explicit [top_k 1, temperature 0, bad_words [[1]]]: top_k keeps id 1, T = 0 turns the selector greedy, bad_words empties the row; EOS 4 is forced.
+
+    The greedy branch does not normalize, so the forced logits reach the selector as they are:
+    [-inf, ..., 0 at id 4, ..., -inf], as the spec's.  Kills line 445
+    ``out[b, eos[0]] = 0.0`` -> ``-1.0``.
+    """
+    config = policy_config_from_json({"family": "multinomial", "order": "explicit", "empty_support": "fallback_eos", "transforms": [
+        {"name": "top_k", "k": 1}, {"name": "temperature", "temperature": 0.0}, {"name": "bad_words", "sequences": [[1]], "history": "output"}]})
+    view = RequestView(prompt_ids=(), eos_ids=(9, 4))
+    pr = twin.process_scores(torch.tensor(Z), config, PolicyState(), view)
+    forced = processed_row(_spec_row(Z), config, PolicyState(), view)
+    assert pr.fallback_rows == (True,) and forced.fallback_used and pr.normalization is None
+    assert pr.values[0].tolist() == forced.values.tolist() == [-math.inf] * 4 + [0.0] + [-math.inf] * 5
