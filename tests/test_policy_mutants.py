@@ -56,6 +56,7 @@ TRANSFORMS = {
     "top_k_all": [{"name": "top_k", "k": 10}],
     "top_k_past_v": [{"name": "top_k", "k": 12}],
     "top_k_ties": [{"name": "top_k", "k": 4}],
+    "top_k_2": [{"name": "top_k", "k": 2}],
     "top_p": [{"name": "top_p", "p": 0.6}],
     "min_p": [{"name": "min_p", "p": 0.15}],
     "typical": [{"name": "typical", "p": 0.5}],
@@ -551,3 +552,51 @@ def test_a_forced_row_is_logit_zero_at_eos_and_minus_infinity_elsewhere():
     forced = processed_row(_spec_row(Z), config, PolicyState(), view)
     assert pr.fallback_rows == (True,) and forced.fallback_used and pr.normalization is None
     assert pr.values[0].tolist() == forced.values.tolist() == [-math.inf] * 4 + [0.0] + [-math.inf] * 5
+
+
+def test_one_state_or_view_per_row():
+    """Two rows with one state (or one view) in a list: ``policy.invalid_row`` at ``$.rows``, fewer or more alike.
+
+    Kills line 343 ``len(rows) != b`` -> ``len(rows) > b`` (a short list would be accepted).
+    """
+    from decodespec.spec.errors import Rejection
+
+    config = policy_config_from_json({"family": "multinomial"})
+    for states, views in (([PolicyState()], [VIEW, VIEW]), ([PolicyState()] * 2, [VIEW]), ([PolicyState()] * 3, [VIEW, VIEW])):
+        with pytest.raises(Rejection) as info:
+            twin.process_scores(torch.tensor(np.stack([Z, Z])), config, states, views)
+        assert (info.value.code, info.value.path) == ("policy.invalid_row", "$.rows")
+
+
+def test_a_one_hot_probability_row_is_valid():
+    """kind probs: [0, 1, 0] is a valid row (a probability may be exactly 1); greedy picks id 1 with support 1.
+
+    Kills line 332 ``(scores > 1).any()`` -> ``(scores >= 1).any()``.
+    """
+    receipt, _ = twin.decide(torch.tensor([0.0, 1.0, 0.0]), policy_config_from_json({"family": "greedy"}), PolicyState(), RequestView(prompt_ids=()), kind="probs")
+    assert (receipt.selected_id, receipt.support_size) == (1, 1)
+
+
+def test_no_repeat_trigram_matches_both_prefix_ids():
+    """n = 3 over output (2, 2, 5, 2, 2): the prefix (2, 2) occurred before 5 only, so only id 5 is banned (the spec agrees).
+
+    Kills line 152 ``windows[:, :-1]`` -> ``windows[:, :1]`` (the first id alone, broadcast against
+    both prefix ids, would also match (2, 5, 2) and ban id 2).
+    """
+    config = policy_config_from_json({"family": "greedy", "transforms": [{"name": "no_repeat_ngram", "n": 3, "history": "output"}]})
+    view = RequestView(prompt_ids=(), output_ids=(2, 2, 5, 2, 2))
+    pr = twin.process_scores(torch.tensor(Z), config, PolicyState(), view)
+    assert pr.support_mask[0].tolist() == [i != 5 for i in range(10)]
+    assert processed_row(_spec_row(Z), config, PolicyState(), view).support_mask.tolist() == pr.support_mask[0].tolist()
+
+
+def test_top_p_never_keeps_a_token_of_zero_float32_probability():
+    """top_p p = 0.99999999 (1.0 in float32) on [0.5, 0.1, -0.4, 1.3, -200]: the float32 mass before id 4 is 0.99999994 < 1, yet its probability is 0, so it goes (the spec drops it too).
+
+    Kills line 110 ``sorted_p > 0`` -> ``sorted_p > -1`` (id 4 would stay in the support).
+    """
+    z = np.array([0.5, 0.1, -0.4, 1.3, -200.0], dtype=np.float32)
+    config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": "top_p", "p": 0.99999999}]})
+    pr = twin.process_scores(torch.tensor(z), config, PolicyState(), RequestView(prompt_ids=()))
+    assert pr.support_mask[0].tolist() == [True, True, True, True, False]
+    assert processed_row(_spec_row(z), config, PolicyState(), RequestView(prompt_ids=())).support_mask.tolist() == pr.support_mask[0].tolist()
