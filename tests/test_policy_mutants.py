@@ -600,3 +600,16 @@ def test_top_p_never_keeps_a_token_of_zero_float32_probability():
     pr = twin.process_scores(torch.tensor(z), config, PolicyState(), RequestView(prompt_ids=()))
     assert pr.support_mask[0].tolist() == [True, True, True, True, False]
     assert processed_row(_spec_row(z), config, PolicyState(), RequestView(prompt_ids=())).support_mask.tolist() == pr.support_mask[0].tolist()
+
+
+@pytest.mark.parametrize("family", ["greedy", "multinomial"])
+def test_a_row_with_a_single_finite_score_is_decided(family):
+    """[-inf, 2, -inf] with a penalty: the one finite id is the support (size 1) and is selected, not an empty support.
+
+    Kills line 401 ``_support(z, kind) == 0`` -> ``== 1`` (a row of support 1 would be taken for an
+    emptied one: ``policy.empty_support``).
+    """
+    config = policy_config_from_json({"family": family, "transforms": [{"name": "presence_penalty", "penalty": 0.5}]})
+    receipt, _ = twin.decide(torch.tensor([-math.inf, 2.0, -math.inf]), config, PolicyState(), RequestView(prompt_ids=(), output_ids=(1,)))
+    assert (receipt.selected_id, receipt.support_size, receipt.fallback_used) == (1, 1, False)
+    assert list(receipt.transforms) == ["presence_penalty"]  # the applied transforms, by name
