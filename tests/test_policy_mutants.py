@@ -613,3 +613,17 @@ def test_a_row_with_a_single_finite_score_is_decided(family):
     receipt, _ = twin.decide(torch.tensor([-math.inf, 2.0, -math.inf]), config, PolicyState(), RequestView(prompt_ids=(), output_ids=(1,)))
     assert (receipt.selected_id, receipt.support_size, receipt.fallback_used) == (1, 1, False)
     assert list(receipt.transforms) == ["presence_penalty"]  # the applied transforms, by name
+
+
+def test_beam_candidates_take_the_score_kind_by_keyword_only():
+    """``beam_candidates(scores, beam_scores, config, states, views, num_candidates=None, *, kind=...)``: kind cannot be passed by position.
+
+    Kills line 607 ``*`` -> ``/`` (``kind`` would bind by position; the parameters before it would
+    become positional-only).
+    """
+    config = policy_config_from_json({"family": "beam", "num_beams": 2})
+    args = (torch.tensor(Z).unsqueeze(0), torch.zeros(1), config, [PolicyState()], [VIEW])
+    with pytest.raises(TypeError):
+        twin.beam_candidates(*args, None, "logits")  # type: ignore[misc]
+    by_name = twin.beam_candidates(scores=args[0], beam_scores=args[1], config=config, states=args[3], views=args[4], num_candidates=3, kind="logits")
+    assert by_name[2].tolist() == twin.beam_candidates(*args, 3)[2].tolist() == [1, 5, 3]
