@@ -627,3 +627,70 @@ def test_beam_candidates_take_the_score_kind_by_keyword_only():
         twin.beam_candidates(*args, None, "logits")  # type: ignore[misc]
     by_name = twin.beam_candidates(scores=args[0], beam_scores=args[1], config=config, states=args[3], views=args[4], num_candidates=3, kind="logits")
     assert by_name[2].tolist() == twin.beam_candidates(*args, 3)[2].tolist() == [1, 5, 3]
+
+
+def test_top_n_sigma_uses_the_exact_mean():
+    """top_n_sigma n = 1 on [0, 0.5, 0.9, 1]: mean 0.6, sigma 0.394, threshold 0.606 keeps ids 2 and 3 (the spec agrees).
+
+    Kills line 268 ``sum / count`` -> ``sum // count`` (mean 0, sigma 0.718, threshold 0.282 would
+    keep id 1 as well).
+    """
+    z = np.array([0.0, 0.5, 0.9, 1.0], dtype=np.float32)
+    config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": "top_n_sigma", "n": 1.0}]})
+    pr = twin.process_scores(torch.tensor(z), config, PolicyState(), RequestView(prompt_ids=()))
+    assert pr.support_mask[0].tolist() == [False, False, True, True]
+    assert processed_row(_spec_row(z), config, PolicyState(), RequestView(prompt_ids=())).support_mask.tolist() == [False, False, True, True]
+
+
+def test_temperature_zero_from_json_text_is_the_greedy_branch():
+    """A policy parsed from JSON text (its strings are not the interned literals) with temperature 0 decides greedily with no draw.
+
+    Kills line 407 ``t.name == "temperature"`` -> ``t.name is "temperature"`` (the branch would be
+    missed and the zero temperature divided by).
+    """
+    import json
+
+    config = policy_config_from_json(json.loads('{"family": "multinomial", "transforms": [{"name": "temperature", "temperature": 0.0}]}'))
+    receipt, after = twin.decide(torch.tensor(Z), config, PolicyState(), VIEW)
+    assert (receipt.selected_id, receipt.draws, receipt.greedy_reason, after.rng_counter) == (1, 0, "temperature_zero", 0)
+
+
+def test_decide_refuses_the_beam_family():
+    """decide is for greedy and multinomial policies: a beam config is ``policy.family_mismatch``.
+
+    Kills line 533 ``config.family is Family.BEAM`` -> ``config.family < Family.BEAM`` (``"beam"``
+    is the least family value: nothing would be refused).
+    """
+    from decodespec.spec.errors import Rejection
+
+    with pytest.raises(Rejection) as info:
+        twin.decide(torch.tensor(Z), policy_config_from_json({"family": "beam", "num_beams": 2}), PolicyState(), VIEW)
+    assert info.value.code == "policy.family_mismatch"
+
+
+def test_a_forced_row_does_not_feed_mirostat():
+    """Explicit [mirostat_v2, bad_words [[1]]] with mu = 0.5 bits: Mirostat keeps only id 1, bad_words bans it, EOS 4 is forced, and mu stays 0.5 (the spec agrees).
+
+    Kills line 549 ``... and not fallback`` -> ``... or not fallback`` (the forced token would update mu).
+    """
+    config = policy_config_from_json({"family": "multinomial", "order": "explicit", "empty_support": "fallback_eos", "transforms": [
+        {"name": "mirostat_v2", "tau": 2.0, "eta": 0.3}, {"name": "bad_words", "sequences": [[1]], "history": "output"}]})
+    view = RequestView(prompt_ids=(), eos_ids=(4,), identity="m", seed=2)
+    state = PolicyState(mirostat_mu=0.5)
+    receipt, after = twin.decide(torch.tensor(Z), config, state, view)
+    spec_receipt, spec_after = decide(_spec_row(Z), config, state, view)
+    assert (receipt.selected_id, receipt.fallback_used, after.mirostat_mu) == (spec_receipt.selected_id, spec_receipt.fallback_used, spec_after.mirostat_mu) == (4, True, 0.5)
+
+
+def test_fallback_forces_every_empty_row_after_a_live_one():
+    """The batch of the fallback test in the other order: row 0 live (top id 8), row 1 emptied and forced to EOS 4.
+
+    Kills line 440 ``continue`` -> ``break`` (the loop would stop at the live row and leave row 1
+    empty).
+    """
+    config = policy_config_from_json({"family": "multinomial", "order": "explicit", "empty_support": "fallback_eos",
+                                      "transforms": [{"name": "top_k", "k": 1}, {"name": "bad_words", "sequences": [[1]], "history": "output"}]})
+    view = RequestView(prompt_ids=(), eos_ids=(9, 4))
+    pr = twin.process_scores(torch.tensor(np.stack([Z[::-1].copy(), Z])), config, [PolicyState()] * 2, [view] * 2)
+    assert pr.fallback_rows == (False, True)
+    assert twin.greedy_select(pr.values).tolist() == [8, 4] and pr.support_mask.sum(dim=-1).tolist() == [1, 1]
