@@ -694,3 +694,16 @@ def test_fallback_forces_every_empty_row_after_a_live_one():
     pr = twin.process_scores(torch.tensor(np.stack([Z[::-1].copy(), Z])), config, [PolicyState()] * 2, [view] * 2)
     assert pr.fallback_rows == (False, True)
     assert twin.greedy_select(pr.values).tolist() == [8, 4] and pr.support_mask.sum(dim=-1).tolist() == [1, 1]
+
+
+def test_decide_takes_its_options_by_keyword_only():
+    """``decide(scores, config, state, view, *, kind, score_id, vocab_hash, rng)``: the options cannot be passed by position.
+
+    Kills line 507 ``*`` -> ``/`` (``kind`` and the rest would bind by position, the four leading
+    parameters would become positional-only).
+    """
+    config = policy_config_from_json({"family": "greedy"})
+    with pytest.raises(TypeError):
+        twin.decide(torch.tensor(Z), config, PolicyState(), VIEW, "logits")  # type: ignore[misc]
+    receipt, _ = twin.decide(scores=torch.tensor(Z), config=config, state=PolicyState(), view=VIEW, kind="logits", score_id="s")
+    assert (receipt.selected_id, receipt.score_id) == (1, "s")
