@@ -707,3 +707,27 @@ def test_decide_takes_its_options_by_keyword_only():
         twin.decide(torch.tensor(Z), config, PolicyState(), VIEW, "logits")  # type: ignore[misc]
     receipt, _ = twin.decide(scores=torch.tensor(Z), config=config, state=PolicyState(), view=VIEW, kind="logits", score_id="s")
     assert (receipt.selected_id, receipt.score_id) == (1, "s")
+
+
+def test_top_n_sigma_keeps_a_logit_exactly_at_the_threshold():
+    """n = 2 on [0, 1]: mean 0.5, sigma 0.5 (exact in float32), threshold 1 - 2 * 0.5 = 0, so the logit 0 stays (keep ``z >= max - n sigma``, as the spec).
+
+    Kills line 271 ``z < threshold`` -> ``z <= threshold``.
+    """
+    z = np.array([0.0, 1.0], dtype=np.float32)
+    config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": "top_n_sigma", "n": 2.0}]})
+    pr = twin.process_scores(torch.tensor(z), config, PolicyState(), RequestView(prompt_ids=()))
+    assert pr.support_mask[0].tolist() == [True, True]
+    assert processed_row(_spec_row(z), config, PolicyState(), RequestView(prompt_ids=())).support_mask.tolist() == [True, True]
+
+
+def test_no_repeat_ngram_after_a_row_with_a_short_history():
+    """Two rows, n = 2 over output: row 0's history is shorter than n (nothing banned), row 1's (3, 5, 3) bans 5 (the spec agrees row by row).
+
+    Kills line 149 ``continue`` -> ``break`` (the rows after a short history would go unbanned).
+    """
+    config = policy_config_from_json({"family": "greedy", "transforms": [{"name": "no_repeat_ngram", "n": 2, "history": "output"}]})
+    views = [RequestView(prompt_ids=(), output_ids=(1,)), RequestView(prompt_ids=(), output_ids=(3, 5, 3))]
+    pr = twin.process_scores(torch.tensor(np.stack([Z, Z])), config, [PolicyState()] * 2, views)
+    assert pr.support_mask.tolist() == [[True] * 10, [i != 5 for i in range(10)]]
+    assert [processed_row(_spec_row(Z), config, PolicyState(), v).support_mask.tolist() for v in views] == pr.support_mask.tolist()
