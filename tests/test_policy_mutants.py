@@ -731,3 +731,17 @@ def test_no_repeat_ngram_after_a_row_with_a_short_history():
     pr = twin.process_scores(torch.tensor(np.stack([Z, Z])), config, [PolicyState()] * 2, views)
     assert pr.support_mask.tolist() == [[True] * 10, [i != 5 for i in range(10)]]
     assert [processed_row(_spec_row(Z), config, PolicyState(), v).support_mask.tolist() for v in views] == pr.support_mask.tolist()
+
+
+@pytest.mark.parametrize("name", ["top_p", "typical"])
+def test_a_prefix_that_reaches_p_exactly_stops_there(name):
+    """p = 0.5 on two equal logits: the first id's mass is exactly 0.5 in float32, which reaches p, so the second id goes (the spec agrees).
+
+    Kills line 110 ``before < mass`` -> ``before <= mass`` (the second id, whose mass before is
+    exactly p, would stay).
+    """
+    z = np.array([0.0, 0.0, -math.inf], dtype=np.float32)
+    config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": name, "p": 0.5}]})
+    pr = twin.process_scores(torch.tensor(z), config, PolicyState(), RequestView(prompt_ids=()))
+    assert pr.support_mask[0].tolist() == [True, False, False]
+    assert processed_row(_spec_row(z), config, PolicyState(), RequestView(prompt_ids=())).support_mask.tolist() == [True, False, False]
