@@ -745,3 +745,34 @@ def test_a_prefix_that_reaches_p_exactly_stops_there(name):
     pr = twin.process_scores(torch.tensor(z), config, PolicyState(), RequestView(prompt_ids=()))
     assert pr.support_mask[0].tolist() == [True, False, False]
     assert processed_row(_spec_row(z), config, PolicyState(), RequestView(prompt_ids=())).support_mask.tolist() == [True, False, False]
+
+
+def test_beam_candidates_cap_at_k_times_v():
+    """K = 2 parents, V = 10, 20 candidates asked: all K * V = 20 come back, in the spec's order.
+
+    Kills line 631 ``min(k * v, ...)`` -> ``min(k + v, ...)`` (12 candidates).
+    """
+    config = policy_config_from_json({"family": "beam", "num_beams": 2})
+    rows = np.stack([Z, Z[::-1].copy()])
+    cand, parents, tokens, _ = twin.beam_candidates(torch.tensor(rows), torch.tensor([0.0, -1.0]), config, [PolicyState()] * 2, [VIEW] * 2, 20)
+    spec = beam_candidates([_spec_row(r) for r in rows], [0.0, -1.0], config, [PolicyState()] * 2, [VIEW] * 2, 20)
+    assert len(cand) == 20 and (parents.tolist(), tokens.tolist()) == (spec.parents.tolist(), spec.tokens.tolist())
+
+
+@pytest.mark.parametrize("empty_support", ["raise", "fallback_eos"])
+def test_a_row_with_no_finite_score_is_an_empty_support(empty_support):
+    """A row of -inf only, no transforms: ``policy.empty_support`` (no EOS id is legal for the fallback either), as in the spec.
+
+    Kills line 401 ``_support(z, kind) == 0`` -> ``== -1`` (the row would never be taken for empty
+    and would be normalized into NaN).
+    """
+    from decodespec.spec.errors import Rejection
+
+    config = policy_config_from_json({"family": "multinomial", "empty_support": empty_support})
+    view = RequestView(prompt_ids=(), eos_ids=(1,), identity="e", seed=1)
+    row = np.full(4, -np.inf, dtype=np.float32)
+    with pytest.raises(Rejection) as info:
+        twin.decide(torch.tensor(row), config, PolicyState(), view)
+    with pytest.raises(Rejection) as spec_info:
+        decide(_spec_row(row), config, PolicyState(), view)
+    assert info.value.code == spec_info.value.code == "policy.empty_support"
