@@ -457,13 +457,14 @@ def test_token_ids_past_the_vocabulary_are_refused_in_the_view_and_in_the_transf
     """V = 10: a view naming id 10 (a plain policy) or a logit_bias on id 12 is ``policy.token_out_of_range``, never an IndexError or a silent pass.
 
     Kills line 391 ``for view in views`` and line 394 ``for i, t in enumerate(config.transforms)``
-    -> zero iterations.
+    -> zero iterations, and line 392 ``max_token_id() >= v`` -> ``is v`` (id 12 would pass).
     """
     from decodespec.spec.errors import Rejection
 
-    with pytest.raises(Rejection) as info:
-        twin.process_scores(torch.tensor(Z), policy_config_from_json({"family": "multinomial"}), PolicyState(), RequestView(prompt_ids=(10,)))
-    assert info.value.code == "policy.token_out_of_range" and info.value.path == "$.view"
+    for ids in ((10,), (3, 12)):
+        with pytest.raises(Rejection) as info:
+            twin.process_scores(torch.tensor(Z), policy_config_from_json({"family": "multinomial"}), PolicyState(), RequestView(prompt_ids=ids))
+        assert info.value.code == "policy.token_out_of_range" and info.value.path == "$.view"
     config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": "logit_bias", "bias": {"12": 1.0}}]})
     with pytest.raises(Rejection) as info:
         twin.process_scores(torch.tensor(Z), config, PolicyState(), RequestView(prompt_ids=()))
@@ -776,3 +777,31 @@ def test_a_row_with_no_finite_score_is_an_empty_support(empty_support):
     with pytest.raises(Rejection) as spec_info:
         decide(_spec_row(row), config, PolicyState(), view)
     assert info.value.code == spec_info.value.code == "policy.empty_support"
+
+
+def test_a_skipped_mirostat_does_not_observe_the_greedy_token():
+    """[repetition_penalty, temperature 0, mirostat_v2]: the greedy branch skips Mirostat, so mu stays as it was (the spec agrees).
+
+    Kills line 549 ``t.name == "mirostat_v2"`` -> ``t.name >= "mirostat_v2"`` (the applied
+    ``repetition_penalty`` sorts after it, and mu would be updated from the greedy token).
+    """
+    config = policy_config_from_json({"family": "multinomial", "order": "explicit", "transforms": [
+        {"name": "repetition_penalty", "penalty": 1.5, "history": "output"}, {"name": "temperature", "temperature": 0.0},
+        {"name": "mirostat_v2", "tau": 2.0, "eta": 0.3}]})
+    state = PolicyState(mirostat_mu=4.0)
+    receipt, after = twin.decide(torch.tensor(Z), config, state, VIEW)
+    spec_receipt, spec_after = decide(_spec_row(Z), config, state, VIEW)
+    assert (receipt.selected_id, after.mirostat_mu) == (spec_receipt.selected_id, spec_after.mirostat_mu) == (spec_receipt.selected_id, 4.0)
+
+
+def test_process_scores_refuses_a_scalar():
+    """A 0-d tensor is not a row: ``policy.invalid_row`` from process_scores itself, not an IndexError.
+
+    Kills line 328 ``scores.ndim != 2`` -> ``scores.ndim > 2`` (the 0-d tensor would reach
+    ``shape[-1]``).
+    """
+    from decodespec.spec.errors import Rejection
+
+    with pytest.raises(Rejection) as info:
+        twin.process_scores(torch.tensor(1.5), policy_config_from_json({"family": "greedy"}), PolicyState(), RequestView(prompt_ids=()))
+    assert info.value.code == "policy.invalid_row"
