@@ -805,3 +805,17 @@ def test_process_scores_refuses_a_scalar():
     with pytest.raises(Rejection) as info:
         twin.process_scores(torch.tensor(1.5), policy_config_from_json({"family": "greedy"}), PolicyState(), RequestView(prompt_ids=()))
     assert info.value.code == "policy.invalid_row"
+
+
+def test_mirostat_from_json_text_updates_mu():
+    """A Mirostat policy parsed from JSON text (names that are not the interned literals): the decision observes the sampled token and updates mu as the spec does.
+
+    Kills line 549 ``t.name == "mirostat_v2"`` -> ``t.name is "mirostat_v2"`` (mu would stay put).
+    """
+    import json
+
+    config = policy_config_from_json(json.loads('{"family": "multinomial", "transforms": [{"name": "mirostat_v2", "tau": 2.0, "eta": 0.3}]}'))
+    state = PolicyState(mirostat_mu=4.0)
+    _, after = twin.decide(torch.tensor(Z), config, state, VIEW)
+    _, spec_after = decide(_spec_row(Z), config, state, VIEW)
+    assert after.mirostat_mu != 4.0 and after.mirostat_mu == pytest.approx(spec_after.mirostat_mu, abs=1e-5)
