@@ -59,6 +59,7 @@ TRANSFORMS = {
     "top_k_2": [{"name": "top_k", "k": 2}],
     "top_p": [{"name": "top_p", "p": 0.6}],
     "min_p": [{"name": "min_p", "p": 0.15}],
+    "min_p_zero": [{"name": "min_p", "p": 0.0}],
     "typical": [{"name": "typical", "p": 0.5}],
     "epsilon": [{"name": "epsilon", "epsilon": 0.05}],
     "eta": [{"name": "eta", "epsilon": 0.08}],
@@ -779,14 +780,16 @@ def test_a_row_with_no_finite_score_is_an_empty_support(empty_support):
     assert info.value.code == spec_info.value.code == "policy.empty_support"
 
 
-def test_a_skipped_mirostat_does_not_observe_the_greedy_token():
-    """[repetition_penalty, temperature 0, mirostat_v2]: the greedy branch skips Mirostat, so mu stays as it was (the spec agrees).
+@pytest.mark.parametrize("penalty", [{"name": "repetition_penalty", "penalty": 1.5, "history": "output"}, {"name": "frequency_penalty", "penalty": 0.5}])
+def test_a_skipped_mirostat_does_not_observe_the_greedy_token(penalty):
+    """[a penalty, temperature 0, mirostat_v2]: the greedy branch skips Mirostat, so mu stays as it was (the spec agrees).
 
     Kills line 549 ``t.name == "mirostat_v2"`` -> ``t.name >= "mirostat_v2"`` (the applied
-    ``repetition_penalty`` sorts after it, and mu would be updated from the greedy token).
+    ``repetition_penalty`` sorts after it) and -> ``<=`` (``frequency_penalty`` sorts before it):
+    mu would be updated from the greedy token.
     """
     config = policy_config_from_json({"family": "multinomial", "order": "explicit", "transforms": [
-        {"name": "repetition_penalty", "penalty": 1.5, "history": "output"}, {"name": "temperature", "temperature": 0.0},
+        penalty, {"name": "temperature", "temperature": 0.0},
         {"name": "mirostat_v2", "tau": 2.0, "eta": 0.3}]})
     state = PolicyState(mirostat_mu=4.0)
     receipt, after = twin.decide(torch.tensor(Z), config, state, VIEW)
