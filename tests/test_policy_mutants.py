@@ -822,3 +822,17 @@ def test_mirostat_from_json_text_updates_mu():
     _, after = twin.decide(torch.tensor(Z), config, state, VIEW)
     _, spec_after = decide(_spec_row(Z), config, state, VIEW)
     assert after.mirostat_mu != 4.0 and after.mirostat_mu == pytest.approx(spec_after.mirostat_mu, abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["top_p", "typical"])
+def test_two_different_rows_are_truncated_each_by_its_own_ranking(name):
+    """A 2-row batch (Z and Z reversed) under top_p / typical p = 0.6: each row's support equals the spec's for that row.
+
+    Kills line 100 ``key.shape[0] == 1`` -> ``== 2`` (the single-row branch would rank row 0 only
+    and apply its kept set to row 1).
+    """
+    config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": name, "p": 0.6}]})
+    rows = np.stack([Z, Z[::-1].copy()])
+    pr = twin.process_scores(torch.tensor(rows), config, [PolicyState()] * 2, [VIEW] * 2)
+    assert pr.support_mask.tolist() == [processed_row(_spec_row(r), config, PolicyState(), VIEW).support_mask.tolist() for r in rows]
+    assert pr.support_mask[0].tolist() != pr.support_mask[1].tolist()
