@@ -836,3 +836,16 @@ def test_two_different_rows_are_truncated_each_by_its_own_ranking(name):
     pr = twin.process_scores(torch.tensor(rows), config, [PolicyState()] * 2, [VIEW] * 2)
     assert pr.support_mask.tolist() == [processed_row(_spec_row(r), config, PolicyState(), VIEW).support_mask.tolist() for r in rows]
     assert pr.support_mask[0].tolist() != pr.support_mask[1].tolist()
+
+
+def test_process_scores_takes_the_score_kind_by_keyword_only():
+    """``process_scores(scores, config, states, views, *, kind)``: kind cannot be passed by position.
+
+    Kills line 361 ``*`` -> ``/`` (``kind`` would bind by position, the four leading parameters
+    would become positional-only).
+    """
+    config = policy_config_from_json({"family": "greedy"})
+    with pytest.raises(TypeError):
+        twin.process_scores(torch.tensor(Z), config, PolicyState(), VIEW, "logits")  # type: ignore[misc]
+    pr = twin.process_scores(scores=torch.tensor(Z), config=config, states=PolicyState(), views=VIEW, kind="logits")
+    assert pr.support_mask[0].all() and pr.selector == "greedy"
