@@ -849,3 +849,40 @@ def test_process_scores_takes_the_score_kind_by_keyword_only():
         twin.process_scores(torch.tensor(Z), config, PolicyState(), VIEW, "logits")  # type: ignore[misc]
     pr = twin.process_scores(scores=torch.tensor(Z), config=config, states=PolicyState(), views=VIEW, kind="logits")
     assert pr.support_mask[0].all() and pr.selector == "greedy"
+
+
+def test_eos_is_legal_once_min_new_tokens_outputs_exist():
+    """min_new_tokens = 5: EOS 9 is banned after 4 outputs and legal after exactly 5 (the spec agrees).
+
+    Kills line 129 ``len(v.output_ids) < v.min_new_tokens`` -> ``<=``.
+    """
+    config = policy_config_from_json({"family": "greedy", "transforms": [{"name": "min_new_tokens"}]})
+    for outputs, legal in (((3, 5, 3, 1), False), ((3, 5, 3, 1, 3), True)):
+        view = RequestView(prompt_ids=(), output_ids=outputs, eos_ids=(9,), min_new_tokens=5)
+        pr = twin.process_scores(torch.tensor(Z), config, PolicyState(), view)
+        assert bool(pr.support_mask[0, 9]) is legal is bool(processed_row(_spec_row(Z), config, PolicyState(), view).support_mask[9])
+
+
+def test_no_repeat_ngram_on_a_history_of_exactly_n_ids():
+    """n = 2 over output (4, 4): the one bigram (4, 4) ends in the prefix 4, so 4 is banned (the spec agrees).
+
+    Kills line 147 ``h.numel() < n`` -> ``<=`` (a history of exactly n ids would be skipped).
+    """
+    config = policy_config_from_json({"family": "greedy", "transforms": [{"name": "no_repeat_ngram", "n": 2, "history": "output"}]})
+    view = RequestView(prompt_ids=(), output_ids=(4, 4))
+    pr = twin.process_scores(torch.tensor(Z), config, PolicyState(), view)
+    assert pr.support_mask[0].tolist() == [i != 4 for i in range(10)] == processed_row(_spec_row(Z), config, PolicyState(), view).support_mask.tolist()
+
+
+def test_a_negative_probability_is_refused():
+    """kind probs: [1, -0.5, 0.5] sums to 1 but holds a negative probability: ``policy.invalid_row``, as in the spec.
+
+    Kills line 332 ``(scores < 0).any()`` -> ``(scores < -1).any()``.
+    """
+    from decodespec.spec.errors import Rejection
+
+    with pytest.raises(Rejection) as info:
+        twin.process_scores(torch.tensor([1.0, -0.5, 0.5]), policy_config_from_json({"family": "greedy"}), PolicyState(), RequestView(prompt_ids=()), kind="probs")
+    with pytest.raises(Rejection) as spec_info:
+        ScoreRow.create(np.array([1.0, -0.5, 0.5]), kind="probs")
+    assert info.value.code == spec_info.value.code == "policy.invalid_row"
