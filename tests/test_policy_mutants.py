@@ -886,3 +886,26 @@ def test_a_negative_probability_is_refused():
     with pytest.raises(Rejection) as spec_info:
         ScoreRow.create(np.array([1.0, -0.5, 0.5]), kind="probs")
     assert info.value.code == spec_info.value.code == "policy.invalid_row"
+
+
+def test_a_batch_of_more_than_256_rows():
+    """300 rows, one state and view each: accepted, each row decided alone (ints past 256 are compared by value).
+
+    Kills line 343 ``len(rows) != b`` -> ``len(rows) is not b`` (distinct int objects past 256).
+    """
+    config = policy_config_from_json({"family": "greedy"})
+    rows = torch.tensor(Z[:3]).repeat(300, 1)
+    pr = twin.process_scores(rows, config, [PolicyState()] * 300, [RequestView(prompt_ids=())] * 300)
+    assert twin.greedy_select(pr.values).tolist() == [1] * 300
+
+
+def test_a_log_probability_row_is_exponentiated_not_renormalized():
+    """Greedy on a log-probability row whose logsumexp is 5e-5 (inside the twin's 1e-4 tolerance): the processed log-probability of the pick is the row's own value (``probs = exp(values)``).
+
+    Kills line 430 ``kind is ScoreKind.LOGPROBS`` -> ``kind > ScoreKind.LOGPROBS`` (never true: the
+    row would be renormalized by softmax, shifting it by 5e-5).  The spec refuses this row (its
+    tolerance is tighter): see docs/results/mutation.md.
+    """
+    row = (np.log(np.array([0.5, 0.3, 0.2])) + 5e-5).astype(np.float32)
+    receipt, _ = twin.decide(torch.tensor(row), policy_config_from_json({"family": "greedy"}), PolicyState(), RequestView(prompt_ids=()), kind="logprobs")
+    assert receipt.selected_id == 0 and receipt.processed_logprob == pytest.approx(float(row[0]), abs=2e-6)
