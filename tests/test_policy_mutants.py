@@ -458,7 +458,8 @@ def test_token_ids_past_the_vocabulary_are_refused_in_the_view_and_in_the_transf
     """V = 10: a view naming id 10 (a plain policy) or a logit_bias on id 12 is ``policy.token_out_of_range``, never an IndexError or a silent pass.
 
     Kills line 391 ``for view in views`` and line 394 ``for i, t in enumerate(config.transforms)``
-    -> zero iterations, and line 392 ``max_token_id() >= v`` -> ``is v`` (id 12 would pass).
+    -> zero iterations, line 392 ``max_token_id() >= v`` -> ``is v`` (id 12 would pass) and line
+    395 ``max(t.token_ids()) >= v`` -> ``> v`` (id 10 would pass).
     """
     from decodespec.spec.errors import Rejection
 
@@ -466,10 +467,11 @@ def test_token_ids_past_the_vocabulary_are_refused_in_the_view_and_in_the_transf
         with pytest.raises(Rejection) as info:
             twin.process_scores(torch.tensor(Z), policy_config_from_json({"family": "multinomial"}), PolicyState(), RequestView(prompt_ids=ids))
         assert info.value.code == "policy.token_out_of_range" and info.value.path == "$.view"
-    config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": "logit_bias", "bias": {"12": 1.0}}]})
-    with pytest.raises(Rejection) as info:
-        twin.process_scores(torch.tensor(Z), config, PolicyState(), RequestView(prompt_ids=()))
-    assert info.value.code == "policy.token_out_of_range" and info.value.path == "$.policy.transforms[0]"
+    for bad in ("10", "12"):
+        config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": "logit_bias", "bias": {bad: 1.0}}]})
+        with pytest.raises(Rejection) as info:
+            twin.process_scores(torch.tensor(Z), config, PolicyState(), RequestView(prompt_ids=()))
+        assert info.value.code == "policy.token_out_of_range" and info.value.path == "$.policy.transforms[0]"
 
 
 def test_mirostat_keeps_a_token_whose_surprise_equals_mu():
@@ -797,16 +799,17 @@ def test_a_skipped_mirostat_does_not_observe_the_greedy_token(penalty):
     assert (receipt.selected_id, after.mirostat_mu) == (spec_receipt.selected_id, spec_after.mirostat_mu) == (spec_receipt.selected_id, 4.0)
 
 
-def test_process_scores_refuses_a_scalar():
-    """A 0-d tensor is not a row: ``policy.invalid_row`` from process_scores itself, not an IndexError.
+@pytest.mark.parametrize("shape", [(), (1, 2, 5)])
+def test_process_scores_refuses_a_scalar(shape):
+    """A 0-d or 3-d tensor is not a row: ``policy.invalid_row`` from process_scores itself, not an IndexError or ValueError.
 
     Kills line 328 ``scores.ndim != 2`` -> ``scores.ndim > 2`` (the 0-d tensor would reach
-    ``shape[-1]``).
+    ``shape[-1]``) and -> ``scores.ndim < 2`` (the 3-d one would reach ``b, v = z.shape``).
     """
     from decodespec.spec.errors import Rejection
 
     with pytest.raises(Rejection) as info:
-        twin.process_scores(torch.tensor(1.5), policy_config_from_json({"family": "greedy"}), PolicyState(), RequestView(prompt_ids=()))
+        twin.process_scores(torch.ones(shape), policy_config_from_json({"family": "greedy"}), PolicyState(), RequestView(prompt_ids=()))
     assert info.value.code == "policy.invalid_row"
 
 
