@@ -311,7 +311,7 @@ def test_ranked_truncation_breaks_ties_by_lowest_id_past_16_ties(name, rows):
 def test_beam_candidates_break_ties_by_lowest_flat_index_past_16_ties():
     """A [1, 2, 12] grid of equal log-probabilities: the 6 best candidates are flat indices 0..5 (parent 0, tokens 0..5).
 
-    Kills line 81 ``stable=True`` -> ``stable=False`` in ``_stable_desc`` (torch's CPU sort is
+    Kills line 85 ``stable=True`` -> ``stable=False`` in ``_stable_desc`` (torch's CPU sort is
     stable only up to 16 elements unless asked to be).
     """
     scores, parents, tokens = twin.select_beam_candidates(torch.zeros(1, 2, 12), torch.zeros(1, 2), 6)
