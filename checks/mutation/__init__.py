@@ -5,7 +5,11 @@
 * :mod:`.annotation_filter`: marks mutants that only rewrite a PEP 563 annotation as skipped
   (equivalent by construction);
 * :mod:`.report`: per-module counts, per-mutant records, and a re-check of the survivors under
-  the gate checks added to kill them.
+  the gate checks added to kill them;
+* :mod:`.screen_profile`: a pytest plugin registering a small derandomized Hypothesis profile
+  (``mutation-screen``) for fast screens;
+* ``checks/mutation/pytest_fork.py``: a pre-imported pytest launcher (one fork per run) that
+  ``policy.toml`` runs its screen through.
 
 Needs the ``mutation`` extra (``pip install -e '.[mutation]'``).  Results and the survivor
 analysis: docs/results/mutation.md.
