@@ -1,12 +1,12 @@
 """Summarise Cosmic Ray sessions and re-test their survivors against added gate checks.
 
-``python -m decodespec.checks.mutation.report summary SESSION.sqlite ... --out FILE.json``
+``python -m decodespec.checks.lab.mutation.report summary SESSION.sqlite ... --out FILE.json``
     One record per module: mutants generated, skipped as equivalent (annotations), killed,
     timed out, survived, incompetent, pending; and one record per mutant (job id, operator,
     occurrence, position, outcome, the first failing test of a killed mutant, the diff of a
     survivor).  Prints a Markdown table.
 
-``python -m decodespec.checks.mutation.report recheck SESSION.sqlite --command CMD --out FILE.json``
+``python -m decodespec.checks.lab.mutation.report recheck SESSION.sqlite --command CMD --out FILE.json``
     Re-runs every survivor of the session under ``CMD`` (for example the gate file added to
     kill them) with Cosmic Ray's own ``mutate_and_test`` (apply, run, restore the file) and
     records which are killed now.  The session is not modified.

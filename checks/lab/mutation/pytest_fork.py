@@ -11,8 +11,8 @@ and kills a child that runs past ``--limit`` seconds (a mutant that hangs).
 
 Usage (from the repository root of the scratch copy)::
 
-    python checks/mutation/pytest_fork.py serve SOCKET --forbid decodespec.impl.policy &
-    python checks/mutation/pytest_fork.py run SOCKET -- PYTEST_ARGS...   # the Cosmic Ray test command
+    python checks/lab/mutation/pytest_fork.py serve SOCKET --forbid decodespec.impl.policy &
+    python checks/lab/mutation/pytest_fork.py run SOCKET -- PYTEST_ARGS...   # the Cosmic Ray test command
 
 ``run`` prints the child's output and exits with pytest's exit status (2 when the server is
 unreachable, so a missing server reads as a kill, never as a survivor: check that the unmutated
@@ -40,7 +40,7 @@ def _serve(path: str, forbid: list[str], limit: float) -> None:
     import pytest
     import torch  # noqa: F401
 
-    import decodespec.checks.mutation.screen_profile
+    import decodespec.checks.lab.mutation.screen_profile
     import decodespec.impl.rng
     import decodespec.spec.errors
     import decodespec.spec.policy  # noqa: F401

@@ -10,7 +10,7 @@ The filter refuses a module without the future import, so it never skips a live 
 
 Usage (after ``cosmic-ray init``)::
 
-    python -m decodespec.checks.mutation.annotation_filter SESSION.sqlite
+    python -m decodespec.checks.lab.mutation.annotation_filter SESSION.sqlite
 
 Source: docs/results/mutation.md (the equivalence argument); Cosmic Ray's filter API
 (``cosmic_ray.tools.filters.filter_app.FilterApp``, as in its ``cr-filter-pragma``).

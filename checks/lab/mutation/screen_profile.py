@@ -1,7 +1,7 @@
 """pytest plugin for a Cosmic Ray screen: a small, derandomized Hypothesis profile without shrinking.
 
-Loaded with ``-p decodespec.checks.mutation.screen_profile --hypothesis-profile=mutation-screen``
-(``checks/mutation/policy.toml``).  The profile is Hypothesis' ``ci`` profile (derandomized, no
+Loaded with ``-p decodespec.checks.lab.mutation.screen_profile --hypothesis-profile=mutation-screen``
+(``checks/lab/mutation/policy.toml``).  The profile is Hypothesis' ``ci`` profile (derandomized, no
 example database, so a verdict can be reproduced and no mutant inherits another mutant's failing
 example) with 25 examples per property instead of 100 and no shrink phase: a screen only needs
 to know that a property fails, not its smallest counterexample, and shrinking a killed mutant's
