@@ -1,7 +1,8 @@
 """Summarise Cosmic Ray sessions and re-test their survivors against added gate checks.
 
 ``python -m decodespec.checks.lab.mutation.report summary SESSION.sqlite ... --out FILE.json``
-    One record per module: mutants generated, skipped as equivalent (annotations), killed,
+    One record per module: mutants generated, left out of a sample (``sample_filter``), skipped as
+    equivalent (annotations), killed,
     timed out, survived, incompetent, pending; and one record per mutant (job id, operator,
     occurrence, position, outcome, the first failing test of a killed mutant, the diff of a
     survivor).  Prints a Markdown table.
@@ -35,7 +36,8 @@ def _outcome(result) -> str:
     if result is None:
         return "pending"
     if result.worker_outcome is WorkerOutcome.SKIPPED:
-        return "equivalent"
+        # sample_filter marks the mutants it leaves out "not sampled: ..."; annotation_filter's are equivalent.
+        return "not_sampled" if (result.output or "").startswith("not sampled") else "equivalent"
     if result.worker_outcome is not WorkerOutcome.NORMAL:
         return result.worker_outcome.value
     if result.test_outcome is TestOutcome.KILLED:
@@ -88,7 +90,7 @@ def summary(sessions: list[str], out: str | None) -> dict:
     doc = {"tool": "cosmic-ray 8.7.0", "modules": modules, "mutants": mutants}
     if out:
         Path(out).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    cols = ["generated", "equivalent", "killed", "timeout", "survived", "incompetent", "pending"]
+    cols = ["generated", "not_sampled", "equivalent", "killed", "timeout", "survived", "incompetent", "pending"]
     print("| module | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for name, counts in modules.items():
