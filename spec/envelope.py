@@ -38,6 +38,16 @@ Declared choices:
 * **Absent versus default**: a field with a schema ``default`` means the same whether absent or
   given explicitly (defaults are filled in before hashing).  ``null`` is never allowed; an
   optional field without a default is simply absent.
+* **Special-id agreement** (M3.10's ``require_special_id_agreement``, whose rule the seed leaves
+  open): ``text_interface.eos_ids`` lists the tokenizer's EOS ids (empty for a tokenizer that
+  declares none, such as a byte-level test tokenizer); every one of them must also be in
+  ``termination.eos_ids`` unless ``termination.ignore_eos`` is true.  ``ignore_eos`` (default
+  false; the name and meaning of vLLM's ``SamplingParams.ignore_eos`` and llama.cpp's
+  ``ignore_eos``) declares that the tokenizer's EOS ids stop this request only where
+  ``termination.eos_ids`` lists them, which may be none: the request runs to its length bound,
+  a stop string or structured completion.  Without the flag, leaving a tokenizer EOS out of the
+  stop set is refused as a likely mistake (``envelope.special_ids_disagree``).  BOS and the
+  decoder start id are never EOS ids.
 * **Sets**: ``text_interface.eos_ids`` and ``termination.eos_ids`` are sets (elements unique,
   canonically sorted, marked ``"x-set": true`` in the schema); every other list is ordered.
 * **Strings**: exact code points, no Unicode normalization; lone surrogates are rejected.
@@ -192,7 +202,7 @@ CONTEXT_EXCEEDED = _code("context_exceeded", "The prompt (plus one output when m
 TOO_MANY_BEAMS = _code("too_many_beams", f"policy.num_beams exceeds {MAX_NUM_BEAMS}.", "resource_limit")
 EMPTY_PROMPT = _code("empty_prompt", "No valid prompt token and no declared start state (text_interface.decoder_start_id); an encoder-decoder request needs a non-empty source and a start state.")
 TOKEN_OUT_OF_VOCAB = _code("token_out_of_vocab", "A prompt or special token id is not below text_interface.vocab_size.")
-SPECIAL_IDS_DISAGREE = _code("special_ids_disagree", "Special ids disagree with termination: a tokenizer EOS id missing from termination.eos_ids, BOS or the start id listed as EOS, or no non-EOS token while min_new_tokens > 0.")
+SPECIAL_IDS_DISAGREE = _code("special_ids_disagree", "Special ids disagree with termination: a tokenizer EOS id missing from termination.eos_ids (unless termination.ignore_eos), BOS or the start id listed as EOS, or no non-EOS token while min_new_tokens > 0.")
 MIN_EXCEEDS_MAX = _code("min_exceeds_max", "termination.min_new_tokens exceeds max_new_tokens.")
 VISIBILITY_INCOMPATIBLE = _code("visibility_incompatible", "The visibility mode or prefix length does not match the architecture (decoder_only/hybrid: causal; prefix_lm: prefix_lm with 1 <= prefix_length <= L; encoder_decoder: encoder_decoder).")
 CACHE_ABI_INCOMPATIBLE = _code("cache_abi_incompatible", "The cache family / ABI / capacity / chunking does not fit the architecture and position plane.")
@@ -265,7 +275,7 @@ def _schema() -> dict[str, Any]:
                     "template_sha256": _SHA256,
                     "vocab_size": _int(1, MAX_VOCAB_SIZE),
                     "bos_id": _TOKEN,
-                    "eos_ids": _id_set(MAX_EOS_IDS, 1),
+                    "eos_ids": _id_set(MAX_EOS_IDS),
                     "pad_id": _TOKEN,
                     "decoder_start_id": _TOKEN,
                 },
@@ -314,6 +324,7 @@ def _schema() -> dict[str, Any]:
                     "max_new_tokens": _int(0, MAX_NEW_TOKENS),
                     "min_new_tokens": _int(0, MAX_NEW_TOKENS, default=0),
                     "eos_ids": _id_set(MAX_EOS_IDS),
+                    "ignore_eos": {"type": "boolean", "default": False},
                     "stop_strings": {
                         "type": "array",
                         "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_PATTERN_BYTES},
@@ -801,6 +812,7 @@ class Termination:
     max_new_tokens: int
     eos_ids: tuple[int, ...]
     min_new_tokens: int = 0
+    ignore_eos: bool = False
     stop_strings: tuple[str, ...] = ()
     structured: str = "none"
     zero_new_tokens: str = "no_call"
@@ -972,7 +984,7 @@ def _check_special_ids(v: Mapping[str, Any]) -> None:
     ti, term = v["text_interface"], v["termination"]
     stops = set(term["eos_ids"])
     missing = sorted(set(ti["eos_ids"]) - stops)
-    if missing:
+    if missing and not term["ignore_eos"]:
         raise Rejection(SPECIAL_IDS_DISAGREE, f"tokenizer EOS id {missing[0]} is not in termination.eos_ids", "$.termination.eos_ids")
     for key in ("bos_id", "decoder_start_id"):
         if ti.get(key) is not None and ti[key] in stops:

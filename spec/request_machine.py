@@ -75,6 +75,8 @@ __all__ = [
     "launch",
     "next_action",
     "output_view",
+    "refusal_of",
+    "rekeyed",
     "request_from_envelope",
     "restore",
     "snapshot",
@@ -177,28 +179,61 @@ def request_from_envelope(admitted: AdmittedRequest, *, window: int | None = Non
 def admission_refusal(params: RequestParams, prompt_ids: Sequence[int], window: int | None) -> DecodeSpecError | None:
     """The typed refusal of admitting a request with ``params`` and ``prompt_ids`` on a model of ``window`` positions, or ``None``.
 
-    Over the machine's parameters alone, so a caller can refuse before it builds the rest of the
-    :class:`Request` (a policy the schema refuses is refused first, by :func:`compose`).
+    :func:`refusal_of` over the parameters' G, G = 0 branch, V and S.
+
+    Source: as :func:`refusal_of`.
+    """
+    p = params
+    return refusal_of(prompt_ids=prompt_ids, max_new_tokens=p.max_new_tokens, zero_new_tokens=p.zero_new_tokens,
+                      vocab_size=p.vocab_size, static_capacity=p.static_capacity, window=window)
+
+
+def refusal_of(*, prompt_ids: Sequence[int], max_new_tokens: int, zero_new_tokens: str, vocab_size: int,
+               static_capacity: int | None, window: int | None) -> DecodeSpecError | None:
+    """The runtime's admission refusal of a request, over its plain values, or ``None``.
+
+    Over plain values, so a caller (the gate, whose cases may carry what an envelope would refuse
+    with another code) can refuse before it builds an envelope or a :class:`Request` (a policy
+    the schema refuses is refused first, by :func:`compose`).
 
     In order: G = 0 under the declared ``reject`` branch (``envelope.zero_new_tokens_rejected``);
     a prompt id outside ``[0, V)`` (``runtime.invalid_request``); ``L >= window``
     (``model.context_window_exceeded``); a static capacity that cannot hold the prompt and one
     output (``cache.capacity_exceeded``, :func:`~decodespec.spec.request.prompt_room`).
 
+    Args:
+        prompt_ids: The L prompt ids.
+        max_new_tokens: G (tokens).
+        zero_new_tokens: The G = 0 branch (``reject`` / ``no_call`` / ``prefill_only``).
+        vocab_size: V.
+        static_capacity: S (slots) of a static cache, else ``None``.
+        window: The model's context window (positions), or ``None`` when not bound here.
+
     Source: M3.10 "The first-output off-by-one" (G = 0 reject), 0x00 "Immutable request envelope"
     (ids inside the vocabulary), 0x09 (static capacity), 0x0A (the window).
     """
-    p = params
-    if p.max_new_tokens == 0 and p.zero_new_tokens == "reject":
+    if max_new_tokens == 0 and zero_new_tokens == "reject":
         return Rejection(ZERO_NEW_TOKENS_REJECTED, "max_new_tokens is 0 and the declared G=0 branch is 'reject'", "$.max_new_tokens")
-    if any(t >= p.vocab_size for t in prompt_ids):
-        return Rejection(INVALID_REQUEST, f"a prompt id is outside [0, {p.vocab_size})", "$.prompt_ids")
-    if window is not None and p.prompt_len >= window:
-        return ResourceLimit(CONTEXT_WINDOW_EXCEEDED, f"prompt length {p.prompt_len} leaves no room in the window {window}",
+    if any(t >= vocab_size for t in prompt_ids):
+        return Rejection(INVALID_REQUEST, f"a prompt id is outside [0, {vocab_size})", "$.prompt_ids")
+    prompt_len = len(prompt_ids)
+    if window is not None and prompt_len >= window:
+        return ResourceLimit(CONTEXT_WINDOW_EXCEEDED, f"prompt length {prompt_len} leaves no room in the window {window}",
                              "$.prompt_ids")
-    if p.static_capacity is not None and p.static_capacity < prompt_room(p.prompt_len, p.max_new_tokens):
-        return ResourceLimit(CACHE_CAPACITY_EXCEEDED, f"static capacity {p.static_capacity} cannot hold the prompt", "$.static_capacity")
+    if static_capacity is not None and static_capacity < prompt_room(prompt_len, max_new_tokens):
+        return ResourceLimit(CACHE_CAPACITY_EXCEEDED, f"static capacity {static_capacity} cannot hold the prompt", "$.static_capacity")
     return None
+
+
+def rekeyed(request: Request, *, identity: str, seed: int | None) -> Request:
+    """``request`` with its RNG keyed by ``identity`` and ``seed`` instead of the envelope's.
+
+    For a harness whose request identity binds more than the envelope does (the gate's case
+    identity also binds the device and the dtype it runs): the policy's draws are keyed by
+    ``(identity, seed)`` (M3.8 0x06), so both sides of a lock step must key them alike.
+    Nothing else changes.
+    """
+    return attrs.evolve(request, params=attrs.evolve(request.params, identity=identity), seed=seed)
 
 
 # --------------------------------------------------------------------------------------------

@@ -131,3 +131,17 @@ def test_smollm2_stream_with_a_stop_string(capsys, tmp_path, smollm2_model):
     assert "".join(c["text"] for c in chunks) == result["text"] and all(" Paris" not in c["text"] for c in chunks)
     assert main(["validate-trace", str(path)]) == 0
     assert json.loads(capsys.readouterr().out)["accepted"] is True
+
+
+def test_ignore_eos_runs_past_the_tokenizers_eos(capsys):
+    """``--ignore-eos`` (termination.ignore_eos with an empty stop set): a draw of the tokenizer's EOS does not stop.
+
+    The flag is identity-bearing, so it also changes the RNG stream: at temperature 50, seed 54 draws the tiny
+    tokenizer's EOS (id 2) as its 10th token and stops there; with the flag, seed 45 draws it 7th and runs on to G.
+    """
+    _, stopped = _generate(capsys, "--do-sample", "--temperature", "50", "--seed", "54")
+    assert stopped["finish_reason"] == "eos" and stopped["output_ids"].index(2) == 9 and len(stopped["output_ids"]) == 10
+    _, ignored = _generate(capsys, "--do-sample", "--temperature", "50", "--seed", "45", "--ignore-eos")
+    assert ignored["output_ids"].index(2) == 6 and ignored["finish_reason"] == "length" and len(ignored["output_ids"]) == 12
+    _, same_seed = _generate(capsys, "--do-sample", "--temperature", "50", "--seed", "54", "--ignore-eos")
+    assert same_seed["identity"] != stopped["identity"]  # an identity-bearing envelope field

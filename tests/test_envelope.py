@@ -310,6 +310,7 @@ def test_identity_ignores_key_order_and_whitespace(seed: int, indent: int | None
 
 
 SAME_IDENTITY = [
+    edit("termination.ignore_eos", False),
     edit("annotations", {"trace_id": "abc"}),
     edit("annotations", delete=True),
     edit("termination.eos_ids", [2]),
@@ -321,6 +322,7 @@ SAME_IDENTITY = [
 
 # Each changes one identity-bearing field to another valid value.
 CHANGED_IDENTITY = [
+    edit("termination.ignore_eos", True),
     edit("artifact.release_id", "other"),
     edit("artifact.checkpoint_sha256", "sha256:" + "1" * 64),
     edit("text_interface.tokenizer_sha256", "sha256:" + "2" * 64),
@@ -362,6 +364,27 @@ def test_non_semantic_edits_keep_the_identity(mutate: Callable[[dict], dict]) ->
 def test_identity_bearing_edits_change_the_identity(mutate: Callable[[dict], dict]) -> None:
     _, base = E.validate_request_envelope(_GOOD)
     assert E.validate_request_envelope(dumps(mutate(tiny())))[1] != base
+
+
+def test_ignore_eos_lifts_the_tokenizer_eos_agreement() -> None:
+    """The declared special-id agreement (spec/envelope.py): a tokenizer EOS left out of the stop set is
+    refused unless ``termination.ignore_eos``; an empty tokenizer EOS set is admitted."""
+    no_stop = edit("termination.eos_ids", [])(tiny())
+    with pytest.raises(Rejection) as refused:
+        E.validate_request_envelope(dumps(no_stop))
+    assert refused.value.code == "envelope.special_ids_disagree" and refused.value.path == "$.termination.eos_ids"
+    admitted, _ = E.validate_request_envelope(dumps(edit("termination.ignore_eos", True)(no_stop)))
+    assert admitted.termination.ignore_eos and admitted.termination.eos_ids == ()
+    assert params_from_request(admitted).eos_ids == frozenset()
+    # another stop id while the tokenizer's EOS is ignored
+    other = edit("termination.ignore_eos", True)(edit("termination.eos_ids", [7])(tiny()))
+    assert E.validate_request_envelope(dumps(other))[0].termination.eos_ids == (7,)
+    # a tokenizer that declares no EOS needs no flag
+    bare = edit("text_interface.eos_ids", [])(edit("termination.eos_ids", [])(tiny()))
+    assert not E.validate_request_envelope(dumps(bare))[0].termination.ignore_eos
+    # the flag never lets BOS be an EOS id
+    with pytest.raises(Rejection, match="bos_id"):
+        E.validate_request_envelope(dumps(edit("termination.ignore_eos", True)(edit("termination.eos_ids", [1])(tiny()))))
 
 
 def test_eos_set_order_is_canonical() -> None:

@@ -125,7 +125,9 @@ import numpy as np
 import rfc8785
 
 from decodespec.spec.enums import PendingTag
+from decodespec.spec.envelope import CACHE_ABI_FOR_ARCHITECTURE, SCHEMA_NAME
 from decodespec.spec.errors import Rejection, quote_content, register_code
+from decodespec.spec.request import static_capacity as request_static_capacity
 from decodespec.spec.snapshot import SnapshotRecord
 
 __all__ = [
@@ -145,6 +147,7 @@ __all__ = [
     "AdapterUnavailable",
     "ApplyResult",
     "CaseConfig",
+    "ModelFacts",
     "Observation",
     "check_action",
     "config_capabilities",
@@ -293,6 +296,29 @@ def required_capabilities(action: Mapping[str, Any], config: CaseConfig | None =
 # --------------------------------------------------------------------------------------------
 # Case config.
 # --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ModelFacts:
+    """What a case's envelope states about the model it runs on (the artifact and text-interface planes).
+
+    Attributes:
+        release_id: The model's name (``tiny``, ``smollm2``).
+        checkpoint_sha256: ``"sha256:<hex>"`` of the checkpoint file.
+        tokenizer_sha256: ``"sha256:<hex>"``: the tokenizer's ordered vocabulary hash.
+        vocab_size: V.
+        window: The model's context window (positions): the envelope's ``max_context``.
+        eos_ids: The tokenizer's EOS ids (empty when it declares none).
+        bos_id: The tokenizer's BOS id, or ``None``.
+    """
+
+    release_id: str
+    checkpoint_sha256: str
+    tokenizer_sha256: str
+    vocab_size: int
+    window: int
+    eos_ids: tuple[int, ...] = ()
+    bos_id: int | None = None
 
 
 #: Largest token id a case config holds: I-JSON's exact integer range (the identity is RFC 8785 JSON).
@@ -457,6 +483,69 @@ class CaseConfig:
     def evolve(self, **changes: Any) -> CaseConfig:
         """A copy with ``changes`` (validated again)."""
         return attrs.evolve(self, **changes)
+
+    def envelope(self, model: ModelFacts) -> dict[str, Any]:
+        """The ``numinens.request.v1`` envelope of this case on ``model`` (JSON; validate it with
+        :func:`decodespec.spec.envelope.validate_request_envelope`).
+
+        The case's fields map to the envelope's planes (the inverse direction of
+        :data:`~decodespec.checks.adapters.features.CONFIG_FIELDS`): ``eos_ids`` ->
+        ``termination.eos_ids``, with ``termination.ignore_eos`` set when the tokenizer's EOS
+        ids are not all in it (a case without EOS runs to its length bound); ``context_cap`` ->
+        ``termination.max_total_tokens``; ``cache`` -> ``runtime.cache_family`` and its cache
+        ABI; ``static_capacity`` -> ``runtime.static_capacity``, the spec's default
+        (:func:`decodespec.spec.request.static_capacity`) when the case leaves it to the runtime;
+        ``final_cache = all_outputs`` -> ``runtime.append_repair``; ``final_cache`` ``none`` and no
+        ``prefill_chunk`` without a cache; ``dtype`` -> ``runtime.compute_dtype`` (logits float32); the model window ->
+        ``position_visibility.max_context``; ``seed`` -> ``rng.seed`` (0 for a case without a
+        seed: the gate keys the RNG by the case's own identity and seed,
+        :func:`decodespec.spec.request_machine.rekeyed`).  ``device`` and ``decode_kernel``
+        choose how a runtime computes and are not in the envelope; ``num_beams`` is the
+        policy's own field.  The tokenizer's BOS is stated when it is not one of the case's
+        EOS ids.
+
+        The builder is total: every config gives an envelope; the envelope may still be
+        refused (the gate's admission refuses first what a runtime refuses with its own code,
+        :func:`decodespec.spec.request_machine.refusal_of`).
+
+        Source: M3.10 "Immutable request envelope and canonical identity" (the planes).
+        """
+        text_interface: dict[str, Any] = {"tokenizer_sha256": model.tokenizer_sha256, "vocab_size": model.vocab_size,
+                                          "eos_ids": sorted(set(model.eos_ids))}
+        if model.bos_id is not None and model.bos_id not in self.eos_ids:
+            text_interface["bos_id"] = model.bos_id
+        runtime: dict[str, Any] = {
+            "framework_revision": "decodespec-gate", "compute_dtype": self.dtype, "logit_dtype": "float32",
+            "cache_family": self.cache, "cache_abi": "none" if self.cache == "none" else CACHE_ABI_FOR_ARCHITECTURE["decoder_only"],
+            "attention": self.attention, "append_repair": self.final_cache == "all_outputs", "max_retries": self.max_retries,
+        }
+        capacity = request_static_capacity(self.cache, self.static_capacity, self.prompt_len, self.max_new_tokens, model.window)
+        if capacity is not None:
+            runtime["static_capacity"] = capacity
+        if self.prefill_chunk is not None and self.cache != "none":
+            runtime["prefill_chunk"] = self.prefill_chunk
+        termination: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens, "min_new_tokens": self.min_new_tokens, "eos_ids": list(self.eos_ids),
+            "ignore_eos": not set(model.eos_ids) <= set(self.eos_ids), "stop_strings": list(self.stop_strings),
+            "structured": self.structured, "zero_new_tokens": self.zero_new_tokens,
+        }
+        if self.context_cap is not None:
+            termination["max_total_tokens"] = self.context_cap
+        return {
+            "schema": SCHEMA_NAME,
+            "artifact": {"release_id": model.release_id, "checkpoint_sha256": model.checkpoint_sha256, "architecture": "decoder_only"},
+            "text_interface": text_interface,
+            "prompt": {"input_ids": list(self.prompt_ids), "attention_mask": [1] * self.prompt_len},
+            "position_visibility": {"mode": "causal", "position_rule": "valid_token_cumsum", "cache_position_start": 0,
+                                    "max_context": model.window},
+            "policy": json.loads(json.dumps(self.policy)),
+            "rng": {"algorithm": "philox", "seed": 0 if self.seed is None else self.seed, "counter": 0},
+            "runtime": runtime,
+            "termination": termination,
+            # Without a cache there is no final cache to promise (envelope.output_unimplementable otherwise).
+            "output": {"return_token_ids": True, "return_logprobs": True, "final_cache": "none" if self.cache == "none" else self.final_cache,
+                       "include_stop_str": self.include_stop_str, "alignment": self.alignment, "stream": self.stream},
+        }
 
     def identity(self) -> str:
         """The request identity: ``"sha256:" + hex(sha256(b"decodespec.case.v1" + b"\\x00" + JCS(to_json())))``.

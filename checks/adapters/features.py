@@ -19,7 +19,8 @@ The feature names are derived from the schemas, not listed by hand:
   each value except its baseline (``<path>:<value>``); a boolean that defaults to ``false``, an
   integer or number with a default, an optional field without one and a list that defaults to
   empty name the field (``<path>``: needed when it is true, away from its default, present, or
-  non-empty); a constant, a required field without a default and a string name nothing.
+  non-empty); a constant, a required field without a default and a string name nothing, nor does
+  ``termination.ignore_eos`` (the request's data: which EOS ids stop is ``termination.eos_ids``).
 
 The baseline of an enum is its schema ``default``, else the gate's default (the
 :class:`~decodespec.checks.adapters.CaseConfig` field that sets it, :data:`CONFIG_FIELDS`), else
@@ -98,6 +99,9 @@ CONFIG_FIELDS: dict[str, tuple[str, str]] = {
 }
 #: Enum properties without a baseline: every value is a feature.
 _NO_BASELINE = {("runtime", "cache_family")}
+#: Properties of those sections that are the request's data, not a runtime choice: ``termination.ignore_eos`` only
+#: says that ``termination.eos_ids`` (the stop set every runtime takes) may leave the tokenizer's EOS out.
+_DATA = {("termination", "ignore_eos")}
 _ABSENT = object()
 
 
@@ -180,6 +184,8 @@ def _envelope_features() -> dict[tuple[str, str], _Feature]:
         node = schema[section]
         required = set(node.get("required", ()))
         for prop, sub in node["properties"].items():
+            if (section, prop) in _DATA:
+                continue
             baseline = None if (section, prop) in _NO_BASELINE else _gate_default(section, prop)
             out[(section, prop)] = _Feature(f"{section}.{prop}", sub, prop in required, baseline)
     return out

@@ -37,7 +37,8 @@ Stop, structured completion and streaming (M3.10 0x06): ``--stop STR`` (repeatab
 the output's UTF-8 bytes, the earliest-ending match fires), ``--include-stop`` (keep the matched
 stop string in the text), ``--align {token,text,span}`` (the output contract after a cut;
 default the envelope's ``token``), ``--min-new-tokens N`` (EOS and stop strings are suppressed
-until N tokens are committed), ``--json-mode`` (structured completion: finish ``structured``
+until N tokens are committed), ``--ignore-eos`` (the tokenizer's EOS does not stop the request:
+``termination.ignore_eos`` with an empty stop set), ``--json-mode`` (structured completion: finish ``structured``
 where one JSON value completes, ``structured_error`` on an invalid prefix), ``--stream`` (publish
 the text behind the stream commit horizon as it is committed: plain mode prints each chunk as it
 is published; with ``--json`` one JSON line per chunk -- ``chunk_idx``, ``text``,
@@ -156,6 +157,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="output contract after a stop / structured cut (default: the envelope's token)")
     parser.add_argument("--min-new-tokens", type=int, default=None, metavar="N",
                         help="suppress EOS and stop strings until N tokens are committed")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="the tokenizer's EOS does not stop the request (termination.ignore_eos; vLLM's and llama.cpp's ignore_eos)")
     parser.add_argument("--json-mode", action="store_true",
                         help="structured completion: finish where one JSON value completes (structured_error on invalid JSON)")
     parser.add_argument("--stream", action="store_true",
@@ -250,7 +253,7 @@ _REQUEST_FLAGS = {
     "do_sample": "--do-sample", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
     "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "order": "--order", "cache": "--cache",
     "capacity": "--capacity", "prefill_chunk": "--prefill-chunk", "repair": "--repair", "stop": "--stop",
-    "include_stop": "--include-stop", "align": "--align", "min_new_tokens": "--min-new-tokens",
+    "include_stop": "--include-stop", "align": "--align", "min_new_tokens": "--min-new-tokens", "ignore_eos": "--ignore-eos",
     "json_mode": "--json-mode", "stream": "--stream", "num_beams": "--num-beams",
     "length_penalty": "--length-penalty", "early_stopping": "--early-stopping", "timeout_ms": "--timeout-ms",
     "prompt_logprobs": "--prompt-logprobs", "prompt_logprobs_top_k": "--prompt-logprobs-top-k",
@@ -535,6 +538,8 @@ def envelope_from_flags(args: argparse.Namespace, model, tokenizer) -> dict[str,
 def _termination(args: argparse.Namespace, eos: list[int]) -> dict[str, Any]:
     """The envelope's termination plane from the flags (only the fields a flag sets; defaults otherwise)."""
     term: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "eos_ids": eos}
+    if getattr(args, "ignore_eos", False):
+        term.update(eos_ids=[], ignore_eos=True)
     if getattr(args, "min_new_tokens", None) is not None:
         term["min_new_tokens"] = args.min_new_tokens
     if getattr(args, "stop", None):

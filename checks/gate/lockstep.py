@@ -24,14 +24,18 @@ A decision where the runtime picked another id than the spec is judged when it i
 tolerance cannot (then the spec adopts the runtime's id -- any id within the tolerance is a
 legal spec behaviour -- so the lock step goes on).
 
-Declared choices of the spec side (the contract's, mirrored by our runtime): ``min_new_tokens``
-is enforced by the policy's ``min_new_tokens`` legality transform (added when the policy lacks
-it); the static capacity and the context cap are the spec's (:mod:`decodespec.spec.request`: S
-defaults to ``L + G + 1`` capped by the model window; C is the least of the model window,
-``context_cap`` and the capacity); the schedule of calls is :func:`decodespec.spec.state.due_call`;
-admission refuses G = 0
-under ``reject``, a prompt id outside the vocabulary, ``L >= window`` and a static capacity
-that cannot hold the prompt (``L + 1`` slots when G >= 1).
+The spec side's request is built from the case's envelope (:meth:`CaseConfig.envelope
+<decodespec.checks.adapters.CaseConfig.envelope>`, admitted by
+:func:`~decodespec.spec.envelope.validate_request_envelope` and composed by
+:func:`~decodespec.spec.request_machine.request_from_envelope`), so every default it decides with
+is the spec's: ``min_new_tokens`` is enforced by the policy's ``min_new_tokens`` legality
+transform (added when the policy lacks it); S defaults to ``L + G + 1`` capped by the model
+window; C is the least of the model window, ``context_cap`` and the capacity
+(:mod:`decodespec.spec.request`); the schedule of calls is :func:`decodespec.spec.state.due_call`.
+Admission first refuses, with the runtime's codes, G = 0 under ``reject``, a prompt id outside the
+vocabulary, ``L >= window`` and a static capacity that cannot hold the prompt (``L + 1`` slots
+when G >= 1) (:func:`decodespec.spec.request_machine.refusal_of`); the envelope admits the rest.
+The RNG is keyed by the case's identity and seed (:func:`~decodespec.spec.request_machine.rekeyed`).
 
 Source: M3.10 "A logit tolerance is not a token-equality proof", "Correctness matrix",
 "Boundary cases" (adversarial transitions); research/formal-anchors-survey.md 0 and 7
@@ -43,26 +47,40 @@ judging of each decision against the reference, and the expected projection the 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
+import rfc8785
 
 from decodespec.spec import request_machine as rm
 from decodespec.spec.actions import Action, Cancel, Fault, Recover, StreamFailure
 from decodespec.spec.enums import FINISH_PRECEDENCE, CallKind, FinishReason
+from decodespec.spec.envelope import AdmittedRequest, validate_request_envelope
 from decodespec.spec.errors import DecodeSpecError, Rejection
 from decodespec.spec.policy import PolicyConfig, RequestView, ScoreRow, decide, policy_config_from_json, processed_row
-from decodespec.spec.request import context_cap, policy_with_min_new_tokens
+from decodespec.spec.request import policy_with_min_new_tokens
 from decodespec.spec.request import static_capacity as request_static_capacity
-from decodespec.spec.request_machine import ComposedState, Request, SnapshotEntry, compose
-from decodespec.spec.request_machine import admission_refusal as spec_admission_refusal
+from decodespec.spec.request_machine import ComposedState, Request, SnapshotEntry, refusal_of, rekeyed, request_from_envelope
 from decodespec.spec.state import Phase, RequestParams, RequestState
 from decodespec.spec.transitions import MACHINE, Machine
 
-from ..adapters import ADAPTER_UNSUPPORTED, RANK_FAULTS, Adapter, ApplyResult, CaseConfig, Observation, check_action, corrupt_record, no_controller_action
+from ..adapters import (
+    ADAPTER_UNSUPPORTED,
+    RANK_FAULTS,
+    Adapter,
+    ApplyResult,
+    CaseConfig,
+    ModelFacts,
+    Observation,
+    check_action,
+    corrupt_record,
+    no_controller_action,
+)
 from .ladder import FAILED, LAYERS, PASSED, UNDECIDED, DecisionCheck, Expected, Verdict, compare, decision_probe, describe_probe, score_row_failure
 from .reference import Reference64, load_gguf64
 from .reference.files import gguf_path
@@ -76,8 +94,9 @@ __all__ = [
     "SpecSide",
     "StepRecord",
     "admission_refusal",
+    "admitted_envelope",
     "judge_decision",
-    "params_for",
+    "model_facts",
     "policy_for",
     "reference_for",
 ]
@@ -122,29 +141,26 @@ def static_capacity(config: CaseConfig, window: int) -> int | None:
     return request_static_capacity(config.cache, config.static_capacity, config.prompt_len, config.max_new_tokens, window)
 
 
-def params_for(config: CaseConfig, vocab_size: int, window: int) -> RequestParams:
-    """The spec's :class:`RequestParams` of ``config`` (see the module docstring for the declared defaults)."""
-    capacity = static_capacity(config, window)
-    family = config.policy.get("family")
-    return RequestParams(
-        identity=config.identity(),
-        prompt_len=config.prompt_len,
-        max_new_tokens=config.max_new_tokens,
-        vocab_size=vocab_size,
-        eos_ids=frozenset(config.eos_ids),
-        min_new_tokens=config.min_new_tokens,
-        cache_family=config.cache,
-        context_cap=context_cap(window, config.context_cap, capacity),
-        static_capacity=capacity,
-        zero_new_tokens=config.zero_new_tokens,
-        final_cache=config.final_cache,
-        prefill_chunk=None if config.cache == "none" else config.prefill_chunk,
-        max_retries=config.max_retries,
-        max_draws=1 if family == "multinomial" else 0,
-        stream=config.stream,
-        stop_strings=bool(config.stop_strings),
-        structured=config.structured != "none",
-    )
+@functools.cache
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+def model_facts(model: str, reference: Reference, tokenizer: Any) -> ModelFacts:
+    """What a case's envelope states about ``model``: its GGUF file's digest, the tokenizer's vocabulary
+    hash and EOS / BOS ids, and the reference's V and window.
+
+    Raises:
+        Rejection: ``model.file_missing`` when SmolLM2 is not installed.
+    """
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return ModelFacts(release_id=model, checkpoint_sha256=_file_sha256(str(gguf_path(model))),
+                      tokenizer_sha256=str(tokenizer.vocab_hash), vocab_size=reference.vocab_size, window=reference.window,
+                      eos_ids=() if eos is None else (int(eos),), bos_id=getattr(tokenizer, "bos_token_id", None))
 
 
 def policy_for(config: CaseConfig) -> PolicyConfig:
@@ -158,25 +174,45 @@ def policy_for(config: CaseConfig) -> PolicyConfig:
 
 
 def admission_refusal(config: CaseConfig, vocab_size: int, window: int) -> DecodeSpecError | None:
-    """The typed refusal of admitting ``config``, or ``None``: a policy the schema refuses, then the spec's
-    :func:`decodespec.spec.request_machine.admission_refusal`.
+    """The typed refusal of admitting ``config``, or ``None``: a policy the schema refuses, then the runtime's
+    refusals over the case's plain values (:func:`decodespec.spec.request_machine.refusal_of`), which a
+    runtime raises with its own codes before any envelope exists.  What passes here is then admitted
+    by the envelope (:func:`request_for`).
     """
     try:
         policy_for(config)
     except DecodeSpecError as exc:
         return exc
-    return spec_admission_refusal(params_for(config, vocab_size, window), config.prompt_ids, window)
+    return runtime_refusal(config, vocab_size, window)
 
 
-def request_for(config: CaseConfig, vocab_size: int, window: int, special_ids: frozenset[int] = frozenset()) -> Request:
-    """The spec's composed :class:`~decodespec.spec.request_machine.Request` of ``config``.
+def runtime_refusal(config: CaseConfig, vocab_size: int, window: int) -> DecodeSpecError | None:
+    """:func:`decodespec.spec.request_machine.refusal_of` over ``config``'s values (S: :func:`static_capacity`)."""
+    return refusal_of(prompt_ids=config.prompt_ids, max_new_tokens=config.max_new_tokens, zero_new_tokens=config.zero_new_tokens,
+                      vocab_size=vocab_size, static_capacity=static_capacity(config, window), window=window)
+
+
+def admitted_envelope(config: CaseConfig, model: ModelFacts) -> AdmittedRequest:
+    """``config``'s envelope (:meth:`CaseConfig.envelope`) through the spec's validator.
 
     Raises:
-        Rejection / ResourceLimit: ``policy.*``, ``stop.*``.
+        Rejection / ResourceLimit: the envelope's ``envelope.*`` / ``policy.*`` / ``stop.*`` refusal.
     """
-    return compose(params_for(config, vocab_size, window), policy_config_from_json(config.policy), prompt_ids=config.prompt_ids,
-                   seed=config.seed, stop_strings=config.stop_strings, include_stop_str=config.include_stop_str,
-                   alignment=config.alignment, window=window, special_ids=special_ids)
+    admitted, _ = validate_request_envelope(rfc8785.dumps(config.envelope(model)))
+    return admitted
+
+
+def request_for(config: CaseConfig, model: ModelFacts, special_ids: frozenset[int] = frozenset()) -> Request:
+    """The spec's composed :class:`~decodespec.spec.request_machine.Request` of ``config``: its envelope,
+    admitted by :func:`~decodespec.spec.envelope.validate_request_envelope`, composed by
+    :func:`~decodespec.spec.request_machine.request_from_envelope` (every default the spec's) and keyed
+    by the case's identity and seed (:func:`~decodespec.spec.request_machine.rekeyed`).
+
+    Raises:
+        Rejection / ResourceLimit: the envelope's refusal (``envelope.*``, ``policy.*``, ``stop.*``).
+    """
+    request = request_from_envelope(admitted_envelope(config, model), window=model.window, special_ids=special_ids)
+    return rekeyed(request, identity=config.identity(), seed=config.seed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,11 +341,23 @@ class SpecSide:
         self.machine = machine
         self.snapshots: dict[str, SpecSnapshot] = {}
         self._special_ids = frozenset(getattr(tokenizer, "special_ids", ()))
-        self._install(config)
+        self._facts: dict[str, ModelFacts] = {}
+        if runtime_refusal(config, reference.vocab_size, reference.window) is None:
+            self._install(config)  # a policy or stop refusal raises here, as before the envelope existed
+        else:  # refused at admission with the runtime's code (LockStep.reset): no request exists, the state is NEW
+            self.config = config
+            self.composed = None
+            self._unadmitted = RequestState(identity=config.identity(), phase=Phase.NEW)
+
+    def facts(self, model: str) -> ModelFacts:
+        """What ``model``'s envelopes state (:func:`model_facts`, computed once per lock step)."""
+        if model not in self._facts:
+            self._facts[model] = model_facts(model, self.reference, self.tokenizer)
+        return self._facts[model]
 
     def _install(self, config: CaseConfig) -> None:
         self.config = config
-        self.request = request_for(config, self.reference.vocab_size, self.reference.window, self._special_ids)
+        self.request = request_for(config, self.facts(config.model), self._special_ids)
         self.composed = rm.initial(self.request)
 
     # -- views -----------------------------------------------------------------------------
@@ -325,8 +373,8 @@ class SpecSide:
 
     @property
     def state(self) -> RequestState:
-        """The M3.10 machine state."""
-        return self.composed.machine
+        """The M3.10 machine state (``NEW`` for a config refused before any request existed)."""
+        return self._unadmitted if self.composed is None else self.composed.machine
 
     def admit(self, config: CaseConfig) -> None:
         """Admission of ``config`` (replaces the request; snapshots are kept).
@@ -337,7 +385,7 @@ class SpecSide:
         refusal = admission_refusal(config, self.reference.vocab_size, self.reference.window)
         if refusal is not None:
             raise refusal
-        request = request_for(config, self.reference.vocab_size, self.reference.window, self._special_ids)
+        request = request_for(config, self.facts(config.model), self._special_ids)
         self.composed = rm.admit(request, machine=self.machine)
         self.config, self.request = config, request
 

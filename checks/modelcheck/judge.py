@@ -315,7 +315,7 @@ class _Judge:
     def __init__(self, admitted: AdmittedRequest, tolerance: Tolerance, reference: Any, token_bytes: Callable[[int], bytes] | None,
                  machine: Machine):
         self.admitted = admitted
-        # With a reference, its window caps the context as in the gate (lockstep.params_for).
+        # With a reference, its window caps the context as in the gate (lockstep.request_for).
         self.request = request_from_envelope(admitted, window=None if reference is None else reference.window)
         self.params = self.request.params
         self.policy = self.request.policy

@@ -250,6 +250,22 @@ class TraceVerdict:
         return attrs.asdict(self)
 
 
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+#: The ``request`` header's ``params`` fields a trace must state (the rest default as in RequestParams).
+_HEADER_REQUIRED = ("identity", "prompt_len", "max_new_tokens", "vocab_size", "eos_ids", "cache_family", "context_cap")
+#: Each ``params`` field a trace may state -> how its JSON value becomes the RequestParams field.
+_HEADER_FIELDS: dict[str, Any] = {
+    "identity": str, "prompt_len": int, "max_new_tokens": int, "vocab_size": int,
+    "eos_ids": lambda v: frozenset(int(i) for i in v), "profile": lambda v: profile_named(str(v)), "min_new_tokens": int,
+    "cache_family": str, "context_cap": int, "static_capacity": _optional_int, "zero_new_tokens": str, "final_cache": str,
+    "prefill_chunk": _optional_int, "max_retries": int, "max_draws": int, "rng_counter_start": int, "stream": bool,
+    "stop_strings": bool, "structured": bool,
+}
+
+
 def params_from_header(header: dict[str, Any]) -> RequestParams:
     """The spec's :class:`RequestParams` from a ``request`` event.
 
@@ -259,27 +275,11 @@ def params_from_header(header: dict[str, Any]) -> RequestParams:
     """
     try:
         p = dict(header["params"])
-        params = RequestParams(
-            identity=str(p["identity"]),
-            prompt_len=int(p["prompt_len"]),
-            max_new_tokens=int(p["max_new_tokens"]),
-            vocab_size=int(p["vocab_size"]),
-            eos_ids=frozenset(int(i) for i in p["eos_ids"]),
-            profile=profile_named(p.get("profile", "decoder_only")),
-            min_new_tokens=int(p.get("min_new_tokens", 0)),
-            cache_family=str(p["cache_family"]),
-            context_cap=int(p["context_cap"]),
-            static_capacity=None if p.get("static_capacity") is None else int(p["static_capacity"]),
-            zero_new_tokens=str(p.get("zero_new_tokens", "no_call")),
-            final_cache=str(p.get("final_cache", "processed_inputs_only")),
-            prefill_chunk=None if p.get("prefill_chunk") is None else int(p["prefill_chunk"]),
-            max_retries=int(p.get("max_retries", 0)),
-            max_draws=int(p.get("max_draws", 0)),
-            rng_counter_start=int(p.get("rng_counter_start", 0)),
-            stream=bool(p.get("stream", False)),
-            stop_strings=bool(p.get("stop_strings", False)),
-            structured=bool(p.get("structured", False)),
-        )
+        missing = sorted(set(_HEADER_REQUIRED) - set(p))
+        if missing:
+            raise KeyError(missing[0])
+        # Only the fields the header states: every other field takes RequestParams' own (the spec's) default.
+        params = RequestParams(**{name: convert(p[name]) for name, convert in _HEADER_FIELDS.items() if name in p})
     except (KeyError, TypeError, ValueError) as exc:
         raise Rejection(TRACE_INVALID, f"the request header's params are not RequestParams: {type(exc).__name__}: {quote(str(exc))}", "$.params") from None
     if params.identity != header.get("identity") or params.prompt_len != len(header.get("prompt_ids", ())):
