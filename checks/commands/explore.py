@@ -63,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--profile", choices=["decoder_only", "encoder_decoder", "prefix_lm", "hybrid"], default=d.profile,
                    help=f"default {d.profile}")
     p.add_argument("--cache", choices=["none", "dynamic", "static"], default=d.cache, help=f"default {d.cache}")
-    p.add_argument("--capacity", type=int, default=None, help="static-cache slots (default L + G)")
+    p.add_argument("--capacity", type=int, default=None, help="static-cache slots (default the spec's: L + G + 1)")
     p.add_argument("--context-cap", type=int, default=None, help="total-length cap C (>= L + 1 when G >= 1; default L + G + 1)")
     p.add_argument("--prefill-chunk", type=_optional_int, default=_PROFILE_DEFAULT,
                    help=f"largest prefill chunk (>= 1), or 'none' for one-shot; default {d.prefill_chunk} "

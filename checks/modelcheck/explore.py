@@ -70,7 +70,7 @@ from decodespec.spec.participation import (
     expected_rank_report,
 )
 from decodespec.spec.profiles import PROFILES, profile_named
-from decodespec.spec.request import context_cap, prompt_room, unbounded_context_cap
+from decodespec.spec.request import context_cap, prompt_room, static_capacity, unbounded_context_cap
 from decodespec.spec.snapshot import SNAPSHOT_FORMS, SnapshotRecord, take_snapshot
 from decodespec.spec.state import Phase, RequestParams, RequestState, initial_state, is_terminal
 from decodespec.spec.transitions import MACHINE, Machine, expected_report, expected_start
@@ -134,7 +134,8 @@ class ExploreBounds:
         min_new_tokens: EOS is excluded from the support while O < this.
         profile: ``decoder_only``, ``encoder_decoder``, ``prefix_lm`` or ``hybrid``.
         cache: ``none``, ``dynamic`` or ``static``.
-        capacity: Static-cache slots (default ``prompt_len + max_new_tokens``).
+        capacity: Static-cache slots (default: the spec's, ``prompt_len + max_new_tokens + 1``,
+            :func:`decodespec.spec.request.static_capacity`).
         context_cap: Total-length cap C (default: none beyond the capacity).
         prefill_chunk: Largest prefill chunk, or ``None`` for one-shot prefill.
         prefix_length: Prefix-LM prefix (default ``prompt_len``).
@@ -230,7 +231,10 @@ def params_for_bounds(bounds: ExploreBounds) -> RequestParams:
     needed = prompt_room(bounds.prompt_len, bounds.max_new_tokens)
     capacity = None
     if bounds.cache == "static":
-        capacity = bounds.capacity if bounds.capacity is not None else bounds.prompt_len + bounds.max_new_tokens
+        # The spec's default S (min(L + G + 1, window)); the small scope has no model window beyond L + G + 1.
+        window = unbounded_context_cap(bounds.prompt_len, bounds.max_new_tokens)
+        capacity = static_capacity("static", bounds.capacity, bounds.prompt_len, bounds.max_new_tokens, window)
+        assert capacity is not None
         if capacity < needed:
             raise refuse("capacity", f"capacity {capacity} leaves no room after the {bounds.prompt_len}-token prompt "
                          f"(need >= {needed}: envelope.context_exceeded)")
