@@ -35,7 +35,8 @@ reuse (HF's ``Cache.reset()``), snapshots (a deep copy of HF's cache: HF resumes
 A finite-state constraint becomes HF's ``prefix_allowed_tokens_fn`` (:func:`constraint_fn`); HF's
 "unsatisfiable constraint" error is the spec's ``policy.empty_support``.
 HF cannot honour: transforms it has no processor for (frequency / presence penalty, top-n-sigma,
-Mirostat), vLLM's output-only history, ``empty_support =
+Mirostat), vLLM's output-only history, a single-token bad word that is an EOS id
+(``NoBadWordsLogitsProcessor.__init__`` drops it, logits_process.py:1500), ``empty_support =
 fallback_eos``, temperature 0 in the sampling family (``TemperatureLogitsWarper`` raises),
 ``max_new_tokens = 0`` (``GenerationConfig.validate`` raises), beams in the step-wise path,
 structured completion, stop strings on the tiny model (no HF tokenizer); those are refused with
@@ -237,6 +238,10 @@ def generation_config(config: CaseConfig, *, max_length: int | None = None):
             fields[_HF_FIELDS[name]] = main_value(transform)
         elif name == "bad_words":
             fields["bad_words_ids"] = [list(seq) for seq in transform.get("sequences")]
+            dropped = sorted({seq[0] for seq in fields["bad_words_ids"] if len(seq) == 1 and seq[0] in config.eos_ids})
+            if dropped:  # NoBadWordsLogitsProcessor.__init__ filters out every single-token bad word that is an EOS id
+                raise unsupported(f"HF drops a single-token bad word that is an EOS id ({len(dropped)} of them): "
+                                  "it cannot ban EOS through bad_words_ids", path)
         elif name == "logit_bias":
             fields["sequence_bias"] = {(token,): bias for token, bias in transform.get("bias")}
         elif name == "min_new_tokens":

@@ -357,7 +357,10 @@ class Expectation:
     case ids, e.g. ``"matrix.*"``), ``layer``, ``check``, ``rule`` (the verdict's ladder rule or the
     spec rule the refusal names), ``op`` (the action at the failing step), ``model`` (the model the
     deviation is tied to, e.g. ``"tiny"``: it explains nothing on another model and is not reported
-    unused there).  Every other field (``reason``, ``source``, ``test``, ...) is documentation.
+    unused there), ``spec_finish`` (the spec side's finish reason at the failing step: the
+    deviation explains only a step whose recorded spec state, when the caller passes it, finished
+    so; a caller that passes none gets no match).  Every other field (``reason``, ``source``,
+    ``test``, ...) is documentation.
     """
 
     id: str
@@ -369,10 +372,15 @@ class Expectation:
     op: str | None = None
     fields: dict[str, Any] = attrs.field(factory=dict, eq=False)
     model: str | None = None
+    spec_finish: str | None = None
 
-    def matches(self, case_id: str, verdict: Verdict, action: Mapping[str, Any] | None = None, *, model: str | None = None) -> bool:
-        """Whether this deviation explains ``verdict`` of case ``case_id`` (run on ``model``, when given)."""
+    def matches(self, case_id: str, verdict: Verdict, action: Mapping[str, Any] | None = None, *, model: str | None = None,
+                spec_state: Mapping[str, Any] | None = None) -> bool:
+        """Whether this deviation explains ``verdict`` of case ``case_id`` (run on ``model``, when given; ``spec_state``:
+        the spec side's state JSON at the failing step, :attr:`StepRecord.spec_state <decodespec.checks.gate.lockstep.StepRecord>`)."""
         if self.model is not None and model is not None and model != self.model:
+            return False
+        if self.spec_finish is not None and (spec_state or {}).get("finish_reason") != self.spec_finish:
             return False
         if self.case is not None and not fnmatch.fnmatchcase(case_id, self.case):
             return False
@@ -402,7 +410,7 @@ def load_expectations(runtime: str, directory: Path | None = None) -> tuple[Expe
         out.append(Expectation(id=entry["id"], reason=entry["reason"], case=entry.get("case"), layer=entry.get("layer"),
                                check=entry.get("check"), rule=entry.get("ladder_rule", entry.get("rule")) if entry.get("case") or
                                entry.get("layer") or entry.get("check") or entry.get("op") else entry.get("ladder_rule"),
-                               op=entry.get("op"), fields=dict(entry), model=entry.get("model")))
+                               op=entry.get("op"), fields=dict(entry), model=entry.get("model"), spec_finish=entry.get("spec_finish")))
     return tuple(out)
 
 

@@ -169,14 +169,15 @@ class GateMachine(RuleBasedStateMachine):
     def _documented(self, record) -> bool:
         """Whether a documented deviation of this runtime matches the record's failed verdict."""
         v = record.verdict
-        return v.result == FAILED and any(e.matches(f"machine.{self.cache}", v, record.action, model=self.model)
+        return v.result == FAILED and any(e.matches(f"machine.{self.cache}", v, record.action, model=self.model,
+                                                    spec_state=record.spec_state)
                                           for e in self.expectations)
 
     def _judge(self, record) -> None:
         if record.verdict.result == FAILED:
             v = record.verdict
             for expectation in self.expectations:
-                if expectation.matches(f"machine.{self.cache}", v, record.action, model=self.model):
+                if expectation.matches(f"machine.{self.cache}", v, record.action, model=self.model, spec_state=record.spec_state):
                     # A documented deviation: reported, and the lock step ends here (the two sides
                     # no longer describe the same request).
                     self.deviations.append((expectation.id, v))
