@@ -191,7 +191,8 @@ class _IdText:
 def test_a_hypothesis_text_leaves_out_only_a_final_eos(tiny_model):
     """Each hypothesis' ``text``: its ids without the last one when that is EOS, all of them otherwise.
 
-    Kills line 585 ``b.tokens[-1] in eos_ids`` -> ``b.tokens[-0]`` (NumberReplacer 63).
+    Kills line 585 ``b.tokens[-1] in eos_ids`` -> ``b.tokens[-0]`` (NumberReplacer 63) and ``b.tokens[:-1]`` ->
+    ``b.tokens[:-2]`` (NumberReplacer 60).
     """
     params = B.BeamParams(3, 9, [EOS], early_stop="at_cap")
     result = BeamRunner(tiny_model, beam_request(params), params, tokenizer=_IdText()).run().result()
@@ -200,3 +201,47 @@ def test_a_hypothesis_text_leaves_out_only_a_final_eos(tiny_model):
     for h in result.hypotheses:
         kept = h.output_ids[:-1] if h.output_ids[-1] == EOS else h.output_ids
         assert h.text == ",".join(str(i) for i in kept)
+
+
+def _allowing(tokens) -> list[dict]:
+    """A one-state constraint automaton whose legal ids are ``tokens`` (every other id is ``-inf``)."""
+    return [{"name": "constraint", "automaton": {"initial": "a", "transitions": {"a": {str(t): "a" for t in tokens}}}}]
+
+
+@pytest.mark.parametrize(("k", "eos", "window"), [(2, [EOS], 4), (2, [EOS, 70], 6), (3, [EOS, 70], 9),
+                                                      (2, [EOS, 70, 35], 8)])
+def test_hfs_candidate_window_is_one_plus_the_eos_count_times_k(tiny_model, k, eos, window):
+    """Under HF's parameters the first step needs ``max(2, 1 + |eos|) K`` finite candidates: a constraint that leaves
+    exactly that many is decided (K children or completions), one fewer is ``beam.outside_hf_envelope``.
+
+    Kills line 492 ``1 + len(eos)`` -> ``1 * len(eos)`` (Add_Mul 9), ``1 << len(eos)`` (Add_LShift 9), ``1 | len(eos)``
+    (Add_BitOr 9: three EOS ids), and
+    ``max(...) * num_beams`` -> ``<< num_beams`` (Mul_LShift 2).
+    """
+    params = B.BeamParams.hf_compatible(k, 4, eos)
+    others = [t for t in (35, 101, 108, 111, 72, 3, 50, 60, 44) if t not in eos]
+    for finite, decided in ((window, True), (window - 1, False)):
+        legal = eos + others[: finite - len(eos)]
+        assert len(legal) == finite
+        runner = BeamRunner(tiny_model, beam_request(params, transforms=_allowing(legal)), params)
+        runner.call()
+        if decided:
+            event = runner.decide()
+            assert len(event["tokens"]) + len(event["completed"]) >= k
+        else:
+            with pytest.raises(Rejection) as err:
+                runner.decide()
+            assert err.value.code == "beam.outside_hf_envelope"
+
+
+def test_the_finish_record_carries_the_best_hypothesis_triggers(tiny_model):
+    """The trace's ``finish`` record: the best hypothesis' finish reason and triggers (never empty for a best).
+
+    Kills line 629 ``[] if best is None`` -> ``if not best is None`` (AddNot 55).
+    """
+    sink = ListSink()
+    params = B.BeamParams(2, 4, [EOS], early_stop="at_cap")
+    best = BeamRunner(tiny_model, beam_request(params), params, sink=sink).run().result().best
+    finish = sink.records[-1]
+    assert finish["event"] == "finish" and finish["finish_reason"] == best.finish_reason.value
+    assert finish["triggers"] == [t.value for t in best.triggers] != []
