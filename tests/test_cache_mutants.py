@@ -1,0 +1,169 @@
+"""Checks of the cache ABI and the cache families (impl/cache.py) that kill Cosmic Ray's survivors.
+
+The screen of a sampled Cosmic Ray session over ``impl/cache.py`` (the caches' own tests and their
+users on the tiny model; docs/results/mutation-sampled-cache-beam-batch.md) left some mutants
+alive: refusals whose path or bound is never compared, batches past CPython's small-int cache,
+branches the runtime never takes.  Each check here drives a cache directly on small tensors (or
+the tiny model) and asserts a value derived by hand; its docstring names the mutants it kills
+(line, operator, occurrence, of ``impl/cache.py`` at commit 61ec8ad).
+
+Rules: M3.10 0x09 (cache ABI, dynamic and static families, capacity vs commitment), 0x08 (the
+call ledger).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodespec.impl.cache import CacheABI, DynamicCache, StaticCache
+from decodespec.spec.errors import Rejection, ResourceLimit
+
+ABI = CacheABI(num_layers=2, num_key_value_heads=2, head_dim=4, dtype="float32")
+
+
+def _rows(batch: int, length: int, fill: float = 1.0) -> torch.Tensor:
+    """``[batch, H_kv, length, D]`` float32 rows whose value names the slot: ``fill + slot / 100``."""
+    ramp = fill + torch.arange(length, dtype=torch.float32) / 100  # [T]
+    return ramp[None, None, :, None].expand(batch, ABI.num_key_value_heads, length, ABI.head_dim).clone()
+
+
+def _refusal(fn, *args, **kwargs) -> Rejection:
+    with pytest.raises(Rejection) as err:
+        fn(*args, **kwargs)
+    return err.value
+
+
+@pytest.mark.parametrize("family", ["dynamic", "static"])
+def test_a_batch_past_256_rows_continues_its_own_rows(family):
+    """A batch of 300 rows (past CPython's small-int cache): the second update of the same batch is taken.
+
+    Kills line 335 ``batch != shape[0]`` -> ``is not`` (NotEq_IsNot 8).
+    """
+    cache = DynamicCache(ABI) if family == "dynamic" else StaticCache(ABI, 4, batch_size=300)
+    for layer in range(ABI.num_layers):
+        cache.update(_rows(300, 2), _rows(300, 2), layer)
+    for layer in range(ABI.num_layers):
+        keys, _ = cache.update(_rows(300, 1, 2.0), _rows(300, 1, 2.0), layer)
+        assert keys.shape[0] == 300
+    assert cache.layer_lengths() == (3, 3) and cache.committed_length == 3
+    err = _refusal(cache.update, _rows(299, 1), _rows(299, 1), 0)
+    assert (err.code, err.path) == ("cache.invalid_operation", "$.cache.update")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_rows_of_another_dtype_are_refused(dtype):
+    """Keys in a dtype other than the ABI's float32 (below it as a string too: ``"bfloat16"``, ``"float16"``)
+    are ``cache.invalid_operation`` at ``$.cache.update``; nothing is stored.
+
+    Kills line 332 ``str(dtype) != self.abi.dtype`` -> ``>`` (NotEq_Gt 7).
+    """
+    cache = DynamicCache(ABI)
+    rows = _rows(1, 2).to(dtype)
+    err = _refusal(cache.update, rows, rows, 0)
+    assert (err.code, err.path) == ("cache.invalid_operation", "$.cache.update")
+    assert cache.layer_lengths() == (0, 0) and cache.key_cache[0] is None
+
+
+def test_a_batch_mismatch_names_both_batch_sizes():
+    """The refusal of a 3-row update on a 2-row cache says ``batch 3 differs from the cached batch 2``.
+
+    Kills line 336 ``shape[0]`` -> ``shape[1]`` in the message (NumberReplacer 34: it would say ``batch 2``).
+    """
+    cache = DynamicCache(ABI)
+    cache.update(_rows(2, 1), _rows(2, 1), 0)
+    err = _refusal(cache.update, _rows(3, 1), _rows(3, 1), 0)
+    assert "batch 3 differs from the cached batch 2" in err.message
+
+
+@pytest.mark.parametrize("family", ["dynamic", "static"])
+def test_an_update_of_no_rows_stores_nothing_and_returns_the_rows_so_far(family):
+    """An update of T = 0 rows with an empty CPU ``cache_position``: accepted, the lengths stay, the returned keys
+    are the rows already held (dynamic: the 2 slots; static: the buffer).
+
+    Kills line 341 ``shape[2] and (...)`` -> ``shape[3]`` (NumberReplacer 36: reads ``cache_position[0]`` of an empty
+    tensor).
+    """
+    cache = DynamicCache(ABI) if family == "dynamic" else StaticCache(ABI, 4)
+    cache.update(_rows(1, 2), _rows(1, 2), 0)
+    keys, _ = cache.update(_rows(1, 0), _rows(1, 0), 0, torch.arange(2, 2))
+    assert cache.layer_lengths() == (2, 0)
+    assert keys.shape[2] == (2 if family == "dynamic" else 4)
+    assert torch.equal(keys[:, :, :2], _rows(1, 2))
+
+
+def test_reorder_skips_a_layer_that_holds_no_rows_and_reorders_the_next():
+    """A dynamic cache whose middle layer never wrote (a dropped lane): reorder_cache leaves it empty and still
+    reorders every later layer.
+
+    Kills line 449 ``continue`` -> ``break`` (ReplaceContinueWithBreak 0).
+    """
+    abi = CacheABI(num_layers=3, num_key_value_heads=2, head_dim=4, dtype="float32")
+    cache = DynamicCache(abi)
+    rows = torch.cat([_rows(1, 2, 1.0), _rows(1, 2, 5.0)])  # row 0 holds 1.xx, row 1 holds 5.xx
+    cache.begin_call(0, 2, 0, drop_layers=(1,))
+    for layer in range(3):
+        cache.update(rows, rows, layer)
+    cache.abandon_call()
+    assert cache.key_cache[1] is None
+    cache.reorder_cache([1, 1, 0])
+    for layer in (0, 2):
+        assert torch.equal(cache.key_cache[layer], rows[[1, 1, 0]]) and torch.equal(cache.value_cache[layer], rows[[1, 1, 0]])
+    assert cache.key_cache[1] is None and cache.batch_size == 3
+
+
+@pytest.mark.parametrize("index", [[-1], [0, -1], [2], [0, 2]])
+def test_reorder_refuses_a_parent_row_outside_the_batch(index):
+    """``beam_idx`` values must lie in ``[0, B)``: -1 (which ``index_select`` would not read as the last row) and B
+    are ``cache.invalid_operation`` at ``$.cache.beam_idx``; the rows stay.
+
+    Kills line 718 ``index.min() < 0`` -> ``< -1`` (NumberReplacer 103).
+    """
+    cache = DynamicCache(ABI)
+    rows = torch.cat([_rows(1, 2, 1.0), _rows(1, 2, 5.0)])
+    for layer in range(2):
+        cache.update(rows, rows, layer)
+    err = _refusal(cache.reorder_cache, index)
+    assert (err.code, err.path) == ("cache.invalid_operation", "$.cache.beam_idx")
+    assert torch.equal(cache.key_cache[0], rows) and cache.batch_size == 2
+
+
+def test_loading_layers_of_mixed_rank_is_refused_before_anything_changes():
+    """``load_committed`` with one 4-D layer of 0 slots and one 3-D layer: ``cache.invalid_operation`` at
+    ``$.cache.layers`` (the slot counts cannot agree), and the cache keeps its rows.
+
+    Kills line 486 ``else -1`` -> ``else -0`` (NumberReplacer 63: the 3-D layer then counts as 0 slots, the check
+    passes, and the cache is reset before the shape check refuses it).
+    """
+    cache = DynamicCache(ABI)
+    for layer in range(2):
+        cache.update(_rows(1, 2), _rows(1, 2), layer)
+    empty = _rows(1, 0)
+    flat = _rows(1, 2)[0]  # [H_kv, 2, D]
+    err = _refusal(cache.load_committed, [(empty, empty), (flat, flat)], generation=3)
+    assert (err.code, err.path) == ("cache.invalid_operation", "$.cache.layers")
+    assert cache.layer_lengths() == (2, 2) and cache.committed_length == 2 and cache.generation == 0
+
+
+@pytest.mark.parametrize(("family", "bad", "code"), [
+    ("dynamic", "heads", "cache.invalid_operation"), ("dynamic", "dtype", "cache.invalid_operation"),
+    ("static", "heads", "cache.invalid_operation"), ("static", "dtype", "cache.invalid_operation"),
+    ("static", "capacity", "cache.capacity_exceeded"),
+])
+def test_a_refused_load_keeps_the_rows(family, bad, code):
+    """``load_committed`` of rows the cache refuses (3 heads for the ABI's 2, float64, or, static, more slots than
+    its capacity): the typed refusal, and the cache keeps its rows, lengths and generation.
+
+    A bug the session's survivors showed (line 486's ``-1`` -> ``-0``, above): the cache was reset before the
+    per-layer checks, so a refused load emptied it.  Fixed in ``load_committed`` (the checks run on an empty cache
+    of the same family first).
+    """
+    cache = DynamicCache(ABI) if family == "dynamic" else StaticCache(ABI, 4)
+    for layer in range(2):
+        cache.update(_rows(1, 2), _rows(1, 2), layer)
+    rows = {"heads": torch.ones(1, 3, 2, 4), "dtype": _rows(1, 2).double(), "capacity": _rows(1, 5)}[bad]
+    with pytest.raises((Rejection, ResourceLimit)) as err:
+        cache.load_committed([(rows, rows)] * 2, generation=5)
+    assert err.value.code == code
+    assert cache.layer_lengths() == (2, 2) and cache.committed_length == 2 and cache.generation == 0
+    assert torch.equal(cache.committed_tensors()[1][0], _rows(1, 2))
