@@ -167,3 +167,79 @@ def test_a_refused_load_keeps_the_rows(family, bad, code):
     assert err.value.code == code
     assert cache.layer_lengths() == (2, 2) and cache.committed_length == 2 and cache.generation == 0
     assert torch.equal(cache.committed_tensors()[1][0], _rows(1, 2))
+
+
+def test_an_unmanaged_forward_commits_at_the_last_layer_only():
+    """Without a call ledger (unmanaged use), the committed length follows the last layer's write: layer 0 alone
+    commits nothing (the handle is dirty), the last layer commits its length.
+
+    Kills line 397 ``num_layers - 1`` -> ``num_layers % 1`` (Sub_Mod 1: it would commit at layer 0).
+    """
+    cache = DynamicCache(ABI)
+    cache.update(_rows(1, 3), _rows(1, 3), 0)
+    assert cache.committed_length == 0 and cache.dirty
+    cache.update(_rows(1, 3), _rows(1, 3), 1)
+    assert cache.committed_length == 3 and not cache.dirty
+
+
+@pytest.mark.parametrize("second", ["slots", "rank3", "rank2"])
+def test_layers_that_disagree_on_their_slot_count_are_refused_as_layers(second):
+    """``load_committed``: every layer must be a 4-D tensor of the same slot count.  A 4-D layer of 4 slots with a
+    layer of 3 slots, a 3-D layer whose third axis is 4, or a 2-D layer: ``cache.invalid_operation`` at
+    ``$.cache.layers``, nothing changes.
+
+    Kills line 486 ``k.dim() == 4`` -> ``<= 4`` (Eq_LtE 4: a 3-D layer's third axis counts as slots, a 2-D layer
+    raises IndexError) and line 487 ``len(lengths) != 1`` -> ``< 1`` (NotEq_Lt 15).
+    """
+    cache = DynamicCache(ABI)
+    first = _rows(1, 4)
+    other = {"slots": _rows(1, 3), "rank3": torch.ones(2, 3, 4), "rank2": torch.ones(2, 4)}[second]
+    err = _refusal(cache.load_committed, [(first, first), (other, other)], generation=1)
+    assert (err.code, err.path) == ("cache.invalid_operation", "$.cache.layers")
+    assert cache.layer_lengths() == (0, 0) and cache.generation == 0
+
+
+@pytest.mark.parametrize("positions", [[0, 0], [0, 2, 1], [0, 1, 1]])
+def test_a_cache_position_that_does_not_end_at_the_last_new_slot_is_refused(positions):
+    """CPU ``cache_position`` of an update of T rows must run ``start .. start + T - 1``: one that starts right but
+    ends short is ``cache.slot_mismatch`` at ``$.cache_position``; nothing is stored.
+
+    Kills line 342 ``cache_position[-1] != start + T - 1`` -> ``>`` (NotEq_Gt 12).
+    """
+    cache = DynamicCache(ABI)
+    rows = _rows(1, len(positions))
+    err = _refusal(cache.update, rows, rows, 0, torch.tensor(positions))
+    assert (err.code, err.path) == ("cache.slot_mismatch", "$.cache_position")
+    assert cache.layer_lengths() == (0, 0) and cache.key_cache[0] is None
+
+
+def test_recover_never_pads_a_layer_shorter_than_the_committed_length():
+    """A static cache written unmanaged at its last layer only (committed 2, layer 0 empty): ``recover`` crops only
+    layers longer than the committed length, so layer 0 stays empty and the recovery fails its own check instead of
+    marking 2 unwritten slots of layer 0 as holding rows.
+
+    Kills line 306 ``self._lengths[layer_idx] > self._committed`` -> ``!=`` (Gt_NotEq 1).
+    """
+    cache = StaticCache(ABI, 4)
+    cache.update(_rows(1, 2), _rows(1, 2), 1)
+    assert cache.layer_lengths() == (0, 2) and cache.committed_length == 2
+    with pytest.raises(AssertionError):
+        cache.recover(1)
+    assert cache.layer_lengths() == (0, 2)
+
+
+def test_reserve_row_hands_out_the_buffers_unless_the_open_call_drops_the_layer():
+    """``StaticCache.reserve_row`` (the native kernel's write path): outside a call and in a call that drops another
+    layer it returns ``(start, keys, values)`` with the layer's buffers; for the dropped layer it returns ``None``.
+
+    Kills line 660 ``call is not None and layer_idx in call.drop_layers`` -> ``or`` (ReplaceAndWithOr 8).
+    """
+    cache = StaticCache(ABI, 4)
+    like = _rows(1, 1)
+    start, keys, _values = cache.reserve_row(0, 0, like)
+    assert start == 0 and keys is cache.key_cache[0] and keys.shape == (1, 2, 4, 4)
+    cache.update(_rows(1, 1), _rows(1, 1), 1)  # layer 1 catches up (unmanaged), committing slot 0
+    cache.update(_rows(1, 1), _rows(1, 1), 0)
+    cache.begin_call(1, 1, 0, drop_layers=(1,))
+    assert cache.reserve_row(0, 1, like)[0] == 1
+    assert cache.reserve_row(1, 1, like) is None
