@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decodespec.impl.cache import CacheABI, DynamicCache, StaticCache
+from decodespec.impl.cache import CacheABI, DynamicCache, StaticCache, check_static_reservation
 from decodespec.spec.errors import Rejection, ResourceLimit
 
 ABI = CacheABI(num_layers=2, num_key_value_heads=2, head_dim=4, dtype="float32")
@@ -173,7 +173,8 @@ def test_an_unmanaged_forward_commits_at_the_last_layer_only():
     """Without a call ledger (unmanaged use), the committed length follows the last layer's write: layer 0 alone
     commits nothing (the handle is dirty), the last layer commits its length.
 
-    Kills line 397 ``num_layers - 1`` -> ``num_layers % 1`` (Sub_Mod 1: it would commit at layer 0).
+    Kills line 397 ``num_layers - 1`` -> ``num_layers % 1`` (Sub_Mod 1: it would commit at layer 0) and
+    ``num_layers / 1`` (Sub_Div 1: a float index that no layer equals, so nothing would commit).
     """
     cache = DynamicCache(ABI)
     cache.update(_rows(1, 3), _rows(1, 3), 0)
@@ -243,3 +244,117 @@ def test_reserve_row_hands_out_the_buffers_unless_the_open_call_drops_the_layer(
     cache.begin_call(1, 1, 0, drop_layers=(1,))
     assert cache.reserve_row(0, 1, like)[0] == 1
     assert cache.reserve_row(1, 1, like) is None
+
+
+def test_nbytes_counts_the_allocated_k_and_v_payload():
+    """``nbytes``: elements x bytes per element of every allocated K and V tensor.  Static: one layer allocated,
+    2 x [1, 2, 4, 4] float32 = 256 bytes, both layers 512; dynamic: 2 layers x K and V of [1, 2, 3, 4] = 384.
+
+    Kills line 709 ``t.numel() * t.element_size()`` -> ``^`` (Mul_BitXor 16).
+    """
+    static = StaticCache(ABI, 4)
+    assert static.nbytes() == 0
+    static.update(_rows(1, 1), _rows(1, 1), 0)
+    assert static.nbytes() == 2 * 2 * 4 * 4 * 4
+    static.update(_rows(1, 1), _rows(1, 1), 1)
+    assert static.nbytes() == 2 * 2 * (2 * 4 * 4 * 4)
+    dynamic = DynamicCache(ABI)
+    for layer in range(2):
+        dynamic.update(_rows(1, 3), _rows(1, 3), layer)
+    assert dynamic.nbytes() == 2 * 2 * (2 * 3 * 4 * 4)
+
+
+def test_a_static_cache_of_one_slot_holds_one_row():
+    """Capacity 1 is the smallest static cache: one row fits, a second is ``cache.capacity_exceeded``; capacity 0 is
+    ``cache.invalid_operation`` at ``$.cache.capacity``.
+
+    Kills line 605 ``capacity < 1`` -> ``<= 1`` (Lt_LtE 3).
+    """
+    cache = StaticCache(ABI, 1)
+    for layer in range(2):
+        cache.update(_rows(1, 1), _rows(1, 1), layer)
+    assert cache.committed_length == 1 and cache.key_validity(0).tolist() == [[True]]
+    with pytest.raises(ResourceLimit) as err:
+        cache.update(_rows(1, 1), _rows(1, 1), 0)
+    assert err.value.code == "cache.capacity_exceeded"
+    refused = _refusal(StaticCache, ABI, 0)
+    assert (refused.code, refused.path) == ("cache.invalid_operation", "$.cache.capacity")
+
+
+def test_an_abi_with_rope_scaling_round_trips_through_json():
+    """``CacheABI.from_json(abi.to_json()) == abi`` with ``rope_scaling = ("linear", 2.0)`` (type first, factor second).
+
+    Kills line 171 ``scaling[0]`` -> ``scaling[-1]`` (NumberReplacer 5).
+    """
+    abi = CacheABI(num_layers=2, num_key_value_heads=2, head_dim=4, dtype="float32", rope_scaling=("linear", 2.0))
+    assert abi.to_json()["rope_scaling"] == ["linear", 2.0]
+    assert CacheABI.from_json(abi.to_json()) == abi
+
+
+def test_load_committed_takes_the_generation_by_keyword_only():
+    """``load_committed(tensors, *, generation)``: the generation cannot be passed by position.
+
+    Kills line 475 ``*`` -> ``/`` (Mul_Div 5).
+    """
+    cache = DynamicCache(ABI)
+    rows = _rows(1, 2)
+    with pytest.raises(TypeError):
+        cache.load_committed([(rows, rows)] * 2, 3)  # type: ignore[misc]
+    cache.load_committed([(rows, rows)] * 2, generation=3)
+    assert cache.committed_length == 2 and cache.generation == 3
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 1, 4, 1), (1, 2, 1, 4, 4)])
+def test_rows_of_rank_five_are_refused(shape):
+    """Keys and values must be ``[B, H_kv, T, D]``: a 5-D tensor whose second and fourth axes fit the ABI is still
+    ``cache.invalid_operation`` at ``$.cache.update``; nothing is stored.
+
+    Kills line 319 ``len(shape) != 4`` -> ``< 4`` (NotEq_Lt 2).
+    """
+    cache = DynamicCache(ABI)
+    rows = torch.ones(shape)
+    err = _refusal(cache.update, rows, rows, 0)
+    assert (err.code, err.path) == ("cache.invalid_operation", "$.cache.update")
+    assert cache.layer_lengths() == (0, 0)
+
+
+@pytest.mark.parametrize("capacity", [True, 2.5, "4", 0, -3])
+def test_a_static_capacity_must_be_a_positive_int(capacity):
+    """``StaticCache(abi, capacity)``: a bool, a float, a str or a non-positive int is ``cache.invalid_operation`` at
+    ``$.cache.capacity``.
+
+    Kills line 605 ``isinstance(capacity, bool) or not isinstance(...)`` -> ``and`` (ReplaceOrWithAnd 13).
+    """
+    err = _refusal(StaticCache, ABI, capacity)
+    assert (err.code, err.path) == ("cache.invalid_operation", "$.cache.capacity")
+
+
+def test_a_static_reservation_defaults_to_one_row():
+    """``check_static_reservation(abi, 4)``: K and V x 2 layers x 1 row x 2 heads x 4 slots x 4 dims x 4 bytes = 512,
+    the bytes a one-row static cache allocates once every layer is written.
+
+    Kills line 89 ``batch_size: int = 1`` -> ``0`` (NumberReplacer 1).
+    """
+    assert check_static_reservation(ABI, 4) == 2 * 2 * 1 * 2 * 4 * 4 * 4 == 512
+    assert check_static_reservation(ABI, 4, batch_size=3) == 3 * 512
+    cache = StaticCache(ABI, 4)
+    for layer in range(2):
+        cache.update(_rows(1, 1), _rows(1, 1), layer)
+    assert cache.nbytes() == check_static_reservation(ABI, 4)
+
+
+def test_the_dynamic_key_length_is_the_first_layers_length_plus_t():
+    """``DynamicCache.key_length(T)``: the key slots the next update returns, read from layer 0 (the first layer a
+    forward updates), also when a dropped lane left the last layer shorter.
+
+    Kills line 565 ``self._lengths[0]`` -> ``self._lengths[-1]`` (NumberReplacer 87).
+    """
+    cache = DynamicCache(ABI)
+    cache.begin_call(0, 3, 0, drop_layers=(1,))
+    for layer in range(2):
+        cache.update(_rows(1, 3), _rows(1, 3), layer)
+    cache.abandon_call()
+    assert cache.layer_lengths() == (3, 0)
+    assert cache.key_length(1) == 4
+    keys, _ = cache.update(_rows(1, 1), _rows(1, 1), 0)
+    assert keys.shape[2] == 4
