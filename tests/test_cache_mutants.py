@@ -112,12 +112,13 @@ def test_reorder_skips_a_layer_that_holds_no_rows_and_reorders_the_next():
     assert cache.key_cache[1] is None and cache.batch_size == 3
 
 
-@pytest.mark.parametrize("index", [[-1], [0, -1], [2], [0, 2]])
+@pytest.mark.parametrize("index", [[-1], [0, -1], [2], [0, 2], [3], [1, 5]])
 def test_reorder_refuses_a_parent_row_outside_the_batch(index):
     """``beam_idx`` values must lie in ``[0, B)``: -1 (which ``index_select`` would not read as the last row) and B
     are ``cache.invalid_operation`` at ``$.cache.beam_idx``; the rows stay.
 
-    Kills line 718 ``index.min() < 0`` -> ``< -1`` (NumberReplacer 103).
+    Kills line 718 ``index.min() < 0`` -> ``< -1`` (NumberReplacer 103) and ``index.max() >= batch`` -> ``== batch``
+    (GtE_Eq 0: B + 1 and beyond).
     """
     cache = DynamicCache(ABI)
     rows = torch.cat([_rows(1, 2, 1.0), _rows(1, 2, 5.0)])
@@ -268,7 +269,8 @@ def test_a_static_cache_of_one_slot_holds_one_row():
     """Capacity 1 is the smallest static cache: one row fits, a second is ``cache.capacity_exceeded``; capacity 0 is
     ``cache.invalid_operation`` at ``$.cache.capacity``.
 
-    Kills line 605 ``capacity < 1`` -> ``<= 1`` (Lt_LtE 3).
+    Kills line 605 ``capacity < 1`` -> ``<= 1`` (Lt_LtE 3) and line 618 ``start + length`` -> ``start ^ length`` in
+    the refusal's message (Add_BitXor 7: ``3 ^ 2 = 1``).
     """
     cache = StaticCache(ABI, 1)
     for layer in range(2):
@@ -277,6 +279,12 @@ def test_a_static_cache_of_one_slot_holds_one_row():
     with pytest.raises(ResourceLimit) as err:
         cache.update(_rows(1, 1), _rows(1, 1), 0)
     assert err.value.code == "cache.capacity_exceeded"
+    assert err.value.details == {"start": 1, "length": 1, "reserved": 1}
+    wide = StaticCache(ABI, 4)
+    wide.update(_rows(1, 3), _rows(1, 3), 0)
+    with pytest.raises(ResourceLimit) as err:
+        wide.update(_rows(1, 2), _rows(1, 2), 0)
+    assert "write [3, 5) exceeds the 4 reserved slots" in err.value.message
     refused = _refusal(StaticCache, ABI, 0)
     assert (refused.code, refused.path) == ("cache.invalid_operation", "$.cache.capacity")
 
@@ -358,3 +366,30 @@ def test_the_dynamic_key_length_is_the_first_layers_length_plus_t():
     assert cache.key_length(1) == 4
     keys, _ = cache.update(_rows(1, 1), _rows(1, 1), 0)
     assert keys.shape[2] == 4
+
+
+def test_a_layer_written_twice_in_one_call_is_refused():
+    """Within an open call over ``[0, 2)`` a layer writes once: a second update of layer 0 (now holding 2 slots) is
+    ``cache.slot_mismatch`` at ``$.cache_position``, and the layer keeps its 2 slots.
+
+    Kills line 339 ``start != call.start`` -> ``<`` (NotEq_Lt 10).
+    """
+    cache = DynamicCache(ABI)
+    cache.begin_call(0, 2, 0)
+    cache.update(_rows(1, 2), _rows(1, 2), 0)
+    err = _refusal(cache.update, _rows(1, 1), _rows(1, 1), 0)
+    assert (err.code, err.path) == ("cache.slot_mismatch", "$.cache_position")
+    assert cache.layer_lengths() == (2, 0) and cache.complete_layers() == 1
+
+
+def test_the_default_abi_is_the_tiny_llamas(tiny_model):
+    """``CacheABI`` defaults (layout, compact heads, rotated keys, RoPE base 10000, no scaling, contiguous slots, full
+    window) are those of a Llama model with the default RoPE base: the tiny model's ABI is the default one of its shape.
+
+    Kills line 138 ``rope_theta: float = 10000.0`` -> ``10001.0`` (NumberReplacer 2).
+    """
+    config = tiny_model.config
+    assert config.rope_theta == 10000.0 and config.rope_scaling is None
+    default = CacheABI(num_layers=config.num_hidden_layers, num_key_value_heads=config.num_key_value_heads,
+                       head_dim=config.head_dim, dtype="float32")
+    assert default == tiny_model.cache_abi and default.rope_theta == 10000.0
