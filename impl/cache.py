@@ -480,6 +480,7 @@ class _CacheLedger:
         Raises:
             Rejection: ``cache.invalid_operation`` for a wrong layer count, shape or dtype.
             ResourceLimit: ``cache.capacity_exceeded`` (static) when ``n`` exceeds the capacity.
+            Nothing changes when one of these is raised.
         """
         if len(tensors) != self.abi.num_layers:
             raise Rejection(INVALID_CACHE_OPERATION, f"{len(tensors)} layers given, the ABI has {self.abi.num_layers}", "$.cache.layers")
@@ -488,14 +489,18 @@ class _CacheLedger:
             raise Rejection(INVALID_CACHE_OPERATION, f"layers hold different slot counts {sorted(lengths)}", "$.cache.layers")
         if self._call is not None:
             raise Rejection(INVALID_CACHE_OPERATION, "cannot load while a call is open", "$.cache")
-        self.reset()
+        probe = self._empty_like()  # the refusals of an update into an emptied cache, before this one is emptied
         for layer_idx, (keys, values) in enumerate(tensors):
-            self._check_update(keys, values, layer_idx, None)
+            probe._check_update(keys, values, layer_idx, None)
+        self.reset()
         for layer_idx, (keys, values) in enumerate(tensors):
             self._store(keys, values, layer_idx, 0)
             self._lengths[layer_idx] = keys.shape[2]
         self._committed = lengths.pop()
         self.generation = generation
+
+    def _empty_like(self) -> _CacheLedger:  # pragma: no cover - abstract
+        raise NotImplementedError
 
     def reset(self) -> None:
         """Forget every row (lengths and committed length 0, no open call); storage may be kept."""
@@ -554,6 +559,9 @@ class DynamicCache(_CacheLedger):
 
     def _layer_tensors(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.key_cache[layer_idx], self.value_cache[layer_idx]
+
+    def _empty_like(self) -> DynamicCache:
+        return DynamicCache(self.abi)
 
     def reset(self) -> None:
         super().reset()
@@ -693,6 +701,9 @@ class StaticCache(_CacheLedger):
 
     def _batch_changed(self, batch: int) -> None:
         self._batch = batch
+
+    def _empty_like(self) -> StaticCache:
+        return StaticCache(self.abi, self.capacity, batch_size=self._batch)
 
     @property
     def reserved_length(self) -> int:
