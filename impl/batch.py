@@ -466,6 +466,10 @@ def batch_generate(
             raise Rejection(INVALID_REQUEST, f"max_new_tokens must be an int >= 1 in a padded batch, got {g!r}", f"$.max_new_tokens[{b}]")
         if p.family is Family.BEAM:
             raise Rejection(INVALID_REQUEST, "a padded batch runs greedy or multinomial policies, not beams", f"$.policy[{b}]")
+    for b, prompt in enumerate(batch.prompt_ids):
+        outside = sum(1 for t in prompt if not 0 <= int(t) < config.vocab_size)
+        if outside:  # token ids are user content: counted, never quoted
+            raise Rejection(INVALID_REQUEST, f"prompt {b} holds {outside} id(s) outside [0, {config.vocab_size})", f"$.prompts[{b}]")
     rows = [_Row(prompt, g, p, name, seed, RequestRng(name, seed), initial_policy_state(p))
             for prompt, g, p, name, seed in zip(batch.prompt_ids, limits, policies, names, seed_list)]
     window = config.max_position_embeddings

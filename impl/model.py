@@ -828,7 +828,12 @@ def _check_index_tensor(tensor: torch.Tensor, shape: tuple[int, ...], name: str,
     if tensor.device.type != "cpu" or tensor.numel() == 0:
         return
     low, high = int(tensor.min()), int(tensor.max())
-    if low < 0 or (name == "input_ids" and high >= upper):
+    if name == "input_ids" and (low < 0 or high >= upper):
+        # token ids are user content: count them, never quote them (spec/errors.py)
+        outside = int(((tensor < 0) | (tensor >= upper)).sum())
+        raise Rejection(INVALID_MODEL_INPUT, f"input_ids must lie in [0, {upper}): {outside} id(s) outside it", "$.input_ids",
+                        {"outside": outside})
+    if low < 0:
         raise Rejection(INVALID_MODEL_INPUT, f"{name} must lie in [0, {upper}), got [{low}, {high}]", f"$.{name}")
     if upper is not None and high >= upper:
         raise ResourceLimit(CONTEXT_WINDOW_EXCEEDED, f"{name} must lie in [0, {upper}), got [{low}, {high}]", f"$.{name}")

@@ -173,3 +173,20 @@ def test_an_empty_mask_is_refused_as_a_whole(shape):
     """
     err = _refusal(check_attention_mask, torch.ones(shape))
     assert (err.code, err.path) == ("runtime.invalid_mask", "$.attention_mask")
+
+
+def test_an_id_outside_the_vocabulary_is_refused_without_quoting_it():
+    """batch_generate refuses a prompt id outside [0, V) with runtime.invalid_request naming the row, and the message
+    never quotes the ids (user content); the model's own check counts them too."""
+    from decodespec.impl.tiny import load_tiny
+    from decodespec.spec.errors import Rejection
+
+    model = load_tiny(seed=0)
+    with pytest.raises(Rejection) as refused:
+        batch_generate(model, [[5, 6], [5, 600]], max_new_tokens=2)
+    assert refused.value.code == "runtime.invalid_request" and refused.value.path == "$.prompts[1]"
+    assert "600" not in refused.value.message and "1 id(s)" in refused.value.message
+    with pytest.raises(Rejection) as model_refusal:
+        model(torch.tensor([[5, 600, 700]]))
+    assert model_refusal.value.code == "model.invalid_input" and "600" not in model_refusal.value.message
+    assert model_refusal.value.details["outside"] == 2
