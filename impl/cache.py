@@ -298,14 +298,19 @@ class _CacheLedger:
         """Crop every layer back to the committed length and adopt ``generation`` (a recovery receipt).
 
         Raises:
-            Rejection: ``cache.invalid_operation`` while a call is open.
+            Rejection: ``cache.invalid_operation`` while a call is open, or when a layer holds fewer
+                rows than the committed length (recovery only crops; such a handle lost committed
+                rows and cannot be recovered); nothing changes.
         """
         if self._call is not None:
             raise Rejection(INVALID_CACHE_OPERATION, "cannot recover while a call is open", "$.cache")
+        short = [i for i, length in enumerate(self._lengths) if length < self._committed]
+        if short:
+            raise Rejection(INVALID_CACHE_OPERATION, f"layer {short[0]} holds {self._lengths[short[0]]} rows, fewer than the committed "
+                            f"{self._committed}: recovery only crops", "$.cache.layer_idx")
         for layer_idx in range(self.abi.num_layers):
             if self._lengths[layer_idx] > self._committed:
                 self._truncate(layer_idx, self._committed)
-        assert not self.dirty, f"layer lengths {self.layer_lengths()} after recovery to {self._committed}"
         self.generation = generation
 
     # -- the model-facing update ------------------------------------------------------------

@@ -216,18 +216,22 @@ def test_a_cache_position_that_does_not_end_at_the_last_new_slot_is_refused(posi
 
 
 def test_recover_never_pads_a_layer_shorter_than_the_committed_length():
-    """A static cache written unmanaged at its last layer only (committed 2, layer 0 empty): ``recover`` crops only
-    layers longer than the committed length, so layer 0 stays empty and the recovery fails its own check instead of
-    marking 2 unwritten slots of layer 0 as holding rows.
+    """A static cache written unmanaged at its last layer only (committed 2, layer 0 empty): ``recover`` only crops, so
+    it refuses (``cache.invalid_operation``, nothing changes) instead of marking 2 unwritten slots of layer 0 as
+    holding rows.
 
-    Kills line 306 ``self._lengths[layer_idx] > self._committed`` -> ``!=`` (Gt_NotEq 1).
+    Kills line 306 ``self._lengths[layer_idx] > self._committed`` -> ``!=`` (Gt_NotEq 1) (written against the
+    assertion that preceded the typed refusal; the refusal now comes first).
     """
+    from decodespec.spec.errors import Rejection
+
     cache = StaticCache(ABI, 4)
     cache.update(_rows(1, 2), _rows(1, 2), 1)
     assert cache.layer_lengths() == (0, 2) and cache.committed_length == 2
-    with pytest.raises(AssertionError):
+    with pytest.raises(Rejection) as refused:
         cache.recover(1)
-    assert cache.layer_lengths() == (0, 2)
+    assert refused.value.code == "cache.invalid_operation" and refused.value.path == "$.cache.layer_idx"
+    assert cache.layer_lengths() == (0, 2) and cache.generation != 1
 
 
 def test_reserve_row_hands_out_the_buffers_unless_the_open_call_drops_the_layer():
