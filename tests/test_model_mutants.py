@@ -12,6 +12,7 @@ Source: docs/results/mutation-sampled-runtime-snapshot-model.md (issue 15 item 5
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -111,3 +112,106 @@ def test_logits_to_keep_that_is_not_an_int_is_refused(tiny_model, keep):
     with torch.inference_mode(), pytest.raises(Rejection) as info:
         tiny_model(torch.tensor([[1, 70, 71]]), logits_to_keep=keep)
     assert info.value.code == "model.invalid_input" and info.value.path == "$.logits_to_keep"
+
+
+def test_the_fused_qkv_path_equals_the_separate_projections_when_heads_and_kv_heads_share_bits():
+    """With ``H = 3``, ``H_kv = 1`` (``3 | 1 != 3 + 1``) the fused ``qkv`` call gives the separate projections' logits.
+
+    The tiny model's ``H = 4``, ``H_kv = 2`` has ``4 | 2 == 4 + 2``, so only another head layout
+    tells the value rows' offset apart.  Kills 375 ``ReplaceBinaryOperator_Add_BitOr`` 7.
+    """
+    from torch import nn
+
+    from decodespec.impl.tiny import load_tiny
+
+    config = attrs.evolve(tiny_config(), num_attention_heads=3, num_key_value_heads=1)
+    fused, separate = load_tiny(seed=0, config=config), load_tiny(seed=0, config=config)
+    for layer in separate.model.layers:  # a weight that is no longer a view of the fused matrix turns the fused path off
+        attn = layer.self_attn
+        attn.q_proj.weight = nn.Parameter(attn.q_proj.weight.detach().clone())
+        assert attn.qkv.get() is None
+    assert all(layer.self_attn.qkv.get() is not None for layer in fused.model.layers)
+    ids = torch.tensor([[1, 70, 71, 72, 73]])
+    with torch.inference_mode():
+        a, b = fused(ids).logits, separate(ids).logits
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_window_overflow_names_the_positions_it_would_write():
+    """``model.context_window_exceeded`` quotes the positions ``past..past + T - 1`` and the window.
+
+    Kills 752 ``ReplaceBinaryOperator_Sub_Mul`` 0 and ``ReplaceBinaryOperator_Sub_LShift`` 0 (the
+    message's last position).
+    """
+    from decodespec.impl.tiny import load_tiny
+    from decodespec.spec.errors import ResourceLimit
+
+    small = load_tiny(seed=0, config=tiny_config(max_position_embeddings=8))
+    cache = small.new_cache()
+    with torch.inference_mode():
+        small(torch.tensor([[1, 70, 71]]), past_key_values=cache)
+        with pytest.raises(ResourceLimit) as info:
+            small(torch.tensor([[72, 73, 74, 75, 76, 77]]), past_key_values=cache)
+    assert info.value.code == "model.context_window_exceeded" and info.value.path == "$.cache_position"
+    assert "positions 3..8 exceed the window 8" in str(info.value)
+
+
+def test_a_meta_model_moves_and_runs_without_reading_values():
+    """On the ``meta`` device nothing is fused or range-checked: ``.to(dtype)`` keeps every weight on meta, a call gives ``[B, T, V]``.
+
+    ``impl/weights.py`` builds SmolLM2 exactly so (meta, then ``.to(dtype)``).  Kills 564
+    ``ReplaceComparisonOperator_NotEq_Is`` 2 (the arena copied meta weights) and 828
+    ``ReplaceComparisonOperator_NotEq_Lt`` 14 (the id range read off a meta tensor).
+    """
+    model = LlamaForCausalLM(tiny_config(), device="meta").to(torch.float32)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert all(layer.self_attn.qkv.get() is None for layer in model.model.layers)
+    with torch.inference_mode():
+        out = model(torch.tensor([[1, 70, 71]], device="meta"))
+    assert out.logits.device.type == "meta" and tuple(out.logits.shape) == (1, 3, model.config.vocab_size)
+
+
+def test_tying_keeps_the_heads_parameter_with_the_embeddings_values():
+    """``tie_weights`` on two same-shape tensors keeps the head's Parameter (placed in the decode arena) and the embedding's values.
+
+    Kills 618 ``ReplaceComparisonOperator_Eq_Lt`` 5 (the embedding's Parameter kept instead).
+    """
+    from torch import nn
+
+    model = LlamaForCausalLM(tiny_config(), device="cpu")
+    embed = torch.randn(model.config.vocab_size, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    model.model.embed_tokens.weight = nn.Parameter(embed.clone())
+    head = model.lm_head.weight
+    assert head is not model.model.embed_tokens.weight
+    model.tie_weights()
+    assert model.lm_head.weight is head and model.model.embed_tokens.weight is head
+    assert torch.equal(head.detach(), embed)
+
+
+def test_a_single_row_sdpa_call_packs_the_query_heads_of_each_kv_head(tiny_model, monkeypatch):
+    """A decode row under SDPA reads the compact cache as is: query ``[B, H_kv, n_rep, D]``, no ``enable_gqa`` (HF ``pack_gqa``).
+
+    A prefill call of several rows uses ``enable_gqa``.  Kills 290
+    ``ReplaceComparisonOperator_Gt_Lt`` 0 (every call through ``enable_gqa``).
+    """
+    import torch.nn.functional as F
+
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(query, key, value, **kwargs):
+        calls.append((tuple(query.shape), tuple(key.shape), kwargs.get("enable_gqa", False)))
+        return real(query, key, value, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    cfg = tiny_model.config
+    cache = tiny_model.new_cache()
+    assert cfg.attn_implementation == "sdpa" and cfg.num_attention_heads > cfg.num_key_value_heads
+    with torch.inference_mode():
+        tiny_model(torch.tensor([[1, 70, 71]]), past_key_values=cache)
+        prefill = list(calls)
+        calls.clear()
+        tiny_model(torch.tensor([[72]]), past_key_values=cache)
+    h, h_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    assert prefill == [((1, h, 3, d), (1, h_kv, 3, d), True)] * cfg.num_hidden_layers
+    assert calls == [((1, h_kv, h // h_kv, d), (1, h_kv, 4, d), False)] * cfg.num_hidden_layers
