@@ -1,0 +1,161 @@
+"""Checks written against the survivors of the sampled Cosmic Ray session on ``impl/snapshot.py``.
+
+Each test's docstring names the mutants it kills (``line operator occurrence``, line numbers of
+``impl/snapshot.py`` at commit 61ec8ad).  The screen (``checks/lab/mutation/snapshot.toml``) resumes
+every step and refuses a table of tampered files by code; what it did not reach: counters past 256
+(where ``is`` and ``==`` differ for ints), a snapshot of a runner that was itself restored (fewer
+receipts than outputs), and the path a refusal names.
+
+Source: docs/results/mutation-sampled-runtime-snapshot-model.md (issue 15 item 5); M3.10 0x0BA
+"A completed output is not automatically a resumable snapshot".
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from runtime_helpers import request  # tests/ is on sys.path
+
+from decodespec.impl.runtime import RequestRunner
+from decodespec.impl.snapshot import load_snapshot, save_snapshot
+from decodespec.spec.errors import Rejection
+
+PROMPT = (1, 70, 71, 72)
+
+
+def _saved(model, tmp_path, *, form="pending_suffix", outputs=2, cache="dynamic", name="s.json", **changes):
+    runner = RequestRunner(model, request(PROMPT, 5, cache=cache, **changes)).run(max_outputs=outputs)
+    path = tmp_path / name
+    save_snapshot(runner.snapshot(form), path)
+    return path, json.loads(path.read_text())
+
+
+def _write(path, doc):
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def _refusal(model, path) -> Rejection:
+    with pytest.raises(Rejection) as info:
+        RequestRunner.restore(model, load_snapshot(path))
+    return info.value
+
+
+def test_a_scored_snapshot_past_generation_256_restores(tiny_model, tmp_path):
+    """A consumable score at generation 300 (JSON ints past 256 are distinct objects) is the record's own row.
+
+    The same file with the score one generation behind is refused at ``$.state.score``.  Kills 711
+    ``ReplaceComparisonOperator_NotEq_IsNot`` 34 (``is not`` on the generation).
+    """
+    path, doc = _saved(tiny_model, tmp_path, form="repaired")
+    state = doc["state"]
+    assert state["phase"] == "scored" and state["num_retries"] == 0
+    big = json.loads(json.dumps(doc).replace('"generation": 3', '"generation": 300').replace('"num_calls": 3', '"num_calls": 300'))
+    assert big["state"]["generation"] == big["state"]["score"]["generation"] == big["state"]["num_calls"] == 300
+    runner = RequestRunner.restore(tiny_model, load_snapshot(_write(path, big)))
+    assert runner.phase.value == "scored" and runner.state().generation == 300 and runner.score.generation == 300
+    behind = json.loads(json.dumps(big))
+    behind["state"]["score"]["generation"] = 299
+    error = _refusal(tiny_model, _write(path, behind))
+    assert (error.code, error.path) == ("snapshot.ledger_invalid", "$.state.score")
+
+
+def test_a_snapshot_of_a_restored_runner_has_fewer_receipts_than_outputs_and_resumes(tiny_model, tmp_path):
+    """A restored runner holds the receipts of the tokens it decided itself: its snapshot restores and resumes exactly.
+
+    More receipts than outputs is ``snapshot.ledger_invalid`` at ``$.receipts``.  Kills 775
+    ``ReplaceComparisonOperator_Gt_Lt`` 9.
+    """
+    req = request(PROMPT, 5, cache="dynamic")
+    full = RequestRunner(tiny_model, req).run()
+    path, _ = _saved(tiny_model, tmp_path, outputs=2)
+    second = RequestRunner.restore(tiny_model, load_snapshot(path)).run(max_outputs=3)
+    again = tmp_path / "again.json"
+    save_snapshot(second.snapshot("pending_suffix"), again)
+    doc = json.loads(again.read_text())
+    assert len(doc["receipts"]) == 1 and len(doc["state"]["output_ids"]) == 3
+    resumed = RequestRunner.restore(tiny_model, load_snapshot(again)).run()
+    assert resumed.output_ids == full.output_ids and resumed.logprobs == full.logprobs
+    doc["receipts"] = doc["receipts"] * 4
+    error = _refusal(tiny_model, _write(again, doc))
+    assert (error.code, error.path) == ("snapshot.ledger_invalid", "$.receipts")
+
+
+@pytest.mark.parametrize("where, value, path, message", [
+    (("cache", "capacity"), "4", "$.cache.capacity", "capacity must be int or null, got str"),
+    (("cache", "num_layers"), None, "$.cache.num_layers", "num_layers must be int, got NoneType"),
+    (("policy_state", "mirostat_mu"), "1", "$.policy_state.mirostat_mu", "mirostat_mu must be int or float or null, got str"),
+])
+def test_a_mistyped_field_is_malformed_at_that_field(tiny_model, tmp_path, where, value, path, message):
+    """``snapshot.malformed`` names the field and the JSON types it takes (``null`` for None).
+
+    Kills 558 ``ReplaceComparisonOperator_Is_LtE`` 2 (``type <= type`` raises, and the catch-all
+    reports ``$``).
+    """
+    file, doc = _saved(tiny_model, tmp_path)
+    doc[where[0]][where[1]] = value
+    with pytest.raises(Rejection) as info:
+        load_snapshot(_write(file, doc))
+    assert (info.value.code, info.value.path) == ("snapshot.malformed", path)
+    assert message in str(info.value)
+
+
+def test_rng_counters_past_256_restore(tiny_model, tmp_path):
+    """A sampled request whose RNG counter starts at 300: the record's and the policy state's counters agree by value.
+
+    Kills 697 ``ReplaceComparisonOperator_NotEq_IsNot`` 27 (``is not`` between two JSON ints past 256).
+    """
+    from runtime_helpers import sampled_policy
+
+    req = request(PROMPT, 5, cache="dynamic", policy=sampled_policy(), rng_counter_start=300)
+    full = RequestRunner(tiny_model, req).run()
+    first = RequestRunner(tiny_model, req).run(max_outputs=2)
+    path = tmp_path / "rng.json"
+    save_snapshot(first.snapshot("pending_suffix"), path)
+    loaded = load_snapshot(path)
+    assert loaded.record.rng_counter == loaded.policy_state.rng_counter == 302
+    resumed = RequestRunner.restore(tiny_model, loaded).run()
+    assert resumed.output_ids == full.output_ids and resumed.policy_state == full.policy_state
+
+
+def test_token_ids_past_256_restore(tiny_model, tmp_path):
+    """Outputs with ids past 256 (JSON ints that are distinct objects) line up with their receipts by value.
+
+    A snapshot without decision receipts (as a restored runner's before it decides) whose outputs
+    are renamed to 300 and 301 everywhere (outputs, consumed receipts, the observer) restores.
+    Kills 680 ``ReplaceComparisonOperator_NotEq_IsNot`` 22.
+    """
+    path, doc = _saved(tiny_model, tmp_path, outputs=2)
+    state = doc["state"]
+    assert len(state["output_ids"]) == 2 and state["pending_ids"] == state["output_ids"][-1:]
+    ids = [300, 301]
+    state["output_ids"], state["pending_ids"] = ids, ids[-1:]
+    for receipt, token in zip(state["consumed"], ids):
+        receipt["token_id"] = token
+    doc["receipts"] = []
+    if doc["observer"] is not None:
+        doc["observer"]["output_ids"] = ids
+    runner = RequestRunner.restore(tiny_model, load_snapshot(_write(path, doc)))
+    assert list(runner.output_ids) == [300, 301] and list(runner.pending_ids) == [301]
+
+
+def test_a_prefilled_prompt_with_no_output_and_nothing_pending_is_refused_at_the_pending_ids(tiny_model, tmp_path):
+    """Chunked prefill: READY with ``P = L``, ``O = 0`` and no pending token is not between chunks (``$.state.pending_ids``).
+
+    Between chunks (``0 < P < L``) a snapshot restores; at ``P = L`` the decision row is owed, so
+    the record is ``snapshot.frontier_invalid`` at ``$.state.pending_ids``, before the cache rows
+    are compared.  Kills 642 ``ReplaceComparisonOperator_Lt_LtE`` 1.
+    """
+    prompt = (1, 70, 71, 72, 73, 74, 75, 76)
+    runner = RequestRunner(tiny_model, request(prompt, 5, cache="dynamic", prefill_chunk=4))
+    while runner.processed < 4:
+        runner.step()
+    path = tmp_path / "chunk.json"
+    save_snapshot(runner.snapshot("pending_suffix"), path)
+    doc = json.loads(path.read_text())
+    assert doc["state"]["processed"] == 4 and doc["state"]["phase"] == "ready"
+    assert RequestRunner.restore(tiny_model, load_snapshot(path)).processed == 4
+    doc["state"]["processed"] = len(prompt)
+    error = _refusal(tiny_model, _write(path, doc))
+    assert (error.code, error.path) == ("snapshot.frontier_invalid", "$.state.pending_ids")
