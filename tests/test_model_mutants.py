@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from decodespec.impl import native
-from decodespec.impl.model import LlamaForCausalLM, apply_rotary_pos_emb, rotate_half
+from decodespec.impl.model import Linear, LlamaForCausalLM, LlamaRMSNorm, apply_rotary_pos_emb, repeat_kv, rotate_half
 from decodespec.impl.tiny import tiny_config
 from decodespec.spec.errors import Rejection
 
@@ -118,7 +118,8 @@ def test_the_fused_qkv_path_equals_the_separate_projections_when_heads_and_kv_he
     """With ``H = 3``, ``H_kv = 1`` (``3 | 1 != 3 + 1``) the fused ``qkv`` call gives the separate projections' logits.
 
     The tiny model's ``H = 4``, ``H_kv = 2`` has ``4 | 2 == 4 + 2``, so only another head layout
-    tells the value rows' offset apart.  Kills 375 ``ReplaceBinaryOperator_Add_BitOr`` 7.
+    tells the value rows' offset apart.  The separate MLP (``silu(gate) * up``) is checked the same
+    way.  Kills 375 ``ReplaceBinaryOperator_Add_BitOr`` 7 and 402 ``ReplaceBinaryOperator_Mul_Div`` 18.
     """
     from torch import nn
 
@@ -127,10 +128,11 @@ def test_the_fused_qkv_path_equals_the_separate_projections_when_heads_and_kv_he
     config = attrs.evolve(tiny_config(), num_attention_heads=3, num_key_value_heads=1)
     fused, separate = load_tiny(seed=0, config=config), load_tiny(seed=0, config=config)
     for layer in separate.model.layers:  # a weight that is no longer a view of the fused matrix turns the fused path off
-        attn = layer.self_attn
+        attn, mlp = layer.self_attn, layer.mlp
         attn.q_proj.weight = nn.Parameter(attn.q_proj.weight.detach().clone())
-        assert attn.qkv.get() is None
-    assert all(layer.self_attn.qkv.get() is not None for layer in fused.model.layers)
+        mlp.gate_proj.weight = nn.Parameter(mlp.gate_proj.weight.detach().clone())
+        assert attn.qkv.get() is None and mlp.gate_up.get() is None
+    assert all(layer.self_attn.qkv.get() is not None and layer.mlp.gate_up.get() is not None for layer in fused.model.layers)
     ids = torch.tensor([[1, 70, 71, 72, 73]])
     with torch.inference_mode():
         a, b = fused(ids).logits, separate(ids).logits
@@ -215,3 +217,80 @@ def test_a_single_row_sdpa_call_packs_the_query_heads_of_each_kv_head(tiny_model
     h, h_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     assert prefill == [((1, h, 3, d), (1, h_kv, 3, d), True)] * cfg.num_hidden_layers
     assert calls == [((1, h_kv, h // h_kv, d), (1, h_kv, 4, d), False)] * cfg.num_hidden_layers
+
+
+def test_repeat_kv_repeats_each_kv_head_n_rep_times_in_place():
+    """``[B, H_kv, S, D] -> [B, H_kv * n_rep, S, D]`` equals ``repeat_interleave(n_rep, dim=1)`` for ``H_kv = 3, n_rep = 2``.
+
+    On the tiny model ``H_kv = n_rep = 2`` and ``2 ** 2 == 2 * 2``.  Kills 258
+    ``ReplaceBinaryOperator_Mul_Pow`` 9.
+    """
+    x = torch.randn(2, 3, 5, 4, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(repeat_kv(x, 2), x.repeat_interleave(2, dim=1))
+    assert repeat_kv(x, 1) is x
+
+
+def test_tying_a_head_of_another_shape_takes_the_embedding():
+    """A head whose shape differs from the embedding's is replaced by the embedding's Parameter (no copy into it).
+
+    Kills 618 ``ReplaceComparisonOperator_Eq_IsNot`` 3 (two ``torch.Size`` objects are never
+    identical, so the copy branch ran and failed).
+    """
+    from torch import nn
+
+    model = LlamaForCausalLM(tiny_config(), device="cpu")
+    embed = model.model.embed_tokens.weight
+    model.lm_head.weight = nn.Parameter(torch.zeros(7, model.config.hidden_size))
+    model.tie_weights()
+    assert model.lm_head.weight is embed and model.model.embed_tokens.weight is embed
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason="native kernel unavailable here")
+def test_a_native_model_moved_off_the_cpu_decodes_through_torch():
+    """Only a call on the CPU runs the native kernel: the same model moved to ``meta`` decodes a row through torch.
+
+    Kills 784 ``ReplaceComparisonOperator_Eq_IsNot`` 7 (``device.type is not "cpu"`` is always
+    true, so the kernel was handed meta tensors).
+    """
+    from decodespec.impl.cache import StaticCache
+    from decodespec.impl.tiny import load_tiny
+
+    model = load_tiny(seed=0).set_decode_kernel("native").to("meta")
+    assert model.decode_kernel == "native" and model.device.type == "meta"
+    cache = StaticCache(model.cache_abi, 8)
+    with torch.inference_mode():
+        model(torch.tensor([[1, 70, 71]], device="meta"), past_key_values=cache, attention_mask=cache.key_validity(3).to("meta"))
+        out = model(torch.tensor([[72]], device="meta"), past_key_values=cache, cache_position=torch.tensor([3], device="meta"),
+                    attention_mask=cache.key_validity(4).to("meta"))
+    assert out.logits.device.type == "meta" and tuple(out.logits.shape) == (1, 1, model.config.vocab_size)
+
+
+def test_rms_norm_of_a_bfloat16_input_is_computed_in_float32():
+    """A bfloat16 input is normed in float32 and cast back before the weight (HF's order): bitwise that computation.
+
+    Kills 105 ``AddNot`` 0 (the norm computed in bfloat16).
+    """
+    norm = LlamaRMSNorm(64, eps=1e-5)
+    x = (torch.randn(3, 64, generator=torch.Generator().manual_seed(5)) * 7).to(torch.bfloat16)
+    x32 = x.float()
+    expected = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    with torch.no_grad():
+        got = norm(x)
+        assert torch.equal(got, expected)
+        x64 = x.double()
+        exact = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
+        assert (got.double() - exact).abs().max().item() <= 2 ** -8 * exact.abs().max().item()
+
+
+def test_linear_with_a_bias_adds_it():
+    """``Linear(..., bias=True)`` is ``x @ W.T + b``; a bias-free one goes through :func:`project` with the same values.
+
+    Kills 325 ``AddNot`` 10 (the bias dropped, and the bias-free call sent to ``F.linear``).
+    """
+    lin = Linear(4, 3, bias=True)
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(3, 4, generator=gen))
+        lin.bias.copy_(torch.tensor([1.0, -2.0, 3.0]))
+        x = torch.randn(2, 4, generator=gen)
+        torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias, rtol=0, atol=1e-6)
