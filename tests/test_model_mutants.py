@@ -294,3 +294,16 @@ def test_linear_with_a_bias_adds_it():
         lin.bias.copy_(torch.tensor([1.0, -2.0, 3.0]))
         x = torch.randn(2, 4, generator=gen)
         torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (0, 3)])
+def test_an_empty_call_is_refused(tiny_model, shape):
+    """``input_ids`` with no row or no token is ``model.invalid_input`` at ``$.input_ids``; the cache is untouched.
+
+    Kills 811 ``NumberReplacer`` 161 (``T = 0`` admitted).
+    """
+    cache = tiny_model.new_cache()
+    with torch.inference_mode(), pytest.raises(Rejection) as info:
+        tiny_model(torch.zeros(shape, dtype=torch.int64), past_key_values=cache)
+    assert (info.value.code, info.value.path) == ("model.invalid_input", "$.input_ids")
+    assert cache.get_seq_length() == 0
