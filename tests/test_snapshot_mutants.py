@@ -159,3 +159,89 @@ def test_a_prefilled_prompt_with_no_output_and_nothing_pending_is_refused_at_the
     doc["state"]["processed"] = len(prompt)
     error = _refusal(tiny_model, _write(path, doc))
     assert (error.code, error.path) == ("snapshot.frontier_invalid", "$.state.pending_ids")
+
+
+def test_a_snapshot_after_a_retried_device_fault_restores(tiny_model, tmp_path):
+    """``num_retries = 1`` (a device fault on call 1, retried) is within ``max_retries``: restore and resume exactly.
+
+    Kills 735 ``ReplaceComparisonOperator_LtE_Is`` 6 (``0 is num_retries`` holds for 0 only).
+    """
+    from decodespec.impl.faults import DeviceFault, FaultPlan
+
+    req = request(PROMPT, 5, cache="dynamic", max_retries=1)
+    full = RequestRunner(tiny_model, req).run()
+    first = RequestRunner(tiny_model, req, faults=FaultPlan.of(DeviceFault(1))).run(max_outputs=3)
+    assert first.num_retries == 1
+    path = tmp_path / "retried.json"
+    save_snapshot(first.snapshot("pending_suffix"), path)
+    resumed = RequestRunner.restore(tiny_model, load_snapshot(path))
+    assert resumed.num_retries == 1
+    resumed.run()
+    assert resumed.output_ids == full.output_ids and resumed.logprobs == full.logprobs
+
+
+@pytest.mark.parametrize("reason", ["timeout", "cancelled", "eos"])
+def test_a_finish_reason_that_is_not_the_published_trigger_is_refused(tiny_model, tmp_path, reason):
+    """A finished (``length``) snapshot relabelled with another reason is ``snapshot.ledger_invalid`` at ``$.state.triggers``.
+
+    ``timeout`` sorts after ``length``, ``cancelled`` and ``eos`` before it.  Kills 720
+    ``ReplaceComparisonOperator_IsNot_Lt`` 2 (only a reason that sorts before the published one
+    refused).
+    """
+    path, doc = _saved(tiny_model, tmp_path, outputs=5)
+    assert doc["state"]["phase"] == "finished" and doc["state"]["finish_reason"] == "length"
+    assert RequestRunner.restore(tiny_model, load_snapshot(path)).finish_reason.value == "length"
+    doc["state"]["finish_reason"] = reason
+    error = _refusal(tiny_model, _write(path, doc))
+    assert (error.code, error.path) == ("snapshot.ledger_invalid", "$.state.triggers")
+
+
+def test_cache_tensors_of_another_dtype_are_refused(tiny_model, tmp_path):
+    """Stored K/V rows of the right shape in float64 do not fit a float32 ABI: ``snapshot.abi_mismatch`` at ``$.cache.layers[0]``.
+
+    Kills 620 ``ReplaceOrWithAnd`` 18 (refused only when the shape is wrong too).
+    """
+    import attrs
+
+    path, _ = _saved(tiny_model, tmp_path)
+    snapshot = load_snapshot(path)
+    wide = attrs.evolve(snapshot, tensors=[(k.double(), v.double()) for k, v in snapshot.tensors])
+    with pytest.raises(Rejection) as info:
+        RequestRunner.restore(tiny_model, wide)
+    assert (info.value.code, info.value.path) == ("snapshot.abi_mismatch", "$.cache.layers[0]")
+
+
+def test_cache_rows_or_a_lane_frontier_off_p_are_refused(tiny_model, tmp_path):
+    """Either the stored rows or the lane's recorded frontier differing from ``P`` is ``snapshot.frontier_invalid`` at ``$.cache``.
+
+    Kills 651 ``ReplaceOrWithAnd`` 27 (refused only when both differ).
+    """
+    import attrs
+
+    path, doc = _saved(tiny_model, tmp_path)
+    p = doc["state"]["processed"]
+    assert doc["state"]["lanes"] == [["self_kv", p]]
+    snapshot = load_snapshot(path)
+    short = attrs.evolve(snapshot, tensors=[(k[:, :, :-1], v[:, :, :-1]) for k, v in snapshot.tensors])
+    with pytest.raises(Rejection) as info:
+        RequestRunner.restore(tiny_model, short)
+    assert (info.value.code, info.value.path) == ("snapshot.frontier_invalid", "$.cache")
+    doc["state"]["lanes"] = [["self_kv", p + 1]]
+    error = _refusal(tiny_model, _write(path, doc))
+    assert (error.code, error.path) == ("snapshot.frontier_invalid", "$.cache")
+
+
+def test_a_snapshot_finished_by_eos_restores(tiny_model, tmp_path):
+    """An EOS as the last output of a finished request is allowed: the ``eos`` snapshot restores finished, nothing pending to run.
+
+    Kills 726 ``NumberReplacer`` 51 (EOS expected one past the last output).
+    """
+    from runtime_helpers import sampled_policy
+
+    plain = RequestRunner(tiny_model, request(PROMPT, 5, cache="dynamic", policy=sampled_policy())).run()
+    ids = list(plain.output_ids)
+    at = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])  # the first output that is not an earlier one
+    path, doc = _saved(tiny_model, tmp_path, outputs=5, eos_ids=frozenset({ids[at]}), policy=sampled_policy())
+    assert doc["state"]["finish_reason"] == "eos" and doc["state"]["output_ids"] == ids[:at + 1]
+    restored = RequestRunner.restore(tiny_model, load_snapshot(path))
+    assert restored.finish_reason.value == "eos" and list(restored.output_ids) == ids[:at + 1]
