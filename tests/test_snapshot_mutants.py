@@ -45,8 +45,10 @@ def _refusal(model, path) -> Rejection:
 def test_a_scored_snapshot_past_generation_256_restores(tiny_model, tmp_path):
     """A consumable score at generation 300 (JSON ints past 256 are distinct objects) is the record's own row.
 
-    The same file with the score one generation behind is refused at ``$.state.score``.  Kills 711
-    ``ReplaceComparisonOperator_NotEq_IsNot`` 34 (``is not`` on the generation).
+    The same file with the score (and its row) one generation behind is refused at
+    ``$.state.score``.  Kills 711 ``ReplaceComparisonOperator_NotEq_IsNot`` 34 (``is not`` on the
+    generation) and 711 ``ReplaceComparisonOperator_NotEq_Gt`` 38 (an older score passed on to the
+    generation check, ``$.state.generation``).
     """
     path, doc = _saved(tiny_model, tmp_path, form="repaired")
     state = doc["state"]
@@ -55,8 +57,8 @@ def test_a_scored_snapshot_past_generation_256_restores(tiny_model, tmp_path):
     assert big["state"]["generation"] == big["state"]["score"]["generation"] == big["state"]["num_calls"] == 300
     runner = RequestRunner.restore(tiny_model, load_snapshot(_write(path, big)))
     assert runner.phase.value == "scored" and runner.state().generation == 300 and runner.score.generation == 300
-    behind = json.loads(json.dumps(big))
-    behind["state"]["score"]["generation"] = 299
+    behind = json.loads(json.dumps(big))  # the score row and the consumable score agree, one generation behind the record
+    behind["state"]["score"]["generation"] = behind["state"]["scores"][-1]["generation"] = 299
     error = _refusal(tiny_model, _write(path, behind))
     assert (error.code, error.path) == ("snapshot.ledger_invalid", "$.state.score")
 
@@ -245,3 +247,27 @@ def test_a_snapshot_finished_by_eos_restores(tiny_model, tmp_path):
     assert doc["state"]["finish_reason"] == "eos" and doc["state"]["output_ids"] == ids[:at + 1]
     restored = RequestRunner.restore(tiny_model, load_snapshot(path))
     assert restored.finish_reason.value == "eos" and list(restored.output_ids) == ids[:at + 1]
+
+
+def test_a_lane_in_a_snapshot_without_a_cache_is_refused(tiny_model, tmp_path):
+    """A ``none``-cache snapshot whose record names a ``self_kv`` lane is ``snapshot.abi_mismatch`` at ``$.state.lanes``.
+
+    Kills 610 ``ReplaceComparisonOperator_NotEq_Lt`` 13 (only a missing lane refused).
+    """
+    path, doc = _saved(tiny_model, tmp_path, cache="none")
+    assert doc["state"]["lanes"] == []
+    doc["state"]["lanes"] = [["self_kv", doc["state"]["processed"]]]
+    error = _refusal(tiny_model, _write(path, doc))
+    assert (error.code, error.path) == ("snapshot.abi_mismatch", "$.state.lanes")
+
+
+def test_snapshots_compare_by_identity_and_hash(tiny_model):
+    """``RuntimeSnapshot`` is ``eq=False``: two snapshots of the same state are different objects, each hashable.
+
+    Kills 118 ``ReplaceFalseWithTrue`` 0 (value equality over tensor lists: comparing raises, hashing
+    a list fails).
+    """
+    runner = RequestRunner(tiny_model, request(PROMPT, 5, cache="dynamic")).run(max_outputs=2)
+    a, b = runner.snapshot("pending_suffix"), runner.snapshot("pending_suffix")
+    assert a != b and len({a, b}) == 2 and [s for s in (a, b) if s == a] == [a]
+    assert a.record == b.record
