@@ -34,3 +34,28 @@ def test_a_budget_is_spent_when_the_elapsed_time_reaches_it(tiny_model, spent_ms
         assert runner.finish_reason is FinishReason.TIMEOUT and runner.num_calls == 0 and runner.output_ids == []
     else:
         assert runner.finish_reason is FinishReason.LENGTH and runner.output_count == 3
+
+
+@pytest.mark.parametrize("length", [3, 4])
+def test_a_prefill_chunk_past_the_remaining_prompt_is_not_enabled(tiny_model, length):
+    """Chunked prefill (chunk 6, ``L = 8``): after 6 rows only 2 remain, so a launch of 3 or 4 rows is ``transition.not_enabled``.
+
+    Nothing changes: the runner then prefills the last 2 rows and decodes as a run never refused.
+    Kills 459 ``ReplaceBinaryOperator_Sub_BitXor`` 0 (``8 ^ 6 = 14`` rows allowed).
+    """
+    from decodespec.spec.enums import CallKind
+    from decodespec.spec.errors import Rejection
+
+    prompt = (1, 70, 71, 72, 73, 74, 75, 76)
+    full = RequestRunner(tiny_model, request(prompt, 3, cache="dynamic", prefill_chunk=6)).run()  # chunks of 6 and 2
+    runner = RequestRunner(tiny_model, request(prompt, 3, cache="dynamic", prefill_chunk=6))
+    runner.admit()
+    runner.launch(CallKind.PREFILL, length=6)
+    runner.complete()
+    assert runner.processed == 6
+    with pytest.raises(Rejection) as info:
+        runner.launch(CallKind.PREFILL, length=length)
+    assert info.value.code == "transition.not_enabled" and info.value.details["rule"] == "transition.launch_prefill"
+    assert runner.processed == 6 and runner.in_flight is None and runner.num_calls == 1
+    runner.run()
+    assert runner.output_ids == full.output_ids and runner.logprobs == full.logprobs
