@@ -271,3 +271,28 @@ def test_snapshots_compare_by_identity_and_hash(tiny_model):
     a, b = runner.snapshot("pending_suffix"), runner.snapshot("pending_suffix")
     assert a != b and len({a, b}) == 2 and [s for s in (a, b) if s == a] == [a]
     assert a.record == b.record
+
+
+def test_ledger_refusals_quote_the_expected_counter_and_frontier(tiny_model, tmp_path):
+    """The messages of two ledger refusals: the RNG counter's start plus draws, and the score row's expected ``O`` and ``P``.
+
+    Kills 699 ``ReplaceBinaryOperator_Sub_Mul`` 0 (the draws quoted as a product) and 708
+    ``ReplaceBinaryOperator_Add_Mod`` 8 (``P`` quoted as ``L % O``).
+    """
+    from runtime_helpers import sampled_policy
+
+    req = request(PROMPT, 5, cache="dynamic", policy=sampled_policy(), rng_counter_start=300)
+    path = tmp_path / "ledger.json"
+    save_snapshot(RequestRunner(tiny_model, req).run(max_outputs=2).snapshot("pending_suffix"), path)
+    doc = json.loads(path.read_text())
+    counter = json.loads(json.dumps(doc))
+    counter["state"]["rng_counter"] = 303
+    error = _refusal(tiny_model, _write(path, counter))
+    assert (error.code, error.path) == ("snapshot.ledger_invalid", "$.state.rng_counter")
+    assert "RNG counter 303 / policy 302 != start 300 + 2 draws" in str(error)
+    row = json.loads(json.dumps(doc))
+    row["receipts"] = []  # allowed (a restored runner's); the score-row check is then the first to see the change
+    row["state"]["consumed"][1]["score_id"] = row["state"]["consumed"][0]["score_id"]
+    error = _refusal(tiny_model, _write(path, row))
+    assert (error.code, error.path) == ("snapshot.ledger_invalid", "$.state.consumed[1].score_id")
+    assert f"taken at O = 1, P = {len(PROMPT) + 1}" in str(error)
