@@ -296,3 +296,29 @@ def test_ledger_refusals_quote_the_expected_counter_and_frontier(tiny_model, tmp
     error = _refusal(tiny_model, _write(path, row))
     assert (error.code, error.path) == ("snapshot.ledger_invalid", "$.state.consumed[1].score_id")
     assert f"taken at O = 1, P = {len(PROMPT) + 1}" in str(error)
+
+
+def test_a_tampered_token_id_is_quoted_as_content_and_a_tampered_logprob_as_a_value(tiny_model, byte_tokenizer, tmp_path):
+    """Refusal messages never show a token id (user content: length and fingerprint) but do show a logprob.
+
+    A receipt's ``selected_id`` and the observer's ``output_ids`` are fingerprinted; the observer's
+    ``logprobs`` are quoted as numbers.  Kills 787 ``ReplaceComparisonOperator_Eq_Lt`` 13 and 828
+    ``ReplaceComparisonOperator_Eq_LtE`` 14 (the choice of quoting by key).
+    """
+    runner = RequestRunner(tiny_model, request(PROMPT, 5, cache="dynamic"), tokenizer=byte_tokenizer).run(max_outputs=2)
+    path = tmp_path / "quoted.json"
+    save_snapshot(runner.snapshot("pending_suffix"), path)
+    doc = json.loads(path.read_text())
+    assert doc["receipts"] and doc["observer"] is not None
+    receipt = json.loads(json.dumps(doc))
+    receipt["receipts"][0]["selected_id"] = 4321
+    error = _refusal(tiny_model, _write(path, receipt))
+    assert error.path == "$.receipts[0].selected_id" and "4321" not in str(error) and "<content: int" in str(error)
+    observed = json.loads(json.dumps(doc))
+    observed["observer"]["output_ids"][0] = 4321
+    error = _refusal(tiny_model, _write(path, observed))
+    assert error.path == "$.observer.output_ids[0]" and "4321" not in str(error) and "<content: int" in str(error)
+    logprob = json.loads(json.dumps(doc))
+    logprob["observer"]["logprobs"][0] = -0.125
+    error = _refusal(tiny_model, _write(path, logprob))
+    assert error.path == "$.observer.logprobs[0]" and "-0.125" in str(error) and "<content" not in str(error)
