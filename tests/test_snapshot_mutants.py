@@ -322,3 +322,19 @@ def test_a_tampered_token_id_is_quoted_as_content_and_a_tampered_logprob_as_a_va
     logprob["observer"]["logprobs"][0] = -0.125
     error = _refusal(tiny_model, _write(path, logprob))
     assert error.path == "$.observer.logprobs[0]" and "-0.125" in str(error) and "<content" not in str(error)
+
+
+def test_a_frontier_past_256_rows_restores(tiny_model, tmp_path):
+    """``P + |U| = L + O = 302`` (a 300-token prompt): the frontier equation holds by value and the snapshot resumes exactly.
+
+    Kills 643 ``ReplaceComparisonOperator_Eq_Is`` 7 (``is`` between two computed ints past 256).
+    """
+    prompt = (1, *[70 + i % 20 for i in range(299)])
+    req = request(prompt, 4, cache="dynamic")
+    full = RequestRunner(tiny_model, req).run()
+    path = tmp_path / "long.json"
+    save_snapshot(RequestRunner(tiny_model, req).run(max_outputs=2).snapshot("pending_suffix"), path)
+    loaded = load_snapshot(path)
+    assert loaded.record.processed + len(loaded.record.pending_ids) == len(prompt) + 2 == 302
+    resumed = RequestRunner.restore(tiny_model, loaded).run()
+    assert resumed.output_ids == full.output_ids and resumed.logprobs == full.logprobs
