@@ -338,3 +338,33 @@ def test_a_frontier_past_256_rows_restores(tiny_model, tmp_path):
     assert loaded.record.processed + len(loaded.record.pending_ids) == len(prompt) + 2 == 302
     resumed = RequestRunner.restore(tiny_model, loaded).run()
     assert resumed.output_ids == full.output_ids and resumed.logprobs == full.logprobs
+
+
+def test_cache_tensors_with_more_kv_heads_than_the_abi_are_refused(tiny_model, tmp_path):
+    """Stored rows with ``H_kv + 1`` heads are ``snapshot.abi_mismatch`` at ``$.cache.layers[0]`` (not only fewer heads).
+
+    Kills 619 ``ReplaceComparisonOperator_NotEq_Lt`` 18.
+    """
+    import attrs
+    import torch
+
+    path, _ = _saved(tiny_model, tmp_path)
+    snapshot = load_snapshot(path)
+    wide = attrs.evolve(snapshot, tensors=[(torch.cat((k, k[:, :1]), dim=1), torch.cat((v, v[:, :1]), dim=1)) for k, v in snapshot.tensors])
+    with pytest.raises(Rejection) as info:
+        RequestRunner.restore(tiny_model, wide)
+    assert (info.value.code, info.value.path) == ("snapshot.abi_mismatch", "$.cache.layers[0]")
+
+
+def test_an_observer_holding_more_outputs_than_the_ledger_is_refused(tiny_model, byte_tokenizer, tmp_path):
+    """An observer state with one output id more than the ledger is ``snapshot.ledger_invalid`` at ``$.observer.output_ids``.
+
+    Kills 826 ``ReplaceComparisonOperator_NotEq_Lt`` 51 (only fewer refused).
+    """
+    runner = RequestRunner(tiny_model, request(PROMPT, 5, cache="dynamic"), tokenizer=byte_tokenizer).run(max_outputs=2)
+    path = tmp_path / "observer.json"
+    save_snapshot(runner.snapshot("pending_suffix"), path)
+    doc = json.loads(path.read_text())
+    doc["observer"]["output_ids"].append(doc["observer"]["output_ids"][-1])
+    error = _refusal(tiny_model, _write(path, doc))
+    assert (error.code, error.path) == ("snapshot.ledger_invalid", "$.observer.output_ids")
