@@ -356,15 +356,35 @@ def test_cache_tensors_with_more_kv_heads_than_the_abi_are_refused(tiny_model, t
     assert (info.value.code, info.value.path) == ("snapshot.abi_mismatch", "$.cache.layers[0]")
 
 
-def test_an_observer_holding_more_outputs_than_the_ledger_is_refused(tiny_model, byte_tokenizer, tmp_path):
-    """An observer state with one output id more than the ledger is ``snapshot.ledger_invalid`` at ``$.observer.output_ids``.
+def test_an_observer_holding_more_or_fewer_outputs_than_the_ledger_is_refused(tiny_model, byte_tokenizer, tmp_path):
+    """An observer state with one output id more, or one fewer, than the ledger is ``snapshot.ledger_invalid`` at ``$.observer.output_ids``.
 
-    Kills 826 ``ReplaceComparisonOperator_NotEq_Lt`` 51 (only fewer refused).
+    Kills 826 ``ReplaceComparisonOperator_NotEq_Lt`` 51 and ``ReplaceComparisonOperator_NotEq_Gt`` 51
+    (only one direction refused).
     """
     runner = RequestRunner(tiny_model, request(PROMPT, 5, cache="dynamic"), tokenizer=byte_tokenizer).run(max_outputs=2)
     path = tmp_path / "observer.json"
     save_snapshot(runner.snapshot("pending_suffix"), path)
     doc = json.loads(path.read_text())
-    doc["observer"]["output_ids"].append(doc["observer"]["output_ids"][-1])
-    error = _refusal(tiny_model, _write(path, doc))
-    assert (error.code, error.path) == ("snapshot.ledger_invalid", "$.observer.output_ids")
+    for ids in (doc["observer"]["output_ids"] + doc["observer"]["output_ids"][-1:], doc["observer"]["output_ids"][:-1]):
+        edited = json.loads(json.dumps(doc))
+        edited["observer"]["output_ids"] = ids
+        error = _refusal(tiny_model, _write(path, edited))
+        assert (error.code, error.path) == ("snapshot.ledger_invalid", "$.observer.output_ids")
+
+
+def test_a_snapshot_whose_carried_request_has_another_identity_is_refused(tiny_model, tmp_path):
+    """Restoring with the right request a snapshot whose carried request names another identity: ``snapshot.identity_mismatch``.
+
+    The carried identity ``"a"`` sorts before the request's ``"test"``.  Kills 601
+    ``ReplaceComparisonOperator_NotEq_Gt`` 10.
+    """
+    import attrs
+
+    path, _ = _saved(tiny_model, tmp_path)
+    snapshot = load_snapshot(path)
+    assert snapshot.record.identity == snapshot.request.identity == "test"
+    other = attrs.evolve(snapshot, request=attrs.evolve(snapshot.request, identity="a"))
+    with pytest.raises(Rejection) as info:
+        RequestRunner.restore(tiny_model, other, snapshot.request)
+    assert (info.value.code, info.value.path) == ("snapshot.identity_mismatch", "$.identity")
