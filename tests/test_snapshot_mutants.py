@@ -388,3 +388,45 @@ def test_a_snapshot_whose_carried_request_has_another_identity_is_refused(tiny_m
     with pytest.raises(Rejection) as info:
         RequestRunner.restore(tiny_model, other, snapshot.request)
     assert (info.value.code, info.value.path) == ("snapshot.identity_mismatch", "$.identity")
+
+
+def test_a_keyed_snapshot_naming_another_mac_algorithm_is_refused(tiny_model, tmp_path):
+    """A keyed file whose ``authentication.algorithm`` is not ``hmac-sha256`` is ``snapshot.unauthenticated`` at ``$.authentication``.
+
+    The MAC itself still matches (it covers every field but ``authentication``).  Kills 349
+    ``ReplaceComparisonOperator_NotEq_Is`` 2 and ``ReplaceComparisonOperator_NotEq_LtE`` 3.
+    """
+    runner = RequestRunner(tiny_model, request(PROMPT, 5, cache="dynamic")).run(max_outputs=2)
+    path = tmp_path / "keyed.json"
+    save_snapshot(runner.snapshot("pending_suffix"), path, key="k1")
+    load_snapshot(path, key="k1")
+    doc = json.loads(path.read_text())
+    for algorithm in ("hmac-sha1", "hmac-sha512"):
+        doc["authentication"]["algorithm"] = algorithm
+        with pytest.raises(Rejection) as info:
+            load_snapshot(_write(path, doc), key="k1")
+        assert (info.value.code, info.value.path) == ("snapshot.unauthenticated", "$.authentication")
+
+
+def test_a_carried_envelope_that_no_longer_hashes_to_the_identity_is_refused_at_the_envelope(tiny_model, tmp_path):
+    """A snapshot of an envelope request (saved with its content): a changed envelope field is ``snapshot.identity_mismatch`` at ``$.request.envelope``.
+
+    Refused when the re-admitted envelope is hashed, before the request digest is compared.
+    Kills 284 ``ReplaceComparisonOperator_NotEq_Is`` 0 (``identity is expected`` never holds).
+    """
+    from test_envelope import dumps, tiny  # tests/ is on sys.path
+
+    from decodespec.impl.values import RuntimeRequest
+    from decodespec.spec.envelope import validate_request_envelope
+
+    admitted, identity = validate_request_envelope(dumps(tiny()))
+    runner = RequestRunner(tiny_model, RuntimeRequest.from_admitted(admitted)).run(max_outputs=1)
+    path = tmp_path / "envelope.json"
+    save_snapshot(runner.snapshot("pending_suffix"), path, content=True)
+    doc = json.loads(path.read_text())
+    assert doc["identity"] == identity and "envelope_identity" not in doc["request"]
+    assert load_snapshot(path).request.identity == identity
+    doc["request"]["envelope"]["prompt"]["text"] += "!"
+    with pytest.raises(Rejection) as info:
+        load_snapshot(_write(path, doc))
+    assert (info.value.code, info.value.path) == ("snapshot.identity_mismatch", "$.request.envelope")
