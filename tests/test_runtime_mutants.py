@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import itertools
 
+import attrs
 import pytest
-from runtime_helpers import request  # tests/ is on sys.path
+from runtime_helpers import request, sampled_policy  # tests/ is on sys.path
 
 from decodespec.impl.runtime import RequestRunner
-from decodespec.spec.enums import FinishReason
+from decodespec.spec.enums import CallKind, FinishReason
+from decodespec.spec.errors import Rejection
 
 PROMPT = (1, 70, 71, 72)
 
@@ -43,9 +45,6 @@ def test_a_prefill_chunk_past_the_remaining_prompt_is_not_enabled(tiny_model, le
     Nothing changes: the runner then prefills the last 2 rows and decodes as a run never refused.
     Kills 459 ``ReplaceBinaryOperator_Sub_BitXor`` 0 (``8 ^ 6 = 14`` rows allowed).
     """
-    from decodespec.spec.enums import CallKind
-    from decodespec.spec.errors import Rejection
-
     prompt = (1, 70, 71, 72, 73, 74, 75, 76)
     full = RequestRunner(tiny_model, request(prompt, 3, cache="dynamic", prefill_chunk=6)).run()  # chunks of 6 and 2
     runner = RequestRunner(tiny_model, request(prompt, 3, cache="dynamic", prefill_chunk=6))
@@ -59,3 +58,23 @@ def test_a_prefill_chunk_past_the_remaining_prompt_is_not_enabled(tiny_model, le
     assert runner.processed == 6 and runner.in_flight is None and runner.num_calls == 1
     runner.run()
     assert runner.output_ids == full.output_ids and runner.logprobs == full.logprobs
+
+
+@pytest.mark.parametrize("shift", [1, -1])
+def test_a_decision_that_read_another_rng_counter_is_not_committed(tiny_model, shift):
+    """An adopted state whose RNG counter moved after the decision (either way) refuses the commit; nothing changes.
+
+    Kills 746 ``ReplaceComparisonOperator_Eq_LtE`` 21 (a counter that moved forward accepted).
+    """
+    runner = RequestRunner(tiny_model, request(PROMPT, 3, policy=sampled_policy(), rng_counter_start=5))
+    while runner.phase.value != "decided":
+        runner.step()
+    state = runner.state()
+    assert state.decision.rng_counter_before == state.policy_state.rng_counter == 5
+    moved = attrs.evolve(state, policy_state=attrs.evolve(state.policy_state, rng_counter=5 + shift))
+    runner.adopt_state(moved)
+    with pytest.raises(Rejection) as info:
+        runner.commit()
+    assert info.value.code == "transition.not_enabled" and info.value.details["guard"] == "receipt read the current RNG counter"
+    after = runner.state()
+    assert (after.phase, after.output_ids, after.policy_state, after.decision) == (moved.phase, moved.output_ids, moved.policy_state, moved.decision)
