@@ -430,3 +430,15 @@ def test_a_carried_envelope_that_no_longer_hashes_to_the_identity_is_refused_at_
     with pytest.raises(Rejection) as info:
         load_snapshot(_write(path, doc))
     assert (info.value.code, info.value.path) == ("snapshot.identity_mismatch", "$.request.envelope")
+
+
+def test_a_snapshot_after_258_outputs_restores(tiny_model, tmp_path):
+    """Receipt 257's score row was taken at ``O = 257`` (JSON ints past 256 are distinct objects): the ledger lines up by value.
+
+    Kills 706 ``ReplaceComparisonOperator_NotEq_IsNot`` 29.
+    """
+    req = request(PROMPT, 260, cache="dynamic")
+    path = tmp_path / "long-output.json"
+    save_snapshot(RequestRunner(tiny_model, req).run(max_outputs=258).snapshot("pending_suffix"), path)
+    restored = RequestRunner.restore(tiny_model, load_snapshot(path))
+    assert restored.output_count == 258 and restored.state().scores[-1][3] == 257
