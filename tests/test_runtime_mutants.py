@@ -78,3 +78,40 @@ def test_a_decision_that_read_another_rng_counter_is_not_committed(tiny_model, s
     assert info.value.code == "transition.not_enabled" and info.value.details["guard"] == "receipt read the current RNG counter"
     after = runner.state()
     assert (after.phase, after.output_ids, after.policy_state, after.decision) == (moved.phase, moved.output_ids, moved.policy_state, moved.decision)
+
+
+def _ready_with_one_pending(runner: RequestRunner) -> None:
+    while not (runner.phase.value == "ready" and runner.output_count == 1):
+        runner.step()
+
+
+def test_a_launch_past_the_static_capacity_or_the_window_is_refused_and_named(tiny_model):
+    """``launch``'s own guards, reached by adopting a state whose frontier sits at the capacity or the window edge.
+
+    Admission and the context cap keep every honest run inside both bounds, so only an adopted
+    state (``adopt_state`` trusts its caller) reaches them: the write ``[5, 6)`` past 5 reserved slots
+    is ``cache.capacity_exceeded``, positions ``8..8`` past a window of 8 ``model.context_window_exceeded``,
+    each quoting its range; nothing is launched.  Kills 463 ``ReplaceBinaryOperator_Add_BitOr`` 0,
+    464 ``ReplaceBinaryOperator_Add_BitAnd`` 1 and ``ReplaceBinaryOperator_Add_BitXor`` 1, 468
+    ``ReplaceBinaryOperator_Add_Mul`` 3.
+    """
+    from decodespec.impl.tiny import load_tiny, tiny_config
+    from decodespec.spec.errors import ResourceLimit
+
+    static = RequestRunner(tiny_model, request((1, 70, 71), 3, cache="static", static_capacity=5))
+    _ready_with_one_pending(static)
+    static.adopt_state(attrs.evolve(static.state(), processed=5))
+    with pytest.raises(ResourceLimit) as info:
+        static.launch()
+    assert (info.value.code, info.value.path) == ("cache.capacity_exceeded", "$.cache_position")
+    assert "write [5, 6) exceeds the 5 reserved slots" in str(info.value)
+    assert static.in_flight is None and static.num_calls == 1
+    small = load_tiny(seed=0, config=tiny_config(max_position_embeddings=8))
+    window = RequestRunner(small, request((1, 70, 71), 3, cache="dynamic"))
+    _ready_with_one_pending(window)
+    window.adopt_state(attrs.evolve(window.state(), processed=8))
+    with pytest.raises(ResourceLimit) as info:
+        window.launch()
+    assert (info.value.code, info.value.path) == ("model.context_window_exceeded", "$.position_ids")
+    assert "positions 8..8 exceed the window 8" in str(info.value)
+    assert window.in_flight is None and window.num_calls == 1
