@@ -121,17 +121,18 @@ def test_rng_counters_past_256_restore(tiny_model, tmp_path):
     assert resumed.output_ids == full.output_ids and resumed.policy_state == full.policy_state
 
 
-def test_token_ids_past_256_restore(tiny_model, tmp_path):
-    """Outputs with ids past 256 (JSON ints that are distinct objects) line up with their receipts by value.
+@pytest.mark.parametrize("ids", [[300, 301], [0, 511]], ids=["past-256", "vocabulary-ends"])
+def test_token_ids_past_256_and_at_the_vocabulary_ends_restore(tiny_model, tmp_path, ids):
+    """Outputs with ids past 256 (JSON ints that are distinct objects), or ids 0 and ``V - 1``, line up and are in range.
 
     A snapshot without decision receipts (as a restored runner's before it decides) whose outputs
-    are renamed to 300 and 301 everywhere (outputs, consumed receipts, the observer) restores.
-    Kills 680 ``ReplaceComparisonOperator_NotEq_IsNot`` 22.
+    are renamed everywhere (outputs, consumed receipts, the observer) restores.  Kills 680
+    ``ReplaceComparisonOperator_NotEq_IsNot`` 22 and 731 ``ReplaceComparisonOperator_LtE_NotEq`` 6
+    (id 0 taken for out of range).
     """
     path, doc = _saved(tiny_model, tmp_path, outputs=2)
     state = doc["state"]
     assert len(state["output_ids"]) == 2 and state["pending_ids"] == state["output_ids"][-1:]
-    ids = [300, 301]
     state["output_ids"], state["pending_ids"] = ids, ids[-1:]
     for receipt, token in zip(state["consumed"], ids):
         receipt["token_id"] = token
@@ -139,7 +140,7 @@ def test_token_ids_past_256_restore(tiny_model, tmp_path):
     if doc["observer"] is not None:
         doc["observer"]["output_ids"] = ids
     runner = RequestRunner.restore(tiny_model, load_snapshot(_write(path, doc)))
-    assert list(runner.output_ids) == [300, 301] and list(runner.pending_ids) == [301]
+    assert list(runner.output_ids) == ids and list(runner.pending_ids) == ids[-1:]
 
 
 def test_a_prefilled_prompt_with_no_output_and_nothing_pending_is_refused_at_the_pending_ids(tiny_model, tmp_path):
@@ -442,3 +443,17 @@ def test_a_snapshot_after_258_outputs_restores(tiny_model, tmp_path):
     save_snapshot(RequestRunner(tiny_model, req).run(max_outputs=258).snapshot("pending_suffix"), path)
     restored = RequestRunner.restore(tiny_model, load_snapshot(path))
     assert restored.output_count == 258 and restored.state().scores[-1][3] == 257
+
+
+def test_rows_processed_after_no_model_call_are_refused_at_the_call_count(tiny_model, tmp_path):
+    """``P > 0`` after 0 model calls is ``snapshot.ledger_invalid`` at ``$.state.num_calls`` (the generation left as it was).
+
+    Kills 738 ``NumberReplacer`` 65 (only a negative call count refused; the generation check
+    then refuses at ``$.state.generation``).
+    """
+    path, doc = _saved(tiny_model, tmp_path)
+    assert doc["state"]["processed"] > 0 and doc["state"]["generation"] >= 1
+    doc["state"]["num_calls"] = 0
+    error = _refusal(tiny_model, _write(path, doc))
+    assert (error.code, error.path) == ("snapshot.ledger_invalid", "$.state.num_calls")
+    assert "after 0 model calls" in str(error)
