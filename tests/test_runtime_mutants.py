@@ -115,3 +115,64 @@ def test_a_launch_past_the_static_capacity_or_the_window_is_refused_and_named(ti
     assert (info.value.code, info.value.path) == ("model.context_window_exceeded", "$.position_ids")
     assert "positions 8..8 exceed the window 8" in str(info.value)
     assert window.in_flight is None and window.num_calls == 1
+
+
+def test_a_runtime_error_on_the_cpu_is_a_bug_not_a_device_fault(tiny_model):
+    """On the CPU a ``RuntimeError`` inside a model call propagates; it is not turned into a ``device_error`` finish.
+
+    Kills 563 ``ReplaceComparisonOperator_Eq_NotEq`` 12.
+    """
+
+    def boom(module, args):
+        raise RuntimeError("a shape bug")
+
+    runner = RequestRunner(tiny_model, request(PROMPT, 3))
+    handle = tiny_model.model.layers[1].register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="a shape bug"):
+            runner.run()
+    finally:
+        handle.remove()
+    assert runner.finish_reason is None and runner.output_ids == []
+
+
+def test_a_decision_on_a_score_of_an_older_generation_is_not_committed(tiny_model):
+    """An adopted state whose generation moved past the decided score's refuses the commit (``receipt is bound to the current score``).
+
+    Kills 744 ``ReplaceComparisonOperator_Eq_LtE`` 20 (an older score accepted).
+    """
+    runner = RequestRunner(tiny_model, request(PROMPT, 3))
+    while runner.phase.value != "decided":
+        runner.step()
+    state = runner.state()
+    runner.adopt_state(attrs.evolve(state, generation=state.generation + 1))
+    with pytest.raises(Rejection) as info:
+        runner.commit()
+    assert info.value.code == "transition.not_enabled" and info.value.details["guard"] == "receipt is bound to the current score"
+    assert runner.output_ids == []
+
+
+def test_a_given_cache_of_another_family_is_refused(tiny_model):
+    """A ``dynamic`` cache handed to a ``static`` request (``"dynamic" < "static"``) is ``runtime.invalid_request`` at ``$.runtime.cache_family``.
+
+    Kills 249 ``ReplaceComparisonOperator_NotEq_Gt`` 0.
+    """
+    with pytest.raises(Rejection) as info:
+        RequestRunner(tiny_model, request(PROMPT, 3, cache="static", static_capacity=8), cache=tiny_model.new_cache())
+    assert (info.value.code, info.value.path) == ("runtime.invalid_request", "$.runtime.cache_family")
+
+
+def test_a_prompt_as_long_as_the_window_is_refused():
+    """``L = window`` leaves no position for an output: ``model.context_window_exceeded`` at ``$.prompt_ids`` (``L = window - 1`` runs).
+
+    Kills 1108 ``ReplaceComparisonOperator_GtE_Gt`` 3.
+    """
+    from decodespec.impl.tiny import load_tiny, tiny_config
+    from decodespec.spec.errors import ResourceLimit
+
+    small = load_tiny(seed=0, config=tiny_config(max_position_embeddings=8))
+    with pytest.raises(ResourceLimit) as info:
+        RequestRunner(small, request((1, *range(70, 77)), 2))
+    assert (info.value.code, info.value.path) == ("model.context_window_exceeded", "$.prompt_ids")
+    fits = RequestRunner(small, request((1, *range(70, 76)), 2)).run()
+    assert fits.output_count == 1 and fits.finish_reason is FinishReason.CONTEXT_LENGTH
