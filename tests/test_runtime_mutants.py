@@ -176,3 +176,47 @@ def test_a_prompt_as_long_as_the_window_is_refused():
     assert (info.value.code, info.value.path) == ("model.context_window_exceeded", "$.prompt_ids")
     fits = RequestRunner(small, request((1, *range(70, 76)), 2)).run()
     assert fits.output_count == 1 and fits.finish_reason is FinishReason.CONTEXT_LENGTH
+
+
+@pytest.mark.parametrize("bad", [True, False, "7", 7.0])
+def test_a_prompt_id_that_is_not_an_int_is_refused(tiny_model, bad):
+    """A bool, str or float prompt id is ``runtime.invalid_request`` at ``$.prompt_ids[1]`` (``True`` is not id 1).
+
+    Kills 1105 ``ReplaceOrWithAnd`` 25.
+    """
+    with pytest.raises(Rejection) as info:
+        RequestRunner(tiny_model, request((1, bad, 70), 3))
+    assert (info.value.code, info.value.path) == ("runtime.invalid_request", "$.prompt_ids[1]")
+
+
+def test_the_result_text_of_a_decode_only_tokenizer_leaves_out_the_final_eos(tiny_model, byte_tokenizer):
+    """Without an output observer (a tokenizer with ``decode`` only) the result's text decodes the outputs before the EOS.
+
+    Kills 1002 ``ReplaceUnaryOperator_USub_Not`` 3 (the text cut to nothing).
+    """
+
+    class DecodeOnly:
+        def decode(self, ids):
+            return byte_tokenizer.decode(ids)
+
+    eos = RequestRunner(tiny_model, request(PROMPT, 1)).run().output_ids[0]
+    runner = RequestRunner(tiny_model, request(PROMPT, 6, eos_ids=frozenset({eos}), min_new_tokens=2), tokenizer=DecodeOnly()).run()
+    ids = list(runner.output_ids)
+    assert runner.finish_reason is FinishReason.EOS and ids[-1] == eos and len(ids) >= 3
+    assert runner.result().text == byte_tokenizer.decode(ids[:-1]) != ""
+
+
+def test_a_retried_repair_call_publishes_finish_once_more_only_when_it_completes(tiny_model):
+    """``finish`` is emitted when the output closes and again when the owed repair call completes; a failed attempt in between emits none.
+
+    Kills 533 ``ReplaceComparisonOperator_NotEq_GtE`` 4 (``triggers >= before`` always holds, so the
+    failed attempt emitted a finish too).
+    """
+    from decodespec.impl.events import ListSink
+    from decodespec.impl.faults import DeviceFault, FaultPlan
+
+    sink = ListSink()
+    runner = RequestRunner(tiny_model, request(PROMPT, 3, cache="static", final_cache="all_outputs", max_retries=1), sink=sink,
+                           faults=FaultPlan.of(DeviceFault(3))).run()
+    assert runner.finish_reason is FinishReason.LENGTH and runner.num_retries == 1 and not runner.repair_owed()
+    assert [r["finish_reason"] for r in sink.records if r["event"] == "finish"] == ["length", "length"]
