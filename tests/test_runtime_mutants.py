@@ -220,3 +220,13 @@ def test_a_retried_repair_call_publishes_finish_once_more_only_when_it_completes
                            faults=FaultPlan.of(DeviceFault(3))).run()
     assert runner.finish_reason is FinishReason.LENGTH and runner.num_retries == 1 and not runner.repair_owed()
     assert [r["finish_reason"] for r in sink.records if r["event"] == "finish"] == ["length", "length"]
+
+
+def test_a_length_bound_past_256_closes_the_output_there(tiny_model):
+    """``max_new_tokens = 300``: the 300th commit fires ``length`` (counts compared by value, not identity).
+
+    Kills 770 ``ReplaceComparisonOperator_GtE_Is`` 0 (``300 is 300`` is false for computed ints,
+    so the run went on to the context bound).
+    """
+    runner = RequestRunner(tiny_model, request(PROMPT, 300, cache="dynamic")).run()
+    assert runner.output_count == 300 and runner.finish_reason is FinishReason.LENGTH
