@@ -230,3 +230,19 @@ def test_a_length_bound_past_256_closes_the_output_there(tiny_model):
     """
     runner = RequestRunner(tiny_model, request(PROMPT, 300, cache="dynamic")).run()
     assert runner.output_count == 300 and runner.finish_reason is FinishReason.LENGTH
+
+
+def test_finished_is_true_exactly_in_the_finished_phase(tiny_model):
+    """``RequestRunner.finished`` is False from admission through every call and decision, True once the output closed.
+
+    Kills 330 ``ReplaceComparisonOperator_Is_GtE`` 0 and ``ReplaceComparisonOperator_Is_IsNot`` 3.
+    """
+    runner = RequestRunner(tiny_model, request(PROMPT, 2))
+    seen = []
+    while True:
+        seen.append((runner.phase.value, runner.finished))
+        if runner.step() is None:
+            break
+    assert all(finished is (phase == "finished") for phase, finished in seen)
+    assert {phase for phase, _ in seen} >= {"new", "ready", "in_flight", "scored", "decided", "finished"}
+    assert seen[-1] == ("finished", True)
