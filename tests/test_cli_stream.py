@@ -133,15 +133,32 @@ def test_smollm2_stream_with_a_stop_string(capsys, tmp_path, smollm2_model):
     assert json.loads(capsys.readouterr().out)["accepted"] is True
 
 
-def test_ignore_eos_runs_past_the_tokenizers_eos(capsys):
-    """``--ignore-eos`` (termination.ignore_eos with an empty stop set): a draw of the tokenizer's EOS does not stop.
+def test_ignore_eos_runs_past_the_tokenizers_eos(capsys, tmp_path):
+    """``--ignore-eos`` (termination.ignore_eos with an empty stop set): the tokenizer's EOS no longer stops.
 
-    The flag is identity-bearing, so it also changes the RNG stream: at temperature 50, seed 54 draws the tiny
-    tokenizer's EOS (id 2) as its 10th token and stops there; with the flag, seed 45 draws it 7th and runs on to G.
+    A logit bias of +1000 on the tiny tokenizer's EOS (id 2) makes it the greedy choice at every step on every CPU:
+    without the flag the request finishes ``eos`` at its first token; with it, the same request (through
+    ``--request``, the flags' envelope plus the bias) runs to G, committing EOS every time.
     """
-    _, stopped = _generate(capsys, "--do-sample", "--temperature", "50", "--seed", "54")
-    assert stopped["finish_reason"] == "eos" and stopped["output_ids"].index(2) == 9 and len(stopped["output_ids"]) == 10
-    _, ignored = _generate(capsys, "--do-sample", "--temperature", "50", "--seed", "45", "--ignore-eos")
-    assert ignored["output_ids"].index(2) == 6 and ignored["finish_reason"] == "length" and len(ignored["output_ids"]) == 12
-    _, same_seed = _generate(capsys, "--do-sample", "--temperature", "50", "--seed", "54", "--ignore-eos")
-    assert same_seed["identity"] != stopped["identity"]  # an identity-bearing envelope field
+    import argparse
+
+    from decodespec.checks.commands.generate import envelope_from_flags, register
+    from decodespec.impl.tiny import TINY_VOCAB_SIZE, load_tiny
+    from decodespec.impl.tokenizer import ByteTokenizer
+
+    def run(*flags: str) -> dict:
+        parser = argparse.ArgumentParser()
+        register(parser.add_subparsers())
+        args = parser.parse_args(["generate", "--model", "tiny", "--prompt", "trace", "--max-new-tokens", "5", *flags])
+        envelope = envelope_from_flags(args, load_tiny(device="cpu"), ByteTokenizer(TINY_VOCAB_SIZE))
+        envelope["policy"]["transforms"] = [{"name": "logit_bias", "bias": {"2": 1000.0}}]
+        path = tmp_path / "request.json"
+        path.write_text(json.dumps(envelope))
+        assert main(["generate", "--model", "tiny", "--request", str(path), "--device", "cpu", "--json"]) == 0
+        return json.loads(capsys.readouterr().out.splitlines()[-1])
+
+    stopped = run()
+    assert stopped["finish_reason"] == "eos" and stopped["output_ids"] == [2]
+    ignored = run("--ignore-eos")
+    assert ignored["finish_reason"] == "length" and ignored["output_ids"] == [2] * 5
+    assert ignored["identity"] != stopped["identity"]  # an identity-bearing envelope field
