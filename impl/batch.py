@@ -43,6 +43,9 @@ mask, empty rows, pre-append vs post-append mask), 0x06 "Stop criteria and activ
 related but distinct meanings" (translation receipt, ``valid_token_cumsum``), 0x0B "Last-position
 bugs"; HF ``generation/utils.py`` (``_prepare_position_ids_for_generation``, the
 ``unfinished_sequences`` mask).
+
+Size: the padded batch value, its validation and the one batched decode loop with per-row policy, RNG
+and finish; split further, the loop's per-row state would cross a module boundary.
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@ Every function returns a new value and raises the machine's own typed refusal
 
 Source: M3.10 0x00 "One request as a transition system", "Immutable request envelope and canonical
 identity"; 0x05 exactly-once commit of a decision; M3.8 0x0B (the policy pipeline and its state).
+
+Size: one request's constants, its composed frozen state and every pure step on it (admission, calls,
+decisions, commits, interrupts, snapshots, the output view) in one place, so the oracle and the gate read one
+module.
 """
 
 from __future__ import annotations
