@@ -17,8 +17,16 @@ rows, so greedy text is mostly printable (useful for stop-string and stream test
 outputs depend on the prompt and top-2 ties do not occur in practice (tests/test_model_tiny.py
 checks both).
 
-Randomness is owned: weights come from a ``torch.Generator`` seeded with ``seed`` on the CPU in
-float32, then cast and moved, so the same seed gives the same model on every device.
+Randomness is owned and the same bits on every CPU and device (issue 15 item 3).  Each drawn matrix
+is :func:`normal_draws`: torch's own ``normal_`` recipe (Box-Muller over the uniforms of a
+``torch.Generator`` seeded with ``seed``, paired in blocks of 16 as
+``aten/src/ATen/native/cpu/DistributionTemplates.h`` ``normal_fill`` pairs them), but evaluated in
+float64 and correctly rounded to float32 once.  torch's ``normal_`` itself is not used: it does the
+arithmetic in float32 with a kernel chosen at run time, so ``ATEN_CPU_CAPABILITY=default`` drew
+other float32 values than ``avx2`` / ``avx512`` (checkpoint sha256 ``87f8...`` against ``2d0b...``),
+and the tiny model, every output it gives and every trace recorded on it depended on the machine.
+The uniforms come from torch's serial integer kernel, the same on every CPU; the weights are within
+6e-8 of what ``normal_`` gave on either kernel set.  The model is then cast and moved.
 
 Source: M3.10 0x0B "Shape-correct failure lab" (small exhaustive configurations beside the
 real model); STYLE.md (TLA+-style small bounded configurations).
@@ -28,13 +36,15 @@ from __future__ import annotations
 
 import math
 
+import mpmath
+import numpy as np
 import torch
 
 from .config import LlamaConfig
 from .device import resolve_device
 from .model import LlamaForCausalLM
 
-__all__ = ["TINY_VOCAB_SIZE", "load_tiny", "tiny_config"]
+__all__ = ["TINY_VOCAB_SIZE", "load_tiny", "normal_draws", "tiny_config"]
 
 TINY_VOCAB_SIZE = 512
 #: Standard deviation of the embedding rows (before the per-row scale).
@@ -43,6 +53,59 @@ EMBED_STD = 0.05
 FINAL_NORM_WEIGHT = 10.0
 # ByteTokenizer ids of the printable-ASCII bytes 0x20..0x7E (id = byte + 3).
 _PRINTABLE_IDS = slice(3 + 0x20, 3 + 0x7F)
+
+
+#: A float64 evaluation this close (relative) to a float32 rounding midpoint is redone in mpmath; the
+#: float64 chain (log1p, sqrt, cos or sin, three products) is accurate to well under 1e-14.
+_MIDPOINT_GUARD = 1e-12
+
+
+def normal_draws(gen: torch.Generator, n: int, std: float) -> np.ndarray:
+    """``n`` normal draws ``N(0, std^2)`` from ``gen``, as float32, the same bits on every CPU.
+
+    The recipe of torch's CPU ``normal_`` for a contiguous tensor of at least 16 values
+    (``normal_fill`` in ``aten/src/ATen/native/cpu/DistributionTemplates.h``, torch 2.13): draw ``n``
+    float32 uniforms ``u``; in each block of 16, value ``j < 8`` is ``std * sqrt(-2 ln(1 - u[j])) *
+    cos(2 pi u[j + 8])`` and value ``j + 8`` the same with ``sin``; when 16 does not divide ``n``, 16
+    fresh uniforms redo the last 16 values.  Here the exact value of that formula (``std`` taken as
+    the float64 given) is rounded to float32 once: in float64, or in mpmath at 113 bits where the
+    float64 value lies within ``_MIDPOINT_GUARD`` of a rounding midpoint, so no libm or CPU kernel
+    difference can change a bit.
+
+    Args:
+        gen: Consumed exactly as ``normal_`` would consume it (``n`` uniforms, plus 16 when ``n % 16``).
+        n: Number of values, at least 16.
+        std: Standard deviation.
+
+    Returns:
+        float32 array of shape ``[n]``.
+
+    Raises:
+        ValueError: ``n < 16`` (torch draws those one at a time, another recipe not mirrored here).
+    """
+    if n < 16:
+        raise ValueError(f"normal_draws needs at least 16 values, got {n}")
+    draws = [torch.empty(n, dtype=torch.float32).uniform_(0.0, 1.0, generator=gen)]
+    position = np.arange(n)
+    block, offset = position // 16 * 16, position % 16  # where position p's block starts in `uniforms`
+    if n % 16:  # 16 fresh uniforms (stored after the n) redo the last 16 values
+        draws.append(torch.empty(16, dtype=torch.float32).uniform_(0.0, 1.0, generator=gen))
+        block[n - 16 :], offset[n - 16 :] = n, np.arange(16)
+    uniforms = torch.cat(draws).numpy().astype(np.float64)  # exact: float32 -> float64
+    use_cos = offset < 8
+    u1, u2 = uniforms[block + offset % 8], uniforms[block + 8 + offset % 8]
+    theta = 2.0 * math.pi * u2
+    values = std * np.sqrt(-2.0 * np.log1p(-u1)) * np.where(use_cos, np.cos(theta), np.sin(theta))  # float64 [n]
+    rounded = values.astype(np.float32)
+    toward = np.nextafter(rounded, np.where(values > rounded, np.float32(np.inf), np.float32(-np.inf)))
+    midpoint = (rounded.astype(np.float64) + toward.astype(np.float64)) / 2.0  # exact in float64
+    for i in np.flatnonzero(np.abs(values - midpoint) <= _MIDPOINT_GUARD * np.abs(values)):
+        with mpmath.workprec(113):
+            exact = mpmath.mpf(std) * mpmath.sqrt(-2 * mpmath.log(1 - mpmath.mpf(u1[i])))
+            exact *= (mpmath.cos if use_cos[i] else mpmath.sin)(2 * mpmath.pi * mpmath.mpf(u2[i]))
+            lower, upper = sorted((float(rounded[i]), float(toward[i])))
+            rounded[i] = np.float32(lower if exact < (mpmath.mpf(lower) + mpmath.mpf(upper)) / 2 else upper)
+    return rounded
 
 
 def tiny_config(attn_implementation: str = "sdpa", max_position_embeddings: int = 1024) -> LlamaConfig:
@@ -73,7 +136,7 @@ def load_tiny(
     attn_implementation: str = "sdpa",
     config: LlamaConfig | None = None,
 ) -> LlamaForCausalLM:
-    """The tiny model with weights drawn from ``torch.Generator().manual_seed(seed)``.
+    """The tiny model with weights drawn by :func:`normal_draws` from ``torch.Generator().manual_seed(seed)``.
 
     Args:
         seed: Weight seed (same seed, same weights, on any device).
@@ -89,20 +152,24 @@ def load_tiny(
     config = config or tiny_config(attn_implementation=attn_implementation)
     model = LlamaForCausalLM(config, device="cpu")
     gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def draw(param: torch.Tensor, std: float) -> None:
+        param.copy_(torch.from_numpy(normal_draws(gen, param.numel(), std)).view(param.shape))
+
     with torch.no_grad():
         embed = model.model.embed_tokens.weight  # [V, d_model]
-        embed.normal_(0.0, EMBED_STD, generator=gen)
+        draw(embed, EMBED_STD)
         row_scale = torch.full((config.vocab_size, 1), 0.5)  # [V, 1]
         row_scale[_PRINTABLE_IDS] = 1.0
         if config.eos_token_id is not None:
             row_scale[config.eos_token_id] = 1.0
-        embed.mul_(row_scale)
+        embed.mul_(row_scale)  # exact: powers of two
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith("proj.weight"):
-                param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=gen)
+                draw(param, 1.0 / math.sqrt(param.shape[1]))
             elif name == "lm_head.weight":  # only listed when untied (drawn last)
-                param.normal_(0.0, EMBED_STD, generator=gen)
+                draw(param, EMBED_STD)
         model.model.norm.weight.fill_(FINAL_NORM_WEIGHT)
     return model.to(device=target, dtype=dtype).eval()

@@ -8,14 +8,22 @@ key validity mask).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import attrs
+import numpy as np
 import pytest
 import torch
 
 from decodespec.impl.config import LlamaConfig, RopeScaling
 from decodespec.impl.generate import greedy_generate
 from decodespec.impl.model import build_attention_mask
-from decodespec.impl.tiny import load_tiny, tiny_config
+import decodespec.impl.tiny as tiny_module
+from decodespec.impl.tiny import load_tiny, normal_draws, tiny_config
 from decodespec.spec.errors import Rejection, ResourceLimit
 
 PROMPTS = ["hello", "world", "abc", "The quick brown fox", "12345", "zzz", "Hi!", "def f(x):"]
@@ -23,6 +31,60 @@ PROMPTS = ["hello", "world", "abc", "The quick brown fox", "12345", "zzz", "Hi!"
 
 def _ids(tokenizer, text: str) -> list[int]:
     return [tokenizer.bos_token_id, *tokenizer.encode(text)]
+
+
+REPO = Path(__file__).resolve().parent.parent
+#: The seed-0 tiny model's artifact identity (``tiny_checkpoint_sha256``: its float32 state dict), the same on every CPU.
+TINY_CHECKPOINT_SHA256 = "sha256:667f9eed05e73bc76782e32de3736a1f03277f9baf23897842a0ba7041b1d3fa"
+_DIGEST = "from decodespec.checks.commands.generate import tiny_checkpoint_sha256 as d; print(d(0))"
+
+
+def _capabilities() -> list[str]:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    return ["default"] + [c for c, flag in (("avx2", " avx2"), ("avx512", " avx512bw")) if flag in flags]
+
+
+# -- machine-independent weights (issue 15 item 3) ----------------------------------------------
+def test_the_tiny_weights_are_the_same_bits_under_every_cpu_kernel_set():
+    """torch's own ``normal_`` drew other float32 weights under ``ATEN_CPU_CAPABILITY=default``; ours do not."""
+    digests = {}
+    for capability in _capabilities():
+        for threads in ("1", "2"):
+            env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, OMP_NUM_THREADS=threads)
+            out = subprocess.run([sys.executable, "-c", _DIGEST], env=env, capture_output=True, text=True, timeout=120, check=True)
+            digests[(capability, threads)] = out.stdout.strip()
+    assert set(digests.values()) == {TINY_CHECKPOINT_SHA256}, digests
+
+
+def test_the_shipped_tiny_examples_name_the_tiny_checkpoint():
+    for name in ("tiny.request.json", "greedy.request.json"):
+        envelope = json.loads((REPO / "docs" / "examples" / name).read_text())
+        assert envelope["artifact"]["checkpoint_sha256"] == TINY_CHECKPOINT_SHA256, name
+
+
+@pytest.mark.parametrize("n, std", [(16, 1.0), (17, 0.5), (100, 0.3), (64 * 192, 1 / 8), (512 * 64, 0.05)])
+def test_normal_draws_follow_torchs_recipe_and_consume_the_generator_as_it_does(n, std):
+    """Within a few float32 ulps of ``normal_`` (which rounds in float32), and the generator ends in the same state."""
+    ours, theirs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    drawn = normal_draws(ours, n, std)
+    expected = torch.empty(n).normal_(0.0, std, generator=theirs).numpy()
+    assert drawn.dtype == np.float32 and drawn.shape == (n,)
+    assert np.abs(drawn - expected).max() <= 8 * np.finfo(np.float32).eps * std * 6
+    assert 0.8 * std < float(drawn.std()) < 1.2 * std
+    assert torch.equal(torch.rand(4, generator=ours), torch.rand(4, generator=theirs))
+
+
+def test_normal_draws_round_the_exact_value_when_float64_is_near_a_midpoint(monkeypatch):
+    """The mpmath path (taken here for every value) rounds as the float64 path does away from midpoints."""
+    plain = normal_draws(torch.Generator().manual_seed(9), 256, 0.05)
+    monkeypatch.setattr(tiny_module, "_MIDPOINT_GUARD", 1.0)
+    exact = normal_draws(torch.Generator().manual_seed(9), 256, 0.05)
+    assert np.array_equal(plain, exact)
+
+
+def test_normal_draws_refuse_fewer_than_sixteen_values():
+    with pytest.raises(ValueError, match="at least 16"):
+        normal_draws(torch.Generator().manual_seed(0), 15, 1.0)
 
 
 # -- configuration ---------------------------------------------------------------------------
