@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 
+import decodespec.impl.tiny as tiny_module
 from decodespec.impl.config import LlamaConfig, RopeScaling
 from decodespec.impl.generate import greedy_generate
 from decodespec.impl.model import build_attention_mask
-import decodespec.impl.tiny as tiny_module
 from decodespec.impl.tiny import load_tiny, normal_draws, tiny_config
 from decodespec.spec.errors import Rejection, ResourceLimit
 
