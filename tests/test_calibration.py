@@ -140,3 +140,20 @@ def _assert_lockstep_passes(config) -> None:
     finally:
         adapter.close()
     assert ls.verdict.result == "passed", ls.verdict
+
+
+def test_calibration_requests_carry_an_eos_set_only_when_asked() -> None:
+    """``--stop-at-eos`` (llama.cpp refuses a request without its EOS); the default set runs every row."""
+    assert {c.eos_ids for c in calibration_configs("tiny", max_new_tokens=2)} == {()}
+    assert {c.eos_ids for c in calibration_configs("tiny", max_new_tokens=2, eos_ids=(2,))} == {(2,)}
+
+
+def test_a_config_the_runtime_refuses_as_unsupported_is_not_measured() -> None:
+    """HF refuses stop strings on tiny (no HF tokenizer) at reset: counted as refused, not measured as zero error."""
+    import attrs
+
+    configs = [c for c in calibration_configs("tiny", max_new_tokens=2) if c.cache == "dynamic" and c.attention == "sdpa"][:1]
+    assert [r for r in measure("hf", configs) if r["kind"] == "score_row"]
+    refused = measure("hf", [attrs.evolve(c, stop_strings=("zz",)) for c in configs])
+    assert [r["kind"] for r in refused] == ["unsupported"] and "stop strings" in refused[0]["message"]
+    assert summarize(refused)["unsupported"] == 1 and summarize(refused)["rows"] == 0

@@ -124,8 +124,10 @@ def available() -> str | None:
 def create(**options: Any) -> PeerAdapter:
     """The llama.cpp adapter (``options`` are ignored: the case config names the model).
 
-    Its declared tolerances (``checks/gate/expectations/llamacpp.toml``, ``[tolerance.smollm2.float32]``)
-    are registered with the ladder first.
+    Its declared tolerance is the calibrated entry ``(llamacpp, smollm2, float32)`` of
+    ``checks/gate/calibration.json`` (``decodespec calibrate --runtime llamacpp --stop-at-eos``); a
+    ``[tolerance]`` table of ``checks/gate/expectations/llamacpp.toml`` would only fill a key the
+    calibration leaves open.
     """
     register_tolerances("llamacpp")
     return PeerAdapter(LlamaCppEngine(), "llamacpp")

@@ -80,6 +80,7 @@ def register_tolerances(runtime: str) -> dict[tuple[str, str, str], Any]:
     on committed K/V rows) of ``checks/gate/expectations/<runtime>.toml`` into
     :data:`decodespec.checks.gate.tolerance.TOLERANCES` under ``(runtime, model, dtype)``; the derived
     probability and logprob tolerances follow :meth:`~decodespec.checks.gate.tolerance.Tolerance.from_logit`.
+    A key ``checks/gate/calibration.json`` already declares is left to the calibration.
 
     Returns:
         The entries registered.
@@ -94,7 +95,8 @@ def register_tolerances(runtime: str) -> dict[tuple[str, str, str], Any]:
         return {}
     tables = tomllib.loads(path.read_text(encoding="utf-8")).get("tolerance", {})
     added = {(runtime, model, dtype): Tolerance.from_logit(float(t["logit"]), float(t["kv"]))
-             for model, by_dtype in tables.items() for dtype, t in by_dtype.items()}
+             for model, by_dtype in tables.items() for dtype, t in by_dtype.items()
+             if (runtime, model, dtype) not in TOLERANCES}  # a calibrated entry wins (derived, not declared by hand)
     TOLERANCES.update(added)
     return added
 

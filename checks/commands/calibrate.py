@@ -32,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="ATEN_CPU_CAPABILITY (repeat; default every one this CPU has)")
     p.add_argument("--native", action="store_true", help="also measure the native decode kernel (float32, static cache)")
     p.add_argument("--max-new-tokens", type=int, default=12, help="greedy steps per calibration request")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="give the requests the tokenizer's EOS (llama.cpp refuses a request without it: it always stops there)")
     p.add_argument("--out", type=Path, help="write the entries as JSON to this file")
     p.add_argument("--update", action="store_true", help="merge the entries into the shipped checks/gate/calibration.json")
     p.add_argument("--merge", type=Path, metavar="FILE",
@@ -56,8 +58,10 @@ def report_markdown() -> str:
         lines += [f"Machine: {machine}", ""]
     for entry in data["entries"]:
         tol = derive(entry["variants"])
-        lines += [f"## {entry['runtime']} / {entry['model']} / {entry['dtype']}", "",
-                  "| capability | threads | kernels | rows | row max err | row max rel | largest row | K/V layers | K/V max err | K/V max rel |",
+        lines += [f"## {entry['runtime']} / {entry['model']} / {entry['dtype']}", ""]
+        if any(v.get("stop_at_eos") for v in entry["variants"]):
+            lines += ["The requests of this entry stop at the tokenizer's EOS (`--stop-at-eos`).", ""]
+        lines += ["| capability | threads | kernels | rows | row max err | row max rel | largest row | K/V layers | K/V max err | K/V max rel |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for v in entry["variants"]:
             lines.append(f"| {v['capability']} | {v['threads']} | {', '.join(v.get('decode_kernels', []))} | {v['rows']} | "
@@ -87,7 +91,7 @@ def _entries_of(path: Path) -> list[dict] | None:
     try:
         data = json.loads(path.read_bytes()[:16 * 2**20])
         entries = data["entries"]
-        needed = set(summarize([])) | {"capability", "threads"}
+        needed = set(summarize([])) - {"unsupported"} | {"capability", "threads"}  # counted since stop 29
         ok = isinstance(entries, list) and entries and all(
             isinstance(e, dict) and all(isinstance(e.get(k), str) for k in ("runtime", "model", "dtype"))
             and isinstance(e.get("variants"), list) and e["variants"]
@@ -130,10 +134,11 @@ def run(args: argparse.Namespace) -> int:
         entries = None
     entries = entries if entries is not None else sweep(args.runtime if args.runtime.startswith(("stdio:", "engine:")) else args.runtime.split(":", 1)[0], args.model,
                     args.dtype or ["float32"], threads=args.threads or [1, 2], capabilities=args.capability,
-                    decode_kernels=("torch", "native") if args.native else ("torch",), max_new_tokens=args.max_new_tokens)
+                    decode_kernels=("torch", "native") if args.native else ("torch",), max_new_tokens=args.max_new_tokens,
+                    stop_at_eos=args.stop_at_eos)
     for entry in entries:
         tol = derive(entry["variants"])
-        worst = {k: max(v[k] for v in entry["variants"]) for k in summarize([])}
+        worst = {k: max(v.get(k, 0) for v in entry["variants"]) for k in summarize([])}
         print(f"{entry['runtime']} {entry['model']} {entry['dtype']}: declared epsilon = {tol.logit:.3g} + {tol.logit_rel:.3g} * "
               f"max|row| (at the largest row scale {tol.row_scale:.3g}: {tol.logit + tol.logit_rel * tol.row_scale:.3g}); "
               f"K/V = {tol.kv:.3g} + {tol.kv_rel:.3g} * max|layer|; headroom {HEADROOM:g}x over the largest relative errors "

@@ -81,8 +81,14 @@ def _prompts(model: str) -> list[tuple[int, ...]]:
 
 
 def calibration_configs(model: str, dtype: str = "float32", *, decode_kernels: Sequence[str] = ("torch",),
-                        max_new_tokens: int = 12) -> list[CaseConfig]:
+                        max_new_tokens: int = 12, eos_ids: Sequence[int] = ()) -> list[CaseConfig]:
     """The fixed calibration set of ``model`` in ``dtype``: greedy requests over every cache path.
+
+    Args:
+        eos_ids: The requests' EOS set; empty (the default) so that every request runs its
+            ``max_new_tokens`` rows.  ``decodespec calibrate --stop-at-eos`` passes the tokenizer's EOS
+            for a runtime that refuses a request without it (llama-cpp-python always stops on the
+            vocabulary's end-of-generation tokens).
 
     Returns:
         One :class:`CaseConfig` per (prompt, cache family, prefill chunk, attention, decode
@@ -96,12 +102,17 @@ def calibration_configs(model: str, dtype: str = "float32", *, decode_kernels: S
                     if kernel != "torch" and (cache != "static" or dtype != "float32" or attention != "sdpa"):
                         continue
                     out.append(CaseConfig(model=model, prompt_ids=prompt, max_new_tokens=max_new_tokens, cache=cache,
-                                          prefill_chunk=chunk, attention=attention, dtype=dtype, decode_kernel=kernel))
+                                          prefill_chunk=chunk, attention=attention, dtype=dtype, decode_kernel=kernel,
+                                          eos_ids=tuple(eos_ids)))
     return out
 
 
 def measure(runtime: str, configs: Iterable[CaseConfig]) -> list[dict[str, Any]]:
     """Run ``configs`` on ``runtime`` in lock step and collect every TENSOR error (see the module docstring).
+
+    A config the runtime does not declare a capability for is not run; one it refuses at reset
+    as ``adapter.unsupported`` (llama.cpp: a static cache) is not measured and leaves a record
+    ``{"kind": "unsupported", "message"}`` (:func:`summarize` counts them).
 
     Returns:
         The :func:`~decodespec.checks.gate.ladder.measuring` records, each with the config's
@@ -120,11 +131,14 @@ def measure(runtime: str, configs: Iterable[CaseConfig]) -> list[dict[str, Any]]
             with measuring() as sink:
                 ls = LockStep(adapter, config, runtime=runtime, tolerance=opened)
                 ls.reset()
-                ls.apply({"op": "prefill"})
-                for _ in range(config.max_new_tokens + 1):
-                    if ls.failed or (ls.observation is not None and ls.observation.phase == "finished"):
-                        break
-                    ls.apply({"op": "step"})
+                if ls.unsupported:  # a path this runtime refuses is not measured
+                    sink.append({"kind": "unsupported", "message": ls.unsupported})
+                else:
+                    ls.apply({"op": "prefill"})
+                    for _ in range(config.max_new_tokens + 1):
+                        if ls.failed or (ls.observation is not None and ls.observation.phase == "finished"):
+                            break
+                        ls.apply({"op": "step"})
         finally:
             adapter.close()
         for rec in sink:
@@ -135,13 +149,15 @@ def measure(runtime: str, configs: Iterable[CaseConfig]) -> list[dict[str, Any]]
 
 def summarize(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Maxima of a measurement: ``row_max_error``, ``row_max_rel``, ``row_small_max_error``,
-    ``row_max_scale``, ``kv_max_error``, ``kv_max_rel``, ``kv_small_max_error``, and counts."""
+    ``row_max_scale``, ``kv_max_error``, ``kv_max_rel``, ``kv_small_max_error``, and counts (``rows``,
+    ``kv_layers``, ``unsupported``: configs the runtime refused)."""
     rows = [r for r in records if r["kind"] == "score_row"]
     kvs = [(e, s) for r in records if r["kind"] == "cache_probe"
            for le, ls in zip(r["error"], r["scale"]) for e, s in zip(le, ls)]
     return {
         "rows": len(rows),
         "kv_layers": len(kvs),
+        "unsupported": sum(r["kind"] == "unsupported" for r in records),
         "row_max_error": max((r["error"] for r in rows), default=0.0),
         "row_max_rel": max((r["error"] / r["scale"] for r in rows if r["scale"] > 0), default=0.0),
         "row_small_max_error": max((r["error"] for r in rows if r["scale"] < SMALL_SCALE), default=0.0),
@@ -162,12 +178,17 @@ def _capabilities() -> list[str]:
 
 def sweep(runtime: str, model: str, dtypes: Sequence[str], *, threads: Sequence[int] = (1, 2),
           capabilities: Sequence[str] | None = None, decode_kernels: Sequence[str] = ("torch",),
-          max_new_tokens: int = 12, log=print) -> list[dict[str, Any]]:
+          max_new_tokens: int = 12, stop_at_eos: bool = False, log=print) -> list[dict[str, Any]]:
     """Measure ``runtime`` on ``model`` for every dtype, capability and thread count, one child process each.
+
+    ``stop_at_eos`` gives the requests the tokenizer's EOS (see :func:`calibration_configs`).
 
     Returns:
         One entry per dtype: ``{"runtime", "model", "dtype", "variants": [summary + "capability",
-        "threads"]}``.
+        "threads", "decode_kernels", "torch", "stop_at_eos"]}``.
+
+    Raises:
+        RuntimeError: a child process failed (its stderr's tail in the message).
     """
     caps = list(capabilities or _capabilities())
     entries = []
@@ -177,7 +198,7 @@ def sweep(runtime: str, model: str, dtypes: Sequence[str], *, threads: Sequence[
             for n in threads:
                 env = {**os.environ, "ATEN_CPU_CAPABILITY": cap, "OMP_NUM_THREADS": str(n)}
                 cmd = [sys.executable, "-m", "decodespec.checks.gate.calibrate", runtime, model, dtype, str(n), str(max_new_tokens),
-                       ",".join(decode_kernels if dtype == "float32" else ("torch",))]
+                       ",".join(decode_kernels if dtype == "float32" else ("torch",)), "eos" if stop_at_eos else "no-eos"]
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
                 if out.returncode != 0:
                     raise RuntimeError(f"calibration child {cap}/{n} threads failed:\n{out.stderr[-4000:]}")
@@ -191,8 +212,10 @@ def sweep(runtime: str, model: str, dtypes: Sequence[str], *, threads: Sequence[
 
 
 def _child(argv: Sequence[str]) -> int:
-    runtime, model, dtype, threads, steps, kernels = argv
+    runtime, model, dtype, threads, steps, kernels, eos = argv
     import torch
+
+    from ..adapters.impl import load_tokenizer
 
     torch.set_num_threads(int(threads))
     kernel_list = [k for k in kernels.split(",") if k]
@@ -201,10 +224,12 @@ def _child(argv: Sequence[str]) -> int:
 
         if unavailable_reason() is not None:
             kernel_list.remove("native")
-    records = measure(runtime, calibration_configs(model, dtype, decode_kernels=kernel_list, max_new_tokens=int(steps)))
+    eos_ids = (int(load_tokenizer(model).eos_token_id),) if eos == "eos" else ()
+    records = measure(runtime, calibration_configs(model, dtype, decode_kernels=kernel_list, max_new_tokens=int(steps),
+                                                   eos_ids=eos_ids))
     summary = summarize(records)
     summary.update(capability=torch.backends.cpu.get_cpu_capability(), threads=torch.get_num_threads(),
-                   decode_kernels=kernel_list, torch=torch.__version__)
+                   decode_kernels=kernel_list, torch=torch.__version__, stop_at_eos=bool(eos_ids))
     print(json.dumps(summary))
     return 0
 
