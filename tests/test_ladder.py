@@ -133,6 +133,41 @@ def test_judge_decision_greedy_and_sampled() -> None:
     assert judge_decision(runtime_token=0, u=0.2, **kw).result == PASSED
 
 
+def test_a_decision_the_policy_makes_on_the_runtimes_own_admitted_row_is_undecided_not_failed() -> None:
+    """A truncation is not continuous in the logits: the runtime's own row, within epsilon of the reference, may keep
+    another id than the reference row does.  When the policy (with the same uniform) selects the runtime's id on that
+    row, no tolerance-admitted row rules it out (``decision.own_row``); without that row, or when the policy selects
+    another id there, the verdict stands.  Found by the machines: traces/failures/impl-tiny-failed-DECISION-76aa7d59d894.itf.json."""
+    sampled = policy_config_from_json({"family": "multinomial"})
+    probs = np.array([1.0, 0.0, 0.0])  # the reference keeps id 0 only
+    kw = {"policy": sampled, "ref_values": np.array([0.0, -np.inf, -np.inf]), "ref_token": 0, "tolerance": TOL, "greedy": False,
+          "ref_probs": probs, "u": 0.37, "runtime_token": 1}
+    assert judge_decision(**kw).check == "decision.support"
+    assert judge_decision(cand_token=1, **kw).check == "decision.support"  # own row not shown to be within epsilon
+    own = judge_decision(cand_token=1, cand_within_tolerance=True, **kw)
+    assert (own.result, own.check) == (UNDECIDED, "decision.own_row")
+    assert judge_decision(cand_token=2, cand_within_tolerance=True, **kw).check == "decision.policy"
+    finite = {**kw, "ref_values": np.log(np.array([0.9, 0.1, 1e-9])), "ref_probs": np.array([0.9, 0.1, 1e-9]), "u": 0.2}
+    assert judge_decision(cand_token=1, **finite).check == "decision.draw"
+    assert judge_decision(cand_token=1, cand_within_tolerance=True, **finite).check == "decision.own_row"
+    greedy = policy_config_from_json({"family": "greedy"})
+    values = np.array([2.0, 0.0, -1.0])
+    assert judge_decision(policy=greedy, ref_values=values, ref_token=0, runtime_token=1, tolerance=TOL, greedy=True,
+                          cand_token=1).check == "decision.selected_id"
+    assert judge_decision(policy=greedy, ref_values=values, ref_token=0, runtime_token=1, tolerance=TOL, greedy=True,
+                          cand_token=1, cand_within_tolerance=True).check == "decision.own_row"
+
+
+def test_the_machines_truncation_counterexample_is_now_undecided() -> None:
+    from pathlib import Path
+
+    from decodespec.checks.modelcheck.traces import load_trace, replay
+
+    path = Path(__file__).resolve().parent.parent / "traces" / "failures" / "impl-tiny-failed-DECISION-76aa7d59d894.itf.json"
+    result = replay(load_trace(path), runtime="impl")
+    assert (result.actual.result, result.actual.check) == (UNDECIDED, "decision.own_row")
+
+
 def test_resume_layer_compares_with_the_uninterrupted_run() -> None:
     """``ladder.RESUME``: a restored request whose RNG counter or logprobs differ from the uninterrupted one fails."""
     same = _obs()

@@ -240,6 +240,7 @@ def judge_decision(
     output_index: int = 0,
     epsilon: float | None = None,
     cand_values: np.ndarray | None = None,
+    cand_within_tolerance: bool = False,
 ) -> Verdict:
     """Judge a decision where the runtime may have picked another id than the spec on the reference row.
 
@@ -258,6 +259,14 @@ def judge_decision(
             reference row; default ``tolerance.logit``).
         cand_values: The spec policy's processed row of the runtime's own raw row, when it exposed
             one (named in the message and the probe beside the reference's).
+        cand_within_tolerance: The runtime's own raw row was checked to lie within ``epsilon`` of
+            the reference row.  Then a ``cand_token`` equal to ``runtime_token`` is ``undecided``
+            (``decision.own_row``) where the tests below would fail it: a row the tolerance admits makes the policy, with the same
+            uniform, select the runtime's id, so the tolerance cannot rule it out.  The margin and
+            CDF-distance tests below assume the processed row moves continuously with the logits,
+            which a truncation does not (``typical``, ``epsilon``, ``top_k`` ... can swap the kept
+            id when two candidates are within epsilon of its boundary; found by the machines on tiny
+            float16, ``traces/failures/impl-tiny-failed-DECISION-76aa7d59d894.itf.json``).
 
     Returns:
         ``passed`` when the ids agree; ``failed`` (DECISION) when the runtime's id is not the
@@ -285,7 +294,13 @@ def judge_decision(
         return verdict(FAILED, "decision.policy", cand_token,
                        f"{where}: the runtime selected {runtime_token}, but the policy selects {cand_token} on the runtime's own row")
     eps = tolerance.logit if epsilon is None else epsilon
+    own_row = verdict(UNDECIDED, "decision.own_row", ref_token,
+                      f"{where}: the policy selects {runtime_token} on the runtime's own score row, which is within epsilon "
+                      f"{eps:.3g} of the reference row; the tolerance cannot decide between {ref_token} and {runtime_token}")
+    admitted = cand_within_tolerance and cand_token == runtime_token  # checked only where the tests below would fail
     if not 0 <= runtime_token < ref_values.shape[0] or not math.isfinite(float(ref_values[runtime_token])):
+        if admitted and 0 <= runtime_token < ref_values.shape[0]:
+            return own_row
         return verdict(FAILED, "decision.support", ref_token, f"{where}: the runtime selected {runtime_token}, outside the processed support")
     if greedy:
         gap = float(ref_values[ref_token] - ref_values[runtime_token])
@@ -293,6 +308,8 @@ def judge_decision(
             return verdict(UNDECIDED, "decision.margin", ref_token,
                            f"{where}: reference margin {gap:.3g} <= 2 epsilon = {2 * eps:.3g}; the tolerance cannot decide between "
                            f"{ref_token} and {runtime_token}")
+        if admitted:
+            return own_row
         return verdict(FAILED, "decision.selected_id", ref_token,
                        f"{where}: reference margin {gap:.3g} > 2 epsilon = {2 * eps:.3g} guarantees {ref_token}; the runtime selected "
                        f"{runtime_token}")
@@ -306,6 +323,8 @@ def judge_decision(
         return verdict(UNDECIDED, "decision.draw_margin", ref_token,
                        f"{where}: the uniform {u:.6g} is {distance:.3g} <= {delta:.3g} from the CDF interval of {runtime_token}; "
                        "the tolerance cannot decide the draw")
+    if admitted:
+        return own_row
     return verdict(FAILED, "decision.draw", ref_token,
                    f"{where}: the replayed draw selects {ref_token} (uniform {u:.6g} is {distance:.3g} > {delta:.3g} from {runtime_token}'s "
                    f"interval [{low:.6g}, {high:.6g}))")
@@ -712,7 +731,8 @@ class LockStep:
             verdict = judge_decision(policy=s.policy, ref_values=ref_processed.values, ref_token=token, runtime_token=runtime_token,
                                      tolerance=self.tolerance, greedy=s.greedy(), cand_token=cand_token,
                                      ref_probs=ref_processed.probs, u=u, output_index=index, epsilon=eps,
-                                     cand_values=None if cand_processed is None else cand_processed.values)
+                                     cand_values=None if cand_processed is None else cand_processed.values,
+                                     cand_within_tolerance=own_row and bad is None)
             checks.append(DecisionCheck(index, verdict))
             if verdict.result == UNDECIDED:
                 adopted = runtime_token
