@@ -137,7 +137,7 @@ def test_a_decision_the_policy_makes_on_the_runtimes_own_admitted_row_is_undecid
     """A truncation is not continuous in the logits: the runtime's own row, within epsilon of the reference, may keep
     another id than the reference row does.  When the policy (with the same uniform) selects the runtime's id on that
     row, no tolerance-admitted row rules it out (``decision.own_row``); without that row, or when the policy selects
-    another id there, the verdict stands.  Found by the machines: traces/failures/impl-tiny-failed-DECISION-76aa7d59d894.itf.json."""
+    another id there, the verdict stands.  Found by the machines: traces/undecided-typical-truncation-own-row.itf.json (first recorded as a failure)."""
     sampled = policy_config_from_json({"family": "multinomial"})
     probs = np.array([1.0, 0.0, 0.0])  # the reference keeps id 0 only
     kw = {"policy": sampled, "ref_values": np.array([0.0, -np.inf, -np.inf]), "ref_token": 0, "tolerance": TOL, "greedy": False,
@@ -163,7 +163,7 @@ def test_the_machines_truncation_counterexample_is_now_undecided() -> None:
 
     from decodespec.checks.modelcheck.traces import load_trace, replay
 
-    path = Path(__file__).resolve().parent.parent / "traces" / "failures" / "impl-tiny-failed-DECISION-76aa7d59d894.itf.json"
+    path = Path(__file__).resolve().parent.parent / "traces" / "undecided-typical-truncation-own-row.itf.json"
     result = replay(load_trace(path), runtime="impl")
     assert (result.actual.result, result.actual.check) == (UNDECIDED, "decision.own_row")
 

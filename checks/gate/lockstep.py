@@ -266,7 +266,7 @@ def judge_decision(
             CDF-distance tests below assume the processed row moves continuously with the logits,
             which a truncation does not (``typical``, ``epsilon``, ``top_k`` ... can swap the kept
             id when two candidates are within epsilon of its boundary; found by the machines on tiny
-            float16, ``traces/failures/impl-tiny-failed-DECISION-76aa7d59d894.itf.json``).
+            float16, ``traces/undecided-typical-truncation-own-row.itf.json (first recorded as a failure)``).
 
     Returns:
         ``passed`` when the ids agree; ``failed`` (DECISION) when the runtime's id is not the
