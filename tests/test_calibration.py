@@ -157,3 +157,30 @@ def test_a_config_the_runtime_refuses_as_unsupported_is_not_measured() -> None:
     refused = measure("hf", [attrs.evolve(c, stop_strings=("zz",)) for c in configs])
     assert [r["kind"] for r in refused] == ["unsupported"] and "stop strings" in refused[0]["message"]
     assert summarize(refused)["unsupported"] == 1 and summarize(refused)["rows"] == 0
+
+
+def test_the_committed_calibration_report_is_the_shipped_measurement() -> None:
+    """docs/results/calibration.md is ``decodespec calibrate --report`` of checks/gate/calibration.json, as shipped."""
+    from pathlib import Path
+
+    from decodespec.checks.commands.calibrate import report_markdown
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "results" / "calibration.md"
+    assert page.read_text() == report_markdown(), "regenerate it: decodespec calibrate --report docs/results/calibration.md"
+
+
+def test_the_report_says_what_a_foreign_runtime_entry_did_not_measure(monkeypatch) -> None:
+    """An entry measured on a runtime outside torch (no torch decode kernel named) and without K/V rows
+    declares no K/V bound in the report and says whose capability the rows were measured under."""
+    from decodespec.checks.commands import calibrate as command
+    from decodespec.checks.gate import tolerance
+
+    variant = dict(next(e for e in _entries() if e["runtime"] == "impl")["variants"][0])
+    foreign = dict(variant, decode_kernels=[], kv_layers=0, kv_max_error=0.0, kv_max_rel=0.0, kv_small_max_error=0.0)
+    data = {"entries": [{"runtime": "own", "model": "tiny", "dtype": "float32", "variants": [foreign]},
+                        {"runtime": "impl", "model": "tiny", "dtype": "float32", "variants": [variant]}]}
+    monkeypatch.setattr(tolerance, "load_calibration", lambda path=None: data)
+    page = command.report_markdown()
+    own, impl = page.split("## impl / tiny / float32")
+    assert "| its own |" in own and "K/V not measured" in own and "float64 reference's process" in own
+    assert "| its own |" not in impl and "K/V not measured" not in impl and "K/V = " in impl

@@ -64,12 +64,17 @@ def report_markdown() -> str:
         lines += ["| capability | threads | kernels | rows | row max err | row max rel | largest row | K/V layers | K/V max err | K/V max rel |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for v in entry["variants"]:
-            lines.append(f"| {v['capability']} | {v['threads']} | {', '.join(v.get('decode_kernels', []))} | {v['rows']} | "
+            kernels = ", ".join(v.get("decode_kernels", [])) or "its own"
+            lines.append(f"| {v['capability']} | {v['threads']} | {kernels} | {v['rows']} | "
                          f"{v['row_max_error']:.3g} | {v['row_max_rel']:.3g} | {v['row_max_scale']:.3g} | {v['kv_layers']} | "
                          f"{v['kv_max_error']:.3g} | {v['kv_max_rel']:.3g} |")
+        kv = (f"K/V = {tol.kv:.3g} + {tol.kv_rel:.3g} x max\\|layer\\|" if any(v["kv_layers"] for v in entry["variants"])
+              else "K/V not measured (the runtime exposes no committed K/V rows)")
         lines += ["", (f"Declared: epsilon = {tol.logit:.3g} + {tol.logit_rel:.3g} x max\\|row\\| "
-                      f"({tol.logit + tol.logit_rel * tol.row_scale:.3g} at the largest row, {tol.row_scale:.3g}); "
-                      f"K/V = {tol.kv:.3g} + {tol.kv_rel:.3g} x max\\|layer\\|."), ""]
+                      f"({tol.logit + tol.logit_rel * tol.row_scale:.3g} at the largest row, {tol.row_scale:.3g}); {kv}."), ""]
+        if not any(v.get("decode_kernels") for v in entry["variants"]):
+            lines += [("Kernels \"its own\": the runtime does not run torch's kernels, so the capability and thread "
+                       "count are those of the float64 reference's process."), ""]
     return "\n".join(lines) + "\n"
 
 

@@ -80,6 +80,10 @@ def _prompts(model: str) -> list[tuple[int, ...]]:
     return [(prompts[0][0],)] + prompts + [long[: LONGEST_PROMPT[model]]]  # one token ... the longest
 
 
+#: The runtimes whose kernels torch picks (``ATEN_CPU_CAPABILITY`` and the thread count reach them).
+TORCH_RUNTIMES = ("impl", "impl-tp", "hf")
+
+
 def calibration_configs(model: str, dtype: str = "float32", *, decode_kernels: Sequence[str] = ("torch",),
                         max_new_tokens: int = 12, eos_ids: Sequence[int] = ()) -> list[CaseConfig]:
     """The fixed calibration set of ``model`` in ``dtype``: greedy requests over every cache path.
@@ -228,8 +232,11 @@ def _child(argv: Sequence[str]) -> int:
     records = measure(runtime, calibration_configs(model, dtype, decode_kernels=kernel_list, max_new_tokens=int(steps),
                                                    eos_ids=eos_ids))
     summary = summarize(records)
+    # A runtime outside torch (llama.cpp's ggml) runs kernels of its own: ATEN_CPU_CAPABILITY and the
+    # thread count then reach only the float64 reference, and no torch decode kernel is named.
     summary.update(capability=torch.backends.cpu.get_cpu_capability(), threads=torch.get_num_threads(),
-                   decode_kernels=kernel_list, torch=torch.__version__, stop_at_eos=bool(eos_ids))
+                   decode_kernels=kernel_list if runtime in TORCH_RUNTIMES else [], torch=torch.__version__,
+                   stop_at_eos=bool(eos_ids))
     print(json.dumps(summary))
     return 0
 
