@@ -725,7 +725,8 @@ class LlamaForCausalLM(nn.Module):
             :class:`CausalLMOutput` with ``logits [B, T_kept, V]`` (model dtype).
 
         Raises:
-            Rejection: ``model.invalid_input`` for a wrong rank, shape, dtype or (for CPU
+            Rejection: ``model.invalid_input`` for a wrong rank, shape, dtype, ``input_ids`` on
+                another device than the model's weights, or (for CPU
                 tensors, where checking is free of device synchronisation) an id outside
                 ``[0, V)``; ``cache.abi_mismatch`` when the cache's ABI differs.  Raised before
                 anything is written.
@@ -810,6 +811,9 @@ class LlamaForCausalLM(nn.Module):
     def _check_input_ids(self, input_ids: torch.Tensor) -> tuple[int, int]:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
             raise Rejection(INVALID_MODEL_INPUT, "input_ids must be a non-empty int64[B, T] tensor", "$.input_ids")
+        if input_ids.device != self.device:  # torch would fail inside the embedding, or (meta) return rows of no value
+            raise Rejection(INVALID_MODEL_INPUT, f"input_ids are on {input_ids.device}, the model's weights on {self.device}",
+                            "$.input_ids")
         _check_index_tensor(input_ids, tuple(input_ids.shape), "input_ids", self.config.vocab_size)
         return input_ids.shape[0], input_ids.shape[1]
 

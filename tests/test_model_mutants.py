@@ -249,8 +249,11 @@ def test_tying_a_head_of_another_shape_takes_the_embedding():
 def test_a_native_model_moved_off_the_cpu_decodes_through_torch():
     """Only a call on the CPU runs the native kernel: the same model moved to ``meta`` decodes a row through torch.
 
-    Kills 784 ``ReplaceComparisonOperator_Eq_IsNot`` 7 (``device.type is not "cpu"`` is always
-    true, so the kernel was handed meta tensors).
+    784 ``ReplaceComparisonOperator_Eq_IsNot`` 7 (``device.type is not "cpu"``, always true) passes
+    this test: the kernel refuses weights off the CPU and falls back.  Since the model refuses
+    ``input_ids`` on another device than its weights
+    (:func:`test_input_ids_on_another_device_than_the_model_are_refused`), the call's device is the
+    model's, so the mutant is equivalent (docs/results/mutation-sampled-runtime-snapshot-model.md).
     """
     from decodespec.impl.cache import StaticCache
     from decodespec.impl.tiny import load_tiny
@@ -307,3 +310,28 @@ def test_an_empty_call_is_refused(tiny_model, shape):
         tiny_model(torch.zeros(shape, dtype=torch.int64), past_key_values=cache)
     assert (info.value.code, info.value.path) == ("model.invalid_input", "$.input_ids")
     assert cache.get_seq_length() == 0
+
+
+@pytest.mark.parametrize(("model_device", "ids_device"), [("cpu", "meta"), ("meta", "cpu")])
+def test_input_ids_on_another_device_than_the_model_are_refused(model_device, ids_device):
+    """``input_ids`` on another device than the weights is ``model.invalid_input`` at ``$.input_ids``, and the cache is untouched.
+
+    Before, a CPU model given ``meta`` ids returned CPU logits of no value (the torch path ran a meta
+    embedding lookup) and with the native kernel raised an untyped ``RuntimeError``; found through the
+    live mutant at line 784 of the sampled Cosmic Ray session.
+    """
+    from decodespec.impl.cache import StaticCache
+    from decodespec.impl.tiny import load_tiny
+
+    model = load_tiny(seed=0)
+    if native.unavailable_reason() is None:
+        model.set_decode_kernel("native")
+    model = model.to(model_device)
+    cache = StaticCache(model.cache_abi, 8)
+    with torch.inference_mode():
+        for ids in (torch.tensor([[1, 70, 71]], device=ids_device), torch.tensor([[72]], device=ids_device)):
+            with pytest.raises(Rejection) as info:
+                model(ids, past_key_values=cache)
+            assert info.value.code == "model.invalid_input" and info.value.path == "$.input_ids"
+            assert ids_device in str(info.value) and model_device in str(info.value)
+            assert cache.get_seq_length() == 0
