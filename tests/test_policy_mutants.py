@@ -912,3 +912,75 @@ def test_a_log_probability_row_is_exponentiated_not_renormalized():
     row = (np.log(np.array([0.5, 0.3, 0.2])) + 5e-5).astype(np.float32)
     receipt, _ = twin.decide(torch.tensor(row), policy_config_from_json({"family": "greedy"}), PolicyState(), RequestView(prompt_ids=()), kind="logprobs")
     assert receipt.selected_id == 0 and receipt.processed_logprob == pytest.approx(float(row[0]), abs=2e-6)
+
+
+LOGPROB_TOLERANCE = 1e-4  # the twin's bound on |logsumexp| of a kind-logprobs row (impl/policy.py _check_row)
+
+
+def _row_whose_logsumexp_is(target: float) -> torch.Tensor:
+    """A float32 row ``[a, b, c]`` whose float64 ``torch.logsumexp`` is exactly the double ``target`` on this machine.
+
+    ``lse = a + log(s)`` with ``s = 1 + exp(b - a) + exp(c - a)``, ``a`` float32 and ``s`` a double:
+    for each float32 ``a`` between ``|target| / 1.6`` and ``|target|`` (the sign of ``target``) the
+    doubles ``s = 1 + k 2^-52`` nearest ``exp(target - a)`` are tried, and where ``a + log(s)`` rounds
+    to ``target``, ``b`` (coarse) and ``c`` (fine) are chosen so that the sum is ``s``.  The search
+    runs here with torch's own ``log`` and ``logsumexp``, so it holds on any CPU: about 200 ``a``
+    qualify, and the first candidate row already did under ``ATEN_CPU_CAPABILITY`` default, avx2 and
+    avx512 with 1 and 2 threads.  Taking ``a`` near ``target`` would not do: one rounding step of
+    ``log(s)`` is 2^-52, 16,000 steps of a double near 1e-4.
+    """
+    sign, size = math.copysign(1.0, target), abs(target)
+    f32 = np.float32
+    if sign > 0:  # a + log(s) = target with log(s) >= 0: a in [size / 1.6, size)
+        low = f32(size / 1.6)
+        high = f32(size) if float(f32(size)) < size else np.nextafter(f32(size), f32(0))
+    else:  # a = target - log(s) <= target: |a| in (size, 1.4 size]
+        low = f32(size) if float(f32(size)) > size else np.nextafter(f32(size), f32(np.inf))
+        high = f32(size * 1.4)
+    bits = np.arange(low.view(np.int32), high.view(np.int32) + 1, dtype=np.int32)
+    a = torch.from_numpy(sign * bits.view(np.float32).astype(np.float64))  # [n] float32 values as doubles
+    eps = 2.0 ** -52
+    k = torch.round(torch.expm1(target - a) / eps)
+    for d in (-1, 0, 1):
+        s = 1 + (k + d) * eps  # [n] doubles near exp(target - a)
+        ok = (a + torch.log(s)) == target
+        for av, sv in zip(a[ok].tolist(), s[ok].tolist()):
+            b = f32(av + math.log((sv - 1) * 0.999))
+            rest = sv - 1 - math.exp(float(b) - av)
+            c = f32(av + math.log(rest))
+            cs = [c]
+            for step in (np.inf, -np.inf):
+                x = c
+                for _ in range(60):
+                    x = np.nextafter(x, f32(step))
+                    cs.append(x)
+            rows = torch.tensor(np.array([[f32(av), b, ci] for ci in cs], dtype=np.float32))  # [m, 3]
+            hit = (torch.logsumexp(rows.double(), dim=-1) == target).nonzero()
+            if len(hit):
+                return rows[int(hit[0])]
+    raise AssertionError(f"no float32 row with logsumexp exactly {target!r} found on this machine")
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_log_probability_row_at_the_tolerance_is_accepted_and_one_past_it_refused(sign):
+    """kind logprobs: a row whose float64 logsumexp is exactly +-1e-4 (the twin's bound, inclusive) is decided; one float32
+    step of its largest entry further out is ``policy.invalid_row``.
+
+    The bound is inclusive, ``|logsumexp| <= 1e-4`` (the spec's own is 1e-6 for the float64 rows it
+    is given, ``NORMALIZATION_TOLERANCE``).  Kills line 342 ``> 1e-4`` -> ``>= 1e-4`` (live in the
+    Cosmic Ray session as line 334 of commit 61ec8ad; docs/results/mutation.md).
+    """
+    from decodespec.spec.errors import Rejection
+
+    target = sign * LOGPROB_TOLERANCE
+    row = _row_whose_logsumexp_is(target)
+    assert torch.logsumexp(row.double(), dim=-1).item() == target and row.dtype == torch.float32
+    config = policy_config_from_json({"family": "greedy"})
+    receipt, _ = twin.decide(row, config, PolicyState(), RequestView(prompt_ids=()), kind="logprobs")
+    assert receipt.selected_id == 0
+    past = row.clone()
+    past[0] = torch.tensor(np.nextafter(row[0].numpy(), np.float32(sign * np.inf)))
+    assert abs(torch.logsumexp(past.double(), dim=-1).item()) > LOGPROB_TOLERANCE
+    with pytest.raises(Rejection) as info:
+        twin.decide(past, config, PolicyState(), RequestView(prompt_ids=()), kind="logprobs")
+    assert info.value.code == "policy.invalid_row" and info.value.path == "$.row.values"
