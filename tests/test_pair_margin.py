@@ -171,3 +171,25 @@ def test_an_expectation_with_a_model_explains_and_is_missed_only_on_that_model(t
     assert unused_expectations([e], ran_smollm2) == [] and unused_expectations([e], ran_tiny) == [e]
     assert load_expectations("hf")  # the shipped file still loads
     assert {x.id: x.model for x in load_expectations("hf")}["hf.stop_strings_need_a_tokenizer"] == "tiny"
+
+
+def test_an_expectation_case_field_may_join_several_globs_with_a_bar(tmp_path) -> None:
+    """``case = "boundary.stop_*|sweep.field.stop_strings"`` matches either glob and nothing else, for explaining and for
+    ``unused``; the shipped ``hf.stop_string_not_trimmed`` covers the sweep case its SmolLM2 run met (stop 30)."""
+    from decodespec.checks.gate.cases import CaseResult, case_matches, load_expectations, unused_expectations
+    from decodespec.checks.gate.ladder import Verdict
+
+    assert case_matches("boundary.stop_*|sweep.field.stop_strings", "sweep.field.stop_strings")
+    assert case_matches("boundary.stop_*|sweep.field.stop_strings", "boundary.stop_one")
+    assert not case_matches("boundary.stop_*|sweep.field.stop_strings", "sweep.field.stop_strings_x")
+    assert not case_matches("boundary.stop_*|sweep.field.stop_strings", "sweep.stop.include")
+    (tmp_path / "peer.toml").write_text('[[deviation]]\nid = "peer.x"\ncase = "boundary.stop_*|sweep.field.stop_strings"\n'
+                                        'layer = "SEQUENCE"\ncheck = "text"\nreason = "r"\n')
+    (e,) = load_expectations("peer", tmp_path)
+    text = Verdict(FAILED, "SEQUENCE", "ladder.SEQUENCE", "text", "", "The", "text")
+    assert e.matches("sweep.field.stop_strings", text) and e.matches("boundary.stop_one", text)
+    assert not e.matches("sweep.field.include_stop_str", text)
+    assert unused_expectations([e], [CaseResult("sweep.field.stop_strings", "peer", "smollm2", "pass", Verdict(PASSED))]) == [e]
+    assert unused_expectations([e], [CaseResult("sweep.field.eos_ids", "peer", "smollm2", "pass", Verdict(PASSED))]) == []
+    hf = {x.id: x for x in load_expectations("hf")}["hf.stop_string_not_trimmed"]
+    assert hf.matches("sweep.field.stop_strings", text, model="smollm2") and not hf.matches("sweep.field.stop_strings", text, model="tiny")

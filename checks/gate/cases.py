@@ -354,7 +354,7 @@ class Expectation:
     """One documented, accepted deviation of a runtime (a ``[[deviation]]`` table).
 
     Matching fields (each optional; an absent field matches anything): ``case`` (a glob over
-    case ids, e.g. ``"matrix.*"``), ``layer``, ``check``, ``rule`` (the verdict's ladder rule or the
+    case ids, e.g. ``"matrix.*"``, or several joined by ``|``, :func:`case_matches`), ``layer``, ``check``, ``rule`` (the verdict's ladder rule or the
     spec rule the refusal names), ``op`` (the action at the failing step), ``model`` (the model the
     deviation is tied to, e.g. ``"tiny"``: it explains nothing on another model and is not reported
     unused there), ``spec_finish`` (the spec side's finish reason at the failing step: the
@@ -382,7 +382,7 @@ class Expectation:
             return False
         if self.spec_finish is not None and (spec_state or {}).get("finish_reason") != self.spec_finish:
             return False
-        if self.case is not None and not fnmatch.fnmatchcase(case_id, self.case):
+        if self.case is not None and not case_matches(self.case, case_id):
             return False
         if self.layer is not None and verdict.layer != self.layer:
             return False
@@ -391,6 +391,12 @@ class Expectation:
         if self.rule is not None and self.rule != verdict.rule and self.rule not in json.dumps(verdict.to_json()):
             return False
         return not (self.op is not None and (action or {}).get("op") != self.op)
+
+
+def case_matches(pattern: str, case_id: str) -> bool:
+    """Whether ``case_id`` matches the ``case`` field ``pattern`` of a deviation: one :func:`fnmatch.fnmatchcase` glob, or
+    several joined by ``|`` (``"boundary.stop_*|sweep.field.stop_strings"``); case ids hold no ``|``."""
+    return any(fnmatch.fnmatchcase(case_id, glob) for glob in pattern.split("|"))
 
 
 def load_expectations(runtime: str, directory: Path | None = None) -> tuple[Expectation, ...]:
@@ -423,7 +429,7 @@ def unused_expectations(expectations: Sequence[Expectation], results: Sequence[C
     used = {r.deviation for r in results if r.deviation}
     ran = [(r.case, r.model) for r in results if r.result != "skip"]
     return [e for e in expectations if e.case is not None and not e.case.startswith("machine.") and e.id not in used
-            and any(fnmatch.fnmatchcase(c, e.case) and (e.model is None or m == e.model) for c, m in ran)]
+            and any(case_matches(e.case, c) and (e.model is None or m == e.model) for c, m in ran)]
 
 
 # --------------------------------------------------------------------------------------------
