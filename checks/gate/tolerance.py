@@ -7,7 +7,7 @@ for the cache); :data:`TOLERANCES` holds one per (runtime, model, dtype), derive
 :func:`derive` from the shipped measurement ``checks/gate/calibration.json`` (:func:`load_calibration`),
 never typed in by hand.  :mod:`decodespec.checks.gate.calibrate` measures and rewrites that file; the
 ladder (:mod:`decodespec.checks.gate.ladder`) compares within these bounds.  docs/design.md
-"Tolerances" gives the method and headroom.
+section 11b, "The reference and its tolerances", gives the method and headroom.
 
 Source: M3.10 "A logit tolerance is not a token-equality proof", 0x0BA ("Sensitivity is a
 controlled experiment").
@@ -49,7 +49,7 @@ CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 class Tolerance:
     """Declared numerical tolerances of one (runtime, model, dtype) against the float64 reference.
 
-    The stated form (docs/design.md section "Tolerances"): an error is within tolerance when
+    The stated form (docs/design.md section 11b): an error is within tolerance when
 
     * score rows: ``max_v |row - ref| <= logit + logit_rel * max_v |ref|`` (:meth:`epsilon`);
     * committed K/V: per layer and per K / V, ``max |kv - ref| <= kv + kv_rel * max |ref|`` of
@@ -164,7 +164,7 @@ def _declared() -> dict[tuple[str, str, str], Tolerance]:
 
 #: ``(runtime or "*", model, dtype) -> Tolerance`` against the float64 reference, derived from
 #: ``checks/gate/calibration.json`` (``decodespec calibrate --update``; method, maxima and headroom in
-#: docs/design.md "Tolerances").  A peer adapter may register its own entry (llama.cpp: its
+#: docs/design.md section 11b).  A peer adapter may register its own entry (llama.cpp: its
 #: expectations file).
 TOLERANCES: dict[tuple[str, str, str], Tolerance] = _declared()
 
