@@ -127,6 +127,21 @@ def test_a_large_logit_bias_before_a_renormalising_truncation_is_judged_with_its
     _assert_lockstep_passes(config)
 
 
+def test_two_ids_biased_by_1e4_are_judged_with_the_rounding_of_their_probabilities() -> None:
+    """Two ids both biased by +1e4 compete at processed scores near 1e4, where float32 rounds by ~1e-3: their
+    probabilities on the runtime's own row move by ~2e-4, past the declared probability bound (1.5e-4) alone;
+    POLICY's probability check allows the same rounding slack as its log-probability check (found by the
+    main job's machines under ATEN_CPU_CAPABILITY=default in stop 30, and reproduced under avx2 and avx512:
+    1.7e-4 at id 2)."""
+    from decodespec.checks.adapters import CaseConfig
+
+    config = CaseConfig(model="tiny", prompt_ids=(1,), max_new_tokens=2, attention="eager", seed=0, final_cache="none",
+                        cache="dynamic", zero_new_tokens="reject",
+                        policy={"family": "multinomial", "order": "default", "transforms": [
+                            {"name": "logit_bias", "bias": {"2": 10000.0, "35": -10000.0, "0": 10000.0}}]})
+    _assert_lockstep_passes(config)
+
+
 def _assert_lockstep_passes(config) -> None:
     """Run ``config`` on our runtime in lock step (one ``run``) and assert the verdict passed."""
     from decodespec.checks.gate.lockstep import LockStep

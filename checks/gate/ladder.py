@@ -538,6 +538,11 @@ class Expected:
         cache_probe: Reference committed K/V ``float32[layers, 2, H_kv, P, D]``.
         support_ids / support_probs: The spec policy's processed row of the latest decision
             (on the runtime's own row when it exposes one).
+        support_prob_tolerance / support_log_tolerance: The bounds on the processed probabilities
+            (absolute) and log-probabilities (nats) when they were computed on the runtime's own row:
+            the declared ones plus the rounding of the runtime's dtype at the largest processed
+            magnitude (:meth:`~decodespec.checks.gate.lockstep.LockStep._decide`); ``None``: the
+            declared probability bound, and no log-space check.
         draws: Draws of the latest decision.
         decision_checks: The harness's per-decision judgements (DECISION layer).
         decision_token / decision_logprob: The latest decision's id and its reference logprob.
@@ -561,6 +566,7 @@ class Expected:
     cache_probe: np.ndarray | None = None
     support_ids: np.ndarray | None = None
     support_probs: np.ndarray | None = None
+    support_prob_tolerance: float | None = None
     support_log_tolerance: float | None = None
     draws: int | None = None
     decision_checks: tuple[DecisionCheck, ...] = ()
@@ -683,13 +689,14 @@ def check_policy(exp: Expected, obs: Observation) -> Verdict | None:
         if exp.support_probs is not None and obs.support_probs is not None:
             diff = np.abs(exp.support_probs.astype(np.float64) - obs.support_probs)
             err = float(np.max(diff)) if diff.size else 0.0
-            if not err <= exp.tolerance.prob:
+            bound = exp.tolerance.prob if exp.support_prob_tolerance is None else exp.support_prob_tolerance
+            if not err <= bound:
                 worst = int(np.argmax(np.where(np.isnan(diff), np.inf, diff)))
                 token = int(exp.support_ids[worst])
-                return _fail("POLICY", "support.probs", f"<= {exp.tolerance.prob}", err,
-                             f"processed probabilities differ by {err:.3g} > {exp.tolerance.prob:.3g}: worst at vocabulary id {token} "
+                return _fail("POLICY", "support.probs", f"<= {bound}", err,
+                             f"processed probabilities differ by {err:.3g} > {bound:.3g}: worst at vocabulary id {token} "
                              f"(expected {float(exp.support_probs[worst]):.6g}, observed {float(obs.support_probs[worst]):.6g})",
-                             {"kind": "support_probs", "bound": exp.tolerance.prob,
+                             {"kind": "support_probs", "bound": bound,
                               "worst": {"id": token, "expected": float(exp.support_probs[worst]), "observed": float(obs.support_probs[worst])}})
             bad = _support_logprobs(exp, obs)
             if bad is not None:

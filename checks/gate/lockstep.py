@@ -738,7 +738,9 @@ class LockStep:
                 adopted = runtime_token
         # The runtime processed its own row in its dtype: a processed score of magnitude M carries
         # rounding of M * 2^-mantissa (a logit bias of 1e4 in float32: ~1e-3), which moves each
-        # log-probability by at most twice that, beyond the raw-row tolerance.  M is the largest
+        # log-probability by at most twice that, beyond the raw-row tolerance, and each probability
+        # p by at most p (e^slack - 1) (found by the machines: two ids biased by 1e4 on tiny, their
+        # probabilities 1.7e-4 apart against a declared 1.5e-4; tests/test_calibration.py).  M is the largest
         # magnitude of any stage, not only the last: a bias of 1e4 rounds there even when a later
         # truncation (epsilon, eta) renormalises to log-probabilities near 0 (found by the machines:
         # logit_bias 1e4, then epsilon and eta, 4e-4 nats apart on tiny).
@@ -874,6 +876,9 @@ class LockStep:
             cache_probe=cache_probe,
             support_ids=None if decision is None else decision.support_ids,
             support_probs=None if decision is None else decision.support_probs,
+            # A log-probability off by at most L moves a probability p by at most p (e^L - 1) <= e^L - 1
+            # (capped where that passes 1, which bounds nothing: a slack of 1e30 nats would overflow).
+            support_prob_tolerance=self.tolerance.prob + math.expm1(min(note.slack, 1.0)) if note is not None and note.own_row else None,
             support_log_tolerance=self.tolerance.logprob + note.slack if note is not None and note.own_row else None,
             draws=None if decision is None else decision.draws,
             decision_checks=checks,
