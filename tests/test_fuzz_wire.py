@@ -171,3 +171,22 @@ def test_long_wire_fuzz_loop() -> None:
         Path(report).write_text(json.dumps({"seed": seed, "rounds": rounds, **ledger.to_json()}, indent=1) + "\n")
     assert not ledger.untyped, ledger.untyped[:5]
     assert not ledger.hangs(), ledger.hangs()
+
+
+@pytest.mark.parametrize("number", ["9" * 5000, str(10**400), str(2**64), str(-(2**63) - 1)])
+def test_an_integer_outside_the_protocol_range_is_a_protocol_error(number) -> None:
+    """A runtime answering an integer outside ``[-2^63, 2^64)`` (here as a decision's logprob) gets ``adapter.protocol``.
+
+    Found by this file's fuzzer under ATEN_CPU_CAPABILITY=avx2 in stop 30: a mutated ``"logprob"`` of 10^400
+    passed the observation schema (a JSON number) and raised ``OverflowError`` at the DECISION layer's
+    ``float()``; 5,000 digits raised Python's untyped int-conversion ``ValueError`` inside ``json.loads``.
+    """
+    from decodespec.checks.adapters.wire import decode_line
+    from decodespec.spec.errors import Rejection
+
+    line = '{"ok": true, "seq": 4, "observation": {"decision": {"token_id": 3, "logprob": ' + number + "}}}"
+    with pytest.raises(Rejection) as info:
+        decode_line(line)
+    assert info.value.code == "adapter.protocol" and info.value.path == "$"
+    edge = decode_line(f'{{"ok": true, "a": {-(2**63)}, "b": {2**64 - 1}, "c": 1e300}}')
+    assert edge == {"ok": True, "a": -(2**63), "b": 2**64 - 1, "c": 1e300}

@@ -98,6 +98,7 @@ from decodespec.spec.errors import ERROR_CODES, Rejection, ResourceLimit
 
 from . import ADAPTER_PROTOCOL, CAPABILITIES, CaseConfig
 from .peer import PeerAdapter, PeerDecision, bound_triggers
+from .wire import IntegerOutOfRange, bounded_int
 
 __all__ = [
     "CONTROLLER_CAPABILITIES",
@@ -387,8 +388,8 @@ class StdioEngine:
             self._kill()
             raise _protocol(f"the answer to {method!r} is longer than {MAX_LINE_BYTES} bytes (the engine process was killed)")
         try:
-            answer = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            answer = json.loads(line, parse_int=bounded_int)
+        except (json.JSONDecodeError, UnicodeDecodeError, IntegerOutOfRange) as exc:
             raise _protocol(f"the answer to {method!r} is not a JSON line: {exc}; line starts {line[:120]!r}") from None
         _check("response", answer, "$")
         if answer["id"] != request["id"]:

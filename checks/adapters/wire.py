@@ -62,8 +62,10 @@ from . import ADAPTER_PROTOCOL, CAPABILITIES, ApplyResult, CaseConfig, Observati
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "IntegerOutOfRange",
     "array_from_json",
     "array_to_json",
+    "bounded_int",
     "decode_line",
     "encode_line",
     "observation_from_json",
@@ -243,14 +245,36 @@ def encode_line(message: Mapping[str, Any]) -> str:
     return json.dumps(message, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n"
 
 
+class IntegerOutOfRange(ValueError):
+    """A JSON integer outside what the protocols carry (:func:`bounded_int`)."""
+
+
+def bounded_int(text: str) -> int:
+    """A JSON integer of the protocol: ids, counters and seeds, all within ``[-2^63, 2^64)``.
+
+    The digits are counted before they are converted, so a line of a million digits costs no
+    quadratic conversion, and no integer reaches a ``float()`` that would overflow.
+    """
+    if len(text.lstrip("-")) > 20:
+        raise IntegerOutOfRange(f"an integer of {len(text.lstrip('-'))} digits")
+    value = int(text)
+    if not -(2**63) <= value < 2**64:
+        raise IntegerOutOfRange(f"the integer {value} is outside [-2^63, 2^64)")
+    return value
+
+
 def decode_line(line: str | bytes) -> dict[str, Any]:
     """Parse one line into a message object.
 
     Raises:
-        Rejection: ``adapter.protocol`` for invalid JSON or a non-object.
+        Rejection: ``adapter.protocol`` for invalid JSON, a non-object, or an integer outside
+            ``[-2^63, 2^64)`` (a runtime answering ``"logprob": 1e400`` written as an integer;
+            found by ``tests/test_fuzz_wire.py``).
     """
     try:
-        obj = json.loads(line)
+        obj = json.loads(line, parse_int=bounded_int)
+    except IntegerOutOfRange as exc:
+        raise _protocol(f"not a protocol line: {exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise _protocol(f"not a JSON line: {exc}") from None
     if not isinstance(obj, dict):
