@@ -257,12 +257,17 @@ def _log_floor(z: torch.Tensor, logp: torch.Tensor, log_floor: torch.Tensor | fl
 
 @_register("epsilon")
 def _epsilon(z, spec, views, states):
-    return _log_floor(z, torch.log_softmax(z, dim=-1), math.log(spec.get("epsilon")))
+    # Log-probabilities in float64, as _typical: an id whose log-probability sits at the floor keeps
+    # the side the float64 spec gives it instead of the side float32 rounding gives it.
+    return _log_floor(z, torch.log_softmax(z.double(), dim=-1), math.log(spec.get("epsilon")))
 
 
 @_register("eta")
 def _eta(z, spec, views, states):
-    logp = torch.log_softmax(z, dim=-1)
+    # In float64: the floor depends on the row's entropy, whose float32 sum over V drifts by more than
+    # the gap between the floor and the nearest id's log-probability (found by the machines on
+    # SmolLM2: eta 0.043 after temperature 2.5 kept one id fewer than the spec on the same row).
+    logp = torch.log_softmax(z.double(), dim=-1)
     entropy = -(torch.where(torch.isfinite(logp), logp.exp() * logp, torch.zeros_like(logp))).sum(dim=-1, keepdim=True)
     log_eps = math.log(spec.get("epsilon"))
     return _log_floor(z, logp, torch.clamp(0.5 * log_eps - entropy, max=log_eps))

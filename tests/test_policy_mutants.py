@@ -222,16 +222,19 @@ def test_decide_refuses_a_scalar():
 
 
 def test_a_token_exactly_at_the_epsilon_floor_is_kept():
-    """epsilon keeps ``p >= epsilon``: a token whose float32 log-probability equals ``log epsilon`` stays.
+    """epsilon keeps ``p >= epsilon``: a token whose log-probability equals ``log epsilon`` stays.
 
-    The row is [log 2, 0, 0, -3]: p ~ [0.49, 0.25, 0.25, 0.012].  epsilon is ``exp(logp[1])``,
-    so that ``float32(log epsilon)`` is exactly the twin's ``logp[1]`` (asserted).  Kills line 246
-    ``logp >= log_floor`` -> ``logp > log_floor`` (ids 1 and 2 would be dropped).
+    The row is [log 2, 0, 0, -3]: p ~ [0.49, 0.25, 0.25, 0.012].  The twin takes log-probabilities
+    in float64 (stop 30), so epsilon is the double next to ``exp(logp[1])`` whose ``log`` is exactly
+    the twin's float64 ``logp[1]`` (asserted).  Kills line 246 ``logp >= log_floor`` -> ``logp >
+    log_floor`` (ids 1 and 2 would be dropped).
     """
     z = torch.tensor([[math.log(2.0), 0.0, 0.0, -3.0]])
-    logp = torch.log_softmax(z, dim=-1)[0]
-    eps = math.exp(float(logp[1]))
-    assert torch.tensor(math.log(eps), dtype=torch.float32) == logp[1] == logp[2]
+    logp = torch.log_softmax(z.double(), dim=-1)[0]
+    target = float(logp[1])
+    eps = next(e for e in (math.exp(target), *(math.exp(target) + k * math.ulp(math.exp(target)) for k in (-1, 1, -2, 2, -3, 3)))
+               if math.log(e) == target)
+    assert math.log(eps) == float(logp[1]) == float(logp[2])
     config = policy_config_from_json({"family": "multinomial", "transforms": [{"name": "epsilon", "epsilon": eps}]})
     pr = twin.process_scores(z, config, PolicyState(), RequestView(prompt_ids=()))
     assert pr.support_mask[0].tolist() == [True, True, True, False]
